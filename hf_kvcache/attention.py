@@ -1,0 +1,167 @@
+"""The attention bridge between transformers and our cache layers.
+
+`Cache.update` sees only keys and values, and transformers' padding mask assumes the cached columns are contiguous
+positions. The bridge closes both gaps for a model it is enabled on:
+- a forward pre-hook tells our cache, before any layer runs, which new tokens are padding and their position ids;
+- an attention function registered with `transformers.AttentionInterface` (`hf_kvcache_sdpa` / `hf_kvcache_eager`)
+  wraps the model's own implementation and, for layers that need it, replaces the mask by the layer's own
+  validity mask (padding, empty or evicted slots). With any other cache it calls the wrapped function unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+logger = logging.getLogger(__name__)
+
+BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
+_INNER = {"hf_kvcache_sdpa": sdpa_attention_forward, "hf_kvcache_eager": eager_attention_forward}
+_MASKS = {"hf_kvcache_sdpa": sdpa_mask, "hf_kvcache_eager": eager_mask}
+_local = threading.local()
+
+
+def _active_stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def active_cache():
+    """The hf_kvcache cache of the innermost forward running on this thread, if any."""
+    stack = _active_stack()
+    return stack[-1] if stack else None
+
+
+def build_validity_mask(validity: torch.Tensor, causal_tail: int, query: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, H or 1, q, kv] from column validity [B, Hm, kv]. The last `causal_tail` columns are the new
+    tokens in order (causal among themselves); each new token always sees itself, so no row is empty."""
+    batch, q_heads, q_len, _ = query.shape
+    kv = validity.shape[-1]
+    mask = validity[:, :, None, :].expand(-1, -1, q_len, -1).clone()
+    if causal_tail:
+        tail = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril()
+        mask[..., kv - q_len :] &= tail
+        idx = torch.arange(q_len, device=mask.device)
+        mask[..., idx, kv - q_len + idx] = True
+    if mask.shape[1] not in (1, q_heads):
+        mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+    return mask
+
+
+def _make_bridge(name: str):
+    inner = _INNER[name]
+
+    def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
+        cache = active_cache()
+        if cache is not None:
+            layer = cache.layers[module.layer_idx]
+            spec = layer.attention_validity()
+            if spec is not None:
+                mask = build_validity_mask(spec[0], spec[1], query)
+                if name == "hf_kvcache_eager":
+                    mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                        ~mask, torch.finfo(query.dtype).min
+                    )
+                attention_mask = mask
+            observe = getattr(layer.policy, "observe_attention", None)
+            if observe is not None:
+                observe(layer, module, query, key, attention_mask, kwargs.get("scaling", module.scaling))
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    hf_kvcache_attention.__name__ = name
+    return hf_kvcache_attention
+
+
+def register_attention_functions() -> None:
+    """Idempotent: registers the bridge attention functions and their mask builders with transformers."""
+    for name in _INNER:
+        AttentionInterface.register(name, _make_bridge(name))
+        AttentionMaskInterface.register(name, _MASKS[name])
+
+
+_signatures: dict[type, inspect.Signature] = {}
+
+
+def _forward_arguments(module, args, kwargs) -> dict:
+    if not args:
+        return kwargs
+    sig = _signatures.get(type(module))
+    if sig is None:
+        sig = _signatures[type(module)] = inspect.signature(module.forward)
+    return sig.bind_partial(*args, **kwargs).arguments
+
+
+def _pre_hook(module, args, kwargs):
+    from .caches import KVCache
+
+    arguments = _forward_arguments(module, args, kwargs)
+    cache = arguments.get("past_key_values")
+    if isinstance(cache, KVCache):
+        x = arguments.get("input_ids")
+        if x is None:
+            x = arguments.get("inputs_embeds")
+        cache.begin_forward(
+            x.shape[1], x.shape[0], x.device, arguments.get("attention_mask"), arguments.get("position_ids")
+        )
+        _active_stack().append(cache)
+    else:
+        _active_stack().append(None)
+    return None
+
+
+def _post_hook(module, args, kwargs, output):
+    stack = _active_stack()
+    if stack:
+        stack.pop()
+    return None
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch `model` to the bridge (idempotent). Needed once before calling the model directly with one of our
+    caches; `generate` and caches built with the model do it for you. Outputs with other caches are unchanged."""
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
+    if getattr(model, "_hf_kvcache_enabled", False):
+        return model
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models.")
+    if not model._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
+            "hf_kvcache cannot apply its masks; this architecture is not supported."
+        )
+    register_attention_functions()
+    current = model.config._attn_implementation
+    if current in _INNER:
+        target = current
+    elif current in BRIDGE_NAMES:
+        target = BRIDGE_NAMES[current]
+    else:
+        logger.warning(
+            "hf_kvcache: attention implementation %r cannot take per-slot masks; switching %s to sdpa.",
+            current,
+            type(model).__name__,
+        )
+        target = BRIDGE_NAMES["sdpa"]
+    model.set_attn_implementation(target)
+    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    model._hf_kvcache_enabled = True
+    return model
+
+
+def disable(model: PreTrainedModel) -> None:
+    """Undo the attention switch (hooks stay but are inert for other caches)."""
+    current = model.config._attn_implementation
+    inner = {v: k for k, v in BRIDGE_NAMES.items()}.get(current)
+    if inner is not None:
+        model.set_attn_implementation(inner)

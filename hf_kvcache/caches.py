@@ -1,0 +1,201 @@
+"""The public caches: presets of a policy and a store per layer (see hf_kvcache.layer)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .config import check_keys, require_choice, require_int
+from .layer import CompressedLayer
+from .policies import KeepAllPolicy, SinkWindowPolicy
+from .rope import KeyRotator
+from .stores import FullPrecisionStore
+
+POSITION_MODES = ("cache", "original")
+
+
+class ForwardInfo:
+    """What one forward of the model tells the cache's layers: which new tokens are padding, and their positions.
+
+    Set by the model's forward pre-hook (installed by `hf_kvcache.attention.enable`), since `Cache.update` itself
+    receives only keys and values."""
+
+    def __init__(self):
+        self.serial = 0
+        self.q_len: int | None = None
+        self.real: torch.Tensor | None = None  # [B, q] bool
+        self.positions: torch.Tensor | None = None  # [B, q] long
+        self.has_padding = False  # sticky: once padded, columns no longer map to contiguous positions
+
+    def begin(self, q_len: int, batch: int, device, seen: int, attention_mask=None, position_ids=None) -> None:
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"hf_kvcache caches need a 2-D `attention_mask` [batch, seen + new tokens]; got "
+                    f"{attention_mask.dim()}-D. Pass the padding mask, not a prepared 4-D mask."
+                )
+            if attention_mask.shape[-1] < q_len:
+                raise ValueError(
+                    f"`attention_mask` has {attention_mask.shape[-1]} columns, fewer than the {q_len} new tokens."
+                )
+            real = attention_mask[:, -q_len:].to(device=device, dtype=torch.bool)
+        else:
+            real = torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        if position_ids is None:
+            position_ids = torch.arange(seen, seen + q_len, device=device)[None]
+        self.real = real
+        self.positions = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
+        self.has_padding = self.has_padding or not bool(real.all())
+        self.q_len = q_len
+        self.serial += 1
+
+    def for_layer(self, layer: CompressedLayer, q_len: int) -> "ForwardInfo":
+        if self.q_len is None or layer._served_forward == self.serial:
+            raise RuntimeError(
+                "This hf_kvcache cache was updated outside a forward announced by the attention bridge. Use "
+                "`model.generate(...)`, build the cache with the model (`SinkCache(model, ...)`), or call "
+                "`hf_kvcache.enable(model)` once before calling the model directly."
+            )
+        if q_len != self.q_len:
+            raise RuntimeError(f"Layer {layer.layer_idx} got {q_len} new tokens but the forward announced {self.q_len}.")
+        layer._served_forward = self.serial
+        return self
+
+    def reset(self) -> None:
+        self.q_len = self.real = self.positions = None
+        self.has_padding = False
+
+
+def check_supported_config(config) -> None:
+    """Our caches replace full-attention KV caches of decoder-only models; anything else gets a clear error."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models "
+            "with full attention (Llama, Qwen2/3, Mistral, Phi-3 and similar)."
+        )
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"{type(config).__name__} has layer types {sorted(set(layer_types))}; hf_kvcache supports models whose "
+            "layers all use full attention."
+        )
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"{type(config).__name__} uses sliding-window attention (sliding_window={config.sliding_window}); "
+            "hf_kvcache supports full-attention models (set `sliding_window=None` for Mistral-style models)."
+        )
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        if not hasattr(config, name):
+            raise ValueError(f"{type(config).__name__} has no `{name}`; not a decoder-only transformer config.")
+
+
+class KVCache(Cache):
+    """Base of all hf_kvcache caches: a list of `CompressedLayer`s sharing one `ForwardInfo`."""
+
+    #: name for `generate(cache_implementation=...)`; set by each public class
+    cache_name: str = ""
+
+    def __init__(self, config_or_model, layer_factory):
+        model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
+        config = model.config if model is not None else config_or_model
+        if not isinstance(config, PretrainedConfig):
+            raise ValueError(
+                f"The first argument must be a transformers model or its config, got {type(config_or_model).__name__}."
+            )
+        config = config.get_text_config(decoder=True)
+        check_supported_config(config)
+        self.config = config
+        self.forward_info = ForwardInfo()
+        layers = [
+            CompressedLayer(*layer_factory(config), forward_info=self.forward_info, layer_idx=i)
+            for i in range(config.num_hidden_layers)
+        ]
+        super().__init__(layers=layers)
+        if model is not None:
+            from .attention import enable
+
+            enable(model)
+
+    def begin_forward(self, q_len, batch, device, attention_mask=None, position_ids=None) -> None:
+        self.forward_info.begin(q_len, batch, device, self.get_seq_length(), attention_mask, position_ids)
+
+    def nbytes(self) -> int:
+        """Bytes this cache holds: buffers as allocated, scales and metadata included."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def reset(self):
+        super().reset()
+        self.forward_info.reset()
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        params = inspect.signature(cls.__init__).parameters
+        return [name for name in params if name not in ("self", "config_or_model")]
+
+    @classmethod
+    def from_cache_config(cls, config_or_model, cache_config: dict[str, Any] | None) -> "KVCache":
+        """Build from a `generate(cache_config=...)` dict; unknown keys raise with the list of valid ones."""
+        cache_config = dict(cache_config or {})
+        check_keys(f"cache_config for cache_implementation={cls.cache_name!r}", cache_config, cls.config_keys())
+        return cls(config_or_model, **cache_config)
+
+
+class SlidingWindowCache(KVCache):
+    """The last `window` tokens of each row (window attention with a rolling buffer)."""
+
+    cache_name = "sliding"
+
+    def __init__(self, config_or_model, window: int = 1024):
+        window = require_int("window", window, 1)
+        self.window = window
+        super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(0, window), FullPrecisionStore()))
+
+
+class SinkCache(KVCache):
+    """StreamingLLM (arXiv 2309.17453): the first `sinks` tokens of each row plus the last `window` tokens.
+
+    Give either `window` or the total `budget` (= sinks + window). `position_mode="cache"` (default) places the
+    sinks just before the window, as StreamingLLM does; `"original"` keeps their original positions."""
+
+    cache_name = "sink"
+
+    def __init__(
+        self,
+        config_or_model,
+        sinks: int = 4,
+        window: int | None = None,
+        budget: int | None = None,
+        position_mode: str = "cache",
+    ):
+        sinks = require_int("sinks", sinks, 0)
+        if (window is None) == (budget is None):
+            raise ValueError(f"Give exactly one of `window` or `budget` (got window={window!r}, budget={budget!r}).")
+        if budget is not None:
+            budget = require_int("budget", budget, 1)
+            if sinks >= budget:
+                raise ValueError(
+                    f"`sinks` ({sinks}) must be smaller than `budget` ({budget}): the window needs at least one slot."
+                )
+            window = budget - sinks
+        window = require_int("window", window, 1)
+        position_mode = require_choice("position_mode", position_mode, POSITION_MODES)
+        self.sinks, self.window, self.position_mode = sinks, window, position_mode
+        config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
+        if isinstance(config, PretrainedConfig) and position_mode == "cache":
+            rotator = KeyRotator(config.get_text_config(decoder=True))
+        else:
+            rotator = None
+        super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(sinks, window, rotator), FullPrecisionStore()))
+
+
+class FullCache(KVCache):
+    """Every token in full precision through the same machinery: the reference for tests and benchmarks."""
+
+    cache_name = "hf_kvcache_full"
+
+    def __init__(self, config_or_model):
+        super().__init__(config_or_model, lambda cfg: (KeepAllPolicy(), FullPrecisionStore()))

@@ -1,0 +1,189 @@
+"""One layer of a compressed cache: a policy (which tokens stay, in which slot) over a store (at what precision).
+
+Contract with attention (see docs/design.md):
+- `update` returns keys/values whose last `q` columns are the new tokens in order, except for one-token decode
+  steps, where the new token is written in place into its slot (attention over the past is order-free).
+- `seen` is the logical length (drives positions); `get_mask_sizes` describes the columns actually returned.
+- Validity of each returned column (padding, empty or evicted slots) is kept here and applied by the attention
+  bridge (`hf_kvcache.attention`), since the 2-D padding mask of transformers assumes contiguous positions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .policies.base import Policy
+
+if TYPE_CHECKING:
+    from .caches import ForwardInfo
+
+
+class CompressedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, policy: Policy, store, forward_info: "ForwardInfo", layer_idx: int):
+        super().__init__()
+        self.policy, self.store, self.forward_info, self.layer_idx = policy, store, forward_info, layer_idx
+        self.seen = 0  # logical length: tokens of the stream so far, padding included
+        self.used = 0  # slot columns attention sees
+        self.slot_pos: torch.Tensor | None = None  # [B, Hm, slots + 1] position id of the token in each slot
+        self.slot_valid: torch.Tensor | None = None  # [B, Hm, slots + 1]; the last slot is a trash slot
+        self._served_forward = -1
+        self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
+        self._attention_query_len = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        return not self.policy.has_evicted(self.seen)
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.heads, self.head_dim = heads, head_dim
+        meta_heads = heads if self.policy.per_head else 1
+        slots = self.policy.capacity if self.policy.capacity is not None else max(key_states.shape[-2], 16)
+        self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device)
+        self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.long, device=self.device)
+        self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
+        self.policy.allocate(batch, heads, self.device)
+        self.is_initialized = True
+
+    @property
+    def trash_slot(self) -> int:
+        return self.slot_valid.shape[-1] - 1
+
+    def _ensure_slots(self, needed: int) -> None:
+        """Growing policies double their buffers (amortised O(1) per token, never a per-step concatenation)."""
+        if needed <= self.trash_slot:
+            return
+        slots = max(needed, 2 * self.trash_slot)
+        pad = slots + 1 - self.slot_valid.shape[-1]
+        self.store.grow(slots + 1)
+        self.slot_pos = torch.nn.functional.pad(self.slot_pos, (0, pad))
+        self.slot_valid = torch.nn.functional.pad(self.slot_valid, (0, pad))
+
+    # -- the update ---------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        info = self.forward_info.for_layer(self, key_states.shape[-2])
+        q = key_states.shape[-2]
+        placement = self.policy.place(info.real, self.seen)
+        if self.policy.capacity is None:
+            self._ensure_slots(self.seen + q)
+
+        if q == 1 and self.seen > 0:
+            self._write(placement, key_states, value_states, info.positions)
+            self.seen += 1
+            self.used = self.policy.used_after(self.seen)
+            self.policy.before_read(self)
+            keys, values = self.store.read(self.used)
+            self._attention_columns = self.slot_valid[..., : self.used]
+            self._attention_query_len = 1
+            return keys, values
+
+        # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
+        self.policy.before_read(self)
+        past_valid = self.slot_valid[..., : self.used]
+        if self.used > 0:
+            past_k, past_v = self.store.read(self.used)
+            keys, values = torch.cat((past_k, key_states), -2), torch.cat((past_v, value_states), -2)
+        else:
+            keys, values = key_states, value_states
+        new_valid = info.real[:, None, :].expand(-1, past_valid.shape[1], -1)
+        self._attention_columns = torch.cat((past_valid, new_valid), -1)
+        self._attention_query_len = q
+        self._write(placement, key_states, value_states, info.positions)
+        self.seen += q
+        self.used = self.policy.used_after(self.seen)
+        return keys, values
+
+    def _write(self, placement, key_states, value_states, positions) -> None:
+        dest = torch.where(placement.dest >= 0, placement.dest, self.trash_slot)
+        heads = key_states.shape[1]
+        src = placement.src
+        gather_index = src[..., None].expand(src.shape[0], heads, src.shape[-1], key_states.shape[-1])
+        keys = key_states.gather(2, gather_index)
+        values = value_states.gather(2, gather_index)
+        self.store.write(dest, keys, values)
+        self.slot_valid.scatter_(2, dest, placement.valid)
+        self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).unsqueeze(1).expand_as(dest))
+        self.policy.after_write(self, placement, keys, dest, positions)
+
+    # -- what attention needs -----------------------------------------------------------------------------------
+    def attention_validity(self) -> tuple[torch.Tensor, int] | None:
+        """(validity [B, Hm, kv] of the columns of the last update, number of trailing causal columns), or None when
+        transformers' own mask is already right (no padding ever seen and a policy without holes)."""
+        if not (self.forward_info.has_padding or self.policy.may_have_holes):
+            return None
+        causal = self._attention_query_len if self._attention_query_len > 1 else 0
+        return self._attention_columns, causal
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 1 and self.seen > 0:
+            kv_length = self.policy.used_after(self.seen + 1)
+        else:
+            kv_length = self.used + query_length
+        return kv_length, self.seen + query_length - kv_length
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1 if self.policy.capacity is None else self.policy.capacity
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes actually held: slot buffers (allocated, not just used), slot metadata and policy state."""
+        if not self.is_initialized:
+            return 0
+        return self.store.nbytes() + self.slot_pos.nbytes + self.slot_valid.nbytes + self.policy.nbytes()
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        self.store.map_batch(fn)
+        self.slot_pos, self.slot_valid = fn(self.slot_pos), fn(self.slot_valid)
+        self.policy.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.policy.reset()
+        self.slot_pos = self.slot_valid = self._attention_columns = None
+        self.seen = self.used = 0
+        self._served_forward = -1
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens (assisted decoding). Only possible while nothing was evicted: evicted tokens
+        cannot come back, so cropping after an eviction raises."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"`crop` takes a negative number of tokens to remove (got {tokens_to_remove}); "
+                "positive values are not supported."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        if not self.is_croppable:
+            raise ValueError(
+                f"Cannot crop {type(self.policy).__name__} after it evicted tokens ({self.seen} seen, capacity "
+                f"{self.policy.capacity}): evicted tokens cannot come back."
+            )
+        new_seen = max(self.seen + tokens_to_remove, 0)
+        self.policy.crop(self, new_seen)
+        self.seen = new_seen
+        self.used = self.policy.used_after(new_seen)

@@ -1,0 +1,61 @@
+"""The policy interface: given the new tokens of a forward, say where each one goes (or that it is dropped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Placement:
+    """Writes for one forward. `src[b, h, i]` indexes the new tokens, `dest` is its slot (-1: dropped),
+    `valid` whether that slot holds a real token afterwards. The head dim is 1 when all heads share a token set."""
+
+    src: torch.Tensor
+    dest: torch.Tensor
+    valid: torch.Tensor
+
+
+class Policy:
+    """Base class. `capacity` is the fixed number of slots, or None for a growing cache."""
+
+    capacity: int | None = None
+    per_head = False  # True when each KV head keeps its own token set
+
+    def allocate(self, batch: int, heads: int, device) -> None:
+        """Create per-row state at the first update."""
+
+    def place(self, real: torch.Tensor, seen: int) -> Placement:
+        """real [B, q]: which of the q new tokens are real (not padding); seen: tokens before them."""
+        raise NotImplementedError
+
+    def used_after(self, seen: int) -> int:
+        """Number of slot columns attention sees once `seen` tokens are in."""
+        raise NotImplementedError
+
+    def has_evicted(self, seen: int) -> bool:
+        raise NotImplementedError
+
+    # True when an unpadded stream can still leave invalid columns (then the bridge always applies the mask).
+    may_have_holes = False
+
+    def after_write(self, layer, placement: Placement, keys: torch.Tensor, dest: torch.Tensor, positions) -> None:
+        """Called after the new tokens were written (keys are the written keys, dest their slots)."""
+
+    def before_read(self, layer) -> None:
+        """Called before attention reads the store (e.g. to move keys to new positions)."""
+
+    def crop(self, layer, new_seen: int) -> None:
+        """Forget the tokens from stream index `new_seen` on; only called while nothing was evicted."""
+        raise NotImplementedError(f"{type(self).__name__} does not support crop")
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dim operation (beam reorder, repeat, select) to per-row state."""
+
+    def reset(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0

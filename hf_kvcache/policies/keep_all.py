@@ -1,0 +1,25 @@
+"""Keep every token: the reference policy, and the base of quantized caches without eviction."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Placement, Policy
+
+
+class KeepAllPolicy(Policy):
+    capacity = None
+
+    def place(self, real: torch.Tensor, seen: int) -> Placement:
+        batch, q = real.shape
+        src = torch.arange(q, device=real.device).expand(batch, 1, q)
+        return Placement(src=src, dest=src + seen, valid=real[:, None, :])
+
+    def used_after(self, seen: int) -> int:
+        return seen
+
+    def has_evicted(self, seen: int) -> bool:
+        return False
+
+    def crop(self, layer, new_seen: int) -> None:
+        layer.slot_valid[..., new_seen:] = False

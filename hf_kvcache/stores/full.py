@@ -1,0 +1,56 @@
+"""Keys and values kept in the model's own dtype, in preallocated slot buffers."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class FullPrecisionStore:
+    """Slot buffers [batch, kv_heads, slots, head_dim]; writes scatter into slots, reads are views (no copy)."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device) -> None:
+        self.keys = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def grow(self, slots: int) -> None:
+        """Grow to `slots` slots, keeping the content (amortised by the caller's doubling)."""
+        extra = slots - self.slots
+        if extra > 0:
+            pad = (0, 0, 0, extra)
+            self.keys = torch.nn.functional.pad(self.keys, pad)
+            self.values = torch.nn.functional.pad(self.values, pad)
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]."""
+        index = dest[..., None].expand(keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3])
+        self.keys.scatter_(2, index, keys.to(self.keys.dtype))
+        self.values.scatter_(2, index, values.to(self.values.dtype))
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :used], self.values[:, :, :used]
+
+    def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
+        """Overwrite keys of slots [start, start + n) (re-rotated sinks)."""
+        self.keys[:, :, start : start + keys.shape[2]] = keys
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reset(self) -> None:
+        self.keys = self.values = None
