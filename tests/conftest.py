@@ -1,0 +1,116 @@
+"""Shared fixtures: tiny, seeded, randomly initialised decoder-only models (no Hub access, CPU, float32).
+
+Weights use a larger init range than the transformers default so that attention is far from uniform: with the
+default 0.02 every query attends almost uniformly and position or eviction bugs would hide under the tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import hf_kvcache  # noqa: F401  (registers the cache names)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(1)  # tiny models: threading overhead dominates on CPU
+
+VOCAB = 128
+PAD = 0
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+}
+ARCH_NAMES = tuple(ARCHS)
+
+
+def build_config(arch: str = "llama", attn: str = "sdpa", **overrides):
+    config_cls, _, extra = ARCHS[arch]
+    kwargs = {**COMMON, **extra, **overrides}
+    config = config_cls(**kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def build_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
+    """A fresh tiny model of `arch`, deterministic for a given seed. Each call returns a new object, so tests that
+    enable the attention bridge never leak that state into others."""
+    _, model_cls, _ = ARCHS[arch]
+    config = build_config(arch, attn, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = 1
+    return model
+
+
+@pytest.fixture
+def make_model():
+    """Factory fixture: make_model(arch="llama", attn="sdpa", seed=0, **config_overrides)."""
+    return build_model
+
+
+@pytest.fixture(params=ARCH_NAMES)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def model(arch):
+    return build_model(arch)
+
+
+@pytest.fixture
+def llama():
+    return build_model("llama")
+
+
+@pytest.fixture
+def llama_eager():
+    return build_model("llama", attn="eager")
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """Token ids avoiding the pad (0) and bos (1) ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, length), generator=g)
+
+
+def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D id tensors to a batch: (input_ids, attention_mask)."""
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel() :] = r
+        mask[i, width - r.numel() :] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def ids_factory():
+    return random_ids
