@@ -5,7 +5,7 @@ cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(past_k
 """
 
 from .attention import enable
-from .caches import FullCache, KVCache, SinkCache, SlidingWindowCache
+from .caches import FullCache, H2OCache, KVCache, SinkCache, SlidingWindowCache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
     build_cache,
@@ -21,6 +21,7 @@ register()
 __all__ = [
     "CACHE_IMPLEMENTATIONS",
     "FullCache",
+    "H2OCache",
     "KVCache",
     "SinkCache",
     "SlidingWindowCache",

@@ -57,6 +57,41 @@ def build_validity_mask(validity: torch.Tensor, causal_tail: int, query: torch.T
     return mask
 
 
+def attention_column_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    query_weight: torch.Tensor,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Attention probability received by each key column, summed over the (weighted) queries: [B, Hq, kv] float32.
+
+    Computed in float32, `chunk` queries at a time so prefill memory stays bounded. `mask` is a boolean (True =
+    attend) or additive mask broadcastable to [B, Hq, q, kv]; None means causal with the queries last."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    keys = key.float().transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, kv]
+    total = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=query.device)
+    for start in range(0, q_len, chunk):
+        end = min(q_len, start + chunk)
+        q = query[:, :, start:end].float().view(batch, kv_heads, groups, end - start, dim)
+        logits = (q @ keys).view(batch, q_heads, end - start, kv) * scaling
+        if mask is None:
+            rows = torch.arange(start, end, device=query.device)[:, None] + (kv - q_len)
+            logits = logits.masked_fill(torch.arange(kv, device=query.device) > rows, float("-inf"))
+        else:
+            m = mask[:, :, start:end] if mask.shape[2] > 1 else mask
+            if m.dtype == torch.bool:
+                logits = logits.masked_fill(~m, float("-inf"))
+            else:
+                logits = logits + m.float()
+        probs = torch.softmax(logits, dim=-1) * query_weight[:, None, start:end, None]
+        total += probs.sum(2)
+    return total
+
+
 def _make_bridge(name: str):
     inner = _INNER[name]
 
@@ -72,9 +107,12 @@ def _make_bridge(name: str):
                         ~mask, torch.finfo(query.dtype).min
                     )
                 attention_mask = mask
-            observe = getattr(layer.policy, "observe_attention", None)
-            if observe is not None:
-                observe(layer, module, query, key, attention_mask, kwargs.get("scaling", module.scaling))
+            if layer.policy.needs_attention:
+                weight = layer.forward_info.real.to(torch.float32)
+                scores = attention_column_scores(
+                    query, key, attention_mask, kwargs.get("scaling", module.scaling), weight
+                )
+                layer.policy.observe(layer, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     hf_kvcache_attention.__name__ = name

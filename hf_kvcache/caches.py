@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 from .config import check_keys, require_choice, require_int
 from .layer import CompressedLayer
 from .policies import KeepAllPolicy, SinkWindowPolicy
+from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
 
@@ -190,6 +191,62 @@ class SinkCache(KVCache):
         else:
             rotator = None
         super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(sinks, window, rotator), FullPrecisionStore()))
+
+
+def _size_or_ratio(name: str, value):
+    """A token count (int >= 0) or a ratio of the prompt length (float in (0, 1])."""
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"`{name}` as a ratio of the prompt length must be in (0, 1], got {value}.")
+        return value
+    return require_int(name, value, 0)
+
+
+class H2OCache(KVCache):
+    """H2O (arXiv 2306.14048): per row and KV head, the `recent` last tokens plus the `heavy` older tokens that
+    received the most attention. Sizes are token counts, or ratios of the prompt length (floats in (0, 1]).
+
+    Give `heavy` and `recent`, or a `budget` (tokens) split evenly, or a budget and one of the two. Scores come from
+    the attention bridge (see docs/design.md); `aggregation` combines the query heads of a GQA group ("sum" as in
+    the paper's per-head scores added up, "mean", or "max"). For long prompts, `generate(prefill_chunk_size=N)`
+    evicts between chunks so peak memory stays near the budget."""
+
+    cache_name = "h2o"
+
+    def __init__(
+        self,
+        config_or_model,
+        heavy: int | float | None = None,
+        recent: int | float | None = None,
+        budget: int | None = None,
+        aggregation: str = "sum",
+    ):
+        aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        heavy = None if heavy is None else _size_or_ratio("heavy", heavy)
+        recent = None if recent is None else _size_or_ratio("recent", recent)
+        if budget is not None:
+            budget = require_int("budget", budget, 1)
+            if isinstance(heavy, float) or isinstance(recent, float):
+                raise ValueError("`budget` is a token count; give `heavy`/`recent` as token counts with it, not ratios.")
+            if heavy is None and recent is None:
+                heavy = budget // 2
+                recent = budget - heavy
+            elif heavy is None:
+                heavy = budget - recent
+            elif recent is None:
+                recent = budget - heavy
+            if heavy < 0 or recent < 0 or heavy + recent > budget:
+                raise ValueError(
+                    f"`heavy` + `recent` ({heavy} + {recent}) must fit in `budget` ({budget}), each >= 0."
+                )
+        elif heavy is None or recent is None:
+            raise ValueError("Give `heavy` and `recent` (tokens or prompt ratios), or a `budget` in tokens.")
+        if not isinstance(heavy, float) and not isinstance(recent, float) and heavy + recent < 1:
+            raise ValueError("`heavy` + `recent` must be at least 1 token.")
+        self.heavy, self.recent, self.aggregation = heavy, recent, aggregation
+        super().__init__(
+            config_or_model, lambda cfg: (HeavyHitterPolicy(heavy, recent, aggregation), FullPrecisionStore())
+        )
 
 
 class FullCache(KVCache):

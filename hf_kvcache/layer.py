@@ -35,6 +35,7 @@ class CompressedLayer(CacheLayerMixin):
         self._served_forward = -1
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
         self._attention_query_len = 0
+        self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
 
     @property
     def is_croppable(self) -> bool:
@@ -42,7 +43,8 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- allocation -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, head_dim = key_states.shape
+        batch, heads, prompt_length, head_dim = key_states.shape
+        self.policy.configure(prompt_length)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.heads, self.head_dim = heads, head_dim
         meta_heads = heads if self.policy.per_head else 1
@@ -71,14 +73,19 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:
+            raise RuntimeError(
+                f"Layer {self.layer_idx}: the previous forward's tokens were never placed because attention did not "
+                "run through the hf_kvcache bridge; call `hf_kvcache.enable(model)`."
+            )
         info = self.forward_info.for_layer(self, key_states.shape[-2])
         q = key_states.shape[-2]
-        placement = self.policy.place(info.real, self.seen)
         if self.policy.capacity is None:
             self._ensure_slots(self.seen + q)
 
         if q == 1 and self.seen > 0:
-            self._write(placement, key_states, value_states, info.positions)
+            placement = self.policy.place(self, info.real, self.seen)
+            self._write(placement, key_states, value_states, info.positions, self.seen)
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
             self.policy.before_read(self)
@@ -98,12 +105,24 @@ class CompressedLayer(CacheLayerMixin):
         new_valid = info.real[:, None, :].expand(-1, past_valid.shape[1], -1)
         self._attention_columns = torch.cat((past_valid, new_valid), -1)
         self._attention_query_len = q
-        self._write(placement, key_states, value_states, info.positions)
+        if self.policy.deferred:
+            # The policy needs this forward's attention scores to choose survivors: it calls `commit` from the bridge.
+            self._pending = (key_states, value_states, info.real, info.positions, self.seen)
+        else:
+            placement = self.policy.place(self, info.real, self.seen)
+            self._write(placement, key_states, value_states, info.positions, self.seen)
+            self.used = self.policy.used_after(self.seen + q)
         self.seen += q
-        self.used = self.policy.used_after(self.seen)
         return keys, values
 
-    def _write(self, placement, key_states, value_states, positions) -> None:
+    def commit(self, placement) -> None:
+        """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""
+        key_states, value_states, _, positions, seen_before = self._pending
+        self._pending = None
+        self._write(placement, key_states, value_states, positions, seen_before)
+        self.used = self.policy.used_after(self.seen)
+
+    def _write(self, placement, key_states, value_states, positions, seen_before: int) -> None:
         dest = torch.where(placement.dest >= 0, placement.dest, self.trash_slot)
         heads = key_states.shape[1]
         src = placement.src
@@ -113,7 +132,7 @@ class CompressedLayer(CacheLayerMixin):
         self.store.write(dest, keys, values)
         self.slot_valid.scatter_(2, dest, placement.valid)
         self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).unsqueeze(1).expand_as(dest))
-        self.policy.after_write(self, placement, keys, dest, positions)
+        self.policy.after_write(self, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------
     def attention_validity(self) -> tuple[torch.Tensor, int] | None:
@@ -165,6 +184,7 @@ class CompressedLayer(CacheLayerMixin):
         self.policy.reset()
         self.slot_pos = self.slot_valid = self._attention_columns = None
         self.seen = self.used = 0
+        self._pending = None
         self._served_forward = -1
         self.is_initialized = False
 

@@ -15,7 +15,7 @@ from packaging.version import Version
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
-from .caches import KVCache, SinkCache, SlidingWindowCache
+from .caches import H2OCache, KVCache, SinkCache, SlidingWindowCache
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
 SUPPORTED_RANGE_TEXT = ">=5.23,<6"
@@ -24,6 +24,7 @@ SUPPORTED_RANGE_TEXT = ">=5.23,<6"
 CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
     SinkCache.cache_name: SinkCache,
     SlidingWindowCache.cache_name: SlidingWindowCache,
+    H2OCache.cache_name: H2OCache,
 }
 
 CONFIG_FILE = "kvcache_config.json"

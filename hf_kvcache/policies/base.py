@@ -23,11 +23,16 @@ class Policy:
 
     capacity: int | None = None
     per_head = False  # True when each KV head keeps its own token set
+    deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
+    needs_attention = False  # True when the bridge must hand attention column scores to `observe`
+
+    def configure(self, prompt_length: int) -> None:
+        """Called once with the first forward's length (budgets given as ratios of the prompt resolve here)."""
 
     def allocate(self, batch: int, heads: int, device) -> None:
         """Create per-row state at the first update."""
 
-    def place(self, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         """real [B, q]: which of the q new tokens are real (not padding); seen: tokens before them."""
         raise NotImplementedError
 
@@ -41,8 +46,9 @@ class Policy:
     # True when an unpadded stream can still leave invalid columns (then the bridge always applies the mask).
     may_have_holes = False
 
-    def after_write(self, layer, placement: Placement, keys: torch.Tensor, dest: torch.Tensor, positions) -> None:
-        """Called after the new tokens were written (keys are the written keys, dest their slots)."""
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        """Called after the new tokens were written (keys are the written keys, dest their slots, seen_before the
+        stream index of the first new token)."""
 
     def before_read(self, layer) -> None:
         """Called before attention reads the store (e.g. to move keys to new positions)."""

@@ -10,7 +10,7 @@ from .base import Placement, Policy
 class KeepAllPolicy(Policy):
     capacity = None
 
-    def place(self, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         src = torch.arange(q, device=real.device).expand(batch, 1, q)
         return Placement(src=src, dest=src + seen, valid=real[:, None, :])

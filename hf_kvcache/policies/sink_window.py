@@ -33,7 +33,7 @@ class SinkWindowPolicy(Policy):
         self.sink_pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
         self.sink_index = torch.zeros_like(self.sink_pos)
 
-    def place(self, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         device = real.device
         t = seen + torch.arange(q, device=device)  # stream index of each new token
@@ -56,14 +56,14 @@ class SinkWindowPolicy(Policy):
             valid=torch.cat((is_sink, ring_valid), -1)[:, None],
         )
 
-    def after_write(self, layer, placement: Placement, keys: torch.Tensor, dest: torch.Tensor, positions) -> None:
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         if self.sinks == 0:
             return
         is_sink = placement.valid[:, 0] & (dest[:, 0] < self.sinks)  # [B, n]
         sink_slot = torch.where(is_sink, dest[:, 0], self.sinks)
         src = placement.src[:, 0]
         self.sink_pos.scatter_(1, sink_slot, positions.gather(1, src))
-        self.sink_index.scatter_(1, sink_slot, layer.seen + src)
+        self.sink_index.scatter_(1, sink_slot, seen_before + src)
         if self.rotator is not None:
             if self.sink_keys is None:
                 b, h, _, d = keys.shape

@@ -1,0 +1,145 @@
+"""H2O (arXiv 2306.14048): keep the recent window plus the "heavy hitters", the older tokens that received the most
+attention, per batch row and per KV head.
+
+A token's score is the attention probability it has received, accumulated over queries (float32), for its KV head
+(for GQA the query heads of a group are aggregated: "sum" by default, "mean" or "max"). Scores of evicted tokens are
+dropped; padding tokens are invalid and never heavy hitters.
+
+- Multi-token forwards (prefill, chunked prefill): attention sees the stored past plus the whole chunk, then the
+  policy keeps the recent window and the top-scoring rest (`deferred`: placement waits for the chunk's scores).
+- Decode (one token): the token evicted is chosen before attention, by the scores accumulated so far: the lowest
+  scoring token outside the new recent window. The new token takes its slot in place, so the cache and attention
+  hold exactly `heavy + recent` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .base import Placement, Policy
+
+AGGREGATIONS = ("sum", "mean", "max")
+
+
+def resolve_size(name: str, value, prompt_length: int) -> int:
+    """Token counts stay as they are; ratios in (0, 1] are fractions of the prompt length (at least one token)."""
+    if isinstance(value, float):
+        return max(1, int(round(value * prompt_length)))
+    return value
+
+
+class HeavyHitterPolicy(Policy):
+    per_head = True
+    may_have_holes = True
+    deferred = True
+    needs_attention = True
+
+    def __init__(self, heavy, recent, aggregation: str = "sum"):
+        self.heavy_spec, self.recent_spec, self.aggregation = heavy, recent, aggregation
+        self.heavy = self.recent = None
+        self.capacity = None if isinstance(heavy, float) or isinstance(recent, float) else heavy + recent
+        if self.capacity is not None:
+            self.heavy, self.recent = heavy, recent
+        self.scores: torch.Tensor | None = None  # [B, H, slots + 1] accumulated attention (float32)
+        self.stream: torch.Tensor | None = None  # [B, H, slots + 1] stream index of each slot's token
+
+    def configure(self, prompt_length: int) -> None:
+        if self.heavy is None:
+            self.heavy = resolve_size("heavy", self.heavy_spec, prompt_length)
+            self.recent = resolve_size("recent", self.recent_spec, prompt_length)
+            self.capacity = self.heavy + self.recent
+
+    def allocate(self, batch: int, heads: int, device) -> None:
+        self.scores = torch.zeros(batch, heads, self.capacity + 1, dtype=torch.float32, device=device)
+        self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
+
+    # -- decode: choose the victim before attention ---------------------------------------------------------------
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+        batch, q = real.shape
+        heads = self.scores.shape[1]
+        src = torch.zeros(batch, heads, 1, dtype=torch.long, device=real.device)
+        valid = real[:, None, :].expand(batch, heads, 1)
+        if seen < self.capacity:
+            return Placement(src=src, dest=torch.full_like(src, seen), valid=valid)
+        c = self.capacity
+        slot_valid = layer.slot_valid[..., :c]
+        in_recent = slot_valid & (self.stream[..., :c] > seen - self.recent)  # stays in the window with token `seen`
+        key = torch.where(slot_valid, self.scores[..., :c], float("-inf"))
+        key = torch.where(in_recent, float("inf"), key)
+        return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
+
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        self.scores.scatter_(2, dest, 0.0)
+        self.stream.scatter_(2, dest, seen_before + placement.src)
+
+    # -- scores from the bridge ---------------------------------------------------------------------------------
+    def aggregate(self, column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """[B, Hq, kv] -> [B, Hkv, kv] over the query heads of each KV group."""
+        batch, q_heads, kv = column_scores.shape
+        grouped = column_scores.view(batch, kv_heads, q_heads // kv_heads, kv)
+        if self.aggregation == "sum":
+            return grouped.sum(2)
+        if self.aggregation == "mean":
+            return grouped.mean(2)
+        return grouped.amax(2)
+
+    def observe(self, layer, column_scores: torch.Tensor) -> None:
+        scores = self.aggregate(column_scores, self.scores.shape[1])
+        if layer._pending is None:  # decode: the columns are the slots
+            self.scores[..., : scores.shape[-1]] += scores
+            return
+        used = layer.used
+        self.scores[..., :used] += scores[..., :used]
+        placement = self._select(layer, scores[..., used:])
+        layer.commit(placement)
+        dest = torch.where(placement.dest >= 0, placement.dest, layer.trash_slot)
+        self.scores.scatter_(2, dest, scores[..., used:])
+
+    def _select(self, layer, new_scores: torch.Tensor) -> Placement:
+        """Keep the recent window and the top-scoring rest among the stored past and the pending chunk."""
+        _, _, real, _, seen_before = layer._pending
+        batch, heads, q = new_scores.shape
+        used, c = layer.used, self.capacity
+        device = new_scores.device
+        new_stream = (seen_before + torch.arange(q, device=device)).expand(batch, heads, q)
+        new_valid = real[:, None, :].expand(batch, heads, q)
+        cand_valid = torch.cat((layer.slot_valid[..., :used], new_valid), -1)
+        cand_stream = torch.cat((self.stream[..., :used], new_stream), -1)
+        key = torch.where(cand_valid, torch.cat((self.scores[..., :used], new_scores), -1), float("-inf"))
+        key = torch.where(cand_valid & (cand_stream >= seen_before + q - self.recent), float("inf"), key)
+        if used + q <= c:
+            kept = torch.ones_like(cand_valid)
+        else:
+            kept = torch.zeros_like(cand_valid).scatter_(-1, key.topk(c, dim=-1).indices, True)
+        kept_past, kept_new = kept[..., :used], kept[..., used:]
+        layer.slot_valid[..., :used] &= kept_past  # evicted past tokens free their slots
+        free = torch.cat((~kept_past, torch.ones(batch, heads, c - used, dtype=torch.bool, device=device)), -1)
+        slot_ids = torch.arange(c, device=device).expand(batch, heads, c)
+        free_sorted = torch.where(free, slot_ids, c + 1).sort(-1).values
+        rank = (kept_new.long().cumsum(-1) - 1).clamp(min=0)
+        dest = torch.where(kept_new, free_sorted.gather(-1, rank), -1)
+        src = torch.arange(q, device=device).expand(batch, heads, q)
+        return Placement(src=src, dest=dest, valid=new_valid & kept_new)
+
+    def used_after(self, seen: int) -> int:
+        return min(seen, self.capacity)
+
+    def has_evicted(self, seen: int) -> bool:
+        return self.capacity is not None and seen > self.capacity
+
+    def crop(self, layer, new_seen: int) -> None:
+        layer.slot_valid &= self.stream < new_seen
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.scores is not None:
+            self.scores, self.stream = fn(self.scores), fn(self.stream)
+
+    def reset(self) -> None:
+        self.scores = self.stream = None
+        if isinstance(self.heavy_spec, float) or isinstance(self.recent_spec, float):
+            self.heavy = self.recent = self.capacity = None
+
+    def nbytes(self) -> int:
+        return 0 if self.scores is None else self.scores.nbytes + self.stream.nbytes
