@@ -6,6 +6,7 @@ cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(past_k
 
 from .attention import enable
 from .caches import FullCache, H2OCache, KVCache, SinkCache, SlidingWindowCache
+from .composite import CompositeCache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
     build_cache,
@@ -20,6 +21,7 @@ register()
 
 __all__ = [
     "CACHE_IMPLEMENTATIONS",
+    "CompositeCache",
     "FullCache",
     "H2OCache",
     "KVCache",

@@ -81,7 +81,7 @@ class CompressedLayer(CacheLayerMixin):
         info = self.forward_info.for_layer(self, key_states.shape[-2])
         q = key_states.shape[-2]
         if self.policy.capacity is None:
-            self._ensure_slots(self.seen + q)
+            self._ensure_slots(self.policy.used_after(self.seen + q))
 
         if q == 1 and self.seen > 0:
             placement = self.policy.place(self, info.real, self.seen)

@@ -16,6 +16,7 @@ from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 from .caches import H2OCache, KVCache, SinkCache, SlidingWindowCache
+from .composite import CompositeCache
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
 SUPPORTED_RANGE_TEXT = ">=5.23,<6"
@@ -25,6 +26,7 @@ CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
     SinkCache.cache_name: SinkCache,
     SlidingWindowCache.cache_name: SlidingWindowCache,
     H2OCache.cache_name: H2OCache,
+    CompositeCache.cache_name: CompositeCache,
 }
 
 CONFIG_FILE = "kvcache_config.json"

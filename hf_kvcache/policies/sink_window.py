@@ -19,6 +19,18 @@ from ..rope import KeyRotator
 from .base import Placement, Policy
 
 
+def reposition_sinks(layer, rotator: KeyRotator, sink_keys, sink_pos, sinks: int, used: int) -> None:
+    """Re-rotate the sink keys (slots [0, sinks)) from their original copy so they sit just before the oldest
+    valid token of the other slots [sinks, used); rows with no such token keep their original positions."""
+    valid = layer.slot_valid[:, 0, sinks:used]
+    positions = layer.slot_pos[:, 0, sinks:used]
+    oldest = torch.where(valid, positions, torch.iinfo(torch.long).max).amin(-1)  # [B]
+    target = oldest[:, None] - sinks + torch.arange(sinks, device=oldest.device)
+    original = sink_pos[:, :sinks]
+    target = torch.where(valid.any(-1, keepdim=True), target, original)
+    layer.store.write_keys_slice(0, rotator.rotate(sink_keys[:, :, :sinks], target - original))
+
+
 class SinkWindowPolicy(Policy):
     def __init__(self, sinks: int, window: int, rotator: KeyRotator | None = None):
         self.sinks, self.window, self.rotator = sinks, window, rotator
@@ -74,14 +86,7 @@ class SinkWindowPolicy(Policy):
     def before_read(self, layer) -> None:
         if self.rotator is None or self.sinks == 0 or not self.has_evicted(layer.seen):
             return
-        s, w = self.sinks, self.window
-        ring_valid = layer.slot_valid[:, 0, s : s + w]
-        ring_pos = layer.slot_pos[:, 0, s : s + w]
-        oldest = torch.where(ring_valid, ring_pos, torch.iinfo(torch.long).max).amin(-1)  # [B]
-        target = oldest[:, None] - s + torch.arange(s, device=oldest.device)
-        original = self.sink_pos[:, :s]
-        target = torch.where(ring_valid.any(-1, keepdim=True), target, original)
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.sink_keys[:, :, :s], target - original))
+        reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)

@@ -1,0 +1,136 @@
+"""CompositeCache: regions with their own role and precision in one cache, from a small declarative config.
+
+    regions = [
+        {"role": "sinks", "tokens": 4},                                      # first tokens, full precision
+        {"role": "window", "start": 0, "end": 128},                          # the last 128 tokens
+        {"role": "window", "start": 128, "end": 8192, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        {"role": "rest", "keys": "fp8_e4m3", "values": "int4"},              # everything older, kept
+    ]
+    # or, instead of "rest": {"role": "heavy", "tokens": 64, "keys": ..., "values": ...}  (H2O heavy hitters);
+    # with neither, tokens older than the last window are evicted.
+
+Windows are age ranges (tokens back from the newest) and must tile [0, end) without overlap or gap. `keys` and
+`values` name a precision ("full", the default, or a quantized format of hf_kvcache.stores.quantization).
+The config is plain JSON, so it round-trips through `generate(cache_config={"regions": [...]})`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .caches import KVCache
+from .config import check_keys, require_choice, require_int
+from .policies.cascade import CascadePolicy
+from .policies.heavy_hitter import AGGREGATIONS
+from .rope import KeyRotator
+from .stores import FullPrecisionStore
+from .stores.regions import RegionStore
+
+ROLES = ("sinks", "window", "heavy", "rest")
+ROLE_KEYS = {
+    "sinks": ("role", "tokens", "keys", "values"),
+    "window": ("role", "start", "end", "keys", "values"),
+    "heavy": ("role", "tokens", "keys", "values"),
+    "rest": ("role", "keys", "values"),
+}
+FULL = "full"
+
+
+def make_store(keys: Any, values: Any, where: str):
+    """The store for a region's key and value precisions."""
+    if keys == FULL and values == FULL:
+        return FullPrecisionStore()
+    try:
+        from .stores.quantization import store_for_precisions
+    except ImportError:
+        raise ValueError(
+            f"{where}: precision keys={keys!r}, values={values!r} is not available; use 'full'."
+        ) from None
+    return store_for_precisions(keys, values, where)
+
+
+def parse_regions(regions: Any) -> dict:
+    """Validate a region list; returns the normalised layout. Every problem names the region and the field."""
+    if not isinstance(regions, (list, tuple)) or not regions:
+        raise ValueError("`regions` must be a non-empty list of region dicts (see hf_kvcache.composite).")
+    sinks, windows, final = None, [], None
+    for i, region in enumerate(regions):
+        where = f"regions[{i}]"
+        if not isinstance(region, dict):
+            raise ValueError(f"{where} must be a dict, got {type(region).__name__}.")
+        role = require_choice(f"{where}.role", region.get("role"), ROLES)
+        check_keys(f"{where} ({role})", region, ROLE_KEYS[role])
+        entry = {"keys": region.get("keys", FULL), "values": region.get("values", FULL), "where": where}
+        if role == "sinks":
+            if sinks is not None:
+                raise ValueError(f"{where}: only one 'sinks' region is allowed.")
+            sinks = {**entry, "tokens": require_int(f"{where}.tokens", region.get("tokens"), 1)}
+        elif role == "window":
+            start = require_int(f"{where}.start", region.get("start"), 0)
+            end = require_int(f"{where}.end", region.get("end"), 1)
+            if end <= start:
+                raise ValueError(f"{where}: `end` ({end}) must be larger than `start` ({start}).")
+            windows.append({**entry, "start": start, "end": end})
+        else:
+            if final is not None:
+                raise ValueError(f"{where}: only one of 'heavy' or 'rest' is allowed (already {final['role']}).")
+            final = {**entry, "role": role}
+            if role == "heavy":
+                final["tokens"] = require_int(f"{where}.tokens", region.get("tokens"), 1)
+    if not windows:
+        raise ValueError("`regions` needs at least one 'window' region (the most recent tokens, start 0).")
+    windows.sort(key=lambda w: w["start"])
+    expected = 0
+    for w in windows:
+        if w["start"] < expected:
+            raise ValueError(f"{w['where']}: window [{w['start']}, {w['end']}) overlaps the previous window, which ends at {expected}.")
+        if w["start"] > expected:
+            raise ValueError(f"{w['where']}: window starts at {w['start']} but the previous one ends at {expected}: a gap of {w['start'] - expected} tokens.")
+        expected = w["end"]
+    return {"sinks": sinks, "windows": windows, "final": final}
+
+
+class CompositeCache(KVCache):
+    """Sinks, age windows and a final region (evict / keep all / heavy hitters), each at its own precision.
+
+    Equivalent presets: SinkCache = sinks + window + evict; SlidingWindowCache = window; H2OCache = window (recent)
+    + heavy; keep-all with a full-precision recent window = window + rest."""
+
+    cache_name = "composite"
+
+    def __init__(self, config_or_model, regions: list, aggregation: str = "sum", sink_positions: str = "cache"):
+        layout = parse_regions(regions)
+        aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        sink_positions = require_choice("sink_positions", sink_positions, ("cache", "original"))
+        self.regions = copy.deepcopy(list(regions))
+        self.aggregation, self.sink_positions = aggregation, sink_positions
+        sinks, windows, final = layout["sinks"], layout["windows"], layout["final"]
+        rotator = None
+        if sinks is not None and sink_positions == "cache":
+            from transformers import PreTrainedModel
+
+            config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
+            rotator = KeyRotator(config.get_text_config(decoder=True), parameter="sink_positions")
+        final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
+        parts = ([sinks] if sinks else []) + windows + ([final] if final else [])
+        sizes = [sinks["tokens"]] if sinks else []
+        sizes += [w["end"] - w["start"] for w in windows]
+        if final is not None:
+            sizes.append(final["tokens"] if final["role"] == "heavy" else None)
+        for part in parts:  # validate precisions before any model runs
+            make_store(part["keys"], part["values"], part["where"])
+
+        def layer_parts(cfg):
+            policy = CascadePolicy(
+                sinks=sinks["tokens"] if sinks else 0,
+                tier_sizes=[w["end"] - w["start"] for w in windows],
+                final=final_kind,
+                heavy=final.get("tokens", 0) if final else 0,
+                aggregation=aggregation,
+                rotator=rotator,
+            )
+            store = RegionStore(sizes, [make_store(p["keys"], p["values"], p["where"]) for p in parts])
+            return policy, store
+
+        super().__init__(config_or_model, layer_parts)

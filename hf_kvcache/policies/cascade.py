@@ -1,0 +1,276 @@
+"""Regions by role and age, for CompositeCache: sinks | ring tiers by age | a final region.
+
+- sinks: each row's first `sinks` real tokens, never evicted (optionally re-positioned as in StreamingLLM);
+- tiers: ring buffers holding the tokens whose age (tokens since) is in [start, end); rings are indexed by the
+  token's stream index, so a token keeps its slot while it stays in a tier and moves only when it ages into the
+  next one (one move per tier boundary per decode step);
+- final: what happens to tokens older than the last tier: "evict" them, "keep" them all (a growing region), or
+  keep the `heavy` ones with the highest accumulated attention (H2O), per row and KV head.
+Each region's slots can live in a store of its own precision (see stores/regions.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..rope import KeyRotator
+from .base import Placement, Policy
+from .heavy_hitter import HeavyHitterPolicy
+from .sink_window import reposition_sinks
+
+FINAL_KINDS = ("evict", "keep", "heavy")
+
+
+class CascadePolicy(Policy):
+    may_have_holes = True
+
+    def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
+                 rotator: KeyRotator | None = None):
+        self.sinks, self.tier_sizes, self.final, self.heavy = sinks, list(tier_sizes), final, heavy
+        self.rotator = rotator
+        self.ends = [sum(self.tier_sizes[: i + 1]) for i in range(len(self.tier_sizes))]
+        self.starts = [0] + self.ends[:-1]
+        self.bases = [sinks + start for start in self.starts]
+        self.final_base = sinks + (self.ends[-1] if self.ends else 0)
+        self.capacity = None if final == "keep" else self.final_base + (heavy if final == "heavy" else 0)
+        self.per_head = self.deferred = self.needs_attention = final == "heavy"
+        self._scoring = HeavyHitterPolicy(heavy, 0, aggregation) if final == "heavy" else None
+        self.n_real = self.stream = self.scores = None
+        self.sink_keys = self.sink_pos = self.sink_index = None
+
+    # -- state --------------------------------------------------------------------------------------------------
+    def allocate(self, batch: int, heads: int, device) -> None:
+        self.heads = heads
+        self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
+        self.sink_pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
+        self.sink_index = torch.zeros_like(self.sink_pos)
+
+    def _ensure_meta(self, layer) -> None:
+        slots = layer.slot_valid.shape[-1]
+        if self.stream is None or self.stream.shape[-1] != slots:
+            pad = slots - (0 if self.stream is None else self.stream.shape[-1])
+            base = layer.slot_valid.new_zeros(layer.slot_valid.shape[:2] + (0,), dtype=torch.long)
+            stream = self.stream if self.stream is not None else base
+            self.stream = torch.nn.functional.pad(stream, (0, pad), value=-1)
+            scores = self.scores if self.scores is not None else base.float()
+            self.scores = torch.nn.functional.pad(scores, (0, pad))
+
+    def used_after(self, seen: int) -> int:
+        if seen == 0:
+            return 0
+        used = self.sinks
+        for base, start, size in zip(self.bases, self.starts, self.tier_sizes):
+            filled = min(size, max(0, seen - start))
+            if filled == 0:
+                return used
+            used = base + filled
+            if filled < size:
+                return used
+        overflow = max(0, seen - (self.ends[-1] if self.ends else 0))
+        if self.final == "keep":
+            return self.final_base + overflow
+        if self.final == "heavy":
+            return self.final_base + min(self.heavy, overflow)
+        return used
+
+    def has_evicted(self, seen: int) -> bool:
+        return self.final != "keep" and seen > (self.ends[-1] if self.ends else 0) + self.sinks + (
+            self.heavy if self.final == "heavy" else 0
+        )
+
+    # -- moving tokens between regions --------------------------------------------------------------------------
+    def _move(self, layer, src: torch.Tensor, dest: torch.Tensor) -> None:
+        """Move tokens from slots `src` to `dest` ([B, Hm, n]; dest -1 = drop), vacating the sources."""
+        keys, values = layer.store.read_slots(src)
+        valid = layer.slot_valid.gather(2, src)
+        pos, stream, scores = layer.slot_pos.gather(2, src), self.stream.gather(2, src), self.scores.gather(2, src)
+        layer.slot_valid.scatter_(2, src, False)
+        dest = torch.where(dest >= 0, dest, layer.trash_slot)
+        valid = valid & (dest != layer.trash_slot)
+        layer.store.write(dest, keys, values)
+        layer.slot_valid.scatter_(2, dest, valid)
+        layer.slot_pos.scatter_(2, dest, pos)
+        self.stream.scatter_(2, dest, stream)
+        self.scores.scatter_(2, dest, scores)
+
+    def _ring_slot(self, tier: int, u: torch.Tensor) -> torch.Tensor:
+        return self.bases[tier] + u.remainder(self.tier_sizes[tier])
+
+    def _sink_split(self, real: torch.Tensor):
+        real_index = self.n_real[:, None] + real.long().cumsum(-1) - 1
+        self.n_real = self.n_real + real.long().sum(-1)
+        is_sink = real & (real_index < self.sinks)
+        return is_sink, torch.where(is_sink, real_index, -1)
+
+    def _heavy_keep(self, key: torch.Tensor, in_heavy_slot: torch.Tensor, cur_slot: torch.Tensor) -> torch.Tensor:
+        """Targets among heavy candidates [B, Hm, n]: top-`heavy` by key; occupants keep their slot, newcomers take
+        free heavy slots (lowest first); -1 for the rest."""
+        batch, heads, n = key.shape
+        k = min(self.heavy, n)
+        kept = torch.zeros_like(in_heavy_slot).scatter_(-1, key.topk(k, dim=-1).indices, True) & (key > float("-inf"))
+        stays = kept & in_heavy_slot
+        occupied = torch.zeros(batch, heads, self.heavy + 1, dtype=torch.bool, device=key.device)
+        occupied.scatter_(-1, torch.where(stays, cur_slot - self.final_base, self.heavy), True)
+        slot_ids = torch.arange(self.heavy, device=key.device) + self.final_base
+        free_sorted = torch.where(occupied[..., : self.heavy], self.final_base + self.heavy + 1, slot_ids).sort(-1).values
+        newcomers = kept & ~in_heavy_slot
+        rank = (newcomers.long().cumsum(-1) - 1).clamp(min=0)
+        target = torch.where(newcomers, free_sorted.gather(-1, rank), -1)
+        return torch.where(stays, cur_slot, target)
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+        self._ensure_meta(layer)
+        batch, q = real.shape
+        device = real.device
+        if q > 1:
+            return self._place_chunk(layer, real, seen, None)
+        hm = layer.slot_valid.shape[1]
+        t = seen
+        for tier in reversed(range(len(self.tier_sizes))):
+            u = t - self.ends[tier]
+            if u < 0:
+                continue
+            src = torch.full((batch, hm, 1), self.bases[tier] + u % self.tier_sizes[tier], device=device)
+            if tier + 1 < len(self.tier_sizes):
+                dest = torch.full_like(src, self.bases[tier + 1] + u % self.tier_sizes[tier + 1])
+            elif self.final == "keep":
+                dest = torch.full_like(src, self.final_base + u)
+            elif self.final == "heavy":
+                heavy_slots = torch.arange(self.final_base, self.final_base + self.heavy, device=device)
+                cand_key = torch.where(layer.slot_valid.gather(2, src), self.scores.gather(2, src), float("-inf"))
+                occupant_key = torch.where(
+                    layer.slot_valid[..., heavy_slots], self.scores[..., heavy_slots], float("-inf")
+                )
+                key = torch.cat((occupant_key, cand_key), -1)
+                cur = torch.cat((heavy_slots.expand(batch, hm, -1), src), -1)
+                in_heavy = torch.zeros_like(key, dtype=torch.bool)
+                in_heavy[..., : self.heavy] = True
+                targets = self._heavy_keep(key, in_heavy, cur)
+                victims = in_heavy & (targets < 0) & (key > float("-inf"))
+                layer.slot_valid[..., heavy_slots] &= ~victims[..., : self.heavy]
+                dest = targets[..., self.heavy :]
+            else:
+                dest = torch.full_like(src, -1)
+            self._move(layer, src, dest)
+        is_sink, sink_dest = self._sink_split(real)
+        ring_dest = torch.full_like(sink_dest, self.bases[0] + t % self.tier_sizes[0]) if self.tier_sizes else None
+        return self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
+
+    def _placement(self, real, is_sink, sink_dest, ring_dest, ring_valid, hm) -> Placement:
+        batch, q = real.shape
+        src = torch.arange(q, device=real.device).expand(batch, q)
+        if ring_dest is None:
+            ring_dest, ring_valid = torch.full_like(sink_dest, -1), torch.zeros_like(real)
+        return Placement(
+            src=torch.cat((src, src), -1)[:, None].expand(batch, hm, 2 * q),
+            dest=torch.cat((sink_dest, ring_dest), -1)[:, None].expand(batch, hm, 2 * q).contiguous(),
+            valid=torch.cat((is_sink, ring_valid), -1)[:, None].expand(batch, hm, 2 * q),
+        )
+
+    # -- multi-token chunks ---------------------------------------------------------------------------------------
+    def _place_chunk(self, layer, real: torch.Tensor, seen: int, new_scores: torch.Tensor | None) -> Placement:
+        """Re-place past non-sink tokens and the new chunk by age (vectorised version of one-token steps)."""
+        batch, q = real.shape
+        device = real.device
+        hm = layer.slot_valid.shape[1]
+        seen_after = seen + q
+        used = max(layer.used, self.sinks)
+        is_sink, sink_dest = self._sink_split(real)
+        past = torch.arange(self.sinks, used, device=device).expand(batch, hm, -1)
+        new_u = (seen + torch.arange(q, device=device)).expand(batch, hm, q)
+        cand_u = torch.cat((self.stream[..., self.sinks : used], new_u), -1)
+        cand_valid = torch.cat((layer.slot_valid[..., self.sinks : used], (real & ~is_sink)[:, None].expand(-1, hm, -1)), -1)
+        cand_cur = torch.cat((past, torch.full_like(new_u, -1)), -1)
+        age = seen_after - 1 - cand_u
+        target = torch.full_like(cand_u, -1)
+        for tier in range(len(self.tier_sizes)):
+            inside = (age >= self.starts[tier]) & (age < self.ends[tier])
+            target = torch.where(inside, self._ring_slot(tier, cand_u), target)
+        older = age >= (self.ends[-1] if self.ends else 0)
+        if self.final == "keep":
+            target = torch.where(older, self.final_base + cand_u, target)
+        elif self.final == "heavy":
+            score = torch.cat((self.scores[..., self.sinks : used], new_scores), -1)
+            key = torch.where(older & cand_valid, score, float("-inf"))
+            in_heavy = (cand_cur >= self.final_base) & (cand_cur < self.final_base + self.heavy)
+            heavy_target = self._heavy_keep(key, in_heavy, cand_cur)
+            target = torch.where(older, heavy_target, target)
+        n_past = used - self.sinks
+        moving = (target[..., :n_past] != cand_cur[..., :n_past]) & (cand_u[..., :n_past] >= 0)
+        if bool(moving.any()):
+            src = torch.where(moving, cand_cur[..., :n_past], layer.trash_slot)
+            dest = torch.where(moving, target[..., :n_past], -1)
+            self._move(layer, src, dest)
+        new_target = target[..., n_past:]
+        src = torch.arange(q, device=device).expand(batch, hm, q)
+        sinks = Placement(src=src, dest=sink_dest[:, None].expand(batch, hm, q), valid=is_sink[:, None].expand(batch, hm, q))
+        return Placement(
+            src=torch.cat((sinks.src, src), -1),
+            dest=torch.cat((sinks.dest, new_target), -1).contiguous(),
+            valid=torch.cat((sinks.valid, (real & ~is_sink)[:, None].expand(batch, hm, q) & (new_target >= 0)), -1),
+        )
+
+    def observe(self, layer, column_scores: torch.Tensor) -> None:
+        self._ensure_meta(layer)
+        scores = self._scoring.aggregate(column_scores, layer.slot_valid.shape[1])
+        if layer._pending is None:
+            self.scores[..., : scores.shape[-1]] += scores
+            return
+        used = layer.used
+        self.scores[..., :used] += scores[..., :used]
+        _, _, real, _, seen_before = layer._pending
+        placement = self._place_chunk(layer, real, seen_before, scores[..., used:])
+        layer.commit(placement)
+        q = real.shape[1]
+        dest = torch.where(placement.dest[..., q:] >= 0, placement.dest[..., q:], layer.trash_slot)
+        self.scores.scatter_(2, dest, scores[..., used:])
+        sink_dest = torch.where(placement.dest[..., :q] >= 0, placement.dest[..., :q], layer.trash_slot)
+        self.scores.scatter_(2, sink_dest, scores[..., used:])
+
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        self._ensure_meta(layer)
+        self.scores.scatter_(2, dest, 0.0)
+        self.stream.scatter_(2, dest, seen_before + placement.src)
+        if self.sinks == 0:
+            return
+        is_sink = placement.valid[:, 0] & (dest[:, 0] < self.sinks)
+        sink_slot = torch.where(is_sink, dest[:, 0], self.sinks)
+        src = placement.src[:, 0]
+        self.sink_pos.scatter_(1, sink_slot, positions.gather(1, src))
+        self.sink_index.scatter_(1, sink_slot, seen_before + src)
+        if self.rotator is not None:
+            if self.sink_keys is None:
+                b, h, _, d = keys.shape
+                self.sink_keys = keys.new_zeros(b, h, self.sinks + 1, d)
+            index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            self.sink_keys.scatter_(2, index, keys)
+
+    def before_read(self, layer) -> None:
+        if self.rotator is None or self.sinks == 0 or self.sink_keys is None:
+            return
+        reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
+
+    def crop(self, layer, new_seen: int) -> None:
+        self._ensure_meta(layer)
+        layer.slot_valid &= self.stream < new_seen
+        layer.slot_valid[:, :, : self.sinks] &= (self.sink_index[:, None, : self.sinks] < new_seen)
+        self.n_real = layer.slot_valid[:, 0, : self.sinks].long().sum(-1) + (
+            layer.slot_valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
+        ).long().sum(-1)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in ("n_real", "stream", "scores", "sink_keys", "sink_pos", "sink_index"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reset(self) -> None:
+        self.n_real = self.stream = self.scores = None
+        self.sink_keys = self.sink_pos = self.sink_index = None
+
+    def nbytes(self) -> int:
+        tensors = (self.n_real, self.stream, self.scores, self.sink_keys, self.sink_pos, self.sink_index)
+        return sum(t.nbytes for t in tensors if t is not None)

@@ -1,0 +1,87 @@
+"""One slot space split into regions, each with its own store (precision): slots [base, base + size) of the layer
+go to region i's store. Used by CompositeCache (e.g. sinks in full precision, older tokens in FP8)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class RegionStore:
+    def __init__(self, sizes: list[int | None], stores: list):
+        """`sizes[i]` slots for region i (the last may be None: it grows). Each sub-store gets one extra slot, its
+        own trash slot, which receives the writes meant for other regions."""
+        self.sizes, self.stores = list(sizes), stores
+        self.bases = [sum(s or 0 for s in self.sizes[:i]) for i in range(len(self.sizes))]
+
+    @property
+    def keys(self):  # for transformers code that inspects `layer.keys` (dtype, device)
+        return self.stores[0].keys
+
+    def allocate(self, batch, heads, head_dim, slots, dtype, device) -> None:
+        self.shape = (batch, heads, head_dim)
+        if self.sizes[-1] is None:
+            self.sizes[-1] = slots - 1 - self.bases[-1]
+        for size, store in zip(self.sizes, self.stores):
+            store.allocate(batch, heads, head_dim, size + 1, dtype, device)
+
+    def grow(self, slots: int) -> None:
+        self.sizes[-1] = slots - 1 - self.bases[-1]
+        self.stores[-1].grow(self.sizes[-1] + 1)
+
+    def _local(self, i: int, dest: torch.Tensor) -> torch.Tensor:
+        base, size = self.bases[i], self.sizes[i]
+        inside = (dest >= base) & (dest < base + size)
+        return torch.where(inside, dest - base, size)
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for i, store in enumerate(self.stores):
+            store.write(self._local(i, dest), keys, values)
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts_k, parts_v = [], []
+        for base, size, store in zip(self.bases, self.sizes, self.stores):
+            n = min(size, used - base)
+            if n <= 0:
+                break
+            k, v = store.read(n)
+            parts_k.append(k)
+            parts_v.append(v)
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (each in some region)."""
+        batch, heads, dim = self.shape
+        out_k = out_v = None
+        for i, store in enumerate(self.stores):
+            local = self._local(i, slots)
+            if not bool((local < self.sizes[i]).any()):
+                continue
+            k, v = store.read(self.sizes[i] + 1)
+            index = local[..., None].expand(batch, heads, local.shape[-1], dim)
+            k, v = k.gather(2, index), v.gather(2, index)
+            inside = (local < self.sizes[i])[..., None]
+            out_k = k if out_k is None else torch.where(inside, k, out_k)
+            out_v = v if out_v is None else torch.where(inside, v, out_v)
+        return out_k, out_v
+
+    def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
+        for base, size, store in zip(self.bases, self.sizes, self.stores):
+            if base <= start < base + size:
+                store.write_keys_slice(start - base, keys)
+                return
+        raise ValueError(f"slot {start} is in no region")
+
+    def nbytes(self) -> int:
+        return sum(store.nbytes() for store in self.stores)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for store in self.stores:
+            store.map_batch(fn)
+
+    def reset(self) -> None:
+        for store in self.stores:
+            store.reset()

@@ -1,0 +1,170 @@
+"""CompositeCache: the other caches as composite configs (same outputs), padding, beams, JSON round trip,
+flat memory, and clear errors for bad region configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+import hf_kvcache
+from conftest import build_model, left_pad, random_ids
+
+W = {"role": "window"}
+
+
+def _stream(model, cache, ids, prefill):
+    outs = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    for i in range(prefill, ids.shape[1]):
+        outs.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(outs, 1)
+
+
+EQUIVALENT = {
+    "sliding": (lambda m: hf_kvcache.SlidingWindowCache(m, window=8), [{**W, "start": 0, "end": 8}], {}),
+    "sliding_two_windows": (
+        lambda m: hf_kvcache.SlidingWindowCache(m, window=8),
+        [{**W, "start": 0, "end": 3}, {**W, "start": 3, "end": 8}],
+        {},
+    ),
+    "sink_cache_positions": (
+        lambda m: hf_kvcache.SinkCache(m, sinks=3, window=8),
+        [{"role": "sinks", "tokens": 3}, {**W, "start": 0, "end": 8}],
+        {},
+    ),
+    "sink_original_positions": (
+        lambda m: hf_kvcache.SinkCache(m, sinks=3, window=8, position_mode="original"),
+        [{"role": "sinks", "tokens": 3}, {**W, "start": 0, "end": 8}],
+        {"sink_positions": "original"},
+    ),
+    "h2o": (
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4),
+        [{**W, "start": 0, "end": 4}, {"role": "heavy", "tokens": 5}],
+        {},
+    ),
+    "h2o_mean": (
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4, aggregation="mean"),
+        [{**W, "start": 0, "end": 1}, {**W, "start": 1, "end": 4}, {"role": "heavy", "tokens": 5}],
+        {"aggregation": "mean"},
+    ),
+    "keep_all": (lambda m: DynamicCache(config=m.config), [{**W, "start": 0, "end": 5}, {"role": "rest"}], {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+@pytest.mark.parametrize("prefill", [5, 20])
+def test_other_caches_as_composite_configs(name, prefill):
+    make, regions, extra = EQUIVALENT[name]
+    model = build_model("llama")
+    ids = random_ids(2, 50, seed=1)
+    with torch.no_grad():
+        want = _stream(model, make(model), ids, prefill)
+        got = _stream(model, hf_kvcache.CompositeCache(model, regions=regions, **extra), ids, prefill)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+CLASSIC = [
+    {"role": "sinks", "tokens": 2},
+    {"role": "window", "start": 0, "end": 4},
+    {"role": "heavy", "tokens": 4},
+]
+
+
+def test_classic_composite_left_padding_matches_rows_alone():
+    model = build_model("llama")
+    rows = [random_ids(1, 22, seed=1)[0], random_ids(1, 11, seed=2)[0]]
+    ids, mask = left_pad(rows)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="composite",
+                  cache_config={"regions": CLASSIC})
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, **kwargs)
+        for i, row in enumerate(rows):
+            alone = model.generate(row[None], **kwargs)
+            assert batched[i, ids.shape[1] :].tolist() == alone[0, row.numel() :].tolist()
+
+
+def test_tiered_keep_all_left_padding_and_beams():
+    model = build_model("qwen2")
+    regions = [{**W, "start": 0, "end": 3}, {**W, "start": 3, "end": 9}, {"role": "rest"}]
+    rows = [random_ids(1, 14, seed=3)[0], random_ids(1, 7, seed=4)[0]]
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                             cache_implementation="composite", cache_config={"regions": regions})
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        assert got.tolist() == want.tolist()  # nothing evicted, all full precision: same as DynamicCache
+        beams = model.generate(ids[:1], max_new_tokens=8, num_beams=2, do_sample=False,
+                               cache_implementation="composite", cache_config={"regions": CLASSIC})
+        sampled = model.generate(ids[:1], max_new_tokens=8, do_sample=True, num_return_sequences=2,
+                                 cache_implementation="composite", cache_config={"regions": CLASSIC})
+    assert beams.shape == (1, ids.shape[1] + 8) and sampled.shape == (2, ids.shape[1] + 8)
+
+
+def test_config_round_trips_through_json_and_generation_config(tmp_path):
+    model = build_model("llama")
+    config = {"regions": CLASSIC, "aggregation": "max"}
+    assert json.loads(json.dumps(config)) == config
+    GenerationConfig(cache_implementation="composite", cache_config=config).save_pretrained(tmp_path)
+    loaded = GenerationConfig.from_pretrained(tmp_path)
+    assert loaded.cache_config == config
+    ids = random_ids(1, 20, seed=6)
+    with torch.no_grad():
+        a = model.generate(ids, generation_config=loaded, max_new_tokens=8, do_sample=False)
+        b = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="composite",
+                           cache_config=config)
+    assert a.tolist() == b.tolist()
+    cache = hf_kvcache.CompositeCache(model.config, **config)
+    assert cache.regions == CLASSIC and cache.aggregation == "max"
+
+
+def test_memory_flat_with_eviction_and_growth_only_in_rest():
+    model = build_model("llama")
+    ids = random_ids(1, 90, seed=8)
+    bounded = hf_kvcache.CompositeCache(model, regions=CLASSIC)
+    growing = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": 4}, {"role": "rest"}])
+    sizes = []
+    with torch.no_grad():
+        model(input_ids=ids[:, :10], past_key_values=bounded, use_cache=True)
+        model(input_ids=ids[:, :10], past_key_values=growing, use_cache=True)
+        for i in range(10, 90):
+            model(input_ids=ids[:, i : i + 1], past_key_values=bounded, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], past_key_values=growing, use_cache=True)
+            sizes.append(bounded.nbytes())
+    assert len(set(sizes)) == 1
+    assert bounded.layers[0].store.nbytes() == 2 * 4 * sum(  # float32 keys + values, regions + their trash slots
+        s.keys.numel() for s in bounded.layers[0].store.stores
+    )
+    assert int(growing.layers[0].slot_valid[0, 0].sum()) == 90
+    assert growing.nbytes() > bounded.nbytes()
+
+
+@pytest.mark.parametrize(
+    "regions, match",
+    [
+        ([], "non-empty"),
+        ([{"role": "sinks", "tokens": 4}], "window"),
+        ([{**W, "start": 0, "end": 8}, {**W, "start": 4, "end": 12}], "overlaps"),
+        ([{**W, "start": 0, "end": 8}, {**W, "start": 10, "end": 12}], "gap"),
+        ([{**W, "start": 2, "end": 8}], "gap"),
+        ([{**W, "start": 0, "end": 8}, {"role": "heavy", "tokens": 4}, {"role": "rest"}], "only one"),
+        ([{**W, "start": 0, "end": 8}, {"role": "teleport"}], "role"),
+        ([{**W, "start": 0, "end": 8, "size": 3}], "size"),
+        ([{**W, "start": 5, "end": 5}], "end"),
+        ([{**W, "start": 0, "end": 8}, {"role": "heavy", "tokens": 0}], "tokens"),
+        ([{**W, "start": 0, "end": 8, "keys": "fp9"}], "keys|fp9"),
+        ("window", "list"),
+    ],
+)
+def test_bad_region_configs(regions, match):
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=match):
+        hf_kvcache.CompositeCache(model.config, regions=regions)
+
+
+def test_unknown_cache_config_key_lists_valid_keys():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="regions"):
+        model.generate(random_ids(1, 5), max_new_tokens=2, cache_implementation="composite",
+                       cache_config={"regions": CLASSIC, "budget": 8})
