@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 
 import torch
@@ -92,10 +93,24 @@ def attention_column_scores(
     return total
 
 
+_eager_functions: dict[type, object] = {}
+
+
+def _eager_for(module):
+    """The model's own eager attention (module-level `eager_attention_forward` of its modeling file), since models
+    differ (GQA repeat, softcapping, sinks...); Llama's when a modeling file has none."""
+    fn = _eager_functions.get(type(module))
+    if fn is None:
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
+        _eager_functions[type(module)] = fn
+    return fn
+
+
 def _make_bridge(name: str):
-    inner = _INNER[name]
+    sdpa = name == "hf_kvcache_sdpa"
 
     def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
+        inner = sdpa_attention_forward if sdpa else _eager_for(module)
         cache = active_cache()
         if cache is not None:
             layer = cache.layers[module.layer_idx]
@@ -168,7 +183,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     caches; `generate` and caches built with the model do it for you. Outputs with other caches are unchanged."""
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    if getattr(model, "_hf_kvcache_enabled", False):
+    if getattr(model, "_hf_kvcache_hooks", False) and model.config._attn_implementation in _INNER:
         return model
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models.")
@@ -191,15 +206,25 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         )
         target = BRIDGE_NAMES["sdpa"]
     model.set_attn_implementation(target)
-    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    if not getattr(model, "_hf_kvcache_hooks", False):
+        # The top-level model and its base model (called directly by some users and libraries) both announce
+        # forwards; a nested call announces the same tokens twice, which is harmless.
+        for module in {id(m): m for m in (model, getattr(model, "base_model", model))}.values():
+            module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+            module._hf_kvcache_hooks = True
     model._hf_kvcache_enabled = True
     return model
 
 
+def is_enabled(model: PreTrainedModel) -> bool:
+    return bool(getattr(model, "_hf_kvcache_hooks", False)) and model.config._attn_implementation in _INNER
+
+
 def disable(model: PreTrainedModel) -> None:
-    """Undo the attention switch (hooks stay but are inert for other caches)."""
+    """Undo the attention switch (the forward hooks stay, inert without our caches); `enable` switches back."""
     current = model.config._attn_implementation
     inner = {v: k for k, v in BRIDGE_NAMES.items()}.get(current)
     if inner is not None:
         model.set_attn_implementation(inner)
+    model._hf_kvcache_enabled = False

@@ -185,12 +185,14 @@ class SinkCache(KVCache):
         window = require_int("window", window, 1)
         position_mode = require_choice("position_mode", position_mode, POSITION_MODES)
         self.sinks, self.window, self.position_mode = sinks, window, position_mode
-        config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
-        if isinstance(config, PretrainedConfig) and position_mode == "cache":
-            rotator = KeyRotator(config.get_text_config(decoder=True))
-        else:
-            rotator = None
-        super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(sinks, window, rotator), FullPrecisionStore()))
+        rotators = {}  # one per cache, built after the base class checked the architecture
+
+        def layer_parts(cfg):
+            if position_mode == "cache" and "rotator" not in rotators:
+                rotators["rotator"] = KeyRotator(cfg)
+            return SinkWindowPolicy(sinks, window, rotators.get("rotator")), FullPrecisionStore()
+
+        super().__init__(config_or_model, layer_parts)
 
 
 def _size_or_ratio(name: str, value):

@@ -106,12 +106,7 @@ class CompositeCache(KVCache):
         self.regions = copy.deepcopy(list(regions))
         self.aggregation, self.sink_positions = aggregation, sink_positions
         sinks, windows, final = layout["sinks"], layout["windows"], layout["final"]
-        rotator = None
-        if sinks is not None and sink_positions == "cache":
-            from transformers import PreTrainedModel
-
-            config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
-            rotator = KeyRotator(config.get_text_config(decoder=True), parameter="sink_positions")
+        rotators = {}  # built after the base class checked the architecture
         final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
         parts = ([sinks] if sinks else []) + windows + ([final] if final else [])
         sizes = [sinks["tokens"]] if sinks else []
@@ -122,13 +117,15 @@ class CompositeCache(KVCache):
             make_store(part["keys"], part["values"], part["where"])
 
         def layer_parts(cfg):
+            if sinks is not None and sink_positions == "cache" and "rotator" not in rotators:
+                rotators["rotator"] = KeyRotator(cfg, parameter="sink_positions")
             policy = CascadePolicy(
                 sinks=sinks["tokens"] if sinks else 0,
                 tier_sizes=[w["end"] - w["start"] for w in windows],
                 final=final_kind,
                 heavy=final.get("tokens", 0) if final else 0,
                 aggregation=aggregation,
-                rotator=rotator,
+                rotator=rotators.get("rotator"),
             )
             store = RegionStore(sizes, [make_store(p["keys"], p["values"], p["where"]) for p in parts])
             return policy, store

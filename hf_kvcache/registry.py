@@ -77,13 +77,16 @@ def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
     check_transformers_version()
     if not hasattr(configuration_utils, "_hf_kvcache_builtin"):
         configuration_utils._hf_kvcache_builtin = builtin_cache_implementations()
+    names = set(CACHE_IMPLEMENTATIONS)
     if name is not None:
         if not (isinstance(cls, type) and issubclass(cls, KVCache)):
             raise ValueError(f"`cls` must be a subclass of hf_kvcache.KVCache, got {cls!r}.")
-        CACHE_IMPLEMENTATIONS[name] = cls
-    clash = set(CACHE_IMPLEMENTATIONS) & set(configuration_utils._hf_kvcache_builtin)
+        names.add(name)
+    clash = names & set(configuration_utils._hf_kvcache_builtin)
     if clash:
         raise RuntimeError(f"hf_kvcache cache names {sorted(clash)} would shadow transformers' own cache names.")
+    if name is not None:
+        CACHE_IMPLEMENTATIONS[name] = cls
     known = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = known + tuple(n for n in CACHE_IMPLEMENTATIONS if n not in known)
     current = GenerationMixin._prepare_cache_for_generation
@@ -102,13 +105,22 @@ def build_cache(name: str, config_or_model, cache_config: dict[str, Any] | None 
     return CACHE_IMPLEMENTATIONS[name].from_cache_config(config_or_model, cache_config)
 
 
-def save_cache_config(directory: str | os.PathLike, name: str, cache_config: dict[str, Any]) -> str:
-    """Write `kvcache_config.json` next to a model, after checking it builds a valid cache description."""
-    if name not in CACHE_IMPLEMENTATIONS:
-        raise ValueError(f"Unknown cache {name!r}; hf_kvcache caches are {sorted(CACHE_IMPLEMENTATIONS)}.")
-    from .config import check_keys
+def _validation_config():
+    """A minimal Llama-shaped config: building a cache against it checks every parameter value (no tensors are
+    allocated before the first update)."""
+    from transformers import LlamaConfig
 
-    check_keys(f"cache_config for {name!r}", cache_config, CACHE_IMPLEMENTATIONS[name].config_keys())
+    return LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)
+
+
+def save_cache_config(directory: str | os.PathLike, name: str, cache_config: dict[str, Any], model_config=None) -> str:
+    """Write `kvcache_config.json` next to a model, after checking that the config builds a cache (against
+    `model_config` when given, else a minimal Llama-shaped config) and is plain JSON."""
+    build_cache(name, model_config if model_config is not None else _validation_config(), cache_config)
+    try:
+        json.dumps(cache_config)
+    except TypeError as error:
+        raise ValueError(f"cache_config for {name!r} must be JSON-serialisable: {error}") from None
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CONFIG_FILE)
     with open(path, "w") as f:
