@@ -5,7 +5,7 @@ cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(past_k
 """
 
 from .attention import enable
-from .caches import FullCache, H2OCache, KVCache, SinkCache, SlidingWindowCache
+from .caches import FullCache, H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
@@ -25,6 +25,7 @@ __all__ = [
     "FullCache",
     "H2OCache",
     "KVCache",
+    "RandomEvictionCache",
     "SinkCache",
     "SlidingWindowCache",
     "build_cache",

@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 from .config import check_keys, require_choice, require_int
 from .layer import CompressedLayer
 from .policies import KeepAllPolicy, SinkWindowPolicy
-from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy
+from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvictionPolicy
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
 
@@ -211,7 +211,9 @@ class H2OCache(KVCache):
     Give `heavy` and `recent`, or a `budget` (tokens) split evenly, or a budget and one of the two. Scores come from
     the attention bridge (see docs/design.md); `aggregation` combines the query heads of a GQA group ("sum" as in
     the paper's per-head scores added up, "mean", or "max"). For long prompts, `generate(prefill_chunk_size=N)`
-    evicts between chunks so peak memory stays near the budget."""
+    evicts between chunks so peak memory stays near the budget. `position_mode="compact"` places the kept tokens at
+    contiguous positions ending at the newest (re-rotating from a copy of the keys as they arrived, which costs
+    one more key buffer); "original" (default) leaves every key at its own position."""
 
     cache_name = "h2o"
 
@@ -222,8 +224,10 @@ class H2OCache(KVCache):
         recent: int | float | None = None,
         budget: int | None = None,
         aggregation: str = "sum",
+        position_mode: str = "original",
     ):
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
         heavy = None if heavy is None else _size_or_ratio("heavy", heavy)
         recent = None if recent is None else _size_or_ratio("recent", recent)
         if budget is not None:
@@ -245,10 +249,36 @@ class H2OCache(KVCache):
             raise ValueError("Give `heavy` and `recent` (tokens or prompt ratios), or a `budget` in tokens.")
         if not isinstance(heavy, float) and not isinstance(recent, float) and heavy + recent < 1:
             raise ValueError("`heavy` + `recent` must be at least 1 token.")
-        self.heavy, self.recent, self.aggregation = heavy, recent, aggregation
-        super().__init__(
-            config_or_model, lambda cfg: (HeavyHitterPolicy(heavy, recent, aggregation), FullPrecisionStore())
-        )
+        self.heavy, self.recent, self.aggregation, self.position_mode = heavy, recent, aggregation, position_mode
+        make_policy = getattr(self, "_policy_factory", HeavyHitterPolicy)
+        rotators = {}
+
+        def layer_parts(cfg):
+            if position_mode == "compact" and "rotator" not in rotators:
+                rotators["rotator"] = KeyRotator(cfg)
+            return make_policy(heavy, recent, aggregation, rotators.get("rotator")), FullPrecisionStore()
+
+        super().__init__(config_or_model, layer_parts)
+
+
+class RandomEvictionCache(H2OCache):
+    """Baseline: the `recent` last tokens plus `heavy` older tokens chosen uniformly at random (seeded), per row
+    and KV head. Same budget arguments as H2OCache; what H2O must beat at the same budget."""
+
+    cache_name = "random_eviction"
+
+    def __init__(
+        self,
+        config_or_model,
+        heavy: int | float | None = None,
+        recent: int | float | None = None,
+        budget: int | None = None,
+        seed: int = 0,
+    ):
+        seed = require_int("seed", seed, 0)
+        self.seed = seed
+        self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(heavy, recent, seed)
+        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget)
 
 
 class FullCache(KVCache):

@@ -15,7 +15,7 @@ from packaging.version import Version
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
-from .caches import H2OCache, KVCache, SinkCache, SlidingWindowCache
+from .caches import H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
@@ -27,6 +27,7 @@ CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
     SlidingWindowCache.cache_name: SlidingWindowCache,
     H2OCache.cache_name: H2OCache,
     CompositeCache.cache_name: CompositeCache,
+    RandomEvictionCache.cache_name: RandomEvictionCache,
 }
 
 CONFIG_FILE = "kvcache_config.json"

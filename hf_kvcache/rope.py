@@ -49,11 +49,13 @@ class KeyRotator:
         self.rotary_dim = 2 * self.inv_freq.numel()
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """keys [B, H, n, D] rotated by delta [B, n] positions. The attention scaling of yarn is already in the keys
-        and is left alone: only the pure rotation is applied."""
+        """keys [B, H, n, D] rotated by delta [B, n] (all heads) or [B, H, n] positions. The attention scaling of
+        yarn is already in the keys and is left alone: only the pure rotation is applied."""
+        if delta.dim() == 2:
+            delta = delta[:, None]
         inv_freq = self.inv_freq.to(keys.device)
-        freqs = delta.to(torch.float32)[..., None] * inv_freq  # [B, n, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, n, rot]
+        freqs = delta.to(torch.float32)[..., None] * inv_freq  # [B, 1 or H, n, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         rot = keys[..., : self.rotary_dim].float()
         half = rot.shape[-1] // 2

@@ -234,3 +234,81 @@ def test_crop_before_eviction_and_error_after():
         model(input_ids=ids[:, 14:30], past_key_values=cache, use_cache=True)
     with pytest.raises(ValueError, match="evicted"):
         cache.crop(-1)
+
+
+def test_random_eviction_keeps_recent_window_and_a_random_rest():
+    model = build_model("llama")
+    ids = random_ids(1, 60, seed=11)
+    kept = []
+    for seed in (0, 1):
+        cache = hf_kvcache.RandomEvictionCache(model, heavy=6, recent=4, seed=seed)
+        with torch.no_grad():
+            _stream_logits(model, cache, ids, 20)
+        layer = cache.layers[0]
+        sets = [frozenset(layer.policy.stream[0, h, :-1][layer.slot_valid[0, h, :-1]].tolist()) for h in range(2)]
+        assert all(len(s) == 10 and {56, 57, 58, 59} <= s for s in sets)
+        kept.append(sets)
+    assert kept[0] != kept[1]  # the seed matters
+    with torch.no_grad():
+        a = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False, cache_implementation="random_eviction",
+                           cache_config={"budget": 40})
+        b = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
+    assert a.tolist() == b.tolist()  # within budget nothing is evicted
+
+
+def test_random_eviction_prefill_longer_than_budget_and_padding():
+    model = build_model("llama")
+    rows = [random_ids(1, 30, seed=1)[0], random_ids(1, 12, seed=2)[0]]
+    ids, mask = left_pad(rows)
+    cache = hf_kvcache.RandomEvictionCache(model, heavy=5, recent=3)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    for row, real_start in ((0, 0), (1, 18)):
+        kept = layer.policy.stream[row, :, :-1][layer.slot_valid[row, :, :-1]]
+        assert kept.numel() == 8 * 2 and bool((kept >= real_start).all())
+
+
+def _rope(x, positions, theta, dim):
+    """Reference RoPE (rotate-half), written out: x [n, D] rotated to `positions` [n]."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = positions.double()[:, None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    rot = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), -1)
+    return (x.double() * cos + rot.double() * sin).float()
+
+
+def test_compact_positions_place_kept_keys_contiguously_before_the_newest():
+    """Layer-0 keys do not depend on the cache, so the reference takes them from a DynamicCache run, un-rotates them
+    (rotation by -p), and rotates each kept token to rank-based contiguous positions ending at the newest."""
+    model = build_model("llama")
+    ids = random_ids(1, 40, seed=12)
+    cache = hf_kvcache.H2OCache(model, heavy=5, recent=3, position_mode="compact")
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        _stream_logits(model, cache, ids, 10)
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+    layer, dim = cache.layers[0], model.config.hidden_size // model.config.num_attention_heads
+    theta = model.config.rope_parameters["rope_theta"]
+    all_keys = full.layers[0].keys[0]  # [H, 40, D] at positions 0..39
+    for h in range(all_keys.shape[0]):
+        valid = layer.slot_valid[0, h, : layer.used]
+        stream = layer.policy.stream[0, h, : layer.used][valid]
+        kept = sorted(stream.tolist())
+        assert len(kept) == 8 and kept[-3:] == [37, 38, 39]
+        targets = torch.tensor([39 - 7 + kept.index(t) for t in stream.tolist()])
+        original = _rope(all_keys[h, stream], -stream, theta, dim)  # back to position 0
+        want = _rope(original, targets, theta, dim)
+        torch.testing.assert_close(layer.store.keys[0, h, : layer.used][valid], want, atol=1e-5, rtol=1e-4)
+
+
+def test_compact_positions_change_outputs_only_after_eviction():
+    model = build_model("llama")
+    ids = random_ids(1, 30, seed=13)
+    with torch.no_grad():
+        a = _stream_logits(model, hf_kvcache.H2OCache(model, heavy=4, recent=4, position_mode="compact"), ids, 4)
+        b = _stream_logits(model, hf_kvcache.H2OCache(model, heavy=4, recent=4), ids, 4)
+    torch.testing.assert_close(a[:, :8], b[:, :8], atol=1e-5, rtol=1e-5)
+    assert (a[:, 9:] - b[:, 9:]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="position_mode"):
+        hf_kvcache.H2OCache(model.config, budget=8, position_mode="packed")

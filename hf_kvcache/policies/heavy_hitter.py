@@ -10,6 +10,10 @@ dropped; padding tokens are invalid and never heavy hitters.
 - Decode (one token): the token evicted is chosen before attention, by the scores accumulated so far: the lowest
   scoring token outside the new recent window. The new token takes its slot in place, so the cache and attention
   hold exactly `heavy + recent` tokens.
+
+Positions: original by default. With a `rotator` ("compact"), the kept tokens of each row and head are placed at
+contiguous positions ending at the newest one, as StreamingLLM does for sinks: keys are re-rotated before each
+read from a copy kept as they arrived (exact; the copy is counted in `nbytes`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ class HeavyHitterPolicy(Policy):
     deferred = True
     needs_attention = True
 
-    def __init__(self, heavy, recent, aggregation: str = "sum"):
+    def __init__(self, heavy, recent, aggregation: str = "sum", rotator=None):
         self.heavy_spec, self.recent_spec, self.aggregation = heavy, recent, aggregation
+        self.rotator = rotator
+        self.arrived_keys: torch.Tensor | None = None  # compact positions: keys as they arrived, per slot
         self.heavy = self.recent = None
         self.capacity = None if isinstance(heavy, float) or isinstance(recent, float) else heavy + recent
         if self.capacity is not None:
@@ -73,6 +79,23 @@ class HeavyHitterPolicy(Policy):
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self.scores.scatter_(2, dest, 0.0)
         self.stream.scatter_(2, dest, seen_before + placement.src)
+        if self.rotator is not None:
+            if self.arrived_keys is None:
+                self.arrived_keys = torch.zeros_like(layer.store.keys)
+            index = dest[..., None].expand(-1, -1, -1, keys.shape[-1])
+            self.arrived_keys.scatter_(2, index, keys.to(self.arrived_keys.dtype))
+
+    def before_read(self, layer) -> None:
+        """Compact positions: rank kept tokens by original position, place them just before the newest."""
+        if self.rotator is None or self.arrived_keys is None or not self.has_evicted(layer.seen):
+            return
+        used = layer.used
+        valid, original = layer.slot_valid[..., :used], layer.slot_pos[..., :used]
+        order = torch.where(valid, original, torch.iinfo(torch.long).max).argsort(-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(used, device=order.device).expand_as(order))
+        newest = torch.where(valid, original, torch.iinfo(torch.long).min).amax(-1, keepdim=True)
+        target = torch.where(valid, newest - valid.long().sum(-1, keepdim=True) + 1 + rank, original)
+        layer.store.write_keys_slice(0, self.rotator.rotate(self.arrived_keys[:, :, :used], target - original))
 
     # -- scores from the bridge ---------------------------------------------------------------------------------
     def aggregate(self, column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -92,14 +115,14 @@ class HeavyHitterPolicy(Policy):
             return
         used = layer.used
         self.scores[..., :used] += scores[..., :used]
-        placement = self._select(layer, scores[..., used:])
+        _, _, real, _, seen_before = layer._pending
+        placement = self._select(layer, real, seen_before, scores[..., used:])
         layer.commit(placement)
         dest = torch.where(placement.dest >= 0, placement.dest, layer.trash_slot)
         self.scores.scatter_(2, dest, scores[..., used:])
 
-    def _select(self, layer, new_scores: torch.Tensor) -> Placement:
-        """Keep the recent window and the top-scoring rest among the stored past and the pending chunk."""
-        _, _, real, _, seen_before = layer._pending
+    def _select(self, layer, real: torch.Tensor, seen_before: int, new_scores: torch.Tensor) -> Placement:
+        """Keep the recent window and the top-scoring rest among the stored past and the new chunk."""
         batch, heads, q = new_scores.shape
         used, c = layer.used, self.capacity
         device = new_scores.device
@@ -135,11 +158,58 @@ class HeavyHitterPolicy(Policy):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.scores is not None:
             self.scores, self.stream = fn(self.scores), fn(self.stream)
+        if self.arrived_keys is not None:
+            self.arrived_keys = fn(self.arrived_keys)
 
     def reset(self) -> None:
-        self.scores = self.stream = None
+        self.scores = self.stream = self.arrived_keys = None
         if isinstance(self.heavy_spec, float) or isinstance(self.recent_spec, float):
             self.heavy = self.recent = self.capacity = None
 
     def nbytes(self) -> int:
-        return 0 if self.scores is None else self.scores.nbytes + self.stream.nbytes
+        tensors = (self.scores, self.stream, self.arrived_keys)
+        return sum(t.nbytes for t in tensors if t is not None)
+
+
+class RandomEvictionPolicy(HeavyHitterPolicy):
+    """The baseline H2O is measured against: the recent window plus a uniformly random subset of older tokens.
+
+    Each token gets a random key when it arrives (seeded generator); the token with the lowest key is evicted,
+    which picks uniformly among the candidates. No attention scores are needed."""
+
+    deferred = False
+    needs_attention = False
+
+    def __init__(self, heavy, recent, seed: int = 0):
+        super().__init__(heavy, recent)
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+
+    def allocate(self, batch: int, heads: int, device) -> None:
+        super().allocate(batch, heads, device)
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def _random(self, shape, device) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=device)
+
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+        if real.shape[1] == 1 and seen > 0:
+            return super().place(layer, real, seen)
+        batch, q = real.shape
+        keys = self._random((batch, self.scores.shape[1], q), real.device)
+        placement = self._select(layer, real, seen, keys)
+        self._pending_keys = (placement, keys)
+        return placement
+
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        super().after_write(layer, placement, keys, dest, positions, seen_before)
+        pending = getattr(self, "_pending_keys", None)
+        if pending is not None and pending[0] is placement:
+            random_keys = pending[1]
+        else:
+            random_keys = self._random(dest.shape, dest.device)
+        self.scores.scatter_(2, dest, random_keys)
+        self._pending_keys = None
+
+    def observe(self, layer, column_scores: torch.Tensor) -> None:  # never called: needs_attention is False
+        raise RuntimeError("RandomEvictionPolicy does not use attention scores")
