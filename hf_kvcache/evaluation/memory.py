@@ -36,3 +36,221 @@ def cache_nbytes(cache) -> int:
         return int(cache.nbytes())
     seen: set = set()
     return sum(_tensor_bytes(layer, seen) for layer in getattr(cache, "layers", []))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The standard calculator: bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per value, where a
+# quantized value costs bits / 8 plus its share of the per-group scale (and zero point, when asymmetric).
+# ---------------------------------------------------------------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What sizes a KV cache: layers, KV heads (GQA), head dimension; `params` (billions) sizes the weights."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params_b: float | None = None
+
+
+@dataclass(frozen=True)
+class Precision:
+    """`bits` per stored value; with `group_size`, one `scale_bits` scale (and a zero point if `zero_point`) per
+    group of that many values."""
+
+    name: str
+    bits: float
+    group_size: int | None = None
+    scale_bits: int = 16
+    zero_point: bool = False
+
+    @property
+    def bytes_per_value(self) -> float:
+        extra = 0.0
+        if self.group_size:
+            extra = self.scale_bits * (2 if self.zero_point else 1) / self.group_size
+        return (self.bits + extra) / 8
+
+
+#: published model shapes (config.json of each model)
+SHAPES: dict[str, KVShape] = {
+    s.name: s
+    for s in (
+        KVShape("llama-2-7b", 32, 32, 128, 6.7),
+        KVShape("llama-2-13b", 40, 40, 128, 13.0),
+        KVShape("llama-3-8b", 32, 8, 128, 8.0),
+        KVShape("llama-3-70b", 80, 8, 128, 70.6),
+        KVShape("mistral-7b", 32, 8, 128, 7.2),
+        KVShape("qwen2.5-7b", 28, 4, 128, 7.6),
+        KVShape("smollm2-135m", 30, 3, 64, 0.135),
+        KVShape("smollm2-1.7b", 24, 32, 64, 1.7),
+    )
+}
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", 32),
+        Precision("fp16", 16),
+        Precision("bf16", 16),
+        Precision("fp8", 8),
+        Precision("int8-g64", 8, 64),
+        Precision("int4-g64", 4, 64),
+        Precision("int4-g32-asym", 4, 32, zero_point=True),
+        Precision("int2-g32-asym", 2, 32, zero_point=True),
+    )
+}
+
+
+def shape_from_config(config, name: str | None = None) -> KVShape:
+    """The KV shape of any transformers decoder config (GQA and explicit `head_dim` included)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_heads, head_dim)
+
+
+def get_shape(shape) -> KVShape:
+    if isinstance(shape, KVShape):
+        return shape
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"Unknown model shape {shape!r}; known shapes are {sorted(SHAPES)} (or pass a config).")
+        return SHAPES[shape]
+    return shape_from_config(shape)
+
+
+def get_precision(precision) -> Precision:
+    if isinstance(precision, Precision):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}; known precisions are {list(PRECISIONS)}.")
+    return PRECISIONS[precision]
+
+
+def bytes_per_token(shape, precision="fp16") -> float:
+    """2 x layers x KV heads x head_dim x bytes per value (scales included)."""
+    s, p = get_shape(shape), get_precision(precision)
+    return 2 * s.layers * s.kv_heads * s.head_dim * p.bytes_per_value
+
+
+def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1) -> float:
+    return bytes_per_token(shape, precision) * tokens * batch
+
+
+def max_concurrent_requests(memory_bytes: float, shape, precision="fp16", context: int = 8192,
+                            reserved_bytes: float = 0.0, budget_tokens: int | None = None) -> int:
+    """How many requests of `context` tokens fit in `memory_bytes` after `reserved_bytes` (e.g. the weights); a
+    compressed cache holding at most `budget_tokens` per request needs only that many."""
+    held = context if budget_tokens is None else min(context, budget_tokens)
+    per_request = kv_cache_bytes(shape, precision, held)
+    return max(0, int((memory_bytes - reserved_bytes) // per_request))
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def memory_table(shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8", "int4-g64"),
+                 contexts=(8192, 32768, 131072)) -> list[dict]:
+    """Rows {model, precision, bytes_per_token, tokens, bytes} for every combination."""
+    rows = []
+    for shape in shapes:
+        s = get_shape(shape)
+        for precision in precisions:
+            per_token = bytes_per_token(s, precision)
+            for tokens in contexts:
+                rows.append({"model": s.name, "precision": get_precision(precision).name,
+                             "bytes_per_token": per_token, "tokens": tokens, "bytes": per_token * tokens})
+    return rows
+
+
+def concurrency_table(shape="llama-3-8b", memory_bytes: float = 80e9, weight_bits: int = 16,
+                      precisions=("fp16", "fp8", "int4-g64"), contexts=(8192, 32768, 131072),
+                      budgets=(None, 4096, 1024)) -> list[dict]:
+    """Max concurrent requests in `memory_bytes` once the weights (`params_b` x `weight_bits`) are loaded, for full
+    and budgeted caches."""
+    s = get_shape(shape)
+    weights = (s.params_b or 0.0) * 1e9 * weight_bits / 8
+    rows = []
+    for precision in precisions:
+        for context in contexts:
+            for budget in budgets:
+                if budget is not None and budget >= context:
+                    continue
+                rows.append({
+                    "model": s.name, "precision": get_precision(precision).name, "context": context,
+                    "budget": "full" if budget is None else budget, "memory_bytes": memory_bytes,
+                    "weights_bytes": weights,
+                    "requests": max_concurrent_requests(memory_bytes, s, precision, context, weights, budget),
+                })
+    return rows
+
+
+def format_rows(rows: list[dict], columns: list[tuple[str, str]] | None = None) -> str:
+    """A plain-text table; byte columns (names containing "bytes") are shown in binary units."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or [(k, k) for k in rows[0]]
+    cells = [[h for _, h in columns]]
+    for r in rows:
+        line = []
+        for key, _ in columns:
+            v = r.get(key, "")
+            if "bytes" in key and isinstance(v, (int, float)):
+                v = format_bytes(v)
+            elif isinstance(v, float):
+                v = f"{v:.4g}"
+            line.append(str(v))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(cells[0], widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells[1:]]
+    return "\n".join(out)
+
+
+def expected_tokens(config: dict, context: int) -> int:
+    """Tokens a cache with this (resolved) config keeps after `context` tokens: its budget, or all of them."""
+    if "budget" in config and config["budget"] is not None:
+        return min(context, int(config["budget"]))
+    parts = [config.get(k) for k in ("sinks", "window", "heavy", "recent") if isinstance(config.get(k), int)]
+    if parts and any(config.get(k) is not None for k in ("window", "heavy", "recent")):
+        return min(context, sum(parts))
+    return context
+
+
+def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_chunk: int | None = None) -> list[dict]:
+    """For each `(label, name, config)`: prefill `input_ids` minus `decode_tokens`, decode the rest one token per
+    forward, then report the bytes the cache holds (`cache_nbytes`) next to the calculator's figure for the tokens
+    it should keep at the model's dtype (buffers, trash slots and metadata make up the difference)."""
+    from .cache_spec import make_cache, resolve_config
+    from .divergence import prefill
+
+    ids = input_ids.reshape(1, -1)
+    n = ids.shape[1]
+    dtype = next(model.parameters()).dtype
+    precision = Precision(str(dtype).replace("torch.", ""), torch.finfo(dtype).bits)
+    shape = shape_from_config(model.config)
+    rows = []
+    for label, name, config in specs:
+        resolved = resolve_config(name, config, n)
+        cache = make_cache(model, name, config, context_len=n, total_len=n)
+        with torch.inference_mode():
+            prefill(model, ids[:, : n - decode_tokens], cache, prefill_chunk)
+            for t in range(n - decode_tokens, n):
+                model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        held = cache_nbytes(cache)
+        tokens = expected_tokens(resolved, n)
+        theory = kv_cache_bytes(shape, precision, tokens)
+        rows.append({"cache": label, "tokens_seen": n, "tokens_kept": tokens, "theory_bytes": theory,
+                     "measured_bytes": held, "measured_over_theory": held / theory,
+                     "dense_bytes": kv_cache_bytes(shape, precision, n)})
+    return rows

@@ -1,0 +1,190 @@
+"""Sweeps: resumable after an interruption, bad specs rejected before any model is loaded; memory calculator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import build_model
+from hf_kvcache.evaluation import memory
+from hf_kvcache.evaluation.sweep import SpecError, load_spec, plan_cells, read_results, run_sweep
+
+SPEC = {
+    "name": "tiny",
+    "model": "tiny-model",
+    "text": "random",
+    "text_offset": 0,
+    "context_lengths": [40],
+    "scored_tokens": 8,
+    "metrics": ["quality", "ppl", "speed"],
+    "budgets": [0.25, 0.5],
+    "caches": [
+        {"name": "dynamic"},
+        {"name": "sink", "config": {"sinks": 2}, "budget_key": "budget"},
+        {"name": "sliding", "budget_key": "window", "budgets": [16]},
+    ],
+    "ppl": {"tokens": 60, "mode": "chunked", "chunk": 8, "bucket": 20},
+    "speed": {"decode_tokens": 2, "rounds": 1},
+}
+
+
+class Interrupt(Exception):
+    pass
+
+
+def counting_loader(counter):
+    def load(name, dtype):
+        counter["loads"] += 1
+        return build_model("llama", seed=1), None
+
+    return load
+
+
+def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
+    cells = plan_cells(load_spec(SPEC))
+    assert len(cells) == 4 * 2 + 1  # (dynamic, sink x2, sliding) x (quality, ppl) + one interleaved speed cell
+    counter, seen = {"loads": 0}, []
+
+    def stop_after_three(cell):
+        seen.append(cell.key("x"))
+        if len(seen) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run_sweep(SPEC, tmp_path, loader=counting_loader(counter), progress=False, on_cell=stop_after_three)
+    first = read_results(tmp_path / "tiny" / "results.jsonl")
+    assert len(first) == 3
+    # a line cut short by a kill mid-write is ignored, not fatal
+    with open(tmp_path / "tiny" / "results.jsonl", "a") as f:
+        f.write('{"key": "half a li')
+    again = []
+    rows = run_sweep(SPEC, tmp_path, loader=counting_loader(counter), progress=False,
+                     on_cell=lambda c: again.append(c.key("x")))
+    assert len(again) == len(cells) - 3 and not set(again) & set(seen)
+    done = read_results(tmp_path / "tiny" / "results.jsonl")
+    assert len(done) == len(cells)
+    for key, rec in first.items():  # finished cells were kept as they were
+        assert done[key]["rows"] == rec["rows"]
+    # a third run has nothing to do and does not even load the model
+    loads = counter["loads"]
+    run_sweep(SPEC, tmp_path, loader=counting_loader(counter), progress=False)
+    assert counter["loads"] == loads
+    metrics = {r["metric"] for r in rows}
+    assert metrics == {"quality", "ppl", "speed"}
+    quality = {r["label"]: r for r in rows if r["metric"] == "quality"}
+    assert quality["dynamic"]["kl_mean"] < 1e-6 and quality["sink 25%"]["kl_mean"] > 1e-3
+    assert quality["sink 25%"]["budget_tokens"] == 10 and quality["sliding 16"]["budget_tokens"] == 16
+    assert quality["sink 25%"]["bytes_held"] < quality["sink 50%"]["bytes_held"] < quality["dynamic"]["bytes_held"]
+    speed = [r for r in rows if r["metric"] == "speed"]
+    assert {r["label"] for r in speed} == set(quality) and [r["decode_ratio"] for r in speed if r["label"] == "dynamic"] == [1.0]
+    out = tmp_path / "tiny"
+    assert (out / "results.csv").read_text().splitlines()[0].startswith("metric,context_len,label")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["environment"]["torch"] and len(summary["rows"]) == len(rows)
+    assert (out / "quality_vs_bytes.png").stat().st_size > 1000 and (out / "ppl_buckets.png").is_file()
+
+
+def test_changed_settings_recompute(tmp_path):
+    spec = {**SPEC, "metrics": ["quality"], "caches": [{"name": "dynamic"}]}
+    run_sweep(spec, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
+    ran = []
+    run_sweep({**spec, "scored_tokens": 6}, tmp_path, loader=counting_loader({"loads": 0}), progress=False,
+              on_cell=lambda c: ran.append(c))
+    assert len(ran) == 1
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"caches": [{"name": "sinkk", "budget_key": "budget"}]}, r"^caches\[0\]: unknown cache 'sinkk'; valid names"),
+        ({"caches": [{"name": "dynamic"}, {"name": "sink", "config": {"sinks": 2, "windw": 3}}]},
+         r"^caches\[1\]: unknown key\(s\) \['windw'\]"),
+        ({"budgets": [0.25, 1.5]}, r"^budgets\[1\]: a budget fraction must be in \(0, 1\]"),
+        ({"budgets": [0.25, "all"]}, r"^budgets\[1\]: a budget is a number of tokens"),
+        ({"budgets": [2]}, r"^caches\[1\]: invalid config .* `sinks` \(2\) must be smaller than `budget` \(2\)"),
+        ({"metrics": ["quality", "bleu"]}, r"^metrics\[1\]: unknown metric 'bleu'"),
+        ({"context_lengths": [40, 0]}, r"^context_lengths\[1\]: must be an integer >= 2"),
+        ({"model": "./no/such/dir"}, r"^model: local model directory './no/such/dir' does not exist"),
+        ({"text": "/no/such/file.txt"}, r"^text: '/no/such/file.txt' is not"),
+        ({"ppl": {"tokens": 60, "mode": "fast"}}, r"^ppl\.mode: must be 'stream' or 'chunked'"),
+        ({"speed": {"rounds": 0}}, r"^speed\.rounds: must be an integer >= 1"),
+        ({"retrieval": {"kinds": ["needle"]}, "metrics": ["retrieval"], "text": "pydoc"},
+         r"^retrieval\.kinds\[0\]: unknown probe 'needle'"),
+        ({"cachez": []}, r"^cachez: unknown field"),
+        ({"caches": [{"name": "sliding", "budget_key": "window", "budgets": []}]}, r"^caches\[0\]\.budgets: must be"),
+    ],
+)
+def test_bad_spec_fails_before_loading_the_model(tmp_path, patch, field):
+    spec = {**SPEC, **patch}
+
+    def loader(name, dtype):
+        raise AssertionError("the model must not be loaded for a bad spec")
+
+    with pytest.raises(SpecError, match=field):
+        run_sweep(spec, tmp_path, loader=loader, progress=False)
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_bad_yaml_file(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("caches: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+
+
+def test_shipped_specs_are_valid():
+    from pathlib import Path
+
+    specs = sorted((Path(__file__).resolve().parents[1] / "eval" / "specs").glob("*.yaml"))
+    assert specs
+    for path in specs:
+        s = load_spec(path)
+        assert plan_cells(s)
+
+
+# -- memory calculator ---------------------------------------------------------------------------------------------------
+def test_memory_calculator_published_figures():
+    kib = 1024
+    assert memory.bytes_per_token("llama-3-8b", "fp16") == 128 * kib
+    assert memory.bytes_per_token("llama-3-8b", "fp8") == 64 * kib
+    assert memory.bytes_per_token("llama-3-8b", "int4-g64") == 34 * kib  # 4 bits + one FP16 scale per 64 values
+    assert memory.bytes_per_token("llama-3-8b", "int4-g32-asym") == 40 * kib  # FP16 scale + zero per 32: 5 bits
+    # Llama-2-70B / Llama-3-70B (GQA, 8 KV heads) at 128K (128,000) tokens in FP16: 41.9 GB
+    assert round(memory.kv_cache_bytes("llama-3-70b", "fp16", 128_000) / 1e9, 1) == 41.9
+    # Llama-2-7B (MHA): 512 KiB/token, 2 GiB at 4K
+    assert memory.kv_cache_bytes("llama-2-7b", "fp16", 4096) == 2 * 2**30
+
+
+def test_memory_from_config_and_concurrency():
+    model = build_model("llama")
+    shape = memory.shape_from_config(model.config)
+    assert (shape.layers, shape.kv_heads, shape.head_dim) == (2, 2, 16)
+    assert memory.bytes_per_token(model.config, "fp32") == 2 * 2 * 2 * 16 * 4
+    # 80 GB, 16 GB of weights, 8K context at 128 KiB/token = 1 GiB per request
+    assert memory.max_concurrent_requests(80e9, "llama-3-8b", "fp16", 8192, reserved_bytes=16e9) == 59
+    assert memory.max_concurrent_requests(80e9, "llama-3-8b", "fp16", 8192, 16e9, budget_tokens=1024) == 476
+    with pytest.raises(ValueError, match="Unknown precision 'int5'"):
+        memory.bytes_per_token("llama-3-8b", "int5")
+    with pytest.raises(ValueError, match="Unknown model shape"):
+        memory.bytes_per_token("gpt-9", "fp16")
+
+
+def test_measured_bytes_next_to_theory():
+    import torch
+
+    from conftest import random_ids
+
+    model = build_model("llama")
+    ids = random_ids(1, 64, seed=2)
+    rows = memory.measured_vs_theory(model, [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4, "budget": 16})],
+                                     ids, decode_tokens=4)
+    dyn, sink = rows
+    per_token = 2 * 2 * 2 * 16 * 4
+    assert dyn["theory_bytes"] == 64 * per_token and dyn["measured_bytes"] == dyn["theory_bytes"]
+    assert sink["tokens_kept"] == 16 and sink["theory_bytes"] == 16 * per_token
+    # + one trash slot per layer, slot metadata and the sinks' un-rotated copies
+    assert 1.0 < sink["measured_over_theory"] < 2.0
+    assert torch.get_num_threads() >= 1
