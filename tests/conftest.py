@@ -43,13 +43,17 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    # extra: partial rotary (25%), its own eager attention function; not in the default parametrization
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {}),
 }
-ARCH_NAMES = tuple(ARCHS)
+ARCH_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def build_config(arch: str = "llama", attn: str = "sdpa", **overrides):
     config_cls, _, extra = ARCHS[arch]
     kwargs = {**COMMON, **extra, **overrides}
+    if arch == "gpt_neox":
+        kwargs.pop("num_key_value_heads")  # no grouped-query attention in GPT-NeoX
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     return config

@@ -35,11 +35,11 @@ def greedy(model, ids, mask, name, cache_config, **kwargs):
     )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-eager"])
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_left_padded_batch_equals_rows_alone(arch, config_name):
     name, cache_config = CONFIGS[config_name]
-    model = build_model(arch)
+    model = build_model("llama", attn="eager") if arch == "llama-eager" else build_model(arch)
     rows = prompts()
     ids, mask = left_pad(rows)
     batched = greedy(model, ids, mask, name, cache_config)
@@ -174,3 +174,51 @@ def test_num_return_sequences_via_cache_implementation():
             pad_token_id=PAD, cache_implementation=name, cache_config=cache_config,
         )
         assert out.shape == (4, ids.shape[1] + NEW)
+
+
+@pytest.mark.parametrize("position_mode", ["cache", "original"])
+def test_prompts_shorter_than_sinks(position_mode):
+    """Rows whose prompt does not even fill the sinks (1 and 2 tokens with 4 sinks) next to a long one."""
+    model = build_model("llama")
+    rows = [random_ids(1, n, seed=60 + n)[0] for n in (2, 1, 12, 5)]
+    ids, mask = left_pad(rows)
+    cache_config = {"sinks": 4, "window": 4, "position_mode": position_mode}
+    batched = greedy(model, ids, mask, "sink", cache_config)
+    for i, row in enumerate(rows):
+        alone = greedy(model, row[None], torch.ones(1, row.numel(), dtype=torch.long), "sink", cache_config)
+        assert torch.equal(batched[i, ids.shape[1] :], alone[0, row.numel() :]), f"row {i}"
+
+
+def _feed_padded(model, cache, ids, mask, new, chunk):
+    """Prefill a left-padded batch, then feed `new` (same tokens for every row) `chunk` tokens per forward, passing
+    mask and positions as generate would. Returns the logits of every fed new token [B, T, V]."""
+    n_real = mask.sum(-1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = []
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        for t in range(0, new.shape[1], chunk):
+            q = min(chunk, new.shape[1] - t)
+            mask = torch.cat((mask, torch.ones(ids.shape[0], q, dtype=torch.long)), -1)
+            p = n_real[:, None] + t + torch.arange(q)[None]
+            out.append(model(new[:, t : t + q], attention_mask=mask, position_ids=p, past_key_values=cache,
+                             use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("make", [
+    lambda m: SinkCache(m, sinks=2, window=5),
+    lambda m: SinkCache(m, sinks=2, window=5, position_mode="original"),
+    lambda m: SlidingWindowCache(m, window=6),
+], ids=["sink_cache", "sink_original", "sliding"])
+def test_padded_batch_logits_equal_rows_alone_direct_calls(make, chunk):
+    """Logit-level check (not just argmax), also for multi-token decode chunks after evictions."""
+    model = build_model("llama")
+    rows = [random_ids(1, n, seed=70 + n)[0] for n in (10, 3, 17)]
+    ids, mask = left_pad(rows)
+    new = random_ids(1, 24, seed=77)
+    batched = _feed_padded(model, make(model), ids, mask, new.expand(len(rows), -1), chunk)
+    for i, row in enumerate(rows):
+        alone = _feed_padded(model, make(model), row[None], torch.ones(1, row.numel(), dtype=torch.long), new, chunk)
+        torch.testing.assert_close(batched[i], alone[0], atol=1e-4, rtol=1e-4)

@@ -134,7 +134,7 @@ def test_generate_with_cache_object_built_from_config():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_bridge_is_transparent_for_dynamic_cache(arch, attn):
     model = build_model(arch, attn=attn)
     ids = random_ids(2, TOTAL, seed=16)
@@ -165,3 +165,50 @@ def test_bridge_transparent_after_our_cache_was_used():
     stream(model, SinkCache(model, sinks=2, window=5), ids)  # evicting run
     after = stream(model, DynamicCache(config=model.config), ids)
     torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+
+
+# Regression (found by this suite, fixed in the library): attention.enable drops the bridge for good once disabled:
+# disable() leaves model._hf_kvcache_enabled True, so enable() (and SinkCache(model), generate) return early with the
+# plain attention function, and our validity masks are silently not applied
+def test_enable_after_disable_restores_bridge():
+    from hf_kvcache.attention import disable
+
+    model = build_model("llama")
+    rows = [random_ids(1, n, seed=50 + n)[0] for n in (14, 5)]
+    ids, mask = left_pad(rows)
+    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              cache_implementation="sink", cache_config={"sinks": 2, "window": 6})
+    alone = model.generate(rows[1][None], **kw).scores
+    hf_kvcache.enable(model)
+    disable(model)
+    assert model.config._attn_implementation == "sdpa"
+    hf_kvcache.enable(model)
+    assert model.config._attn_implementation == "hf_kvcache_sdpa"
+    batched = model.generate(ids, attention_mask=mask, **kw).scores
+    for a, b in zip(batched, alone):
+        torch.testing.assert_close(a[1], b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_bridge_transparent_and_exact_for_gpt_neox_sdpa():
+    """A RoPE model with partial rotary and its own attention module, through the sdpa bridge."""
+    model = build_model("gpt_neox")
+    ids = random_ids(2, TOTAL, seed=18)
+    ref = stream(model, DynamicCache(config=model.config), ids)
+    for make in CACHES.values():
+        torch.testing.assert_close(stream(model, make(model), ids), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stream(model, DynamicCache(config=model.config), ids), ref, atol=1e-6, rtol=0)
+
+
+# Regression (found by this suite, fixed in the library): attention.py wraps
+# transformers.models.llama.modeling_llama.eager_attention_forward for every model ('hf_kvcache_eager'); models whose
+# eager attention differs (GPT-NeoX, GPT-2, OPT) crash with AttributeError: no attribute 'num_key_value_groups' once
+# the bridge is enabled, even with DynamicCache
+def test_bridge_transparent_for_gpt_neox_eager():
+    model = build_model("gpt_neox", attn="eager")
+    ids = random_ids(2, TOTAL, seed=19)
+    before = stream(model, DynamicCache(config=model.config), ids)
+    hf_kvcache.enable(model)
+    after = stream(model, DynamicCache(config=model.config), ids)
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+    torch.testing.assert_close(stream(model, SinkCache(model, sinks=4, window=TOTAL), ids), before,
+                               atol=1e-5, rtol=1e-5)

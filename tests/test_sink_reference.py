@@ -16,25 +16,31 @@ from conftest import build_model, random_ids
 from hf_kvcache import SinkCache, SlidingWindowCache
 
 
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE of x [B, H, n, D] to positions [n] (float64 for a clean reference)."""
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, inv_freq: torch.Tensor | None = None):
+    """Rotate-half RoPE of x [B, H, n, D] to positions [n] (float64 for a clean reference). By default the standard
+    frequencies theta^(-2i/D) over the whole head; `inv_freq` overrides them (scaled RoPE types, partial rotary:
+    only the first 2 * len(inv_freq) dims rotate)."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None]  # [n, D/2]
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = inv_freq.to(torch.float64)
+    rot = 2 * inv_freq.numel()
+    freqs = positions.to(torch.float64)[:, None] * inv_freq[None]  # [n, rot/2]
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos(), emb.sin()
     xd = x.to(torch.float64)
-    half = dim // 2
-    rotated_half = torch.cat((-xd[..., half:], xd[..., :half]), -1)
-    return xd * cos + rotated_half * sin
+    xr, rest = xd[..., :rot], xd[..., rot:]
+    half = rot // 2
+    rotated_half = torch.cat((-xr[..., half:], xr[..., :half]), -1)
+    return torch.cat((xr * cos + rotated_half * sin, rest), -1)
 
 
 class ReferenceSinkLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, sinks: int, window: int, theta: float, mode: str):
+    def __init__(self, sinks: int, window: int, theta: float, mode: str, inv_freq=None):
         super().__init__()
-        self.sinks, self.window, self.theta, self.mode = sinks, window, theta, mode
+        self.sinks, self.window, self.theta, self.mode, self.inv_freq = sinks, window, theta, mode, inv_freq
         self.seen = 0
         self.pos: list[int] = []
         self.k_plain: torch.Tensor | None = None  # un-rotated keys, float64
@@ -50,7 +56,7 @@ class ReferenceSinkLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         new_pos = torch.arange(self.seen, self.seen + q)
-        plain = rope_rotate(key_states, -new_pos, self.theta)
+        plain = rope_rotate(key_states, -new_pos, self.theta, self.inv_freq)
         if self.k_plain is None:
             self.k_plain, self.k_orig, self.v = plain, key_states, value_states
         else:
@@ -60,26 +66,22 @@ class ReferenceSinkLayer(CacheLayerMixin):
         self.pos += new_pos.tolist()
         self.seen += q
 
-        if q > 1:
-            # Multi-token prefill: plain attention over the past and the whole chunk, then keep the survivors.
-            keys = self.k_orig if self.mode == "original" else self._rotated_cache_positions(q)
-            values = self.v
+        if q == 1:
+            # decode: the new token takes the place of the evicted one, attention sees the S + W kept tokens
             self._evict()
-            return keys, values
-
+        keys = self.k_orig if self.mode == "original" else self._rotated_cache_positions(q)
+        values = self.v
+        # a multi-token forward attends to the kept past plus its whole chunk, then keeps the survivors
         self._evict()
-        if self.mode == "original":
-            return self.k_orig, self.v
-        return self._rotated_cache_positions(1), self.v
+        return keys, values
 
     def _rotated_cache_positions(self, q: int) -> torch.Tensor:
-        length = self.k_plain.shape[-2]
-        p_last = self.seen - 1  # position of the last (current) token
-        target = torch.arange(length) + (p_last - length + 1)
-        if q > 1:
-            # within a chunk each query has its own absolute position; keys keep theirs (nothing evicted yet)
-            target = torch.tensor(self.pos)
-        return rope_rotate(self.k_plain, target, self.theta).to(self.dtype)
+        """The L_past kept past tokens sit contiguously just before the first new token (position P); the q new
+        tokens keep their own positions P..P+q-1 (for q = 1: positions p_query - L + 1 + slot)."""
+        past = len(self.pos) - q
+        first_new = self.seen - q
+        target = torch.cat((torch.arange(past) + (first_new - past), torch.arange(first_new, self.seen)))
+        return rope_rotate(self.k_plain, target, self.theta, self.inv_freq).to(self.dtype)
 
     def _evict(self):
         n = len(self.pos)
@@ -107,19 +109,19 @@ class ReferenceSinkLayer(CacheLayerMixin):
 
 
 class ReferenceSinkCache(Cache):
-    def __init__(self, config, sinks: int, window: int, mode: str = "cache"):
+    def __init__(self, config, sinks: int, window: int, mode: str = "cache", inv_freq=None):
         theta = config.rope_parameters["rope_theta"]
-        layers = [ReferenceSinkLayer(sinks, window, theta, mode) for _ in range(config.num_hidden_layers)]
+        layers = [ReferenceSinkLayer(sinks, window, theta, mode, inv_freq) for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
 
 
-def stream_logits(model, cache, ids: torch.Tensor, prefill: int = 1) -> torch.Tensor:
-    """Prefill `prefill` tokens, then one token per forward; logits of every position [T, V]."""
+def stream_logits(model, cache, ids: torch.Tensor, prefill: int = 1, chunk: int = 1) -> torch.Tensor:
+    """Prefill `prefill` tokens, then `chunk` tokens per forward; logits of every position [T, V]."""
     out = []
     with torch.no_grad():
         out.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits[0])
-        for t in range(prefill, ids.shape[1]):
-            out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0])
+        for t in range(prefill, ids.shape[1], chunk):
+            out.append(model(ids[:, t : t + chunk], past_key_values=cache, use_cache=True).logits[0])
     return torch.cat(out, 0)
 
 
@@ -210,3 +212,87 @@ def test_zero_sinks_is_sliding_window(mode):
     ref = stream_logits(model, ReferenceSinkCache(model.config, 0, 7, mode), ids)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["cache", "original"])
+@pytest.mark.parametrize("chunk", [3, 7])
+def test_chunks_after_eviction_match_reference(mode, chunk):
+    """Multi-token forwards with an evicted past (chunk < window and chunk > window)."""
+    model = build_model("llama")
+    ids = random_ids(1, 50, seed=8)
+    ref = stream_logits(model, ReferenceSinkCache(model.config, 2, 5, mode), ids, prefill=4, chunk=chunk)
+    got = stream_logits(model, SinkCache(model, sinks=2, window=5, position_mode=mode), ids, prefill=4, chunk=chunk)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["cache", "original"])
+def test_multi_turn_generate_matches_reference(mode):
+    """generate twice on the same cache (the second prompt is a chunk fed after evictions)."""
+    model = build_model("llama")
+    prompt = random_ids(1, 12, seed=9)
+
+    def two_turns(cache):
+        first = model.generate(prompt, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        second_prompt = torch.cat((first, random_ids(1, 6, seed=10)), -1)
+        return model.generate(second_prompt, max_new_tokens=10, do_sample=False, past_key_values=cache)
+
+    ref = two_turns(ReferenceSinkCache(model.config, 3, 5, mode))
+    got = two_turns(SinkCache(model.config, sinks=3, window=5, position_mode=mode))
+    assert torch.equal(got, ref)
+
+
+ROPE_VARIANTS = {
+    "linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}}),
+    "yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 64}}),
+    "partial_rotary": ("phi3", {"partial_rotary_factor": 0.5}),
+    "head_dim_32": ("qwen3", {"head_dim": 32}),
+    "gpt_neox_partial_25": ("gpt_neox", {}),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variants_match_reference(variant):
+    """Scaled RoPE types, partial rotary and a head_dim that is not hidden/heads. The reference takes the model's
+    own inverse frequencies (its rotation convention is checked against transformers above)."""
+    arch, overrides = ROPE_VARIANTS[variant]
+    model = build_model(arch, **overrides)
+    inv_freq = model.base_model.rotary_emb.inv_freq
+    ids = random_ids(1, 36, seed=11)
+    ref = stream_logits(model, ReferenceSinkCache(model.config, 2, 6, "cache", inv_freq), ids, prefill=5)
+    got = stream_logits(model, SinkCache(model, sinks=2, window=6), ids, prefill=5)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # sanity: the positions matter for this model, i.e. the original mode differs
+    other = stream_logits(model, SinkCache(model, sinks=2, window=6, position_mode="original"), ids, prefill=5)
+    assert (other - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch,rope_parameters", [
+    ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("phi3", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+              "original_max_position_embeddings": 64}),
+])
+def test_length_dependent_rope_rejected_in_cache_mode(arch, rope_parameters):
+    from conftest import build_config
+
+    config = build_config(arch, rope_parameters=rope_parameters)
+    with pytest.raises(ValueError, match="position_mode"):
+        SinkCache(config, sinks=2, window=6)
+    SinkCache(config, sinks=2, window=6, position_mode="original")  # fine
+
+
+@pytest.mark.parametrize("mode", ["cache", "original"])
+def test_generate_with_prefill_chunks_matches_reference(mode):
+    """generate(prefill_chunk_size=...) feeds a long prompt in chunks, evicting between them."""
+    model = build_model("llama")
+    prompt = random_ids(1, 23, seed=12)
+    kw = dict(max_new_tokens=12, do_sample=False, prefill_chunk_size=5)
+    ref = model.generate(prompt, past_key_values=ReferenceSinkCache(model.config, 2, 6, mode), **kw)
+    got = model.generate(prompt, past_key_values=SinkCache(model.config, sinks=2, window=6, position_mode=mode), **kw)
+    assert torch.equal(got, ref)
+    whole = model.generate(prompt, past_key_values=SinkCache(model.config, sinks=2, window=6, position_mode=mode),
+                           max_new_tokens=12, do_sample=False)
+    assert not torch.equal(whole, got)  # chunking the prompt really changed what was attended

@@ -143,11 +143,9 @@ def test_encoder_decoder_rejected(config_cls):
             make(config_cls())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SinkCache.__init__ builds the KeyRotator (RoPE check) before KVCache.__init__ runs "
-    "check_supported_config, so an encoder-decoder config gets the misleading 'use position_mode=original' error",
-)
+# Regression (found by this suite, fixed in the library): SinkCache.__init__ builds the KeyRotator (RoPE check) before
+# KVCache.__init__ runs check_supported_config, so an encoder-decoder config gets the misleading 'use
+# position_mode=original' error
 @pytest.mark.parametrize("config_cls", ENC_DEC)
 def test_encoder_decoder_rejected_as_such_in_default_mode(config_cls):
     with pytest.raises(ValueError, match="encoder-decoder"):
@@ -220,10 +218,25 @@ def test_direct_call_without_bridge_raises(make):
 
 def test_cache_from_model_enables_bridge():
     model = build_model("llama")
-    assert not getattr(model, "_hf_kvcache_enabled", False)
-    SinkCache(model, sinks=2, window=6)
-    assert model._hf_kvcache_enabled
+    assert model.config._attn_implementation == "sdpa"
+    cache = SinkCache(model, sinks=2, window=6)
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
+    with torch.no_grad():
+        model(random_ids(1, 9), past_key_values=cache, use_cache=True)  # no RuntimeError: the bridge is on
+    assert cache.get_seq_length() == 9
+
+
+# Regression (found by this suite, fixed in the library): attention.enable registers its forward pre-hook only on the
+# top-level model (e.g. LlamaForCausalLM); calling the enabled model's base model (model.model(...)) with one of our
+# caches raises the RuntimeError that asks to call hf_kvcache.enable(model), which was already done
+def test_base_model_of_enabled_model_accepts_our_cache():
+    model = build_model("llama")
+    ids = random_ids(1, 12, seed=8)
+    cache = SinkCache(model, sinks=2, window=20)  # enables the bridge on `model`
+    with torch.no_grad():
+        ref = model.model(ids, past_key_values=DynamicCache(config=model.config)).last_hidden_state
+        out = model.model(ids, past_key_values=cache).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_four_d_attention_mask_rejected():
@@ -327,3 +340,29 @@ def test_full_cache_crop_after_long_stream():
         run(model, c, ids[:, :30])
         c.crop(-10)
     torch.testing.assert_close(run(model, cache, ids[:, 30:]), run(model, dyn, ids[:, 30:]), atol=1e-5, rtol=1e-5)
+
+
+# -- assisted decoding (crop in generate) ------------------------------------------------------------------------------
+def test_assisted_decoding_before_eviction_matches_default():
+    model, assistant = build_model("llama"), build_model("llama", seed=5)
+    ids = random_ids(1, 10, seed=6)
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+    assert torch.equal(ref, model.generate(ids, max_new_tokens=12, do_sample=False))
+    for cache in (SinkCache(model.config, sinks=2, window=40), SlidingWindowCache(model.config, window=40),
+                  FullCache(model.config)):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, past_key_values=cache)
+        assert torch.equal(out, ref), type(cache).__name__
+
+
+def test_assisted_decoding_after_eviction_raises_clear_error():
+    model, assistant = build_model("llama"), build_model("llama", seed=5)
+    with pytest.raises(ValueError, match="evict"):
+        model.generate(random_ids(1, 10, seed=6), max_new_tokens=12, do_sample=False, assistant_model=assistant,
+                       past_key_values=SinkCache(model.config, sinks=2, window=4))
+
+
+def test_generate_sink_without_size_is_a_clear_error():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="window") as err:
+        model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink")
+    assert "budget" in str(err.value)
