@@ -83,6 +83,10 @@ class CompressedLayer(CacheLayerMixin):
         if self.policy.capacity is None:
             self._ensure_slots(self.policy.used_after(self.seen + q))
 
+        if q == 1 and self.seen > 0 and not self.forward_info.has_padding:
+            slot = self.policy.decode_slot(self, self.seen)
+            if slot is not None:
+                return self._decode_in_slot(slot, key_states, value_states, info.positions)
         if q == 1 and self.seen > 0:
             placement = self.policy.place(self, info.real, self.seen)
             self._write(placement, key_states, value_states, info.positions, self.seen)
@@ -114,6 +118,20 @@ class CompressedLayer(CacheLayerMixin):
             self.used = self.policy.used_after(self.seen + q)
         self.seen += q
         return keys, values
+
+    def _decode_in_slot(self, slot: int, key_states, value_states, positions):
+        """Fast path for an unpadded one-token step whose slot the policy knows without looking at data: slice
+        copies instead of scatters (most of the per-step cost on CPU is Python-level tensor op overhead)."""
+        self.store.write_slot(slot, key_states, value_states)
+        self.slot_valid[..., slot] = True
+        self.slot_pos[..., slot] = positions[:, :1]
+        self.policy.after_decode_write(self, slot, key_states, positions)
+        self.seen += 1
+        self.used = self.policy.used_after(self.seen)
+        self.policy.before_read(self)
+        self._attention_columns = self.slot_valid[..., : self.used]
+        self._attention_query_len = 1
+        return self.store.read(self.used)
 
     def commit(self, placement) -> None:
         """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""

@@ -46,6 +46,14 @@ class Policy:
     # True when an unpadded stream can still leave invalid columns (then the bridge always applies the mask).
     may_have_holes = False
 
+    def decode_slot(self, layer, seen: int) -> int | None:
+        """For an unpadded one-token step: the slot of the new token if it is the same for every row and head and
+        known without reading data (the layer then takes a fast path), else None."""
+        return None
+
+    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """Bookkeeping after a fast-path write of one token into `slot`."""
+
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         """Called after the new tokens were written (keys are the written keys, dest their slots, seen_before the
         stream index of the first new token)."""

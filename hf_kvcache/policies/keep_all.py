@@ -15,6 +15,9 @@ class KeepAllPolicy(Policy):
         src = torch.arange(q, device=real.device).expand(batch, 1, q)
         return Placement(src=src, dest=src + seen, valid=real[:, None, :])
 
+    def decode_slot(self, layer, seen: int) -> int | None:
+        return seen
+
     def used_after(self, seen: int) -> int:
         return seen
 

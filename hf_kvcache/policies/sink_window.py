@@ -83,10 +83,34 @@ class SinkWindowPolicy(Policy):
             index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
             self.sink_keys.scatter_(2, index, keys)
 
+    def decode_slot(self, layer, seen: int) -> int | None:
+        self.n_real += 1
+        if seen < self.sinks:
+            return seen
+        return self.sinks + (seen - self.sinks) % self.window
+
+    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        if slot < self.sinks:
+            self.sink_pos[:, slot] = positions[:, 0]
+            self.sink_index[:, slot] = layer.seen
+            if self.rotator is not None:
+                if self.sink_keys is None:
+                    b, h, _, d = keys.shape
+                    self.sink_keys = keys.new_zeros(b, h, self.sinks + 1, d)
+                self.sink_keys[:, :, slot] = keys[:, :, 0]
+
     def before_read(self, layer) -> None:
         if self.rotator is None or self.sinks == 0 or not self.has_evicted(layer.seen):
             return
-        reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
+        if layer.forward_info.has_padding:
+            reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
+            return
+        # Unpadded rows share the ring layout: the oldest window token is in a known slot.
+        oldest_slot = self.sinks + (layer.seen - self.window - self.sinks) % self.window
+        oldest = layer.slot_pos[:, 0, oldest_slot]
+        target = oldest[:, None] - self.sinks + torch.arange(self.sinks, device=oldest.device)
+        delta = target - self.sink_pos[:, : self.sinks]
+        layer.store.write_keys_slice(0, self.rotator.rotate(self.sink_keys[:, :, : self.sinks], delta))
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)

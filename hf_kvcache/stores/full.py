@@ -36,6 +36,11 @@ class FullPrecisionStore:
         self.keys.scatter_(2, index, keys.to(self.keys.dtype))
         self.values.scatter_(2, index, values.to(self.values.dtype))
 
+    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One token [B, H, 1, D] into one slot shared by all rows and heads."""
+        self.keys[:, :, slot : slot + 1] = keys
+        self.values[:, :, slot : slot + 1] = values
+
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :used], self.values[:, :, :used]
 
