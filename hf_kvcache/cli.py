@@ -43,9 +43,14 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hf-kvcache", description="KV-cache compression for Hugging Face Transformers: demo and evaluation."
+        prog="hf-kvcache",
+        description="KV-cache compression for Hugging Face Transformers: demo and evaluation. Caches are named as "
+        "NAME or NAME:key=value,key=value (e.g. sink:sinks=4,budget=256 or sliding:window=25%); `hf-kvcache "
+        "caches` lists them. Budget keys take tokens or a fraction of the context.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
         help="generate with each cache on a model and print bytes held, speed and agreement with the full cache",
@@ -57,12 +62,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
     demo.add_argument("--offset", type=int, default=20000, help="where the prompt starts in the corpus, in tokens")
     demo.set_defaults(func=_demo)
+    from .eval_cli import add_eval_commands
+
+    add_eval_commands(sub)
     return parser
+
+
+_EPILOG = """commands:
+  demo        generate with each cache and print bytes held, speed and agreement with the full cache
+  caches      list the cache names and their config keys
+  memory      KV-cache bytes per token / per context for model shapes and precisions; max concurrent requests;
+              with --measure, bytes held by real caches next to the calculator
+  ppl         streaming perplexity of a long text through a cache (exact one-token protocol, or chunked)
+  divergence  KL / top-1 / top-k of caches against the full cache on the same positions
+  retrieval   pass-key and JSON-records probes at early/middle/late positions
+  speed       prefill time and decode ms/token as ratios to DynamicCache, measured interleaved
+  sweep       run a YAML spec (caches x budgets x metrics x context lengths), resumable, CSV/JSON/PNG
+  lm-eval     lm-evaluation-harness with --model hf-kvcache and the local probe tasks
+
+Run `hf-kvcache COMMAND --help` for the options of each."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if getattr(args, "handles_errors", False):
+        return args.func(args)
+    from .evaluation.sweep import SpecError
+
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into `head`
+        return 0
+    except (SpecError, ValueError, FileNotFoundError, OSError) as err:
+        print(f"hf-kvcache {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

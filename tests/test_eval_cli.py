@@ -1,0 +1,96 @@
+"""The `hf-kvcache` evaluation subcommands: help for each, clear errors before any model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_kvcache.cli import build_parser, main
+from hf_kvcache.eval_cli import parse_cache
+
+COMMANDS = ["demo", "caches", "memory", "ppl", "divergence", "retrieval", "speed", "sweep"]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in COMMANDS + ["lm-eval"]:
+        assert name in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert len(capsys.readouterr().out) > 150
+
+
+def test_parse_cache():
+    assert parse_cache("dynamic") == ("dynamic", "dynamic", {})
+    assert parse_cache("sink:sinks=4,budget=0.25") == ("sink:sinks=4,budget=0.25", "sink", {"sinks": 4, "budget": 0.25})
+    assert parse_cache("sliding:window=25%")[2] == {"window": "25%"}
+    assert parse_cache('h2o:{"budget": 64}')[2] == {"budget": 64}
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_cache("sink:4")
+
+
+def fail_loading(monkeypatch):
+    import hf_kvcache.models
+
+    def boom(*a, **k):
+        raise AssertionError("no model may be loaded")
+
+    monkeypatch.setattr(hf_kvcache.models, "load_model", boom)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ppl", "--cache", "sinc"], "--cache sinc: unknown cache 'sinc'; valid names are hf_kvcache caches"),
+        (["divergence", "--cache", "sink:sinks=4,budget=1.5"], "--cache sink.budget: a budget fraction must be in"),
+        (["divergence", "--cache", "sliding:window=0"], "--cache sliding.window: a budget is a number of tokens"),
+        (["speed", "--cache", "sink:sinks=9,budget=8"], "`sinks` (9) must be smaller than `budget` (8)"),
+        (["ppl", "--model", "./no/such/model"], "--model './no/such/model': no such model directory"),
+        (["ppl", "--text", "/no/such/file.txt"], "--text '/no/such/file.txt': not 'pydoc'"),
+        (["sweep", "/no/such/spec.yaml"], "spec: file '/no/such/spec.yaml' does not exist"),
+        (["retrieval", "--kinds", "needle"], "--kinds: unknown probe 'needle'"),
+        (["memory", "--precisions", "int5"], "Unknown precision 'int5'"),
+        (["memory", "--shapes", "gpt-9"], "Unknown model shape 'gpt-9'"),
+    ],
+)
+def test_errors_are_clear_and_early(monkeypatch, capsys, argv, message):
+    fail_loading(monkeypatch)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-kvcache {argv[0]}: error:") and message in err
+
+
+def test_bad_number_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["ppl", "--tokens", "-5"])
+    assert exit_.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_memory_tables(capsys):
+    assert main(["memory", "--contexts", "8192,131072"]) == 0
+    out = capsys.readouterr().out
+    assert "128.0 KiB" in out and "64.0 KiB" in out and "34.0 KiB" in out  # Llama-3-8B fp16 / fp8 / int4-g64
+    assert "Max concurrent requests of llama-3-8b" in out
+
+
+def test_caches_lists_registered_names(capsys):
+    from hf_kvcache import CACHE_IMPLEMENTATIONS
+
+    assert main(["caches"]) == 0
+    out = capsys.readouterr().out
+    for name in [*CACHE_IMPLEMENTATIONS, "dynamic", "quantized"]:
+        assert f"  {name} " in out
+
+
+def test_sweep_dry_run(capsys, monkeypatch, tmp_path):
+    fail_loading(monkeypatch)
+    assert main(["sweep", "eval/specs/smoke.yaml", "--out", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("smoke: ") and "0 already done" in out
