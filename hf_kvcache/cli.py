@@ -84,6 +84,11 @@ Run `hf-kvcache COMMAND --help` for the options of each."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "lm-eval":  # everything after it belongs to lm-eval (argparse cannot pass "--x" through)
+        from .eval_cli import run_lm_eval
+
+        return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "handles_errors", False):
         return args.func(args)

@@ -287,12 +287,16 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
+    return run_lm_eval(list(args.lm_eval_args))
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """`lm-eval run ARGS` with the hf-kvcache model registered and the local tasks on the include path."""
     try:
         from .evaluation import lm_eval_adapter
     except ImportError as err:
         print(f"hf-kvcache lm-eval: error: {err}", file=sys.stderr)
         return 2
-    argv = list(args.lm_eval_args)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if argv and argv[0] in ("-h", "--help"):
@@ -305,8 +309,11 @@ def cmd_lm_eval(args) -> int:
 
     sys.argv = ["lm-eval", "run"] + argv if not argv or argv[0] not in ("run", "ls", "validate") else \
         ["lm-eval"] + argv
-    result = cli_evaluate()
-    return int(result or 0)
+    try:
+        cli_evaluate()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
 
 
 __doc_lm_eval__ = """hf-kvcache lm-eval: lm-evaluation-harness with the model `hf-kvcache` registered and the local tasks
