@@ -18,7 +18,7 @@ import torch
 from ..rope import KeyRotator
 from .base import Placement, Policy
 from .heavy_hitter import HeavyHitterPolicy
-from .sink_window import reposition_sinks
+from .sinks import SinkMemory
 
 FINAL_KINDS = ("evict", "keep", "heavy")
 
@@ -38,14 +38,13 @@ class CascadePolicy(Policy):
         self.per_head = self.deferred = self.needs_attention = final == "heavy"
         self._scoring = HeavyHitterPolicy(heavy, 0, aggregation) if final == "heavy" else None
         self.n_real = self.stream = self.scores = None
-        self.sink_keys = self.sink_pos = self.sink_index = None
+        self.memory = SinkMemory(sinks, rotator)
 
     # -- state --------------------------------------------------------------------------------------------------
     def allocate(self, batch: int, heads: int, device) -> None:
         self.heads = heads
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
-        self.sink_pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
-        self.sink_index = torch.zeros_like(self.sink_pos)
+        self.memory.allocate(batch, device)
 
     def _ensure_meta(self, layer) -> None:
         slots = layer.slot_valid.shape[-1]
@@ -234,43 +233,30 @@ class CascadePolicy(Policy):
         self._ensure_meta(layer)
         self.scores.scatter_(2, dest, 0.0)
         self.stream.scatter_(2, dest, seen_before + placement.src)
-        if self.sinks == 0:
-            return
-        is_sink = placement.valid[:, 0] & (dest[:, 0] < self.sinks)
-        sink_slot = torch.where(is_sink, dest[:, 0], self.sinks)
-        src = placement.src[:, 0]
-        self.sink_pos.scatter_(1, sink_slot, positions.gather(1, src))
-        self.sink_index.scatter_(1, sink_slot, seen_before + src)
-        if self.rotator is not None:
-            if self.sink_keys is None:
-                b, h, _, d = keys.shape
-                self.sink_keys = keys.new_zeros(b, h, self.sinks + 1, d)
-            index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            self.sink_keys.scatter_(2, index, keys)
+        self.memory.record(placement, keys, dest, positions, seen_before)
 
     def before_read(self, layer) -> None:
-        if self.rotator is None or self.sinks == 0 or self.sink_keys is None:
-            return
-        reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
+        self.memory.reposition(layer, layer.used)
 
     def crop(self, layer, new_seen: int) -> None:
         self._ensure_meta(layer)
         layer.slot_valid &= self.stream < new_seen
-        layer.slot_valid[:, :, : self.sinks] &= (self.sink_index[:, None, : self.sinks] < new_seen)
+        layer.slot_valid[:, :, : self.sinks] &= self.memory.kept_after_crop(new_seen)[:, None]
         self.n_real = layer.slot_valid[:, 0, : self.sinks].long().sum(-1) + (
             layer.slot_valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
         ).long().sum(-1)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("n_real", "stream", "scores", "sink_keys", "sink_pos", "sink_index"):
+        for name in ("n_real", "stream", "scores"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
+        self.memory.map_batch(fn)
 
     def reset(self) -> None:
         self.n_real = self.stream = self.scores = None
-        self.sink_keys = self.sink_pos = self.sink_index = None
+        self.memory.reset()
 
     def nbytes(self) -> int:
-        tensors = (self.n_real, self.stream, self.scores, self.sink_keys, self.sink_pos, self.sink_index)
-        return sum(t.nbytes for t in tensors if t is not None)
+        tensors = (self.n_real, self.stream, self.scores)
+        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes()

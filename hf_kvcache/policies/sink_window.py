@@ -17,18 +17,7 @@ import torch
 
 from ..rope import KeyRotator
 from .base import Placement, Policy
-
-
-def reposition_sinks(layer, rotator: KeyRotator, sink_keys, sink_pos, sinks: int, used: int) -> None:
-    """Re-rotate the sink keys (slots [0, sinks)) from their original copy so they sit just before the oldest
-    valid token of the other slots [sinks, used); rows with no such token keep their original positions."""
-    valid = layer.slot_valid[:, 0, sinks:used]
-    positions = layer.slot_pos[:, 0, sinks:used]
-    oldest = torch.where(valid, positions, torch.iinfo(torch.long).max).amin(-1)  # [B]
-    target = oldest[:, None] - sinks + torch.arange(sinks, device=oldest.device)
-    original = sink_pos[:, :sinks]
-    target = torch.where(valid.any(-1, keepdim=True), target, original)
-    layer.store.write_keys_slice(0, rotator.rotate(sink_keys[:, :, :sinks], target - original))
+from .sinks import SinkMemory
 
 
 class SinkWindowPolicy(Policy):
@@ -36,14 +25,16 @@ class SinkWindowPolicy(Policy):
         self.sinks, self.window, self.rotator = sinks, window, rotator
         self.capacity = sinks + window
         self.n_real: torch.Tensor | None = None  # [B] real tokens seen per row
-        self.sink_keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] sink keys as they arrived (+1 trash)
-        self.sink_pos: torch.Tensor | None = None  # [B, sinks + 1] their original position ids
-        self.sink_index: torch.Tensor | None = None  # [B, sinks + 1] their stream index (for crop)
+        self.memory = SinkMemory(sinks, rotator)
+
+    # the sinks' memory, under the names the tests and callers use
+    sink_keys = property(lambda self: self.memory.keys)
+    sink_pos = property(lambda self: self.memory.pos)
+    sink_index = property(lambda self: self.memory.index)
 
     def allocate(self, batch: int, heads: int, device) -> None:
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
-        self.sink_pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
-        self.sink_index = torch.zeros_like(self.sink_pos)
+        self.memory.allocate(batch, device)
 
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
@@ -69,19 +60,7 @@ class SinkWindowPolicy(Policy):
         )
 
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        if self.sinks == 0:
-            return
-        is_sink = placement.valid[:, 0] & (dest[:, 0] < self.sinks)  # [B, n]
-        sink_slot = torch.where(is_sink, dest[:, 0], self.sinks)
-        src = placement.src[:, 0]
-        self.sink_pos.scatter_(1, sink_slot, positions.gather(1, src))
-        self.sink_index.scatter_(1, sink_slot, seen_before + src)
-        if self.rotator is not None:
-            if self.sink_keys is None:
-                b, h, _, d = keys.shape
-                self.sink_keys = keys.new_zeros(b, h, self.sinks + 1, d)
-            index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            self.sink_keys.scatter_(2, index, keys)
+        self.memory.record(placement, keys, dest, positions, seen_before)
 
     def decode_slot(self, layer, seen: int) -> int | None:
         self.n_real += 1
@@ -91,26 +70,17 @@ class SinkWindowPolicy(Policy):
 
     def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         if slot < self.sinks:
-            self.sink_pos[:, slot] = positions[:, 0]
-            self.sink_index[:, slot] = layer.seen
-            if self.rotator is not None:
-                if self.sink_keys is None:
-                    b, h, _, d = keys.shape
-                    self.sink_keys = keys.new_zeros(b, h, self.sinks + 1, d)
-                self.sink_keys[:, :, slot] = keys[:, :, 0]
+            self.memory.record_one(slot, keys, positions, layer.seen)
 
     def before_read(self, layer) -> None:
         if self.rotator is None or self.sinks == 0 or not self.has_evicted(layer.seen):
             return
         if layer.forward_info.has_padding:
-            reposition_sinks(layer, self.rotator, self.sink_keys, self.sink_pos, self.sinks, layer.used)
+            self.memory.reposition(layer, layer.used)
             return
         # Unpadded rows share the ring layout: the oldest window token is in a known slot.
         oldest_slot = self.sinks + (layer.seen - self.window - self.sinks) % self.window
-        oldest = layer.slot_pos[:, 0, oldest_slot]
-        target = oldest[:, None] - self.sinks + torch.arange(self.sinks, device=oldest.device)
-        delta = target - self.sink_pos[:, : self.sinks]
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.sink_keys[:, :, : self.sinks], delta))
+        self.memory.reposition_before(layer, layer.slot_pos[:, 0, oldest_slot])
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)
@@ -120,21 +90,19 @@ class SinkWindowPolicy(Policy):
 
     def crop(self, layer, new_seen: int) -> None:
         s = self.sinks
-        drop_sink = self.sink_index[:, :s] >= new_seen
-        layer.slot_valid[:, 0, :s] &= ~drop_sink
+        layer.slot_valid[:, 0, :s] &= self.memory.kept_after_crop(new_seen)
         layer.slot_valid[:, 0, max(s, new_seen) :] = False
         self.n_real = layer.slot_valid[:, 0, : self.capacity].long().sum(-1)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.n_real is None:
             return
-        self.n_real, self.sink_pos, self.sink_index = fn(self.n_real), fn(self.sink_pos), fn(self.sink_index)
-        if self.sink_keys is not None:
-            self.sink_keys = fn(self.sink_keys)
+        self.n_real = fn(self.n_real)
+        self.memory.map_batch(fn)
 
     def reset(self) -> None:
-        self.n_real = self.sink_keys = self.sink_pos = self.sink_index = None
+        self.n_real = None
+        self.memory.reset()
 
     def nbytes(self) -> int:
-        tensors = (self.n_real, self.sink_keys, self.sink_pos, self.sink_index)
-        return sum(t.nbytes for t in tensors if t is not None)
+        return (0 if self.n_real is None else self.n_real.nbytes) + self.memory.nbytes()

@@ -1,0 +1,88 @@
+"""Attention sinks' memory, shared by the policies that keep sinks (SinkWindowPolicy, CascadePolicy).
+
+Sinks are each row's first real tokens. We remember, per sink slot, the key as it arrived, its original position
+id and its stream index; with a rotator ("positions inside the cache", StreamingLLM), the sink keys are re-rotated
+before each read, from the arrived copy (exact), to sit just before the oldest other kept token.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..rope import KeyRotator
+
+
+class SinkMemory:
+    def __init__(self, sinks: int, rotator: KeyRotator | None):
+        self.sinks, self.rotator = sinks, rotator
+        self.keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] keys as they arrived (+1 trash)
+        self.pos: torch.Tensor | None = None  # [B, sinks + 1] original position ids
+        self.index: torch.Tensor | None = None  # [B, sinks + 1] stream indices (for crop)
+
+    def allocate(self, batch: int, device) -> None:
+        self.pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
+        self.index = torch.zeros_like(self.pos)
+
+    def _ensure_keys(self, keys: torch.Tensor) -> None:
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = keys.new_zeros(b, h, self.sinks + 1, d)
+
+    def record(self, placement, keys: torch.Tensor, dest: torch.Tensor, positions, seen_before: int) -> None:
+        """After a write whose placement is the same for all heads: remember the tokens that went to sink slots."""
+        if self.sinks == 0:
+            return
+        is_sink = placement.valid[:, 0] & (dest[:, 0] < self.sinks)  # [B, n]
+        sink_slot = torch.where(is_sink, dest[:, 0], self.sinks)
+        src = placement.src[:, 0]
+        self.pos.scatter_(1, sink_slot, positions.gather(1, src))
+        self.index.scatter_(1, sink_slot, seen_before + src)
+        if self.rotator is not None:
+            self._ensure_keys(keys)
+            index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            self.keys.scatter_(2, index, keys)
+
+    def record_one(self, slot: int, keys: torch.Tensor, positions: torch.Tensor, stream_index: int) -> None:
+        """A fast-path decode write of one unpadded token into sink `slot`."""
+        self.pos[:, slot] = positions[:, 0]
+        self.index[:, slot] = stream_index
+        if self.rotator is not None:
+            self._ensure_keys(keys)
+            self.keys[:, :, slot] = keys[:, :, 0]
+
+    def reposition_before(self, layer, oldest: torch.Tensor, has_other: torch.Tensor | None = None) -> None:
+        """Rotate the sinks to sit just before position `oldest` [B] (rows where `has_other` is False keep their
+        original positions)."""
+        s = self.sinks
+        original = self.pos[:, :s]
+        target = oldest[:, None] - s + torch.arange(s, device=oldest.device)
+        if has_other is not None:
+            target = torch.where(has_other[:, None], target, original)
+        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], target - original))
+
+    def reposition(self, layer, used: int) -> None:
+        """General case: find the oldest valid token among slots [sinks, used) per row."""
+        if self.rotator is None or self.sinks == 0 or self.keys is None:
+            return
+        valid = layer.slot_valid[:, 0, self.sinks : used]
+        positions = layer.slot_pos[:, 0, self.sinks : used]
+        oldest = torch.where(valid, positions, torch.iinfo(torch.long).max).amin(-1)
+        self.reposition_before(layer, oldest, valid.any(-1))
+
+    def kept_after_crop(self, new_seen: int) -> torch.Tensor:
+        """[B, sinks] whether each sink slot's token survives a crop to `new_seen` tokens."""
+        return self.index[:, : self.sinks] < new_seen
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in ("keys", "pos", "index"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reset(self) -> None:
+        self.keys = self.pos = self.index = None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.keys, self.pos, self.index) if t is not None)
