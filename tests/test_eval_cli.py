@@ -91,6 +91,9 @@ def test_caches_lists_registered_names(capsys):
 
 def test_sweep_dry_run(capsys, monkeypatch, tmp_path):
     fail_loading(monkeypatch)
-    assert main(["sweep", "eval/specs/smoke.yaml", "--out", str(tmp_path), "--dry-run"]) == 0
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[1] / "eval" / "specs" / "smoke.yaml"
+    assert main(["sweep", str(spec), "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("smoke: ") and "0 already done" in out

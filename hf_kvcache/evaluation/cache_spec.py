@@ -151,8 +151,10 @@ def _dummy_config():
     if _DUMMY_CONFIG is None:
         from transformers import LlamaConfig
 
+        # head_dim 128: divisible by the usual quantization group sizes (checks that depend on the real model's
+        # shape run again when the cache is built for it)
         _DUMMY_CONFIG = LlamaConfig(
-            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=256,
         )
     return _DUMMY_CONFIG
