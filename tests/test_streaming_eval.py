@@ -115,3 +115,16 @@ def test_checkpoint_refuses_other_tokens_or_tag(tiny, ids, tmp_path):
     other[0, 3] = (other[0, 3] + 1) % 128
     with pytest.raises(ValueError, match="different tokens"):
         stream_nll(tiny, other, sink_factory(tiny), checkpoint=ckpt, tag="a", progress=False)
+
+
+def test_checkpoint_refuses_changed_code(tiny, ids, tmp_path):
+    ckpt = tmp_path / "run.pt"
+    stream_nll(tiny, ids, sink_factory(tiny), checkpoint=ckpt, stop_after=10, progress=False)
+    state = load_checkpoint(ckpt)
+    assert len(state["meta"]["code_digest"]) == 40
+    state["meta"]["code_digest"] = "0" * 40  # as if the policy's source had changed since
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match="other hf_kvcache code"):
+        stream_nll(tiny, ids, sink_factory(tiny), checkpoint=ckpt, progress=False)
+    resumed = stream_nll(tiny, ids, sink_factory(tiny), checkpoint=ckpt, allow_code_change=True, progress=False)
+    assert resumed.shape == (N - 1,)

@@ -14,7 +14,9 @@ one-token-at-a-time run (chunked prefill lets tokens that will later be evicted 
 checkpoint is `torch.save` of {NLLs so far, the whole cache object, metadata}; resuming loads it back with
 `torch.load(weights_only=False)` and continues with bit-identical results. Checkpoints are written atomically at
 step boundaries only (never from an exception handler: a forward interrupted half-way leaves some layers updated
-and others not).
+and others not). A pickle is only valid for the code that wrote it (it stores attributes, not a versioned format),
+so the checkpoint records a digest of the source of the hf_kvcache modules the cache is made of, and resuming under
+changed code is refused unless explicitly allowed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,6 +45,40 @@ __all__ = [
 
 def _tokens_digest(ids: torch.Tensor) -> str:
     return hashlib.sha1(ids.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _code_digest(cache) -> str:
+    """sha1 of the source files of the hf_kvcache modules whose classes (and base classes) make up `cache`."""
+    modules: set[str] = set()
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if depth > 8 or id(obj) in seen or isinstance(obj, torch.Tensor):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, depth + 1)
+            return
+        if isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, depth + 1)
+            return
+        ours = [c.__module__ for c in type(obj).__mro__ if c.__module__.startswith("hf_kvcache")]
+        modules.update(ours)
+        if ours and hasattr(obj, "__dict__"):
+            for item in vars(obj).values():
+                walk(item, depth + 1)
+
+    walk(cache, 0)
+    digest = hashlib.sha1()
+    for name in sorted(modules):
+        module = sys.modules.get(name)
+        source = getattr(module, "__file__", None)
+        digest.update(name.encode())
+        if source and os.path.isfile(source):
+            digest.update(Path(source).read_bytes())
+    return digest.hexdigest()
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
@@ -88,6 +125,7 @@ def stream_nll(
     checkpoint_every: int = 1024,
     stop_after: int | None = None,
     tag: str = "",
+    allow_code_change: bool = False,
     progress: bool = True,
     desc: str | None = None,
     progress_interval: float = 10.0,
@@ -102,6 +140,8 @@ def stream_nll(
     `stop_after`: stop once this many NLLs exist in total (for short timing runs and tests); the partial array is
     returned (and checkpointed).
     `tag`: describes the configuration (cache type and parameters); a checkpoint of another tag is refused.
+    `allow_code_change`: resume even if the source of the cache's hf_kvcache modules changed since the checkpoint
+    was written (only safe for changes that keep the objects' attributes and behaviour).
     """
     ids = input_ids.reshape(-1)
     total = ids.numel() - 1
@@ -127,6 +167,12 @@ def stream_nll(
         nlls[:done] = prev
         elapsed = float(meta.get("elapsed_s", 0.0))
         cache = state["cache"]
+        if not allow_code_change and meta.get("code_digest") not in (None, _code_digest(cache)):
+            raise ValueError(
+                f"Checkpoint {path} was written by other hf_kvcache code (the modules of {type(cache).__name__} "
+                "changed since): a pickled cache may not match the new classes. Delete it to start over, or pass "
+                "allow_code_change=True if the change keeps the state layout and behaviour."
+            )
         from ..caches import KVCache
 
         if isinstance(cache, KVCache):  # a fresh process: the model needs the attention bridge again
@@ -144,6 +190,7 @@ def stream_nll(
             "elapsed_s": elapsed,
             "tokens_sha1": _tokens_digest(ids[: n + 1]),
             "cache_class": type(cache).__name__,
+            "code_digest": _code_digest(cache),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         _save(path, nlls[:n].copy(), cache, meta)
