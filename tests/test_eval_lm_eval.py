@@ -8,19 +8,8 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 from conftest import build_model  # noqa: E402
+from eval_helpers import char_tokenizer  # noqa: E402
 from hf_kvcache.evaluation.lm_eval_adapter import TASKS_DIR, HFKVCacheLM  # noqa: E402
-
-
-def char_tokenizer():
-    """ASCII characters as token ids (the tiny models have a 128-token vocabulary): no download, no training."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": 3, **{chr(i): i for i in range(4, 128)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
