@@ -86,6 +86,42 @@ def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
     assert (out / "quality_vs_bytes.png").stat().st_size > 1000 and (out / "ppl_buckets.png").is_file()
 
 
+def test_stream_ppl_cell_resumes_inside_the_cell(tmp_path):
+    """An exact-protocol ppl cell interrupted mid-stream resumes from its checkpoint with identical results."""
+    import numpy as np
+
+    from hf_kvcache.evaluation import streaming
+
+    spec = {**SPEC, "metrics": ["ppl"], "caches": [{"name": "sink", "config": {"sinks": 2, "budget": 12}}],
+            "ppl": {"tokens": 50, "mode": "stream", "bucket": 10}}
+    clean = run_sweep({**spec, "name": "clean"}, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
+    real = streaming.stream_nll
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            real(*args, **{**kwargs, "checkpoint_every": 8, "stop_after": 30})
+            raise Interrupt
+        return real(*args, **kwargs)
+
+    import hf_kvcache.evaluation.perplexity as perplexity
+
+    original = perplexity.stream_nll
+    perplexity.stream_nll = interrupted
+    try:
+        with pytest.raises(Interrupt):
+            run_sweep(spec, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
+        ckpts = list((tmp_path / "tiny" / "checkpoints").glob("*.pt"))
+        assert len(ckpts) == 1 and streaming.read_progress(ckpts[0])[1]["done"] == 30
+        rows = run_sweep(spec, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
+    finally:
+        perplexity.stream_nll = original
+    assert not list((tmp_path / "tiny" / "checkpoints").glob("*"))  # removed once the cell finished
+    assert rows[0]["ppl"] == clean[0]["ppl"] and rows[0]["buckets"] == clean[0]["buckets"]
+    assert np.isfinite(rows[0]["ppl"]) and "stream" in rows[0]["protocol"]
+
+
 def test_changed_settings_recompute(tmp_path):
     spec = {**SPEC, "metrics": ["quality"], "caches": [{"name": "dynamic"}]}
     run_sweep(spec, tmp_path, loader=counting_loader({"loads": 0}), progress=False)

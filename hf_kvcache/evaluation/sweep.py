@@ -33,7 +33,8 @@ Cells: `quality` and `ppl` per (context length, cache, budget); `retrieval` per 
 length, position); `speed` per context length (all caches interleaved in one cell, one row each). Every finished
 cell is appended as one JSON line to `results.jsonl`, keyed by its parameters and by a digest of the settings that
 change results (model, dtype, text, offset, scored tokens, ...). A restarted sweep skips cells already there, so an
-interruption loses at most the cell that was running. `results.csv` (scalar columns), `summary.json` (spec,
+interruption loses at most the cell that was running (exact `ppl` streams also checkpoint every 1024 tokens
+inside the cell, under `checkpoints/`, and resume from there). `results.csv` (scalar columns), `summary.json` (spec,
 environment, rows), `environment.json` and the plots are rewritten after every run.
 """
 
@@ -485,8 +486,8 @@ def write_reports(out: Path, spec: Sweep, records: list[dict], env: dict) -> lis
 class _Context:
     """What cells share in one run: the model, tokens and reference log-probs per context length."""
 
-    def __init__(self, spec: Sweep, model, tokenizer):
-        self.spec, self.model, self.tokenizer = spec, model, tokenizer
+    def __init__(self, spec: Sweep, model, tokenizer, out: Path | None = None, digest: str = ""):
+        self.spec, self.model, self.tokenizer, self.out, self.digest = spec, model, tokenizer, out, digest
         self._tokens = None
         self._refs: dict[int, Any] = {}
 
@@ -565,8 +566,18 @@ def _run_ppl(ctx: _Context, cell: Cell) -> list[dict]:
     n, cfg = p["context_len"], s.ppl
     ids = ctx.tokens(cfg["tokens"])
     factory = make_factory(ctx.model, (p["cache"], p["config"]), context_len=n, total_len=cfg["tokens"])
+    kwargs, ckpt = {}, None
+    if cfg["mode"] == "stream" and ctx.out is not None:
+        # a long exact stream resumes inside the cell too (streaming.py checkpoints); removed once the cell is done
+        key = cell.key(ctx.digest)
+        ckpt = ctx.out / "checkpoints" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+        kwargs = {"checkpoint": ckpt, "tag": key, "checkpoint_every": 1024}
     t0 = time.perf_counter()
-    r = run_perplexity(ctx.model, ids, factory, mode=cfg["mode"], chunk=cfg["chunk"], bucket=cfg["bucket"])
+    r = run_perplexity(ctx.model, ids, factory, mode=cfg["mode"], chunk=cfg["chunk"], bucket=cfg["bucket"],
+                       **kwargs)
+    if ckpt is not None:
+        for path in (ckpt, Path(str(ckpt) + ".nlls.npy"), Path(str(ckpt) + ".json")):
+            path.unlink(missing_ok=True)
     resolved = resolve_config(p["cache"], p["config"], n)
     return [{"metric": "ppl", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
              "budget_tokens": _budget_tokens(resolved, p), "config": resolved, "ppl": r["ppl"],
@@ -650,7 +661,7 @@ def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike
                 return load_model(name, dtype=getattr(torch, dtype))
 
         model, tokenizer = loader(spec.model, spec.dtype)
-        ctx = _Context(spec, model, tokenizer)
+        ctx = _Context(spec, model, tokenizer, out, digest)
         runs = json.loads((out / "environment.json").read_text()) if (out / "environment.json").is_file() else []
         runs = runs if isinstance(runs, list) else [runs]
         runs.append({**env, "cells_planned": len(cells), "cells_to_run": len(todo)})
