@@ -12,6 +12,10 @@
 Windows are age ranges (tokens back from the newest) and must tile [0, end) without overlap or gap. `keys` and
 `values` name a precision ("full", the default, or a quantized format of hf_kvcache.stores.quantization).
 The config is plain JSON, so it round-trips through `generate(cache_config={"regions": [...]})`.
+
+Presets take a token `budget` instead of regions (what budget sweeps need):
+- "sinks_heavy_recent": the classic combination, 4 sinks in full precision, then the rest split evenly between a
+  recent window and H2O heavy hitters, both at `precision` (FP8 E4M3 by default).
 """
 
 from __future__ import annotations
@@ -91,6 +95,21 @@ def parse_regions(regions: Any) -> dict:
     return {"sinks": sinks, "windows": windows, "final": final}
 
 
+PRESETS = ("sinks_heavy_recent",)
+PRESET_SINKS = 4
+
+
+def preset_regions(preset: str, budget: int, precision: Any) -> list[dict]:
+    preset = require_choice("preset", preset, PRESETS)
+    budget = require_int("budget", budget, PRESET_SINKS + 2)
+    recent = (budget - PRESET_SINKS) // 2
+    return [
+        {"role": "sinks", "tokens": PRESET_SINKS},
+        {"role": "window", "start": 0, "end": recent, "keys": precision, "values": precision},
+        {"role": "heavy", "tokens": budget - PRESET_SINKS - recent, "keys": precision, "values": precision},
+    ]
+
+
 class CompositeCache(KVCache):
     """Sinks, age windows and a final region (evict / keep all / heavy hitters), each at its own precision.
 
@@ -99,7 +118,25 @@ class CompositeCache(KVCache):
 
     cache_name = "composite"
 
-    def __init__(self, config_or_model, regions: list, aggregation: str = "sum", sink_positions: str = "cache"):
+    def __init__(
+        self,
+        config_or_model,
+        regions: list | None = None,
+        aggregation: str = "sum",
+        sink_positions: str = "cache",
+        preset: str | None = None,
+        budget: int | None = None,
+        precision: Any = "fp8_e4m3",
+    ):
+        if (regions is None) == (preset is None):
+            raise ValueError(f"Give exactly one of `regions` or `preset` (one of {PRESETS}, with a `budget`).")
+        if preset is not None:
+            if budget is None:
+                raise ValueError(f"`preset` {preset!r} needs a token `budget`.")
+            regions = preset_regions(preset, budget, precision)
+        elif budget is not None:
+            raise ValueError("`budget` is for presets; with `regions`, sizes are given per region.")
+        self.preset, self.budget, self.precision = preset, budget, precision
         layout = parse_regions(regions)
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
         sink_positions = require_choice("sink_positions", sink_positions, ("cache", "original"))

@@ -168,3 +168,22 @@ def test_unknown_cache_config_key_lists_valid_keys():
     with pytest.raises(ValueError, match="regions"):
         model.generate(random_ids(1, 5), max_new_tokens=2, cache_implementation="composite",
                        cache_config={"regions": CLASSIC, "budget": 8})
+
+
+def test_preset_expands_to_regions_and_checks_its_arguments():
+    model = build_model("llama")
+    cache = hf_kvcache.CompositeCache(model.config, preset="sinks_heavy_recent", budget=20, precision="full")
+    assert cache.regions == [
+        {"role": "sinks", "tokens": 4},
+        {"role": "window", "start": 0, "end": 8, "keys": "full", "values": "full"},
+        {"role": "heavy", "tokens": 8, "keys": "full", "values": "full"},
+    ]
+    for kwargs, match in [
+        ({"preset": "sinks_heavy_recent"}, "budget"),
+        ({"preset": "sinks_heavy_recent", "budget": 5}, "budget"),
+        ({"preset": "pyramid", "budget": 50}, "preset"),
+        ({"regions": CLASSIC, "budget": 50}, "budget"),
+        ({}, "regions"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hf_kvcache.CompositeCache(model.config, **kwargs)
