@@ -1,0 +1,230 @@
+"""Quantized keep-all caches: QuantizedFP8Cache ("fp8") and KIVICache ("kivi").
+
+    cache = QuantizedFP8Cache(model)                                        # E4M3, one scale per token and KV head
+    cache = QuantizedFP8Cache(model, key={"format": "int8"})                # keys INT8 (they carry most of the error)
+    cache = QuantizedFP8Cache(model, granularity="head", scales=calibrate(model, tokenizer))   # static scales
+    cache = KIVICache(model, bits=4, group_size=32, residual=128)           # keys per channel, values per token
+    model.generate(**inputs, cache_implementation="fp8", cache_config={"residual": 64, "key_smoothing": True})
+
+Every token is kept (KeepAllPolicy) in a `QuantizedStore` per layer (hf_kvcache.stores.quantized): tokens are
+quantized once, when they leave the optional full-precision residual of the most recent `residual` tokens, and never
+re-quantized. Attention reads dequantize into one workspace shared by all layers, so the memory held is the
+quantized cache plus one layer in the model's dtype (`workspace_nbytes()`), not a full-precision copy per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .caches import KVCache
+from .config import check_keys, require_choice, require_int
+from .policies import KeepAllPolicy
+from .stores.quantization import INT_BITS, INT_GRANULARITIES, QuantSpec
+from .stores.quantized import QuantizedStore
+from .stores.workspace import DequantWorkspace
+
+#: keys of a calibration dict (hf_kvcache.calibration.calibrate) accepted in `scales`
+CALIBRATION_KEYS = (
+    "format", "key_scale", "value_scale", "key_mean", "num_layers", "num_kv_heads", "head_dim", "num_tokens",
+    "source", "margin", "version", "key_smoothing",
+)
+
+
+def _text_config(config_or_model) -> PretrainedConfig:
+    config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(
+            f"The first argument must be a transformers model or its config, got {type(config_or_model).__name__}."
+        )
+    return config.get_text_config(decoder=True)
+
+
+def model_dims(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head_dim) of a decoder config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class _QuantizedKeepAllCache(KVCache):
+    """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
+
+    def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
+               scales: dict | None) -> None:
+        config = _text_config(config_or_model)
+        layers, kv_heads, head_dim = model_dims(config)
+        key.validate_head_dim(head_dim, "key")
+        value.validate_head_dim(head_dim, "value")
+        residual = require_int("residual", residual, 0)
+        if not isinstance(key_smoothing, bool):
+            raise ValueError(f"`key_smoothing` must be a bool, got {key_smoothing!r}.")
+        static = _parse_scales(scales, key, value, key_smoothing, layers, kv_heads, head_dim)
+        self.key_spec, self.value_spec = key, value
+        self.workspace = DequantWorkspace()
+        workspace = self.workspace
+
+        def layer_parts(cfg):
+            store = QuantizedStore(key, value, residual=residual, append_only=True, key_smoothing=key_smoothing,
+                                   workspace=workspace, name=type(self).__name__)
+            return KeepAllPolicy(), store
+
+        super().__init__(config_or_model, layer_parts)
+        for i, layer in enumerate(self.layers):
+            layer.store.layer_idx = i
+            layer.store.set_static(**{name: values[i] for name, values in static.items()})
+
+    def workspace_nbytes(self) -> int:
+        """Bytes of the shared dequantization workspace (one layer's keys and values in the model's dtype, grown by
+        doubling, plus FP8 conversion scratch). Not part of `nbytes()`, which is what the cache stores."""
+        return self.workspace.nbytes()
+
+    def reset(self):
+        super().reset()
+        self.workspace.clear()
+
+
+def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool, layers: int, kv_heads: int,
+                  head_dim: int) -> dict[str, list]:
+    """Per-layer static parameters from a calibration dict: {store argument: [value per layer]}."""
+    if scales is None:
+        return {}
+    if not isinstance(scales, dict):
+        raise ValueError(f"`scales` must be a calibration dict (hf_kvcache.calibration.calibrate), got {type(scales).__name__}.")
+    check_keys("`scales` (calibration dict)", scales, CALIBRATION_KEYS)
+    for name, expected in (("num_layers", layers), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
+        if name in scales and scales[name] != expected:
+            raise ValueError(f"`scales` was calibrated for {name}={scales[name]}, this model has {expected}.")
+    out: dict[str, list] = {}
+    for kind, spec in (("key", key), ("value", value)):
+        entry = scales.get(f"{kind}_scale")
+        if entry is None or spec.granularity not in ("tensor", "head") or not spec.is_fp8:
+            continue
+        if scales.get("format") != spec.format:
+            raise ValueError(
+                f"`scales` holds {kind} scales calibrated for format {scales.get('format')!r}, but {kind}s use "
+                f"{spec.format!r}; calibrate with format={spec.format!r}."
+            )
+        if kind == "key" and bool(scales.get("key_smoothing", False)) != key_smoothing:
+            raise ValueError(
+                f"`scales` holds key scales calibrated with key_smoothing={scales.get('key_smoothing', False)}, but "
+                f"the cache has key_smoothing={key_smoothing}: the key ranges differ; calibrate with the same setting."
+            )
+        per_layer = _per_layer(entry, f"scales['{kind}_scale']", layers, kv_heads)
+        if spec.granularity == "tensor":
+            per_layer = [max(heads) for heads in per_layer]
+        out[f"{kind}_scale"] = per_layer
+    if key_smoothing and scales.get("key_mean") is not None:
+        means = scales["key_mean"]
+        if not isinstance(means, list) or len(means) != layers:
+            raise ValueError(f"scales['key_mean'] must be a list of {layers} per-layer [kv_heads][head_dim] lists.")
+        for i, m in enumerate(means):
+            if len(m) != kv_heads or any(len(h) != head_dim for h in m):
+                raise ValueError(f"scales['key_mean'][{i}] must be [{kv_heads}][{head_dim}].")
+        out["key_mean"] = means
+    if not out:
+        raise ValueError(
+            "`scales` was given but nothing uses it: static scales apply to FP8 'tensor' or 'head' granularity, "
+            "key means to key_smoothing=True."
+        )
+    return out
+
+
+def _per_layer(entry: Any, where: str, layers: int, heads: int) -> list[list[float]]:
+    if not isinstance(entry, list) or len(entry) != layers:
+        raise ValueError(f"{where} must be a list of {layers} per-layer lists of {heads} per-head scales.")
+    out = []
+    for i, row in enumerate(entry):
+        row = [row] if isinstance(row, (int, float)) else row
+        if not isinstance(row, list) or len(row) != heads or not all(isinstance(v, (int, float)) for v in row):
+            raise ValueError(f"{where}[{i}] must be a list of {heads} numbers.")
+        out.append([float(v) for v in row])
+    return out
+
+
+class QuantizedFP8Cache(_QuantizedKeepAllCache):
+    """Keys and values in FP8 (or per-kind formats), every token kept.
+
+    Args:
+        format: "fp8_e4m3" (default) or "fp8_e5m2" (any QuantSpec format, e.g. "int8", also works).
+        granularity: "token" (scale per token and KV head, default), "head", "tensor" (fixed scales: calibrated via
+            `scales`, else from the prompt), or "channel" (keys per channel over blocks of `group_size` tokens;
+            values then per token).
+        group_size: channels per scale for "token" (divides head_dim; default the whole head), tokens per block for
+            "channel" (default 32).
+        key, value: full QuantSpec dicts overriding the shorthand for keys or values, e.g. key={"format": "int8"}.
+        residual: the most recent `residual` tokens stay in the model's precision (older ones are quantized).
+        key_smoothing: subtract a per-channel key mean before quantizing (calibrated, else from the prompt) and add
+            it back after: only the spread around the mean is quantized.
+        scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means.
+    """
+
+    cache_name = "fp8"
+
+    def __init__(
+        self,
+        config_or_model,
+        format: str = "fp8_e4m3",
+        granularity: str = "token",
+        group_size: int | None = None,
+        key: dict | None = None,
+        value: dict | None = None,
+        residual: int = 0,
+        key_smoothing: bool = False,
+        scales: dict | None = None,
+    ):
+        self.format, self.granularity, self.group_size = format, granularity, group_size
+        self.residual, self.key_smoothing = residual, key_smoothing
+        base = {"format": format, "granularity": granularity, "group_size": group_size}
+        value_base = dict(base)
+        if granularity == "channel":  # KIVI layout: keys per channel, values per token
+            value_base.update(granularity="token", group_size=None)
+        key_spec = _spec(base, key, "key")
+        value_spec = _spec(value_base, value, "value")
+        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales)
+
+
+def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
+    if override is None:
+        return QuantSpec.from_value(base, f"{kind} spec")
+    if not isinstance(override, dict):
+        raise ValueError(f"`{kind}` must be a dict of QuantSpec fields, got {type(override).__name__}.")
+    check_keys(f"`{kind}` spec", override, ("format", "granularity", "group_size", "backend", "scale_dtype"))
+    if (override.get("format") in INT_BITS and "granularity" not in override
+            and base.get("granularity") not in INT_GRANULARITIES):
+        # integer keys/values under an FP8-only shorthand granularity ('tensor', 'head'): the integer default
+        base = {"format": override["format"]}
+    return QuantSpec.from_value({**base, **override}, f"`{kind}` spec")
+
+
+class KIVICache(_QuantizedKeepAllCache):
+    """KIVI (arXiv 2402.02750): integer keys per channel (blocks of `group_size` tokens), values per token (groups
+    of `group_size` channels), the most recent `residual` tokens in full precision. Packed by optimum-quanto or hqq
+    (`backend`, default: quanto if installed). `scale_dtype` ("float16", ...) stores scales and zero points in
+    another dtype than the model's."""
+
+    cache_name = "kivi"
+
+    def __init__(
+        self,
+        config_or_model,
+        bits: int = 4,
+        group_size: int = 32,
+        residual: int = 128,
+        backend: str | None = None,
+        key_smoothing: bool = False,
+        scale_dtype: str | None = None,
+    ):
+        if isinstance(bits, bool) or bits not in (2, 4, 8):
+            raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
+        group_size = require_int("group_size", group_size, 1)
+        if backend is not None:
+            backend = require_choice("backend", backend, ("quanto", "hqq", "torch"))
+        self.bits, self.group_size, self.residual, self.backend = bits, group_size, residual, backend
+        self.key_smoothing, self.scale_dtype = key_smoothing, scale_dtype
+        fmt = f"int{bits}"
+        key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
+        value = QuantSpec(fmt, "token", group_size, backend, scale_dtype)
+        self._build(config_or_model, key, value, residual, key_smoothing, None)

@@ -1,0 +1,155 @@
+"""FP8 storage (E4M3 or E5M2) of keys or values with a scale per tensor, KV head, token (or channel group of a token),
+or per channel over a block of tokens.
+
+Dynamic scales (token, channel) are amax / fmax, rounded up to `scale_dtype` (bfloat16 by default: 2 bytes per
+group), so the largest value of each group lands at fmax (within the scale's rounding) and is stored almost exactly;
+every other value gets FP8 rounding only (relative 2^-4 for E4M3 normal values, 2^-3 for E5M2). With scale_dtype
+"e8m0" the scale is a power of two in one byte (OCP microscaling): division is exact but the largest value lands
+anywhere in [fmax / 2, fmax]. Fixed scales (tensor, head) are float32: calibrated (static) or taken from the first
+write (warm-up); larger values later saturate at +-fmax * scale.
+
+Dequantization on CPU avoids torch's scalar float8 -> float conversion (about 3 ns per value): the FP8 bits are moved
+into float16 bits with integer ops (vectorised), then one multiply by the scale writes the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec, round_up_to
+
+EXP_MIN, EXP_MAX = -126, 119  # 2^(e + 8) stays a normal float32
+
+
+def pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
+    """Smallest e with ratio <= 2^e, as int8, for ratio >= 0 (frexp is exact, unlike ceil(log2))."""
+    mantissa, exponent = torch.frexp(ratio)
+    e = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return e.clamp_(EXP_MIN, EXP_MAX).to(torch.int8)
+
+
+def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """FP8 `data` as float16 values in `scratch` (int16, same shape) and the factor they are off by:
+    E4M3 -> float16 bits (sign << 15 | exponent-mantissa << 7) is the value times 2^-8 (exponent bias 7 vs 15),
+    subnormals included; E5M2 is the upper byte of float16, exact."""
+    if fp8_dtype == torch.float8_e4m3fn:
+        scratch.copy_(data.view(torch.int8))  # sign-extends: the sign lands in bits 15 and 14
+        scratch.bitwise_left_shift_(7)
+        scratch.bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
+        return scratch.view(torch.float16), 256.0
+    scratch.copy_(data.view(torch.uint8))
+    scratch.bitwise_left_shift_(8)
+    return scratch.view(torch.float16), 1.0
+
+
+class FP8Codec(Codec):
+    def __init__(self, spec: QuantSpec):
+        super().__init__(spec)
+        self.fp8_dtype = FP8_DTYPES[spec.format]
+        self.fmax = torch.finfo(self.fp8_dtype).max
+        self.scale: torch.Tensor | None = None  # fixed scale (tensor/head granularity), float32
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    @property
+    def pow2(self) -> bool:
+        return self.spec.scale_dtype == "e8m0"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.int8 if self.pow2 else SCALE_DTYPES[self.spec.scale_dtype or "bfloat16"]
+
+    def _slot_shapes(self):
+        d = self.head_dim
+        shapes = {"data": ((d,), torch.uint8)}  # FP8 bits (uint8: CPU scatter/index ops lack float8)
+        if self.spec.granularity == "token":
+            shapes["scale"] = ((d // self.spec.channel_group(d),), self.scale_dtype)
+        elif self.spec.granularity == "channel":
+            shapes["scale"] = ((d,), self.scale_dtype)
+        return shapes
+
+    def _per_block(self):
+        return ("scale",) if self.spec.granularity == "channel" else ()
+
+    def _dynamic_scale(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stored scale, float32 scale to divide by) for groups with maximum magnitude `amax`."""
+        ratio = amax / self.fmax
+        if self.pow2:
+            exp = pow2_exponent(ratio)
+            return exp, torch.exp2(exp.float())
+        dtype = self.scale_dtype
+        scale = round_up_to(ratio, dtype)
+        info = torch.finfo(dtype)
+        scale = scale.clamp(min=info.tiny, max=info.max)  # all-zero groups; beyond the range: saturation
+        return scale, scale.float()
+
+    def _stored_scale(self, stored: torch.Tensor, factor: float) -> torch.Tensor:
+        if self.pow2:
+            return torch.exp2(stored.float() + math.log2(factor))
+        return stored.float() * factor
+
+    def set_scale(self, scale) -> None:
+        """Fix the scale (tensor/head granularity): a float, or one float per KV head."""
+        if self.spec.granularity not in ("tensor", "head"):
+            raise ValueError(f"static scales need granularity 'tensor' or 'head', not {self.spec.granularity!r}")
+        scale = torch.as_tensor(scale, dtype=torch.float32).flatten()
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ValueError(f"FP8 scales must be finite and positive, got {scale.tolist()}")
+        if self.spec.granularity == "tensor":
+            if scale.numel() != 1:
+                raise ValueError(f"granularity 'tensor' takes one scale, got {scale.numel()}")
+            self.scale = scale.view(1, 1, 1, 1)
+        else:
+            self.scale = scale.view(1, -1, 1, 1)
+        self.shared = {"scale": self.scale}
+
+    def allocate(self, batch, heads, head_dim, capacity, dtype, device) -> None:
+        super().allocate(batch, heads, head_dim, capacity, dtype, device)
+        if self.scale is not None:
+            if self.spec.granularity == "head" and self.scale.shape[1] != heads:
+                raise ValueError(f"{self.scale.shape[1]} static head scales for a layer with {heads} KV heads")
+            self.scale = self.scale.to(device)
+            self.shared = {"scale": self.scale}
+
+    # -- quantize ---------------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x.float()
+        gran = self.spec.granularity
+        if gran == "token":
+            g = self.spec.channel_group(self.head_dim)
+            xg = x.unflatten(-1, (self.head_dim // g, g))
+            stored, scale = self._dynamic_scale(xg.abs().amax(-1))
+            q = xg / scale.unsqueeze(-1)
+            return {"data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(-2).view(torch.uint8), "scale": stored}
+        if gran == "channel":
+            xb = x.unflatten(2, (x.shape[2] // self.block, self.block))
+            stored, scale = self._dynamic_scale(xb.abs().amax(3))
+            q = xb / scale.unsqueeze(3)
+            return {"data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(2, 3).view(torch.uint8), "scale": stored}
+        if self.scale is None:  # warm-up: the first write fixes the scale
+            dims = (0, 2, 3) if gran == "head" else (0, 1, 2, 3)
+            amax = x.abs().amax(dim=dims, keepdim=True)
+            self.scale = (amax / self.fmax).clamp_(min=torch.finfo(torch.float32).tiny)
+            self.shared = {"scale": self.scale}
+        return {"data": (x / self.scale).clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).view(torch.uint8)}
+
+    # -- dequantize -------------------------------------------------------------------------------------------
+    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
+        data = self.slot["data"][:, :, :n]
+        gran = self.spec.granularity
+        if out.device.type == "cpu":
+            scratch = workspace.get("fp8_scratch", tuple(data.shape), torch.int16, out.device)
+            values, factor = fp8_as_half(data, self.fp8_dtype, scratch)
+        else:  # native conversion kernels are fast on accelerators
+            values, factor = data.view(self.fp8_dtype).to(out.dtype), 1.0
+        if gran == "token":
+            g = self.spec.channel_group(self.head_dim)
+            scale = self._stored_scale(self.slot["scale"][:, :, :n], factor).unsqueeze(-1)
+            torch.mul(values.unflatten(-1, (self.head_dim // g, g)), scale, out=out.unflatten(-1, (self.head_dim // g, g)))
+        elif gran == "channel":
+            m = n // self.block
+            scale = self._stored_scale(self.slot["scale"][:, :, :m], factor).unsqueeze(3)
+            torch.mul(values.unflatten(2, (m, self.block)), scale, out=out.unflatten(2, (m, self.block)))
+        else:
+            torch.mul(values, self.scale * factor, out=out)

@@ -1,0 +1,178 @@
+"""Integer storage (INT8/INT4/INT2, asymmetric) of keys or values, packed by optimum-quanto or hqq.
+
+Groups: "token" = `group_size` consecutive channels of one token and KV head (KIVI values); "channel" = one channel
+over a block of `group_size` consecutive tokens (KIVI keys). Each group has a scale and a zero point, stored in the
+model's dtype (as transformers' QuantizedCache does).
+
+Quantization (backends "torch" and "quanto"): zero = the group minimum, rounded down to the storage dtype (exactly
+representable, so a large common offset costs no precision); scale = (max - zero) / (2^bits - 1) rounded up; values
+round((x - zero) / scale) with quanto's `quantize_affine`. Every value is then within half a step of its original.
+Backend "hqq" uses hqq's `Quantizer.quantize` (min-max start refined by its half-quadratic zero-point optimizer), and
+stores hqq's scale and zero (in quantized units).
+
+Packing (int4: 2 values per byte, int2: 4): the libraries pack along the first dimension of what they are given; we
+hand them [values_per_byte, ...] so that each byte holds values of one token only: the packed layout of a token does
+not depend on its neighbours, so tokens can be written into any slot and appended without repacking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantization import SCALE_DTYPES, Codec, QuantSpec, round_down_to, round_up_to
+
+
+def _quanto():
+    import optimum.quanto  # noqa: F401  (registers torch.ops.quanto.*)
+    from optimum.quanto.library.unpack import unpack as python_unpack
+    from optimum.quanto.tensor.packed import pack_weights
+
+    return pack_weights, python_unpack
+
+
+def _hqq():
+    from hqq.core.quantize import Quantizer
+
+    return Quantizer
+
+
+class IntegerCodec(Codec):
+    def __init__(self, spec: QuantSpec):
+        super().__init__(spec)
+        self.bits = spec.bits
+        self.qmax = 2**self.bits - 1
+        self.per_byte = 8 // self.bits
+        self.backend = spec.backend
+        if self.backend == "quanto":
+            self._pack_weights, self._python_unpack = _quanto()
+        elif self.backend == "hqq":
+            self._quantizer = _hqq()
+        self._native_unpack_failed = False
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return SCALE_DTYPES[self.spec.scale_dtype] if self.spec.scale_dtype else self.dtype
+
+    def _group(self) -> int:
+        """Channels packed together (and, for token granularity, sharing a scale)."""
+        return self.spec.channel_group(self.head_dim) if self.spec.granularity == "token" else self.head_dim
+
+    def _slot_shapes(self):
+        d = self.head_dim
+        groups = d // self._group() if self.spec.granularity == "token" else d
+        return {
+            "data": ((d // self.per_byte,), torch.uint8),
+            "scale": ((groups,), self.scale_dtype),
+            "zero": ((groups,), self.scale_dtype),
+        }
+
+    def _per_block(self):
+        return ("scale", "zero") if self.spec.granularity == "channel" else ()
+
+    # -- packing (the libraries' own) -------------------------------------------------------------------------
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        """q uint8 [B, H, n, D] -> packed [B, H, n, D / per_byte]."""
+        if self.per_byte == 1 and self.backend != "hqq":
+            return q
+        b, h, n, d = q.shape
+        g = self._group()
+        rows = q.unflatten(-1, (d // g, self.per_byte, g // self.per_byte)).permute(4, 0, 1, 2, 3, 5).contiguous()
+        if self.backend == "quanto":
+            packed = self._pack_weights(rows, self.bits)
+        else:
+            packed = self._quantizer.pack[self._quantizer.bit_to_packing[self.bits]](rows.view(self.per_byte, -1))
+        return packed.reshape(b, h, n, d // self.per_byte)
+
+    def _unpack(self, n: int) -> torch.Tensor:
+        """Slots [0, n) as uint8 [B, H, n, D / g, per_byte, g / per_byte] (channel order = flattening the last 3)."""
+        data = self.slot["data"]
+        b, h, cap, _ = data.shape
+        g = self._group()
+        if self.per_byte == 1:
+            return data[:, :, :n].unflatten(-1, (self.head_dim // g, 1, g))
+        flat = data.reshape(1, -1)  # the whole (contiguous) buffer: the libraries need contiguous input
+        if self.backend == "quanto":
+            rows = None
+            if not self._native_unpack_failed:
+                try:
+                    rows = torch.ops.quanto.unpack(flat, self.bits)  # C++/CUDA kernel
+                except Exception:  # extension could not be built here: quanto's own reference implementation
+                    self._native_unpack_failed = True
+            if rows is None:
+                rows = self._python_unpack(flat, self.bits)
+        else:
+            rows = self._quantizer.unpack[self._quantizer.bit_to_packing[self.bits]](flat, dtype=torch.uint8)
+        rows = rows.view(self.per_byte, b, h, cap, self.head_dim // g, g // self.per_byte)[:, :, :, :n]
+        return rows.permute(1, 2, 3, 4, 0, 5)
+
+    # -- quantize ---------------------------------------------------------------------------------------------
+    def _groups_view(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """x [B, H, n, D] viewed with one group per slice of the returned reduction dim."""
+        if self.spec.granularity == "token":
+            g = self._group()
+            return x.unflatten(-1, (self.head_dim // g, g)), -1
+        return x.unflatten(2, (x.shape[2] // self.block, self.block)), 3
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x.float()
+        xg, dim = self._groups_view(x)
+        if self.backend == "hqq":
+            return self._encode_hqq(x, xg, dim)
+        lo, hi = xg.amin(dim, keepdim=True), xg.amax(dim, keepdim=True)
+        sdtype = self.scale_dtype
+        if sdtype == torch.float16:  # beyond the float16 range, values saturate
+            lo = lo.clamp(-65504.0, 65504.0)
+        zero = round_down_to(lo, sdtype)
+        scale = round_up_to((hi - zero.float()) / self.qmax, sdtype)
+        # at least the smallest normal number: subnormal scales are too coarse to cover the range (and all-zero
+        # groups get a valid scale); at most the dtype's maximum (beyond: saturation)
+        info = torch.finfo(sdtype)
+        scale = scale.clamp(min=info.tiny, max=info.max)
+        if self.backend == "quanto":
+            q = torch.ops.quanto.quantize_affine(xg, self.bits, 0, None, scale.float(), -zero.float())
+        else:
+            q = ((xg - zero.float()) / scale.float()).round_().clamp_(0, self.qmax).to(torch.uint8)
+        return self._encoded(q, scale.squeeze(dim), zero.squeeze(dim), x.shape)
+
+    def _encode_hqq(self, x, xg, dim) -> dict[str, torch.Tensor]:
+        # hqq works on 2-D [groups, group_size] with axis=1. Its thresholds are absolute (groups narrower than 1e-4
+        # collapse, inverse scales clamp at 2e4), so each group is first divided by a power of two >= its largest
+        # magnitude (exact), and the scale multiplied back: quantization becomes independent of the magnitude.
+        moved = xg.movedim(dim, -1)
+        rows = moved.reshape(-1, moved.shape[-1])
+        mantissa, exponent = torch.frexp(rows.abs().amax(-1, keepdim=True))
+        norm = torch.ldexp(torch.ones_like(mantissa), exponent.clamp(-125, 127))
+        w_q, meta = self._quantizer.quantize(
+            rows / norm, nbits=self.bits, channel_wise=True, group_size=None, optimize=True, axis=1, bitpack=False,
+            compute_dtype=torch.float32, device=x.device,
+        )
+        group_shape = moved.shape[:-1]
+        q = w_q.reshape(moved.shape).movedim(-1, dim).to(torch.uint8)
+        scale = (meta["scale"].float() * norm).reshape(group_shape).to(self.scale_dtype)
+        zero = meta["zero"].reshape(group_shape).to(self.scale_dtype)
+        return self._encoded(q, scale, zero, x.shape)
+
+    def _encoded(self, q, scale, zero, shape) -> dict[str, torch.Tensor]:
+        q = q.reshape(shape)
+        return {"data": self._pack(q), "scale": scale, "zero": zero}
+
+    # -- dequantize -------------------------------------------------------------------------------------------
+    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
+        g = self._group()
+        u = self._unpack(n)  # [B, H, n, D/g, p, g/p]
+        p = u.shape[-2]
+        if self.spec.granularity == "token":
+            scale = self.slot["scale"][:, :, :n].float()[..., None, None]
+            zero = self.slot["zero"][:, :, :n].float()[..., None, None]
+            target = out.unflatten(-1, (self.head_dim // g, p, g // p))
+        else:
+            m = n // self.block
+            # u: [B, H, n, 1, p, D/p] -> [B, H, m, G, 1, p, D/p]; per-channel scales [B, H, m, D] alike
+            u = u.unflatten(2, (m, self.block))
+            scale = self.slot["scale"][:, :, :m].float().unflatten(-1, (1, p, self.head_dim // p)).unsqueeze(3)
+            zero = self.slot["zero"][:, :, :m].float().unflatten(-1, (1, p, self.head_dim // p)).unsqueeze(3)
+            target = out.unflatten(2, (m, self.block)).unflatten(-1, (1, p, self.head_dim // p))
+        if self.backend == "hqq":  # (q - z) * s = q * s + (-z * s)
+            zero = -zero * scale
+        torch.mul(u, scale, out=target)
+        target.add_(zero)

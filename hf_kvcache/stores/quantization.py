@@ -1,0 +1,375 @@
+"""How one tensor kind (keys or values) is quantized: a small, JSON-serialisable spec, and shared helpers.
+
+    QuantSpec(format="fp8_e4m3", granularity="token")                 # FP8, one scale per token and KV head
+    QuantSpec(format="int4", granularity="channel", group_size=32)    # KIVI keys: per channel, 32-token blocks
+    QuantSpec(format="int4", granularity="token", group_size=32)      # KIVI values: per token, 32-channel groups
+
+Granularity (what one scale covers):
+- "tensor": the whole layer (one scale), "head": one KV head. Fixed once set: calibrated (static), or taken from
+  the first write (warm-up). Later values beyond it saturate. FP8 only.
+- "token": one token of one KV head, or `group_size` consecutive channels of it. Computed on the fly for every write,
+  so slots can be overwritten in any order (evicting policies).
+- "channel": one channel of one KV head over a block of `group_size` consecutive tokens (KIVI keys). A block is
+  quantized once, when all its tokens are written, so it needs the append-only keep-all layout.
+
+`scale_dtype`: how per-group scales (and zero points) are stored. Integer formats: the model's dtype by default;
+"float16" halves them for float32 models (values beyond the float16 range then saturate). FP8 token/channel scales:
+"bfloat16" by default (the scale is rounded up, so each group's largest value still lands within 0.4% of fmax), or
+"float32", "float16", or "e8m0" (a power of two in one byte, as in the OCP microscaling formats).
+
+Formats: "fp8_e4m3" (default; 3 mantissa bits, max 448), "fp8_e5m2" (2 mantissa bits, max 57344), "int8", "int4",
+"int2" (asymmetric: a scale and a zero point per group), "none" (the model's precision).
+Backends: "torch" (FP8, INT8, none: no packing needed), "quanto" and "hqq" (INT2/4/8: packing, and for hqq its
+half-quadratic zero-point optimizer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..config import check_keys, require_choice, require_int
+
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "none")
+GRANULARITIES = ("tensor", "head", "token", "channel")
+BACKENDS = ("torch", "quanto", "hqq")
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+BACKEND_FORMATS = {
+    "torch": ("fp8_e4m3", "fp8_e5m2", "int8", "none"),
+    "quanto": ("int2", "int4", "int8"),
+    "hqq": ("int2", "int4", "int8"),
+}
+BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+INT_GRANULARITIES = ("token", "channel")
+#: tokens per block for "channel" granularity when no group_size is given (KIVI uses 32)
+DEFAULT_CHANNEL_GROUP = 32
+SPEC_KEYS = ("format", "granularity", "group_size", "backend", "scale_dtype")
+SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FULL_PRECISION_NAMES = ("full", "none")
+
+
+class NonFiniteError(ValueError, FloatingPointError):
+    """Keys or values with inf/NaN were given to a quantized store. The store is left unchanged."""
+
+
+def backend_available(backend: str) -> bool:
+    if backend == "torch":
+        return True
+    module = BACKEND_PACKAGES[backend][0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_backend(backend: str, fmt: str) -> None:
+    if not backend_available(backend):
+        module, package = BACKEND_PACKAGES[backend]
+        raise ImportError(
+            f"QuantSpec(format={fmt!r}, backend={backend!r}) needs the `{package}` package ({module} is not "
+            f"installed): pip install {package}"
+        )
+
+
+def default_backend(fmt: str) -> str:
+    """torch where no packing is needed; otherwise quanto if installed, else hqq (an ImportError if neither)."""
+    if fmt in BACKEND_FORMATS["torch"]:
+        return "torch"
+    for backend in ("quanto", "hqq"):
+        if backend_available(backend):
+            return backend
+    raise ImportError(
+        f"format {fmt!r} needs a packing backend: pip install optimum-quanto (backend 'quanto') or hqq "
+        "(backend 'hqq')."
+    )
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How keys or values are stored. See the module docstring; `validate_head_dim` checks `group_size` once the
+    head size is known. Round-trips through `to_dict()` / `from_value()` (plain JSON)."""
+
+    format: str = "fp8_e4m3"
+    granularity: str = "token"
+    group_size: int | None = None
+    backend: str | None = None
+    scale_dtype: str | None = None  # integer formats: dtype of scales and zero points (None: the model's dtype)
+
+    def __post_init__(self):
+        fmt = require_choice("format", self.format, FORMATS)
+        granularity = require_choice("granularity", self.granularity, GRANULARITIES)
+        if fmt == "none":
+            granularity = "token"
+        backend = self.backend
+        if backend is None:
+            backend = default_backend(fmt)
+        backend = require_choice("backend", backend, BACKENDS)
+        if fmt not in BACKEND_FORMATS[backend]:
+            hint = ""
+            if fmt in INT_BITS and backend == "torch":
+                hint = " (int4/int2 need bit packing: use backend 'quanto' or 'hqq')"
+            elif fmt in FP8_DTYPES or fmt == "none":
+                hint = " (FP8 and full precision use backend 'torch')"
+            raise ValueError(
+                f"backend {backend!r} does not support format {fmt!r}: it supports {BACKEND_FORMATS[backend]}{hint}."
+            )
+        if fmt in INT_BITS and granularity not in INT_GRANULARITIES:
+            raise ValueError(
+                f"`granularity` for integer format {fmt!r} must be one of {INT_GRANULARITIES} (asymmetric, scale "
+                f"and zero point computed per group), got {granularity!r}; 'tensor' and 'head' are for FP8."
+            )
+        group_size = self.group_size
+        if group_size is not None:
+            group_size = require_int("group_size", group_size, 1)
+            if granularity in ("tensor", "head") and fmt != "none":
+                raise ValueError(f"`group_size` must be None for granularity {granularity!r}, got {group_size}.")
+            if fmt == "none":
+                group_size = None
+        if granularity == "channel" and group_size is None:
+            group_size = DEFAULT_CHANNEL_GROUP
+        if fmt in INT_BITS and granularity == "token" and group_size is not None:
+            per_byte = 8 // INT_BITS[fmt]
+            if group_size % per_byte:
+                raise ValueError(
+                    f"`group_size` ({group_size}) for {fmt} per-token groups must be a multiple of {per_byte} "
+                    f"(values per packed byte)."
+                )
+        if self.scale_dtype is not None:
+            if fmt in INT_BITS:
+                require_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+            elif fmt in FP8_DTYPES and granularity in ("token", "channel"):
+                require_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES) + ("e8m0",))
+            else:
+                raise ValueError(
+                    f"`scale_dtype` applies to integer formats and to FP8 'token'/'channel' scales; format {fmt!r} "
+                    f"with granularity {granularity!r} keeps float32 scales."
+                )
+        if backend != "torch":
+            require_backend(backend, fmt)
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "granularity", granularity)
+        object.__setattr__(self, "group_size", group_size)
+        object.__setattr__(self, "backend", backend)
+
+    # -- derived properties -------------------------------------------------------------------------------------
+    @property
+    def is_fp8(self) -> bool:
+        return self.format in FP8_DTYPES
+
+    @property
+    def is_int(self) -> bool:
+        return self.format in INT_BITS
+
+    @property
+    def bits(self) -> int:
+        if self.is_fp8:
+            return 8
+        if self.is_int:
+            return INT_BITS[self.format]
+        raise ValueError("format 'none' has no fixed number of bits (it is the model's dtype)")
+
+    @property
+    def block(self) -> int:
+        """Tokens quantized together along the slot dimension (1 except for channel granularity)."""
+        return self.group_size if self.granularity == "channel" else 1
+
+    @property
+    def append_only(self) -> bool:
+        return self.granularity == "channel"
+
+    def channel_group(self, head_dim: int) -> int:
+        """Channels per scale for token granularity (the whole head by default)."""
+        return self.group_size if (self.granularity == "token" and self.group_size is not None) else head_dim
+
+    def validate_head_dim(self, head_dim: int, where: str = "") -> None:
+        prefix = f"{where}: " if where else ""
+        if self.granularity == "token" and self.group_size is not None and self.format != "none":
+            if head_dim % self.group_size:
+                raise ValueError(
+                    f"{prefix}`group_size` ({self.group_size}) must divide the model's head_dim ({head_dim}) for "
+                    "per-token groups."
+                )
+        if self.is_int:
+            per_byte = 8 // self.bits
+            if self.granularity == "channel" and head_dim % per_byte:
+                raise ValueError(f"{prefix}head_dim ({head_dim}) must be a multiple of {per_byte} for {self.format}.")
+
+    # -- (de)serialisation ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any, where: str = "spec") -> "QuantSpec":
+        """A spec from a QuantSpec, a dict of its fields, or a format name ("fp8_e4m3", "int4", "full" ...)."""
+        if isinstance(value, QuantSpec):
+            return value
+        if isinstance(value, str):
+            return cls(format="none" if value in FULL_PRECISION_NAMES else value)
+        if isinstance(value, dict):
+            check_keys(where, value, SPEC_KEYS)
+            return cls(**value)
+        raise ValueError(
+            f"{where} must be a format name {FORMATS}, a dict with keys {SPEC_KEYS}, or a QuantSpec; got "
+            f"{type(value).__name__}."
+        )
+
+
+# -- numeric helpers shared by the codecs -----------------------------------------------------------------------
+def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32) in `dtype`, rounded towards +inf (so a scale never shrinks: no clamping of the largest value)."""
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    low = y.float() < x
+    return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    high = y.float() > x
+    return torch.where(high, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
+
+
+def check_finite(keys: torch.Tensor, values: torch.Tensor | None, where: str) -> None:
+    """One fused check per update of the new tokens only (one device sync); raises NonFiniteError naming `where`."""
+    ok = torch.isfinite(keys).all()
+    if values is not None:
+        ok = ok & torch.isfinite(values).all()
+    if not bool(ok):
+        parts = [("keys", keys)] + ([("values", values)] if values is not None else [])
+        counts = [(int((~torch.isfinite(t)).sum()), name) for name, t in parts]
+        found = ", ".join(f"{count} non-finite {name}" for count, name in counts if count)
+        raise NonFiniteError(
+            f"{where}: {found} among the new tokens (inf/NaN cannot be quantized). The cache was left unchanged; "
+            "check the model's activations (overflow in float16?)."
+        )
+
+
+def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):
+    """A slot store for a region of a CompositeCache (arbitrary slot writes): key and value precisions as format
+    names ("full", "fp8_e4m3", "int4" ...) or spec dicts. Per-token granularity; 'channel' needs the append-only
+    layout and is rejected here."""
+    from .quantized import QuantizedStore
+
+    key_spec = QuantSpec.from_value(keys, f"{where}.keys")
+    value_spec = QuantSpec.from_value(values, f"{where}.values")
+    for name, spec in (("keys", key_spec), ("values", value_spec)):
+        if spec.append_only:
+            raise ValueError(
+                f"{where}.{name}: granularity 'channel' needs the append-only keep-all layout (QuantizedFP8Cache / "
+                "KIVICache); use 'token' in a region store."
+            )
+    return QuantizedStore(key_spec, value_spec, append_only=False, workspace=workspace, name=where)
+
+
+# -- codecs: quantized storage of one tensor kind (keys or values) in slots ------------------------------------
+class Codec:
+    """Slot tensors `[B, H, capacity / block, ...]` (dim 2 indexes slots, or blocks of `block` slots) plus shared
+    per-layer tensors (fixed scales). Subclasses define `_slot_shapes`, `encode` and `decode_into`."""
+
+    def __init__(self, spec: QuantSpec):
+        self.spec = spec
+        self.block = spec.block
+        self.slot: dict[str, torch.Tensor] = {}
+        self.shared: dict[str, torch.Tensor] = {}
+        self.capacity = 0
+
+    def _slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (trailing shape after [B, H, n_blocks], dtype)."""
+        raise NotImplementedError
+
+    def allocate(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device) -> None:
+        self.spec.validate_head_dim(head_dim)
+        self.batch, self.heads, self.head_dim, self.dtype, self.device = batch, heads, head_dim, dtype, device
+        self.per_block = set(self._per_block())
+        self.slot = {
+            name: torch.zeros(batch, heads, self._rows(name, capacity), *shape, dtype=dt, device=device)
+            for name, (shape, dt) in self._slot_shapes().items()
+        }
+        self.capacity = capacity
+
+    def _per_block(self) -> tuple[str, ...]:
+        """Slot tensors with one row per block of `block` slots (the others have one row per slot)."""
+        return ()
+
+    def _rows(self, name: str, slots: int) -> int:
+        return slots // self.block if name in self.per_block else slots
+
+    def resize(self, capacity: int) -> None:
+        """Change the physical capacity (slots, a multiple of `block`), keeping the content of the common part."""
+        if capacity == self.capacity:
+            return
+        keep = min(capacity, self.capacity)
+        for name, t in self.slot.items():
+            new = t.new_zeros(t.shape[0], t.shape[1], self._rows(name, capacity), *t.shape[3:])
+            rows = self._rows(name, keep)
+            new[:, :, :rows] = t[:, :, :rows]
+            self.slot[name] = new
+        self.capacity = capacity
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [B, H, n, D] (n a multiple of `block`) -> slot tensors for those n slots."""
+        raise NotImplementedError
+
+    def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None):
+        """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots."""
+        for name, t in encoded.items():
+            buf = self.slot[name]
+            if dest is None:
+                first = self._rows(name, start)
+                buf[:, :, first : first + t.shape[2]] = t
+            else:
+                index = dest.reshape(dest.shape + (1,) * (t.dim() - 3)).expand(t.shape)
+                buf.scatter_(2, index, t)
+
+    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
+        """Dequantize slots [0, n) into out [B, H, n, D] (any strides with a unit stride on the last dim)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.slot.values()) + sum(t.nbytes for t in self.shared.values())
+
+    def map_batch(self, fn) -> None:
+        self.slot = {name: fn(t) for name, t in self.slot.items()}
+        if self.slot:
+            self.batch = next(iter(self.slot.values())).shape[0]
+
+    def bytes_per_slot(self) -> float:
+        """Theoretical bytes per slot (token) and KV head of the slot tensors: bits/8 per value + scales."""
+        total = 0.0
+        for name, (shape, dt) in self._slot_shapes().items():
+            per = self.block if name in self.per_block else 1
+            total += math.prod(shape) * torch.empty((), dtype=dt).element_size() / per
+        return total
+
+
+class FullCodec(Codec):
+    """format 'none': the model's own dtype."""
+
+    def _slot_shapes(self):
+        return {"data": ((self.head_dim,), self.dtype)}
+
+    def encode(self, x):
+        return {"data": x.to(self.dtype)}
+
+    def decode_into(self, out, n, workspace) -> None:
+        out.copy_(self.slot["data"][:, :, :n])
+
+
+def make_codec(spec: QuantSpec) -> Codec:
+    if spec.format == "none":
+        return FullCodec(spec)
+    if spec.is_fp8:
+        from .fp8 import FP8Codec
+
+        return FP8Codec(spec)
+    from .integer import IntegerCodec
+
+    return IntegerCodec(spec)

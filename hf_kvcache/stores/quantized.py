@@ -1,0 +1,301 @@
+"""A slot store holding keys and values quantized, each with its own QuantSpec (e.g. keys INT8, values FP8).
+
+Two layouts:
+- slot layout (`append_only=False`): any write pattern (eviction policies overwrite slots, H2O writes per head).
+  Every token is quantized when written, with a per-token scale or a fixed (tensor/head) scale.
+- append-only layout (`append_only=True`, the keep-all policy): slots are filled in order. This enables
+  * a full-precision residual of the most recent `residual` tokens (older ones are quantized, `flush` at a time),
+  * per-channel key blocks (KIVI): a block of `group_size` tokens is quantized once, when all its tokens are written
+    and it has left the residual. Already-quantized tokens are never dequantized and quantized again, so an append
+    costs O(new tokens);
+  * physical buffers that grow by a small factor (1/16) at block granularity, so the bytes held stay within a few
+    percent of the content (the layer's slot capacity doubles; ours need not).
+
+Reads dequantize into a workspace (`DequantWorkspace`, shared by the layers of a cache) and return views of it.
+Optional key smoothing subtracts a per-channel key mean before quantizing and adds it back after dequantizing; the
+mean is calibrated (static) or taken from the first write. Non-finite keys/values raise `NonFiniteError` before any
+state changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .quantization import QuantSpec, check_finite, make_codec
+from .workspace import TransientWorkspace
+
+GROWTH = 1 / 16
+
+
+class QuantizedStore:
+    def __init__(
+        self,
+        key: QuantSpec | dict | str,
+        value: QuantSpec | dict | str,
+        residual: int = 0,
+        append_only: bool = False,
+        key_smoothing: bool = False,
+        workspace=None,
+        name: str = "store",
+        flush: int | None = None,
+        growth: float = GROWTH,
+    ):
+        self.key_spec = QuantSpec.from_value(key, f"{name}: key")
+        self.value_spec = QuantSpec.from_value(value, f"{name}: value")
+        self.name = name
+        self.block = math.lcm(self.key_spec.block, self.value_spec.block)
+        if not append_only:
+            for kind, spec in (("key", self.key_spec), ("value", self.value_spec)):
+                if spec.append_only:
+                    raise ValueError(
+                        f"{name}: {kind} granularity 'channel' quantizes blocks of tokens once they are complete, "
+                        "which needs the append-only keep-all layout (no eviction); use 'token' with an evicting "
+                        "policy."
+                    )
+            if residual:
+                raise ValueError(
+                    f"{name}: a full-precision residual window (residual={residual}) needs the append-only "
+                    "keep-all layout."
+                )
+        if residual < 0:
+            raise ValueError(f"{name}: `residual` must be >= 0, got {residual}")
+        self.append_only, self.residual, self.growth = append_only, residual, growth
+        if flush is None:
+            flush = 16 if (residual and self.block == 1) else 1
+        self.flush = math.lcm(self.block, flush)
+        self.key_smoothing = key_smoothing and self.key_spec.format != "none"
+        self.workspace = workspace if workspace is not None else TransientWorkspace()
+        self.static_key_scale = self.static_value_scale = None
+        self.static_key_mean: torch.Tensor | None = None
+        self.layer_idx: int | None = None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.keys_codec = make_codec(self.key_spec)
+        self.values_codec = make_codec(self.value_spec)
+        if self.static_key_scale is not None:
+            self.keys_codec.set_scale(self.static_key_scale)
+        if self.static_value_scale is not None:
+            self.values_codec.set_scale(self.static_value_scale)
+        self.key_mean = self.static_key_mean
+        self.allocated = False
+        self.qlen = 0  # tokens in the quantized region (append-only layout)
+        self.fp_len = 0  # tokens in the full-precision region after it
+        self.fp_k = self.fp_v = None
+        self.slots = 0  # logical slot count asked for by the layer
+
+    @property
+    def where(self) -> str:
+        return self.name if self.layer_idx is None else f"{self.name} (layer {self.layer_idx})"
+
+    # -- static (calibrated) parameters -----------------------------------------------------------------------
+    def set_static(self, key_scale=None, value_scale=None, key_mean=None) -> None:
+        """Calibrated FP8 scales (a float, or one per KV head) and the key channel means [heads, head_dim]."""
+        if key_scale is not None:
+            self.keys_codec.set_scale(key_scale)
+            self.static_key_scale = key_scale
+        if value_scale is not None:
+            self.values_codec.set_scale(value_scale)
+            self.static_value_scale = value_scale
+        if key_mean is not None:
+            mean = torch.as_tensor(key_mean, dtype=torch.float32)
+            if mean.dim() != 2:
+                raise ValueError(f"{self.where}: key_mean must be [kv_heads, head_dim], got shape {list(mean.shape)}")
+            self.static_key_mean = self.key_mean = mean[None, :, None, :]
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device) -> None:
+        self.batch, self.heads, self.head_dim, self.dtype, self.device = batch, heads, head_dim, dtype, device
+        self.slots = slots
+        capacity = 0 if self.append_only else slots
+        self.keys_codec.allocate(batch, heads, head_dim, capacity, dtype, device)
+        self.values_codec.allocate(batch, heads, head_dim, capacity, dtype, device)
+        fp_slots = self.residual + self.flush - 1 if self.append_only else 0
+        if fp_slots:
+            self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
+            self.fp_v = torch.zeros_like(self.fp_k)
+        if self.key_mean is not None:
+            if self.key_mean.shape[1] != heads or self.key_mean.shape[-1] != head_dim:
+                raise ValueError(
+                    f"{self.where}: key_mean has shape {list(self.key_mean.shape[1::2])}, the layer has {heads} KV "
+                    f"heads of size {head_dim}"
+                )
+            self.key_mean = self.key_mean.to(device)
+        self.allocated = True
+
+    def grow(self, slots: int) -> None:
+        """The layer's slot count grew. Slot layout: grow the buffers. Append-only: physical buffers follow the
+        content instead (see `_reserve`)."""
+        self.slots = slots
+        if not self.append_only:
+            self.keys_codec.resize(slots)
+            self.values_codec.resize(slots)
+
+    def _reserve(self, tokens: int) -> None:
+        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/16 (amortised)."""
+        cap = self.keys_codec.capacity
+        if tokens <= cap:
+            return
+        if cap:
+            tokens = max(tokens, cap + max(self.flush, math.ceil(cap * self.growth)))
+        tokens = -(-tokens // self.flush) * self.flush
+        self.keys_codec.resize(tokens)
+        self.values_codec.resize(tokens)
+
+    @property
+    def length(self) -> int:
+        return self.qlen + self.fp_len
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Shape/dtype/device stand-in [B, H, slots, D] (zeros, no memory) for code that inspects `store.keys`; the
+        data itself is quantized: use `read`."""
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.batch, self.heads, self.slots, self.head_dim)
+
+    # -- writes -----------------------------------------------------------------------------------------------
+    def _smooth(self, keys: torch.Tensor) -> torch.Tensor:
+        if not self.key_smoothing:
+            return keys
+        if self.key_mean is None:  # dynamic: the first write's mean over batch and tokens, fixed afterwards
+            self.key_mean = keys.float().mean(dim=(0, 2), keepdim=True)
+        return keys.float() - self.key_mean
+
+    def _encode_put(self, keys, values, start: int | None = None, dest: torch.Tensor | None = None) -> None:
+        self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start, dest)
+        self.values_codec.put(self.values_codec.encode(values), start, dest)
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]."""
+        check_finite(keys, values, self.where)
+        if not self.append_only:
+            self._encode_put(keys, values, dest=dest)
+            return
+        n = keys.shape[2]
+        first = dest[0, 0, 0]
+        sequential = (dest == first + torch.arange(n, device=dest.device)).all()
+        start, ok = torch.stack((first, sequential.long())).tolist()
+        if not ok:
+            raise RuntimeError(
+                f"{self.where}: the append-only layout got a non-sequential write; a policy that evicts or reorders "
+                "slots needs a store with append_only=False (per-token, -head or -tensor granularity, no residual)."
+            )
+        self._append(start, keys, values)
+
+    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One token [B, H, 1, D] into one slot shared by all rows and heads (the layer's decode fast path)."""
+        check_finite(keys, values, self.where)
+        if self.append_only:
+            self._append(slot, keys, values)
+        else:
+            self._encode_put(keys, values, start=slot)
+
+    def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
+        """Overwrite keys of slots [start, start + n) (re-rotated sinks); slot layout only."""
+        if self.append_only:
+            raise NotImplementedError(f"{self.where}: the append-only layout does not rewrite keys in place")
+        check_finite(keys, None, self.where)
+        self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start)
+
+    def _append(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if start != self.length:
+            self._truncate(start)
+        n = keys.shape[2]
+        total = self.fp_len + n
+        m = max(0, total - self.residual) // self.flush * self.flush  # tokens leaving full precision now
+        a = min(m, self.fp_len)  # of which from the full-precision region (the oldest), then from the new tokens
+        if m:
+            if a and m - a:
+                src_k = torch.cat((self.fp_k[:, :, :a], keys[:, :, : m - a]), 2)
+                src_v = torch.cat((self.fp_v[:, :, :a], values[:, :, : m - a]), 2)
+            elif a:
+                src_k, src_v = self.fp_k[:, :, :a], self.fp_v[:, :, :a]
+            else:
+                src_k, src_v = keys[:, :, :m], values[:, :, :m]
+            self._reserve(self.qlen + m)
+            self._encode_put(src_k, src_v, start=self.qlen)
+            self.qlen += m
+        rest = self.fp_len - a
+        if a and rest:
+            self.fp_k[:, :, :rest] = self.fp_k[:, :, a : self.fp_len].clone()
+            self.fp_v[:, :, :rest] = self.fp_v[:, :, a : self.fp_len].clone()
+        keep = n - (m - a)
+        if keep:
+            self.fp_k[:, :, rest : rest + keep] = keys[:, :, m - a :]
+            self.fp_v[:, :, rest : rest + keep] = values[:, :, m - a :]
+        self.fp_len = rest + keep
+
+    def _truncate(self, length: int) -> None:
+        """Forget tokens from `length` on (the layer cropped them, e.g. assisted decoding)."""
+        if length > self.length:
+            raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
+        if length >= self.qlen:
+            self.fp_len = length - self.qlen
+        elif length % self.block == 0:
+            self.qlen, self.fp_len = length, 0
+        else:
+            raise NotImplementedError(
+                f"{self.where}: cannot crop to {length} tokens: tokens before {self.qlen} are quantized in blocks of "
+                f"{self.block} channels-wise and cannot be split. Keep `residual` at least as large as the number of "
+                "tokens a crop may remove."
+            )
+
+    # -- reads ------------------------------------------------------------------------------------------------
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
+        if self.append_only:
+            if used < self.length:
+                self._truncate(used)
+            elif used > self.length:
+                raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
+            quantized = self.qlen
+        else:
+            quantized = used
+        shape = (self.batch, self.heads, used, self.head_dim)
+        out_k = self.workspace.get("keys", shape, self.dtype, self.device)
+        out_v = self.workspace.get("values", shape, self.dtype, self.device)
+        if quantized:
+            qk, qv = out_k[:, :, :quantized], out_v[:, :, :quantized]
+            self.keys_codec.decode_into(qk, quantized, self.workspace)
+            if self.key_smoothing and self.key_mean is not None:
+                qk.add_(self.key_mean.to(self.dtype))
+            self.values_codec.decode_into(qv, quantized, self.workspace)
+        if used > quantized:
+            out_k[:, :, quantized:].copy_(self.fp_k[:, :, : used - quantized])
+            out_v[:, :, quantized:].copy_(self.fp_v[:, :, : used - quantized])
+        return out_k, out_v
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
+        keys, values = self.read(self.slots if not self.append_only else self.length)
+        index = slots[..., None].expand(self.batch, self.heads, slots.shape[-1], self.head_dim)
+        return keys.gather(2, index), values.gather(2, index)
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held: quantized values, scales and zero points (as allocated), the full-precision residual buffer
+        and the key means. The shared dequantization workspace is counted by the cache, once."""
+        if not self.allocated:
+            return 0
+        total = self.keys_codec.nbytes() + self.values_codec.nbytes()
+        if self.fp_k is not None:
+            total += self.fp_k.nbytes + self.fp_v.nbytes
+        if self.key_mean is not None and self.key_smoothing:
+            total += self.key_mean.nbytes
+        return total
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.allocated:
+            return
+        self.keys_codec.map_batch(fn)
+        self.values_codec.map_batch(fn)
+        if self.fp_k is not None:
+            self.fp_k, self.fp_v = fn(self.fp_k), fn(self.fp_v)
+            self.batch = self.fp_k.shape[0]
+        else:
+            self.batch = self.keys_codec.batch
+
+    def reset(self) -> None:
+        self._init_state()

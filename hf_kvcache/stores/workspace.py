@@ -1,0 +1,51 @@
+"""One dequantization workspace shared by the layers of a cache.
+
+Attention needs keys and values in the model's dtype, but a quantized cache must not keep a full-precision copy per
+layer. Each layer's read dequantizes into the same buffers, which attention consumes before the next layer runs
+(transformers runs layers one after the other), so peak memory is the quantized cache plus one layer's worth.
+
+The returned tensors are views that the next read overwrites: a caller that keeps them across layers must copy
+them. A store given no workspace allocates fresh tensors per read instead (safe for any use, more allocation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class DequantWorkspace:
+    """Flat buffers per (role, dtype, device), grown by doubling (amortised) and viewed at the shape asked for."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A contiguous tensor of `shape` (contents undefined) that stays valid until the next `get` of `role`."""
+        numel = math.prod(shape)
+        key = (role, dtype, torch.device(device))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            size = numel if buf is None else max(numel, 2 * buf.numel())
+            buf = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+class TransientWorkspace:
+    """No sharing: fresh tensors per read (the default of a standalone store)."""
+
+    def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return 0
+
+    def clear(self) -> None:
+        pass
