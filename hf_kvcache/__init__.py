@@ -7,6 +7,7 @@ cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(past_k
 from .attention import enable
 from .caches import FullCache, H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
+from .quantized import KIVICache, QuantizedFP8Cache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
     build_cache,
@@ -25,6 +26,8 @@ __all__ = [
     "FullCache",
     "H2OCache",
     "KVCache",
+    "KIVICache",
+    "QuantizedFP8Cache",
     "RandomEvictionCache",
     "SinkCache",
     "SlidingWindowCache",

@@ -17,6 +17,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .caches import H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
+from .quantized import KIVICache, QuantizedFP8Cache
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
 SUPPORTED_RANGE_TEXT = ">=5.23,<6"
@@ -28,6 +29,8 @@ CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
     H2OCache.cache_name: H2OCache,
     CompositeCache.cache_name: CompositeCache,
     RandomEvictionCache.cache_name: RandomEvictionCache,
+    QuantizedFP8Cache.cache_name: QuantizedFP8Cache,
+    KIVICache.cache_name: KIVICache,
 }
 
 CONFIG_FILE = "kvcache_config.json"
