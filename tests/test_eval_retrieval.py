@@ -98,3 +98,22 @@ def test_question_goes_through_the_compressed_cache(tok):
     summary = summarize(rows)
     assert {(s["kind"], s["position"], s["n"]) for s in summary} == {
         (k, pos, 2) for k in ("passkey", "records") for pos in ("early", "late")}
+
+
+def test_records_probe_with_a_fixed_number_of_records_in_filler():
+    from hf_kvcache.evaluation.retrieval import make_probe
+
+    depths = {}
+    for position in ("early", "middle", "late"):
+        probe = make_probe("records", 4096, position, seed=1, n_records=20)
+        assert probe.meta["records"] == 20
+        from hf_kvcache.evaluation.retrieval import RECORDS_HEADER
+
+        body = probe.context[len(RECORDS_HEADER):]
+        assert probe.context.startswith(RECORDS_HEADER) and body.count('"code": ') == 20
+        assert len(probe.prompt) // 4 <= 4096  # fits (no tokenizer: ~4 characters per token)
+        assert f'"id": "{probe.meta["id"]}"' in probe.context
+        depths[position] = probe.context.index(f'"id": "{probe.meta["id"]}"') / len(probe.context)
+    assert depths["early"] < 0.25 < depths["middle"] < 0.75 < depths["late"]
+    with pytest.raises(ValueError, match="n_records"):
+        make_probe("records", 4096, "early", n_records=1)

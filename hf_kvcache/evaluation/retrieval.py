@@ -168,11 +168,17 @@ def _records(rng: random.Random, n: int) -> tuple[list[dict], dict]:
     return out, target
 
 
-def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=None) -> Probe:
-    """Similar records; the question asks for the code of the target record, in strict JSON."""
+def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=None,
+                  n_records: int | None = None) -> Probe:
+    """Similar records; the question asks for the code of the target record, in strict JSON.
+
+    By default the context is all records (as many as fit). With `n_records`, exactly that many records (the target
+    included) are spread evenly through filler text that fills the context, the target at the requested depth."""
     name, depth = _depth(position)
     rng = random.Random(f"records-{seed}-{context_len}-{name}")
     count = _counter(tokenizer)
+    if n_records is not None:
+        return _sparse_records_probe(context_len, name, depth, rng, count, n_records)
     line_tokens = max(1, count('{"id": "AB-1234-56", "name": "Maria Keller", "date": "2019-04-12", "city": "Lyon", '
                                '"code": 12345}\n'))
     n = max(4, (context_len - count(RECORDS_HEADER)) // line_tokens + 4)
@@ -193,11 +199,44 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
                   "index": shown.index(target)})
 
 
-def make_probe(kind: str, context_len: int, position="middle", seed: int = 0, tokenizer=None) -> Probe:
+def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random.Random, count, n_records: int):
+    if isinstance(n_records, bool) or not isinstance(n_records, int) or n_records < 2:
+        raise ValueError(f"`n_records` must be an integer >= 2 (the target and at least one distractor), got {n_records!r}.")
+    distractors, target = _records(rng, n_records)
+    at = int(round(depth * len(distractors)))
+    shown = distractors[:at] + [target] + distractors[at:]
+    question = (f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\n'
+                "Answer: ")
+    budget = context_len - count(question) - 2
+    units = [FILLER] * (budget // max(1, count(FILLER)) + 2)
+
+    def build(fill: list[str]) -> str:
+        # record i goes before filler unit round((i + 0.5) * len(fill) / n): evenly spread, in order
+        slots = [int(round((i + 0.5) * len(fill) / len(shown))) for i in range(len(shown))]
+        parts, r = [RECORDS_HEADER], 0
+        for u in range(len(fill) + 1):
+            while r < len(shown) and slots[r] == u:
+                parts.append(_record_line(shown[r]))
+                r += 1
+            if u < len(fill):
+                parts.append(fill[u])
+        return "".join(parts)
+
+    fill = _fill(units, None, build, budget, count)
+    if count(build(fill)) > budget:
+        raise ValueError(f"{n_records} records do not fit in {context_len} tokens.")
+    answer = json.dumps({"id": target["id"], "code": target["code"]})
+    return Probe("records", build(fill), question, answer, name, depth,
+                 {"id": target["id"], "code": target["code"], "records": len(shown), "index": shown.index(target),
+                  "filler_units": len(fill)})
+
+
+def make_probe(kind: str, context_len: int, position="middle", seed: int = 0, tokenizer=None,
+               n_records: int | None = None) -> Probe:
     if kind == "passkey":
         return passkey_probe(context_len, position, seed, tokenizer)
     if kind == "records":
-        return records_probe(context_len, position, seed, tokenizer)
+        return records_probe(context_len, position, seed, tokenizer, n_records)
     raise ValueError(f"Unknown probe kind {kind!r}; use one of {list(KINDS)}.")
 
 
@@ -263,7 +302,7 @@ def run_probe(model, tokenizer, probe: Probe, cache, max_new_tokens: int | None 
 
 def run_retrieval(model, tokenizer, cache_factory: Callable[[], object], kinds=KINDS, context_lens=(2048,),
                   positions=tuple(POSITIONS), samples: int = 3, seed: int = 0, prefill_chunk: int | None = None,
-                  chat: bool = False, progress: bool = False) -> list[dict]:
+                  chat: bool = False, progress: bool = False, n_records: int | None = None) -> list[dict]:
     """One row per (kind, context length, position, sample) with exact/parsed, the output and the probe's answer."""
     jobs = [(k, c, p, s) for k in kinds for c in context_lens for p in positions for s in range(samples)]
     if progress:
@@ -272,7 +311,7 @@ def run_retrieval(model, tokenizer, cache_factory: Callable[[], object], kinds=K
         jobs = tqdm(jobs, desc="probes", leave=False)
     rows = []
     for kind, context_len, position, s in jobs:
-        probe = make_probe(kind, context_len, position, seed + s, tokenizer)
+        probe = make_probe(kind, context_len, position, seed + s, tokenizer, n_records)
         result = run_probe(model, tokenizer, probe, cache_factory(), prefill_chunk=prefill_chunk, chat=chat)
         rows.append({"kind": kind, "context_len": context_len, "position": probe.position, "sample": s,
                      "answer": probe.answer, **result})

@@ -65,7 +65,7 @@ CACHE_KEYS = {"name", "config", "budget_key", "budgets", "label"}
 PPL_DEFAULTS = {"tokens": 4096, "mode": "chunked", "chunk": 64, "bucket": 1024}
 SPEED_DEFAULTS = {"decode_tokens": 32, "rounds": 3}
 RETRIEVAL_DEFAULTS = {"kinds": ["passkey"], "positions": ["early", "middle", "late"], "samples": 2,
-                      "context_lengths": None, "chat": False, "max_new_tokens": None}
+                      "context_lengths": None, "chat": False, "max_new_tokens": None, "records": None}
 
 
 class SpecError(ValueError):
@@ -329,6 +329,9 @@ def _check_retrieval(s: Sweep) -> None:
             raise _err(f"retrieval.positions[{i}]", f"must be one of {list(POSITIONS)} or a depth in [0, 1], got {p!r}")
     if not _is_int(r["samples"]):
         raise _err("retrieval.samples", f"must be an integer >= 1, got {r['samples']!r}")
+    if r["records"] is not None and (not _is_int(r["records"]) or r["records"] < 2):
+        raise _err("retrieval.records", f"must be an integer >= 2 (records in the context, target included) or null, "
+                                        f"got {r['records']!r}")
     if r["context_lengths"] is not None:
         if not isinstance(r["context_lengths"], list) or not r["context_lengths"]:
             raise _err("retrieval.context_lengths", "must be a non-empty list of token counts")
@@ -615,7 +618,7 @@ def _run_retrieval(ctx: _Context, cell: Cell) -> list[dict]:
     factory = make_factory(ctx.model, (p["cache"], p["config"]), context_len=n, total_len=n + 64)
     rows = run_retrieval(ctx.model, ctx.tokenizer, factory, kinds=[p["kind"]], context_lens=[n],
                          positions=[p["position"]], samples=p["samples"], seed=s.seed,
-                         prefill_chunk=s.prefill_chunk, chat=p["chat"])
+                         prefill_chunk=s.prefill_chunk, chat=p["chat"], n_records=p.get("records"))
     resolved = resolve_config(p["cache"], p["config"], n)
     k = len(rows)
     return [{"metric": "retrieval", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
