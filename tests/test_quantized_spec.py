@@ -43,7 +43,6 @@ def test_defaults_and_json_round_trip():
         ({"format": "fp8_e4m3", "granularity": "head", "group_size": 16}, r"`group_size` must be None"),
         ({"group_size": 0}, r"`group_size` must be an integer >= 1"),
         ({"group_size": 2.5}, r"`group_size` must be an integer >= 1"),
-        ({"format": "int2", "group_size": 6, "backend": "quanto"}, r"multiple of 4"),
         ({"format": "int8", "scale_dtype": "e8m0"}, r"`scale_dtype` must be one of"),
         ({"format": "fp8_e4m3", "granularity": "tensor", "scale_dtype": "float16"}, r"keeps float32 scales"),
     ],

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec, round_up_to
+from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec
 
 EXP_MIN, EXP_MAX = -126, 119  # 2^(e + 8) stays a normal float32
 
@@ -30,13 +30,22 @@ def pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
     return e.clamp_(EXP_MIN, EXP_MAX).to(torch.int8)
 
 
+_I16_128: dict = {}
+
+
+def _i16_128(device) -> torch.Tensor:
+    # a 1-element int16 tensor (not a 0-dim one) so that type promotion computes int8 * 128 in int16
+    _I16_128[device] = torch.tensor([128], dtype=torch.int16, device=device)
+    return _I16_128[device]
+
+
 def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tensor) -> tuple[torch.Tensor, float]:
     """FP8 `data` as float16 values in `scratch` (int16, same shape) and the factor they are off by:
     E4M3 -> float16 bits (sign << 15 | exponent-mantissa << 7) is the value times 2^-8 (exponent bias 7 vs 15),
     subnormals included; E5M2 is the upper byte of float16, exact."""
     if fp8_dtype == torch.float8_e4m3fn:
-        scratch.copy_(data.view(torch.int8))  # sign-extends: the sign lands in bits 15 and 14
-        scratch.bitwise_left_shift_(7)
+        # int8 (sign-extended) * 128 as int16: the sign lands in bits 15 and 14, exponent-mantissa in 13..7
+        torch.mul(data.view(torch.int8), _I16_128.get(scratch.device) or _i16_128(scratch.device), out=scratch)
         scratch.bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
         return scratch.view(torch.float16), 256.0
     scratch.copy_(data.view(torch.uint8))
@@ -73,16 +82,18 @@ class FP8Codec(Codec):
         return ("scale",) if self.spec.granularity == "channel" else ()
 
     def _dynamic_scale(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stored scale, float32 scale to divide by) for groups with maximum magnitude `amax`."""
-        ratio = amax / self.fmax
+        """(stored scale, scale to divide by) for groups with maximum magnitude `amax`."""
         if self.pow2:
-            exp = pow2_exponent(ratio)
+            exp = pow2_exponent(amax / self.fmax)
             return exp, torch.exp2(exp.float())
         dtype = self.scale_dtype
-        scale = round_up_to(ratio, dtype)
+        if dtype == torch.float32:
+            scale = amax / self.fmax
+        else:  # rounded up to the storage dtype (see round_up_to), in one multiply
+            scale = (amax * ((1.0 + torch.finfo(dtype).eps) / self.fmax)).to(dtype)
         info = torch.finfo(dtype)
-        scale = scale.clamp(min=info.tiny, max=info.max)  # all-zero groups; beyond the range: saturation
-        return scale, scale.float()
+        scale = scale.clamp_(min=info.tiny, max=info.max)  # all-zero groups; beyond the range: saturation
+        return scale, scale
 
     def _stored_scale(self, stored: torch.Tensor, factor: float) -> torch.Tensor:
         if self.pow2:
@@ -119,7 +130,7 @@ class FP8Codec(Codec):
         if gran == "token":
             g = self.spec.channel_group(self.head_dim)
             xg = x.unflatten(-1, (self.head_dim // g, g))
-            stored, scale = self._dynamic_scale(xg.abs().amax(-1))
+            stored, scale = self._dynamic_scale(torch.linalg.vector_norm(xg, math.inf, -1))
             q = xg / scale.unsqueeze(-1)
             return {"data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(-2).view(torch.uint8), "scale": stored}
         if gran == "channel":
@@ -135,21 +146,34 @@ class FP8Codec(Codec):
         return {"data": (x / self.scale).clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).view(torch.uint8)}
 
     # -- dequantize -------------------------------------------------------------------------------------------
-    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
+    def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:
         data = self.slot["data"][:, :, :n]
         gran = self.spec.granularity
         if out.device.type == "cpu":
             scratch = workspace.get("fp8_scratch", tuple(data.shape), torch.int16, out.device)
-            values, factor = fp8_as_half(data, self.fp8_dtype, scratch)
+            half, factor = fp8_as_half(data, self.fp8_dtype, scratch)
+            out.copy_(half)  # float16 -> output dtype, then one in-place multiply (faster than a mixed-dtype mul)
         else:  # native conversion kernels are fast on accelerators
-            values, factor = data.view(self.fp8_dtype).to(out.dtype), 1.0
+            out.copy_(data.view(self.fp8_dtype))
+            factor = 1.0
         if gran == "token":
             g = self.spec.channel_group(self.head_dim)
-            scale = self._stored_scale(self.slot["scale"][:, :, :n], factor).unsqueeze(-1)
-            torch.mul(values.unflatten(-1, (self.head_dim // g, g)), scale, out=out.unflatten(-1, (self.head_dim // g, g)))
+            scale = self._stored_scale(self.slot["scale"][:, :, :n], factor)
+            if g == self.head_dim:  # [B, H, n, 1] against [B, H, n, D]
+                target = out
+            else:  # scales broadcast within channel groups: in-place ops are much faster than addcmul here
+                out.unflatten(-1, (self.head_dim // g, g)).mul_(scale.unsqueeze(-1))
+                if bias is not None:
+                    out.add_(bias)
+                return
         elif gran == "channel":
             m = n // self.block
             scale = self._stored_scale(self.slot["scale"][:, :, :m], factor).unsqueeze(3)
-            torch.mul(values.unflatten(2, (m, self.block)), scale, out=out.unflatten(2, (m, self.block)))
+            target = out.unflatten(2, (m, self.block))
+            bias = None if bias is None else bias.unsqueeze(2)
         else:
-            torch.mul(values, self.scale * factor, out=out)
+            scale, target = self.scale * factor, out
+        if bias is None:
+            target.mul_(scale)
+        else:  # x * scale + bias in one pass
+            torch.addcmul(bias, target, scale, out=target)

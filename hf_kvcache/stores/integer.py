@@ -48,20 +48,21 @@ class IntegerCodec(Codec):
         elif self.backend == "hqq":
             self._quantizer = _hqq()
         self._native_unpack_failed = False
+        self.pack_block, self.token_pairs = 1, False
 
     @property
     def scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.spec.scale_dtype] if self.spec.scale_dtype else self.dtype
 
     def _group(self) -> int:
-        """Channels packed together (and, for token granularity, sharing a scale)."""
-        return self.spec.channel_group(self.head_dim) if self.spec.granularity == "token" else self.head_dim
+        """Channels sharing a scale (token granularity)."""
+        return self.spec.channel_group(self.head_dim)
 
     def _slot_shapes(self):
         d = self.head_dim
         groups = d // self._group() if self.spec.granularity == "token" else d
         return {
-            "data": ((d // self.per_byte,), torch.uint8),
+            "data": ((d,) if self.token_pairs else (d // self.per_byte,), torch.uint8),
             "scale": ((groups,), self.scale_dtype),
             "zero": ((groups,), self.scale_dtype),
         }
@@ -69,41 +70,71 @@ class IntegerCodec(Codec):
     def _per_block(self):
         return ("scale", "zero") if self.spec.granularity == "channel" else ()
 
-    # -- packing (the libraries' own) -------------------------------------------------------------------------
-    def _pack(self, q: torch.Tensor) -> torch.Tensor:
-        """q uint8 [B, H, n, D] -> packed [B, H, n, D / per_byte]."""
-        if self.per_byte == 1 and self.backend != "hqq":
-            return q
-        b, h, n, d = q.shape
-        g = self._group()
-        rows = q.unflatten(-1, (d // g, self.per_byte, g // self.per_byte)).permute(4, 0, 1, 2, 3, 5).contiguous()
-        if self.backend == "quanto":
-            packed = self._pack_weights(rows, self.bits)
-        else:
-            packed = self._quantizer.pack[self._quantizer.bit_to_packing[self.bits]](rows.view(self.per_byte, -1))
-        return packed.reshape(b, h, n, d // self.per_byte)
+    def _rows(self, name: str, slots: int) -> int:
+        if name == "data" and self.token_pairs:
+            return slots // self.per_byte
+        return super()._rows(name, slots)
 
-    def _unpack(self, n: int) -> torch.Tensor:
-        """Slots [0, n) as uint8 [B, H, n, D / g, per_byte, g / per_byte] (channel order = flattening the last 3)."""
-        data = self.slot["data"]
-        b, h, cap, _ = data.shape
-        g = self._group()
-        if self.per_byte == 1:
-            return data[:, :, :n].unflatten(-1, (self.head_dim // g, 1, g))
-        flat = data.reshape(1, -1)  # the whole (contiguous) buffer: the libraries need contiguous input
+    # -- packing (the libraries' own) -------------------------------------------------------------------------
+    # Two byte layouts, both position-independent (a byte never mixes tokens of different writes):
+    # - channel pairs (any write pattern): a byte holds channels d, d + D/p, ... of one token;
+    # - token pairs (append-only blocks of `pack_block` tokens, p | pack_block): a byte holds one channel of
+    #   tokens i, i + block/p, ... of one block. Unpacking then yields long contiguous runs (block/p * D values)
+    #   that are copied into place much faster than runs of D/p.
+    def set_pack_block(self, tokens: int) -> None:
+        """Called before `allocate` by an append-only store that writes whole blocks of `tokens` tokens."""
+        self.pack_block = tokens
+        self.token_pairs = self.per_byte > 1 and tokens % self.per_byte == 0 and tokens >= self.per_byte
+
+    def _packer(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows uint8 [p, ...] -> packed [1, ...] by the backend library."""
         if self.backend == "quanto":
-            rows = None
+            return self._pack_weights(rows, self.bits)
+        packing = self._quantizer.pack[self._quantizer.bit_to_packing[self.bits]]
+        return packing(rows.reshape(self.per_byte, -1)).view((1,) + rows.shape[1:])
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        """q uint8 [B, H, n, D] -> the stored bytes for these n slots."""
+        p = self.per_byte
+        if p == 1:
+            return self._packer(q[None])[0] if self.backend == "hqq" else q
+        b, h, n, d = q.shape
+        if self.token_pairs:
+            blocks = n // self.pack_block
+            rows = q.unflatten(2, (blocks, p, self.pack_block // p)).permute(3, 0, 1, 2, 4, 5).contiguous()
+            return self._packer(rows).reshape(b, h, n // p, d)
+        rows = q.unflatten(-1, (p, d // p)).permute(3, 0, 1, 2, 4).contiguous()
+        return self._packer(rows).reshape(b, h, n, d // p)
+
+    def _unpack_rows(self) -> torch.Tensor:
+        """The whole (contiguous) data buffer unpacked by the library: uint8 [p, numel of the buffer]."""
+        flat = self.slot["data"].reshape(1, -1)
+        if self.backend == "quanto":
             if not self._native_unpack_failed:
                 try:
-                    rows = torch.ops.quanto.unpack(flat, self.bits)  # C++/CUDA kernel
+                    return torch.ops.quanto.unpack(flat, self.bits)  # quanto's CPU / CUDA kernel
                 except Exception:  # extension could not be built here: quanto's own reference implementation
                     self._native_unpack_failed = True
-            if rows is None:
-                rows = self._python_unpack(flat, self.bits)
+            return self._python_unpack(flat, self.bits)
+        return self._quantizer.unpack[self._quantizer.bit_to_packing[self.bits]](flat, dtype=torch.uint8)
+
+    def _codes_into(self, out: torch.Tensor, n: int) -> None:
+        """The integer codes of slots [0, n) cast into out [B, H, n, D] (natural layout)."""
+        p = self.per_byte
+        data = self.slot["data"]
+        if p == 1:
+            out.copy_(data[:, :, :n])
+            return
+        rows = self._unpack_rows()
+        b, h, d = data.shape[0], data.shape[1], self.head_dim
+        if self.token_pairs:
+            blocks, cap_blocks = n // self.pack_block, self.capacity // self.pack_block
+            rows = rows.view(p, b, h, cap_blocks, self.pack_block // p, d)[:, :, :, :blocks]
+            target = out.unflatten(2, (blocks, p, self.pack_block // p)).permute(3, 0, 1, 2, 4, 5)
         else:
-            rows = self._quantizer.unpack[self._quantizer.bit_to_packing[self.bits]](flat, dtype=torch.uint8)
-        rows = rows.view(self.per_byte, b, h, cap, self.head_dim // g, g // self.per_byte)[:, :, :, :n]
-        return rows.permute(1, 2, 3, 4, 0, 5)
+            rows = rows.view(p, b, h, self.capacity, d // p)[:, :, :, :n]
+            target = out.unflatten(-1, (p, d // p)).permute(3, 0, 1, 2, 4)
+        target.copy_(rows)
 
     # -- quantize ---------------------------------------------------------------------------------------------
     def _groups_view(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -157,22 +188,29 @@ class IntegerCodec(Codec):
         return {"data": self._pack(q), "scale": scale, "zero": zero}
 
     # -- dequantize -------------------------------------------------------------------------------------------
-    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
-        g = self._group()
-        u = self._unpack(n)  # [B, H, n, D/g, p, g/p]
-        p = u.shape[-2]
+    def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:
+        self._codes_into(out, n)
+        d = self.head_dim
         if self.spec.granularity == "token":
-            scale = self.slot["scale"][:, :, :n].float()[..., None, None]
-            zero = self.slot["zero"][:, :, :n].float()[..., None, None]
-            target = out.unflatten(-1, (self.head_dim // g, p, g // p))
+            g = self._group()
+            scale = self.slot["scale"][:, :, :n].float().unsqueeze(-1)
+            zero = self.slot["zero"][:, :, :n].float().unsqueeze(-1)
+            if g == d:  # [B, H, n, 1] against [B, H, n, D]
+                scale, zero, target = scale[..., 0], zero[..., 0], out
+            else:
+                target = out.unflatten(-1, (d // g, g))
         else:
             m = n // self.block
-            # u: [B, H, n, 1, p, D/p] -> [B, H, m, G, 1, p, D/p]; per-channel scales [B, H, m, D] alike
-            u = u.unflatten(2, (m, self.block))
-            scale = self.slot["scale"][:, :, :m].float().unflatten(-1, (1, p, self.head_dim // p)).unsqueeze(3)
-            zero = self.slot["zero"][:, :, :m].float().unflatten(-1, (1, p, self.head_dim // p)).unsqueeze(3)
-            target = out.unflatten(2, (m, self.block)).unflatten(-1, (1, p, self.head_dim // p))
+            scale = self.slot["scale"][:, :, :m].float().unsqueeze(3)
+            zero = self.slot["zero"][:, :, :m].float().unsqueeze(3)
+            target = out.unflatten(2, (m, self.block))
+            if bias is not None:  # per channel, like the zero points: fold it in (a small tensor)
+                zero, bias = zero + bias.unsqueeze(2), None
         if self.backend == "hqq":  # (q - z) * s = q * s + (-z * s)
             zero = -zero * scale
-        torch.mul(u, scale, out=target)
-        target.add_(zero)
+        if target.dim() == 4 or self.spec.granularity == "channel":
+            torch.addcmul(zero, target, scale, out=target)  # one pass (well vectorised for these shapes)
+        else:  # scales broadcast within channel groups: in-place ops are much faster than addcmul here
+            target.mul_(scale).add_(zero)
+        if bias is not None:
+            out.add_(bias)

@@ -132,13 +132,6 @@ class QuantSpec:
                 group_size = None
         if granularity == "channel" and group_size is None:
             group_size = DEFAULT_CHANNEL_GROUP
-        if fmt in INT_BITS and granularity == "token" and group_size is not None:
-            per_byte = 8 // INT_BITS[fmt]
-            if group_size % per_byte:
-                raise ValueError(
-                    f"`group_size` ({group_size}) for {fmt} per-token groups must be a multiple of {per_byte} "
-                    f"(values per packed byte)."
-                )
         if self.scale_dtype is not None:
             if fmt in INT_BITS:
                 require_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
@@ -196,7 +189,7 @@ class QuantSpec:
                 )
         if self.is_int:
             per_byte = 8 // self.bits
-            if self.granularity == "channel" and head_dim % per_byte:
+            if head_dim % per_byte:
                 raise ValueError(f"{prefix}head_dim ({head_dim}) must be a multiple of {per_byte} for {self.format}.")
 
     # -- (de)serialisation ----------------------------------------------------------------------------------------
@@ -221,12 +214,11 @@ class QuantSpec:
 
 # -- numeric helpers shared by the codecs -----------------------------------------------------------------------
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x (float32) in `dtype`, rounded towards +inf (so a scale never shrinks: no clamping of the largest value)."""
-    y = x.to(dtype)
+    """x (float32, >= 0) in `dtype`, never below x (so a scale never shrinks: the largest value is not clipped).
+    Two ops: scaling by 1 + eps before rounding to nearest lands at most two units in the last place above x."""
     if dtype == torch.float32:
-        return y
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+        return x.clone()
+    return (x * (1.0 + torch.finfo(dtype).eps)).to(dtype)
 
 
 def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -318,10 +310,12 @@ class Codec:
         """x [B, H, n, D] (n a multiple of `block`) -> slot tensors for those n slots."""
         raise NotImplementedError
 
-    def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None):
-        """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots."""
+    def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None,
+            rows: slice | None = None):
+        """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots (of the batch
+        `rows` only, if given)."""
         for name, t in encoded.items():
-            buf = self.slot[name]
+            buf = self.slot[name] if rows is None else self.slot[name][rows]
             if dest is None:
                 first = self._rows(name, start)
                 buf[:, :, first : first + t.shape[2]] = t
@@ -329,8 +323,9 @@ class Codec:
                 index = dest.reshape(dest.shape + (1,) * (t.dim() - 3)).expand(t.shape)
                 buf.scatter_(2, index, t)
 
-    def decode_into(self, out: torch.Tensor, n: int, workspace) -> None:
-        """Dequantize slots [0, n) into out [B, H, n, D] (any strides with a unit stride on the last dim)."""
+    def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:
+        """Dequantize slots [0, n) into out [B, H, n, D] (any strides with a unit stride on the last dim), plus a
+        per-channel `bias` [B, H, 1, D] if given (smoothed keys get their mean back)."""
         raise NotImplementedError
 
     def nbytes(self) -> int:
@@ -359,8 +354,10 @@ class FullCodec(Codec):
     def encode(self, x):
         return {"data": x.to(self.dtype)}
 
-    def decode_into(self, out, n, workspace) -> None:
+    def decode_into(self, out, n, workspace, bias=None) -> None:
         out.copy_(self.slot["data"][:, :, :n])
+        if bias is not None:
+            out.add_(bias)
 
 
 def make_codec(spec: QuantSpec) -> Codec:

@@ -74,13 +74,17 @@ class QuantizedStore:
         self._init_state()
 
     def _init_state(self) -> None:
+        # Same per-token spec for keys and values: one codec holds both, keys in batch rows [0, B) and values in
+        # [B, 2B), so each quantize/dequantize step is one op for both (CPU decode cost is mostly per-op overhead).
+        self.joint = self.key_spec == self.value_spec and self.key_spec.granularity == "token"
         self.keys_codec = make_codec(self.key_spec)
-        self.values_codec = make_codec(self.value_spec)
+        self.values_codec = self.keys_codec if self.joint else make_codec(self.value_spec)
         if self.static_key_scale is not None:
             self.keys_codec.set_scale(self.static_key_scale)
         if self.static_value_scale is not None:
             self.values_codec.set_scale(self.static_value_scale)
         self.key_mean = self.static_key_mean
+        self._key_mean_cast = None
         self.allocated = False
         self.qlen = 0  # tokens in the quantized region (append-only layout)
         self.fp_len = 0  # tokens in the full-precision region after it
@@ -111,8 +115,10 @@ class QuantizedStore:
         self.batch, self.heads, self.head_dim, self.dtype, self.device = batch, heads, head_dim, dtype, device
         self.slots = slots
         capacity = 0 if self.append_only else slots
-        self.keys_codec.allocate(batch, heads, head_dim, capacity, dtype, device)
-        self.values_codec.allocate(batch, heads, head_dim, capacity, dtype, device)
+        for codec in self._codecs():
+            if self.append_only and hasattr(codec, "set_pack_block"):
+                codec.set_pack_block(self.flush)  # whole blocks of `flush` tokens are quantized at once
+            codec.allocate(batch * (2 if self.joint else 1), heads, head_dim, capacity, dtype, device)
         fp_slots = self.residual + self.flush - 1 if self.append_only else 0
         if fp_slots:
             self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
@@ -124,6 +130,7 @@ class QuantizedStore:
                     f"heads of size {head_dim}"
                 )
             self.key_mean = self.key_mean.to(device)
+            self._key_mean_cast = None
         self.allocated = True
 
     def grow(self, slots: int) -> None:
@@ -131,8 +138,11 @@ class QuantizedStore:
         content instead (see `_reserve`)."""
         self.slots = slots
         if not self.append_only:
-            self.keys_codec.resize(slots)
-            self.values_codec.resize(slots)
+            for codec in self._codecs():
+                codec.resize(slots)
+
+    def _codecs(self):
+        return (self.keys_codec,) if self.joint else (self.keys_codec, self.values_codec)
 
     def _reserve(self, tokens: int) -> None:
         """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/16 (amortised)."""
@@ -142,8 +152,8 @@ class QuantizedStore:
         if cap:
             tokens = max(tokens, cap + max(self.flush, math.ceil(cap * self.growth)))
         tokens = -(-tokens // self.flush) * self.flush
-        self.keys_codec.resize(tokens)
-        self.values_codec.resize(tokens)
+        for codec in self._codecs():
+            codec.resize(tokens)
 
     @property
     def length(self) -> int:
@@ -161,10 +171,16 @@ class QuantizedStore:
             return keys
         if self.key_mean is None:  # dynamic: the first write's mean over batch and tokens, fixed afterwards
             self.key_mean = keys.float().mean(dim=(0, 2), keepdim=True)
+            self._key_mean_cast = None
         return keys.float() - self.key_mean
 
     def _encode_put(self, keys, values, start: int | None = None, dest: torch.Tensor | None = None) -> None:
-        self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start, dest)
+        keys = self._smooth(keys)
+        if self.joint:
+            both = torch.cat((keys, values.to(keys.dtype)), 0)
+            self.keys_codec.put(self.keys_codec.encode(both), start, None if dest is None else torch.cat((dest, dest), 0))
+            return
+        self.keys_codec.put(self.keys_codec.encode(keys), start, dest)
         self.values_codec.put(self.values_codec.encode(values), start, dest)
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -186,6 +202,21 @@ class QuantizedStore:
 
     def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token [B, H, 1, D] into one slot shared by all rows and heads (the layer's decode fast path)."""
+        if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
+            # decode step with keys and values quantized together right away: as few ops as possible
+            both = torch.cat((keys, values), 0)
+            if not bool(torch.isfinite(both).all()):
+                check_finite(keys, values, self.where)
+            if self.append_only:
+                if slot != self.length:
+                    self._truncate(slot)
+                self._reserve(self.qlen + 1)
+                slot, self.qlen = self.qlen, self.qlen + 1
+            if self.key_smoothing:
+                both = both.float()
+                both[: self.batch] -= self.key_mean
+            self.keys_codec.put(self.keys_codec.encode(both), slot)
+            return
         check_finite(keys, values, self.where)
         if self.append_only:
             self._append(slot, keys, values)
@@ -197,7 +228,8 @@ class QuantizedStore:
         if self.append_only:
             raise NotImplementedError(f"{self.where}: the append-only layout does not rewrite keys in place")
         check_finite(keys, None, self.where)
-        self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start)
+        rows = slice(0, self.batch) if self.joint else None
+        self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start, rows=rows)
 
     def _append(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if start != self.length:
@@ -233,13 +265,13 @@ class QuantizedStore:
             raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
         if length >= self.qlen:
             self.fp_len = length - self.qlen
-        elif length % self.block == 0:
+        elif length % self.flush == 0:
             self.qlen, self.fp_len = length, 0
         else:
             raise NotImplementedError(
                 f"{self.where}: cannot crop to {length} tokens: tokens before {self.qlen} are quantized in blocks of "
-                f"{self.block} channels-wise and cannot be split. Keep `residual` at least as large as the number of "
-                "tokens a crop may remove."
+                f"{self.flush} and cannot be split. Keep `residual` at least as large as the number of tokens a crop "
+                "may remove."
             )
 
     # -- reads ------------------------------------------------------------------------------------------------
@@ -254,18 +286,36 @@ class QuantizedStore:
         else:
             quantized = used
         shape = (self.batch, self.heads, used, self.head_dim)
-        out_k = self.workspace.get("keys", shape, self.dtype, self.device)
-        out_v = self.workspace.get("values", shape, self.dtype, self.device)
+        if self.joint:
+            both = self.workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
+            out_k, out_v = both[: self.batch], both[self.batch :]
+        else:
+            out_k = self.workspace.get("keys", shape, self.dtype, self.device)
+            out_v = self.workspace.get("values", shape, self.dtype, self.device)
         if quantized:
-            qk, qv = out_k[:, :, :quantized], out_v[:, :, :quantized]
-            self.keys_codec.decode_into(qk, quantized, self.workspace)
-            if self.key_smoothing and self.key_mean is not None:
-                qk.add_(self.key_mean.to(self.dtype))
-            self.values_codec.decode_into(qv, quantized, self.workspace)
+            bias = self._key_bias()
+            if self.joint:
+                self.keys_codec.decode_into(both[:, :, :quantized], quantized, self.workspace, bias)
+            else:
+                self.keys_codec.decode_into(out_k[:, :, :quantized], quantized, self.workspace, bias)
+                self.values_codec.decode_into(out_v[:, :, :quantized], quantized, self.workspace)
         if used > quantized:
             out_k[:, :, quantized:].copy_(self.fp_k[:, :, : used - quantized])
             out_v[:, :, quantized:].copy_(self.fp_v[:, :, : used - quantized])
         return out_k, out_v
+
+    def _key_bias(self) -> torch.Tensor | None:
+        """The key mean to add back after dequantizing ([B or 2B, H, 1, D]; zero rows for values when joint)."""
+        if not (self.key_smoothing and self.key_mean is not None):
+            return None
+        rows = 2 * self.batch if self.joint else self.batch
+        cached = self._key_mean_cast
+        if cached is None or cached.dtype != self.dtype or cached.shape[0] != rows:
+            mean = self.key_mean.to(self.dtype).expand(self.batch, -1, -1, -1)
+            if self.joint:
+                mean = torch.cat((mean, torch.zeros_like(mean)), 0)
+            self._key_mean_cast = cached = mean.contiguous()
+        return cached
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
@@ -279,7 +329,7 @@ class QuantizedStore:
         and the key means. The shared dequantization workspace is counted by the cache, once."""
         if not self.allocated:
             return 0
-        total = self.keys_codec.nbytes() + self.values_codec.nbytes()
+        total = sum(codec.nbytes() for codec in self._codecs())
         if self.fp_k is not None:
             total += self.fp_k.nbytes + self.fp_v.nbytes
         if self.key_mean is not None and self.key_smoothing:
@@ -289,13 +339,16 @@ class QuantizedStore:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.allocated:
             return
-        self.keys_codec.map_batch(fn)
-        self.values_codec.map_batch(fn)
+        if self.joint:  # apply to the key rows and the value rows separately
+            batch = self.batch
+            self.keys_codec.map_batch(lambda t: torch.cat((fn(t[:batch]), fn(t[batch:])), 0))
+            self.batch = self.keys_codec.batch // 2
+        else:
+            self.keys_codec.map_batch(fn)
+            self.values_codec.map_batch(fn)
+            self.batch = self.keys_codec.batch
         if self.fp_k is not None:
             self.fp_k, self.fp_v = fn(self.fp_k), fn(self.fp_v)
-            self.batch = self.fp_k.shape[0]
-        else:
-            self.batch = self.keys_codec.batch
 
     def reset(self) -> None:
         self._init_state()
