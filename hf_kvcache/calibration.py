@@ -1,8 +1,9 @@
 """Static FP8 scales (and key channel means) from a calibration run, to publish with a model.
 
     scales = calibrate(model, tokenizer)                       # offline corpus, 2048 tokens in 512-token windows
+                                                               # (key scales of mean-subtracted keys + the means)
     cache = QuantizedFP8Cache(model, granularity="head", scales=scales)
-    save_calibrated_config("my-model", scales, granularity="head")   # kvcache_config.json next to the model
+    save_calibrated_config("my-model", model, scales)          # kvcache_config.json next to the model
     # or: model.generation_config.cache_implementation = "fp8"
     #     model.generation_config.cache_config = {"granularity": "head", "scales": scales}; model.save_pretrained(...)
 
@@ -32,7 +33,7 @@ def calibrate(
     num_tokens: int = 2048,
     window: int = 512,
     format: str = "fp8_e4m3",
-    key_smoothing: bool = False,
+    key_smoothing: bool = True,
     margin: float = 1.0,
 ) -> dict[str, Any]:
     """Run `model` over sample text and return a JSON-serialisable calibration dict for `QuantizedFP8Cache(scales=...)`.
@@ -123,11 +124,12 @@ def calibrated_scales(model_or_config, scale: float = 1.0, format: str = "fp8_e4
     }
 
 
-def save_calibrated_config(directory: str | os.PathLike, scales: dict[str, Any], **cache_config) -> str:
-    """Write kvcache_config.json for the "fp8" cache with these scales (load with hf_kvcache.load_cache_config)."""
+def save_calibrated_config(directory: str | os.PathLike, model_or_config, scales: dict[str, Any], **cache_config) -> str:
+    """Write kvcache_config.json for the "fp8" cache with these scales (load with hf_kvcache.load_cache_config),
+    after checking that they fit `model_or_config` (layers, KV heads, head size)."""
+    from .quantized import _text_config
     from .registry import save_cache_config
 
     cache_config = {"granularity": "head", **cache_config, "scales": scales}
-    if scales.get("key_smoothing") and "key_smoothing" not in cache_config:
-        cache_config["key_smoothing"] = True
-    return save_cache_config(directory, "fp8", cache_config)
+    cache_config.setdefault("key_smoothing", bool(scales.get("key_smoothing", False)))
+    return save_cache_config(directory, "fp8", cache_config, model_config=_text_config(model_or_config))

@@ -156,8 +156,9 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             "channel" (default 32).
         key, value: full QuantSpec dicts overriding the shorthand for keys or values, e.g. key={"format": "int8"}.
         residual: the most recent `residual` tokens stay in the model's precision (older ones are quantized).
-        key_smoothing: subtract a per-channel key mean before quantizing (calibrated, else from the prompt) and add
-            it back after: only the spread around the mean is quantized.
+        key_smoothing: subtract a per-channel key mean before quantizing (calibrated, else the prompt's) and add it
+            back after: only the spread around the mean is quantized (on by default: on SmolLM2 it more than halves
+            the KL divergence of per-token E4M3; no effect for 'none' keys).
         scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means.
     """
 
@@ -172,7 +173,7 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         key: dict | None = None,
         value: dict | None = None,
         residual: int = 0,
-        key_smoothing: bool = False,
+        key_smoothing: bool = True,
         scales: dict | None = None,
     ):
         self.format, self.granularity, self.group_size = format, granularity, group_size
