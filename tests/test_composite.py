@@ -187,3 +187,31 @@ def test_preset_expands_to_regions_and_checks_its_arguments():
     ]:
         with pytest.raises(ValueError, match=match):
             hf_kvcache.CompositeCache(model.config, **kwargs)
+
+
+def _kl(p_logits, q_logits):
+    p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_fp8_regions_hold_fewer_bytes_and_stay_close_to_full_precision():
+    model = build_model("llama")
+    ids = random_ids(1, 40, seed=14)
+    fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
+    full = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 10}, {"role": "heavy", "tokens": 10}]
+    mixed = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 10, **fp8}, {"role": "heavy", "tokens": 10, **fp8}]
+    keep_all_fp8 = [{**W, "start": 0, "end": 4, **fp8}, {"role": "rest", **fp8}]
+    with torch.no_grad():
+        full_cache, mixed_cache = (hf_kvcache.CompositeCache(model, regions=r) for r in (full, mixed))
+        a, b = _stream(model, full_cache, ids, 8), _stream(model, mixed_cache, ids, 8)
+        dense = _stream(model, DynamicCache(config=model.config), ids, 8)
+        keep = _stream(model, hf_kvcache.CompositeCache(model, regions=keep_all_fp8), ids, 8)
+        fp8_cache = _stream(model, hf_kvcache.QuantizedFP8Cache(model, key_smoothing=False), ids, 8)
+    assert mixed_cache.nbytes() < 0.55 * full_cache.nbytes()
+    torch.testing.assert_close(a[:, :8], b[:, :8])  # the prompt attends to itself in full precision
+    assert 0 < _kl(a, b) < 0.1  # FP8 noise, plus heavy hitters chosen from slightly different scores
+    # without eviction, FP8 regions cost what the FP8 cache costs (one extra rounding when a token changes region)
+    assert 0 < _kl(dense, keep) < 1.5 * _kl(dense, fp8_cache) < 0.02
+    with pytest.raises(ValueError, match="channel"):
+        hf_kvcache.CompositeCache(model.config, regions=[{**W, "start": 0, "end": 8,
+                                                          "keys": {"format": "int4", "granularity": "channel"}}])
