@@ -280,7 +280,7 @@ def cmd_sweep(args) -> int:
                   f"{c.get('label', '') or ', '.join(x[0] for x in c.get('caches', []))} "
                   f"{c.get('kind', '')} {c.get('position', '')}")
         return 0
-    rows = run_sweep(spec, args.out)
+    rows = run_sweep(spec, args.out, report_only=args.report_only)
     print(format_summary(rows))
     print(f"results: {os.path.join(args.out, spec.name)}/ (results.jsonl, results.csv, summary.json, *.png)")
     return 0
@@ -430,6 +430,8 @@ def add_eval_commands(sub) -> None:
     p.add_argument("spec", help="path to the YAML spec")
     p.add_argument("--out", default="eval/results", help="results root (default eval/results)")
     p.add_argument("--dry-run", action="store_true", help="list the cells and which are done; load nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rewrite results.csv, summary.json and the plots from the cells already done")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser(

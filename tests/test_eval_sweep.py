@@ -231,3 +231,19 @@ def test_measured_bytes_next_to_theory():
     # + one trash slot per layer, slot metadata and the sinks' un-rotated copies
     assert 1.0 < sink["measured_over_theory"] < 2.0
     assert torch.get_num_threads() >= 1
+
+
+def test_report_only_writes_reports_without_running(tmp_path):
+    from hf_kvcache.evaluation.sweep import run_sweep
+
+    spec = {"name": "ro", "model": "tiny", "context_lengths": [16], "scored_tokens": 4, "metrics": ["quality"],
+            "budgets": [8], "caches": [{"name": "dynamic"}, {"name": "sliding", "budget_key": "window"}]}
+    calls = []
+
+    def loader(name, dtype):
+        calls.append(name)
+        raise AssertionError("report_only must not load a model")
+
+    rows = run_sweep(spec, tmp_path, loader=loader, report_only=True, progress=False)
+    assert rows == [] and calls == []
+    assert (tmp_path / "ro" / "results.csv").is_file()

@@ -635,10 +635,12 @@ RUNNERS: dict[str, Callable] = {"quality": _run_quality, "ppl": _run_ppl, "speed
 
 def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike = "eval/results",
               loader: Callable[[str, str], tuple] | None = None, progress: bool = True,
-              on_cell: Callable[[Cell], None] | None = None, dry_run: bool = False) -> list[dict]:
+              on_cell: Callable[[Cell], None] | None = None, dry_run: bool = False,
+              report_only: bool = False) -> list[dict]:
     """Run every cell not already in `<out_dir>/<name>/results.jsonl`; returns all rows (old and new).
     `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.models.load_model`. `on_cell` is called
-    after each finished cell (tests use it to interrupt a run)."""
+    after each finished cell (tests use it to interrupt a run). `report_only` runs nothing and rewrites the reports
+    from the cells already done (for a sweep stopped part-way)."""
     if not isinstance(spec, Sweep):
         spec = load_spec(spec)
     out = Path(out_dir) / spec.name
@@ -651,7 +653,7 @@ def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike
     if dry_run:
         return [{"metric": c.metric, **c.params, "done": c.key(digest) in done} for c in cells]
     env = environment()
-    if todo:
+    if todo and not report_only:
         import torch
 
         if spec.threads:
