@@ -120,12 +120,18 @@ def test_int_channel_within_half_a_step(x, bits):
 
 @pytest.mark.skipif(not backend_available("hqq"), reason="hqq is not installed")
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=tensors(dims=(16, 32)), bits=st.sampled_from([8, 4, 2]))
-def test_hqq_round_trip_is_bounded(x, bits):
+@given(x=tensors(dims=(16, 32), token_multiple=4, max_tokens=3), bits=st.sampled_from([8, 4, 2]),
+       granularity=st.sampled_from(["token", "channel"]))
+def test_hqq_round_trip_is_bounded(x, bits, granularity):
     """HQQ optimises the zero point for an l_p (p < 1) error, not the max error: values stay within the group's range
     widened by one step, and the mean error is at most half a step."""
-    y, store = roundtrip(QuantSpec(f"int{bits}", "token", None, "hqq"), x)
-    step = store.keys_codec.slot["scale"][:, :, : x.shape[2], 0].float()
+    channel = granularity == "channel"
+    y, store = roundtrip(QuantSpec(f"int{bits}", granularity, 4 if channel else None, "hqq"), x, append_only=channel)
+    if channel:  # one group = one channel over 4 tokens: put the group dim last
+        x, y = (t.unflatten(2, (t.shape[2] // 4, 4)).transpose(-1, -2) for t in (x, y))
+        step = store.keys_codec.slot["scale"][:, :, : x.shape[2]].float()
+    else:
+        step = store.keys_codec.slot["scale"][:, :, : x.shape[2], 0].float()
     lo, hi = x.amin(-1), x.amax(-1)
     tol = step * 1.01 + 1e-5 * x.abs().amax(-1)
     assert (y.amin(-1) >= lo - tol).all() and (y.amax(-1) <= hi + tol).all()
@@ -231,3 +237,28 @@ def test_non_finite_input_is_an_error_and_leaves_the_store_unchanged(spec, bad, 
     assert store.nbytes() == nbytes
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert all(torch.isfinite(t).all() for t in after)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", [QuantSpec("fp8_e4m3"), QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("int8", "token", 8)]
+                         + [QuantSpec("int4", "channel", 4, b) for b in PACKING_BACKENDS],
+                         ids=lambda s: f"{s.format}-{s.granularity}-{s.backend}")
+def test_half_precision_models(spec, dtype):
+    """Keys and values in bfloat16/float16: read back in that dtype, within the format's bound (plus the rounding
+    of the output to the model's dtype), with smoothing and the full-precision residual in the same dtype."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 3, 40, 16) * 3 + 1).to(dtype)
+    store = QuantizedStore(spec, spec, append_only=True, residual=3, key_smoothing=True, workspace=DequantWorkspace())
+    store.allocate(2, 3, 16, 41, dtype, "cpu")
+    store.write(torch.arange(40).expand(2, 1, 40), x, x)
+    k, v = store.read(40)
+    assert k.dtype == v.dtype == dtype and store.qlen >= 32
+    assert torch.equal(k[:, :, store.qlen:], x[:, :, store.qlen:])  # residual: exact
+    xf, eps = x.float(), torch.finfo(dtype).eps
+    step = 2 * xf.abs().amax() / (2**spec.bits - 1) if spec.is_int else 0.0
+    # values: the format's bound, plus rounding the output to the model's dtype
+    assert ((v.float() - xf).abs() <= relative_bound(spec) * xf.abs() + step + eps * xf.abs() + 1e-6).all()
+    # keys were centred on their mean before quantizing and get it back after (in the model's dtype)
+    centred, mean = (xf - store.key_mean).abs(), store.key_mean.abs()
+    bound = relative_bound(spec) * centred + step + 2 * eps * (xf.abs() + mean) + 1e-6
+    assert ((k.float() - xf).abs() <= bound).all()

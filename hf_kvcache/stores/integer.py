@@ -204,10 +204,10 @@ class IntegerCodec(Codec):
             scale = self.slot["scale"][:, :, :m].float().unsqueeze(3)
             zero = self.slot["zero"][:, :, :m].float().unsqueeze(3)
             target = out.unflatten(2, (m, self.block))
-            if bias is not None:  # per channel, like the zero points: fold it in (a small tensor)
-                zero, bias = zero + bias.unsqueeze(2), None
         if self.backend == "hqq":  # (q - z) * s = q * s + (-z * s)
             zero = -zero * scale
+        if bias is not None and self.spec.granularity == "channel":
+            zero, bias = zero + bias.unsqueeze(2), None  # per channel, like the offsets: fold it in (small tensor)
         if target.dim() == 4 or self.spec.granularity == "channel":
             torch.addcmul(zero, target, scale, out=target)  # one pass (well vectorised for these shapes)
         else:  # scales broadcast within channel groups: in-place ops are much faster than addcmul here
