@@ -202,9 +202,9 @@ def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
 
 class KIVICache(_QuantizedKeepAllCache):
     """KIVI (arXiv 2402.02750): integer keys per channel (blocks of `group_size` tokens), values per token (groups
-    of `group_size` channels), the most recent `residual` tokens in full precision. Packed by optimum-quanto or hqq
-    (`backend`, default: quanto if installed). `scale_dtype` ("float16", ...) stores scales and zero points in
-    another dtype than the model's."""
+    of `value_group_size` channels, default `group_size`), the most recent `residual` tokens in full precision (plus
+    those of an incomplete key block). Packed by optimum-quanto or hqq (`backend`, default: quanto if installed).
+    `scale_dtype` ("float16", ...) stores scales and zero points in another dtype than the model's."""
 
     cache_name = "kivi"
 
@@ -217,15 +217,17 @@ class KIVICache(_QuantizedKeepAllCache):
         backend: str | None = None,
         key_smoothing: bool = False,
         scale_dtype: str | None = None,
+        value_group_size: int | None = None,
     ):
         if isinstance(bits, bool) or bits not in (2, 4, 8):
             raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
         group_size = require_int("group_size", group_size, 1)
+        value_group = group_size if value_group_size is None else require_int("value_group_size", value_group_size, 1)
         if backend is not None:
             backend = require_choice("backend", backend, ("quanto", "hqq", "torch"))
         self.bits, self.group_size, self.residual, self.backend = bits, group_size, residual, backend
-        self.key_smoothing, self.scale_dtype = key_smoothing, scale_dtype
+        self.key_smoothing, self.scale_dtype, self.value_group_size = key_smoothing, scale_dtype, value_group_size
         fmt = f"int{bits}"
         key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
-        value = QuantSpec(fmt, "token", group_size, backend, scale_dtype)
+        value = QuantSpec(fmt, "token", value_group, backend, scale_dtype)
         self._build(config_or_model, key, value, residual, key_smoothing, None)
