@@ -8,7 +8,9 @@ distribution is scored against DynamicCache's at the same step:
 - PPL: exp(mean NLL) of the actual next tokens;
 - bytes held: cache_nbytes() (quantized data, scales, zero points, residual window, our slot metadata, as
   allocated), averaged over the 512 steps (transformers' residual buffers fill and flush every 128 tokens) and at the
-  end; our shared dequantization workspace (one layer in float32) is listed separately;
+  end; `store_bytes_mean` is the same without our layers' slot metadata (position + validity per slot, doubled
+  capacity: 9 bytes per slot and layer, ~3-4% of an FP8 cache); our shared dequantization workspace (one layer in
+  float32) is listed separately;
 - decode ms/token: every configuration runs each step in turn (order rotated per step), so machine noise hits all
   alike; the ratio is the median over steps of (config time / DynamicCache time in the same step).
 Static FP8 scales ("head, calibrated") come from `calibrate` on the last 4096 tokens of the corpus (never scored).
@@ -64,6 +66,22 @@ CONFIGS = {
                      lambda m, s: QuantizedFP8Cache(m, residual=64)),
     "ours_int8k_fp8v": ("ours keys INT8 + values FP8 (per-token)", "ours",
                         lambda m, s: QuantizedFP8Cache(m, key={"format": "int8"})),
+    "ours_fp8_g32": ("ours FP8 per-token (2 scales/token) + smoothing", "ours",
+                     lambda m, s: QuantizedFP8Cache(m, group_size=32)),
+    "ours_fp8_vhead": ("ours FP8 keys per-token + smoothing, values per-head", "ours",
+                       lambda m, s: QuantizedFP8Cache(m, value={"format": "fp8_e4m3", "granularity": "head"})),
+    "ours_fp8_kchannel": ("ours FP8 keys per-channel (32-token blocks), values per-token", "ours",
+                          lambda m, s: QuantizedFP8Cache(m, granularity="channel", group_size=32,
+                                                         key_smoothing=False)),
+    "ours_int8k_fp8vhead": ("ours keys INT8 per-token + values FP8 per-head", "ours",
+                            lambda m, s: QuantizedFP8Cache(m, key={"format": "int8"},
+                                                           value={"format": "fp8_e4m3", "granularity": "head"})),
+    "ours_kivi4_v64": ("ours KIVI int4 (keys g32, values g64, fp16 scales)", "ours",
+                       lambda m, s: KIVICache(m, bits=4, group_size=32, value_group_size=64, residual=0,
+                                              backend="quanto", scale_dtype="float16")),
+    "ours_kivi4_v64_r16": ("ours KIVI int4 (keys g32, values g64, fp16 scales, residual 16)", "ours",
+                           lambda m, s: KIVICache(m, bits=4, group_size=32, value_group_size=64, residual=16,
+                                                  backend="quanto", scale_dtype="float16")),
     "ours_kivi4": ("ours KIVI int4 quanto (g32, fp16 scales, 0-31 recent fp32)", "ours",
                    lambda m, s: KIVICache(m, bits=4, group_size=32, residual=0, backend="quanto",
                                           scale_dtype="float16")),
@@ -130,6 +148,7 @@ def main(argv=None) -> None:
         top1 = {n: [] for n in names}
         nll = {n: [] for n in names}
         held = {n: [] for n in names}
+        stored = {n: [] for n in names}  # ours: the stores alone (without the layers' slot metadata)
         workspace = {n: 0 for n in names}
         t_start = time.perf_counter()
         for step in range(args.scored):
@@ -152,6 +171,9 @@ def main(argv=None) -> None:
             if step % args.bytes_every == 0 or step == args.scored - 1:
                 for n in names:
                     held[n].append(cache_nbytes(caches[n]))
+                    layers = getattr(caches[n], "layers", [])
+                    has_store = all(hasattr(layer, "store") for layer in layers)
+                    stored[n].append(sum(l.store.nbytes() for l in layers) if has_store else held[n][-1])
                     if hasattr(caches[n], "workspace_nbytes"):
                         workspace[n] = max(workspace[n], caches[n].workspace_nbytes())
             if (step + 1) % 32 == 0:
@@ -173,6 +195,7 @@ def main(argv=None) -> None:
             "bytes_held_mean": int(mean_bytes),
             "bytes_held_final": int(held[n][-1]),
             "bytes_ratio_to_dynamic": round(mean_bytes / dyn_bytes, 4),
+            "store_bytes_mean": int(statistics.mean(stored[n])),
             "workspace_bytes": workspace[n],
             "decode_ms_median": round(1000 * statistics.median(times[n]), 2),
             "decode_ratio_to_dynamic": round(paired, 3),
@@ -214,12 +237,14 @@ def evaluate_targets(rows: dict) -> dict:
         a, b = rows[ours], rows[theirs]
         kl_ratio = a["kl_mean"] / b["kl_mean"] if b["kl_mean"] > 0 else float("inf")
         bytes_ratio = a["bytes_held_mean"] / b["bytes_held_mean"]
+        store_ratio = a["store_bytes_mean"] / b["store_bytes_mean"]
         decode_target = TARGETS[f"{kind}_decode"]
         out[kind] = {
             "ours": ours, "transformers": theirs,
             "kl_ours": a["kl_mean"], "kl_transformers": b["kl_mean"], "kl_ratio": round(kl_ratio, 3),
             "kl_target": f"<= {TARGETS['kl_ratio']}", "kl_met": kl_ratio <= TARGETS["kl_ratio"],
             "bytes_ratio_ours_over_transformers": round(bytes_ratio, 3),
+            "store_bytes_ratio_ours_over_transformers": round(store_ratio, 3),
             "bytes_target": "same bytes (within 5%)" if kind == "fp8" else "no more bytes",
             "bytes_met": bytes_ratio <= (1.05 if kind == "fp8" else 1.0),
             "decode_ratio": a["decode_ratio_to_dynamic"], "decode_target": f"<= {decode_target}",
