@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .eval_cli import _positive_int
+
 
 def _demo(args) -> int:
     import torch
@@ -29,16 +31,6 @@ def _demo(args) -> int:
         "full cache's continuation."
     )
     return 0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
