@@ -259,3 +259,28 @@ def test_composite_cache_region_in_fp8():
     full = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=FullCache(model))
     assert out.shape == full.shape
     assert (out[:, 30:] == full[:, 30:]).float().mean() > 0.3
+
+
+def test_crop_for_assisted_decoding(llama):
+    """Dropping the last tokens (assisted decoding): exact inside the full-precision residual and for per-token
+    scales; inside a KIVI key block it is a clear error."""
+    ids = random_ids(1, 44, seed=4)
+    hf_kvcache.enable(llama)
+    with torch.no_grad():
+        for cache in (QuantizedFP8Cache(llama, residual=8), QuantizedFP8Cache(llama)):
+            llama(input_ids=ids[:, :40], past_key_values=cache)
+            cache.crop(-3)
+            assert cache.get_seq_length() == 37
+            out = llama(input_ids=ids[:, 37:38], past_key_values=cache).logits[0, -1].log_softmax(-1)
+            full = FullCache(llama)
+            ref = llama(input_ids=ids[:, :38], past_key_values=full).logits[0, -1].log_softmax(-1)
+            assert cache.layers[0].store.length == 38
+            assert kl(ref[None], out[None]) < 0.05
+        if PACKER:
+            kivi = KIVICache(llama, group_size=8, residual=2)
+            llama(input_ids=ids[:, :40], past_key_values=kivi)  # 32 tokens quantized in blocks of 8
+            kivi.crop(-4)  # to 36: inside the full-precision part (tokens 32..39): fine
+            llama(input_ids=ids[:, 36:37], past_key_values=kivi)
+            kivi.crop(-9)  # to 28: inside the quantized block [24, 32)
+            with pytest.raises(NotImplementedError, match=r"cannot crop to 28 tokens.*Keep `residual` at least"):
+                llama(input_ids=ids[:, 28:29], past_key_values=kivi)
