@@ -21,6 +21,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from .rotation import rotate
+
 logger = logging.getLogger(__name__)
 
 BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
@@ -114,6 +116,8 @@ def _make_bridge(name: str):
         cache = active_cache()
         if cache is not None:
             layer = cache.layers[module.layer_idx]
+            if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
+                query = rotate(query, layer.key_rotation)
             spec = layer.attention_validity()
             if spec is not None:
                 mask = build_validity_mask(spec[0], spec[1], query)
@@ -165,6 +169,7 @@ def _pre_hook(module, args, kwargs):
         cache.begin_forward(
             x.shape[1], x.shape[0], x.device, arguments.get("attention_mask"), arguments.get("position_ids")
         )
+        cache.forward_info.attention_bridged = module.config._attn_implementation in _INNER
         _active_stack().append(cache)
     else:
         _active_stack().append(None)

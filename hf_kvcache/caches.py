@@ -31,6 +31,7 @@ class ForwardInfo:
         self.real: torch.Tensor | None = None  # [B, q] bool
         self.positions: torch.Tensor | None = None  # [B, q] long
         self.has_padding = False  # sticky: once padded, columns no longer map to contiguous positions
+        self.attention_bridged = False  # the model's attention runs through our bridge (set by the pre-hook)
 
     def begin(self, q_len: int, batch: int, device, seen: int, attention_mask=None, position_ids=None) -> None:
         if attention_mask is not None:

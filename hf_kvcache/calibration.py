@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from .config import require_choice
+from .rotation import ROTATIONS, rotation_matrix
 from .stores.quantization import FP8_DTYPES
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: keys rotated by `key_rotation` (missing in version 1: 'none')
 
 
 @torch.inference_mode()
@@ -35,15 +37,18 @@ def calibrate(
     format: str = "fp8_e4m3",
     key_smoothing: bool = True,
     margin: float = 1.0,
+    key_rotation: str = "hadamard",
 ) -> dict[str, Any]:
     """Run `model` over sample text and return a JSON-serialisable calibration dict for `QuantizedFP8Cache(scales=...)`.
 
     Text: `input_ids` [batch, n] if given, else `num_tokens` tokens of `source` (hf_kvcache.text.load_text: "pydoc",
     a file path, or "hf:DATASET") tokenized with `tokenizer`. It runs in independent windows of `window` tokens.
     Per layer it records, per KV head, the largest |key| and |value| (key scales of the mean-subtracted keys when
-    `key_smoothing`), and the mean key per channel."""
+    `key_smoothing`), and the mean key per channel, all of keys rotated by `key_rotation` (as the cache will store
+    them: use the cache's setting, QuantizedFP8Cache's default is "hadamard")."""
     from transformers import DynamicCache
 
+    key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS)
     if format not in FP8_DTYPES:
         raise ValueError(f"`format` must be one of {tuple(FP8_DTYPES)}, got {format!r}.")
     if not (isinstance(margin, (int, float)) and margin > 0):
@@ -61,6 +66,7 @@ def calibrate(
         raise ValueError(f"`input_ids` must be [batch, tokens], got shape {list(input_ids.shape)}.")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
+    rotation = None
     stats: list[dict[str, torch.Tensor]] | None = None
     for start in range(0, input_ids.shape[1], window):
         chunk = input_ids[:, start : start + window]
@@ -68,8 +74,11 @@ def calibrate(
         model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if stats is None:
             stats = [None] * len(cache.layers)
+            rotation = rotation_matrix(key_rotation, cache.layers[0].keys.shape[-1])
         for i, layer in enumerate(cache.layers):
             k, v = layer.keys.float(), layer.values.float()  # [B, H, T, D]
+            if rotation is not None:
+                k = k @ rotation.to(k.device)
             entry = {
                 "k_min": k.amin(dim=(0, 2)), "k_max": k.amax(dim=(0, 2)), "k_sum": k.sum(dim=(0, 2)),
                 "v_amax": v.abs().amax(dim=(0, 2, 3)), "count": torch.tensor(k.shape[0] * k.shape[2]),
@@ -100,6 +109,7 @@ def calibrate(
         "version": CALIBRATION_VERSION,
         "format": format,
         "key_smoothing": key_smoothing,
+        "key_rotation": key_rotation,
         "margin": float(margin),
         "num_tokens": int(input_ids.numel()),
         "source": source_name,
@@ -112,14 +122,18 @@ def calibrate(
     }
 
 
-def calibrated_scales(model_or_config, scale: float = 1.0, format: str = "fp8_e4m3") -> dict[str, Any]:
-    """The same constant scale for every layer and head (vLLM's default of 1.0 for checkpoints without scales)."""
+def calibrated_scales(model_or_config, scale: float = 1.0, format: str = "fp8_e4m3",
+                      key_rotation: str = "hadamard") -> dict[str, Any]:
+    """The same constant scale for every layer and head (vLLM's default of 1.0 for checkpoints without scales), for
+    a cache with this `key_rotation`."""
+    key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS)
     from .quantized import _text_config, model_dims
 
     layers, heads, head_dim = model_dims(_text_config(model_or_config))
     per_layer = [[float(scale)] * heads for _ in range(layers)]
     return {
-        "version": CALIBRATION_VERSION, "format": format, "key_smoothing": False, "num_layers": layers,
+        "version": CALIBRATION_VERSION, "format": format, "key_smoothing": False,
+        "key_rotation": key_rotation, "num_layers": layers,
         "num_kv_heads": heads, "head_dim": head_dim, "key_scale": per_layer, "value_scale": [list(r) for r in per_layer],
     }
 
@@ -132,4 +146,5 @@ def save_calibrated_config(directory: str | os.PathLike, model_or_config, scales
 
     cache_config = {"granularity": "head", **cache_config, "scales": scales}
     cache_config.setdefault("key_smoothing", bool(scales.get("key_smoothing", False)))
+    cache_config.setdefault("key_rotation", scales.get("key_rotation", "none"))
     return save_cache_config(directory, "fp8", cache_config, model_config=_text_config(model_or_config))

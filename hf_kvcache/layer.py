@@ -4,6 +4,8 @@ Contract with attention (see docs/design.md):
 - `update` returns keys/values whose last `q` columns are the new tokens in order, except for one-token decode
   steps, where the new token is written in place into its slot (attention over the past is order-free).
 - `seen` is the logical length (drives positions); `get_mask_sizes` describes the columns actually returned.
+- With `key_rotation` (an orthogonal [D, D] matrix, keep-all quantized caches), keys are rotated on arrival, stored
+  and returned rotated; the bridge rotates the queries alike, so attention logits are unchanged.
 - Validity of each returned column (padding, empty or evicted slots) is kept here and applied by the attention
   bridge (`hf_kvcache.attention`), since the 2-D padding mask of transformers assumes contiguous positions.
 """
@@ -16,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .policies.base import Policy
+from .rotation import rotate
 
 if TYPE_CHECKING:
     from .caches import ForwardInfo
@@ -30,12 +33,13 @@ class CompressedLayer(CacheLayerMixin):
         self.policy, self.store, self.forward_info, self.layer_idx = policy, store, forward_info, layer_idx
         self.seen = 0  # logical length: tokens of the stream so far, padding included
         self.used = 0  # slot columns attention sees
-        self.slot_pos: torch.Tensor | None = None  # [B, Hm, slots + 1] position id of the token in each slot
+        self.slot_pos: torch.Tensor | None = None  # [B, Hm, slots + 1] position id (int32) of the token in each slot
         self.slot_valid: torch.Tensor | None = None  # [B, Hm, slots + 1]; the last slot is a trash slot
         self._served_forward = -1
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
         self._attention_query_len = 0
         self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
+        self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
 
     @property
     def is_croppable(self) -> bool:
@@ -50,9 +54,11 @@ class CompressedLayer(CacheLayerMixin):
         meta_heads = heads if self.policy.per_head else 1
         slots = self.policy.capacity if self.policy.capacity is not None else max(key_states.shape[-2], 16)
         self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device)
-        self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.long, device=self.device)
+        self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
         self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
         self.policy.allocate(batch, heads, self.device)
+        if self.key_rotation is not None:
+            self.key_rotation = self.key_rotation.to(self.device)
         self.is_initialized = True
 
     @property
@@ -60,10 +66,11 @@ class CompressedLayer(CacheLayerMixin):
         return self.slot_valid.shape[-1] - 1
 
     def _ensure_slots(self, needed: int) -> None:
-        """Growing policies double their buffers (amortised O(1) per token, never a per-step concatenation)."""
+        """Growing policies grow their buffers by 1/8 at a time (amortised O(1) per token, never a per-step
+        concatenation, and at most ~1/8 of the content allocated ahead)."""
         if needed <= self.trash_slot:
             return
-        slots = max(needed, 2 * self.trash_slot)
+        slots = max(needed, self.trash_slot + self.trash_slot // 8 + 16)
         pad = slots + 1 - self.slot_valid.shape[-1]
         self.store.grow(slots + 1)
         self.slot_pos = torch.nn.functional.pad(self.slot_pos, (0, pad))
@@ -79,6 +86,14 @@ class CompressedLayer(CacheLayerMixin):
                 "run through the hf_kvcache bridge; call `hf_kvcache.enable(model)`."
             )
         info = self.forward_info.for_layer(self, key_states.shape[-2])
+        if self.key_rotation is not None:
+            if not info.attention_bridged:
+                raise RuntimeError(
+                    f"Layer {self.layer_idx}: this cache stores keys rotated (key_rotation), so queries must be rotated "
+                    "too, which only the hf_kvcache attention bridge does; the model's attention implementation is "
+                    f"not the bridge. Call `hf_kvcache.enable(model)` after changing the attention implementation."
+                )
+            key_states = rotate(key_states, self.key_rotation)
         q = key_states.shape[-2]
         if self.policy.capacity is None:
             self._ensure_slots(self.policy.used_after(self.seen + q))
@@ -149,7 +164,7 @@ class CompressedLayer(CacheLayerMixin):
         values = value_states.gather(2, gather_index)
         self.store.write(dest, keys, values)
         self.slot_valid.scatter_(2, dest, placement.valid)
-        self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).unsqueeze(1).expand_as(dest))
+        self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).to(torch.int32).unsqueeze(1).expand_as(dest))
         self.policy.after_write(self, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .caches import KVCache
 from .config import check_keys, require_choice, require_int
 from .policies import KeepAllPolicy
+from .rotation import ROTATIONS, rotation_matrix
 from .stores.quantization import INT_BITS, INT_GRANULARITIES, QuantSpec
 from .stores.quantized import QuantizedStore
 from .stores.workspace import DequantWorkspace
@@ -28,7 +29,7 @@ from .stores.workspace import DequantWorkspace
 #: keys of a calibration dict (hf_kvcache.calibration.calibrate) accepted in `scales`
 CALIBRATION_KEYS = (
     "format", "key_scale", "value_scale", "key_mean", "num_layers", "num_kv_heads", "head_dim", "num_tokens",
-    "source", "margin", "version", "key_smoothing",
+    "source", "margin", "version", "key_smoothing", "key_rotation",
 )
 
 
@@ -53,7 +54,7 @@ class _QuantizedKeepAllCache(KVCache):
     """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
 
     def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
-               scales: dict | None) -> None:
+               scales: dict | None, key_rotation: str = "none") -> None:
         config = _text_config(config_or_model)
         layers, kv_heads, head_dim = model_dims(config)
         key.validate_head_dim(head_dim, "key")
@@ -61,7 +62,9 @@ class _QuantizedKeepAllCache(KVCache):
         residual = require_int("residual", residual, 0)
         if not isinstance(key_smoothing, bool):
             raise ValueError(f"`key_smoothing` must be a bool, got {key_smoothing!r}.")
-        static = _parse_scales(scales, key, value, key_smoothing, layers, kv_heads, head_dim)
+        key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS)
+        self.rotation_matrix = rotation_matrix(key_rotation, head_dim)
+        static = _parse_scales(scales, key, value, key_smoothing, key_rotation, layers, kv_heads, head_dim)
         self.key_spec, self.value_spec = key, value
         self.workspace = DequantWorkspace()
         workspace = self.workspace
@@ -74,7 +77,13 @@ class _QuantizedKeepAllCache(KVCache):
         super().__init__(config_or_model, layer_parts)
         for i, layer in enumerate(self.layers):
             layer.store.layer_idx = i
+            layer.key_rotation = self.rotation_matrix  # one matrix shared by the layers
             layer.store.set_static(**{name: values[i] for name, values in static.items()})
+
+    def nbytes(self) -> int:
+        """The layers' bytes plus the shared key rotation matrix (once)."""
+        extra = self.rotation_matrix.nbytes if self.rotation_matrix is not None else 0
+        return super().nbytes() + (extra if any(layer.is_initialized for layer in self.layers) else 0)
 
     def workspace_nbytes(self) -> int:
         """Bytes of the shared dequantization workspace (one layer's keys and values in the model's dtype, grown by
@@ -86,8 +95,8 @@ class _QuantizedKeepAllCache(KVCache):
         self.workspace.clear()
 
 
-def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool, layers: int, kv_heads: int,
-                  head_dim: int) -> dict[str, list]:
+def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool, key_rotation: str, layers: int,
+                  kv_heads: int, head_dim: int) -> dict[str, list]:
     """Per-layer static parameters from a calibration dict: {store argument: [value per layer]}."""
     if scales is None:
         return {}
@@ -107,6 +116,11 @@ def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool,
                 f"`scales` holds {kind} scales calibrated for format {scales.get('format')!r}, but {kind}s use "
                 f"{spec.format!r}; calibrate with format={spec.format!r}."
             )
+        if kind == "key" and scales.get("key_rotation", "none") != key_rotation:
+            raise ValueError(
+                f"`scales` holds key scales calibrated with key_rotation={scales.get('key_rotation', 'none')!r}, but "
+                f"the cache has key_rotation={key_rotation!r}: the key ranges differ; calibrate with the same setting."
+            )
         if kind == "key" and bool(scales.get("key_smoothing", False)) != key_smoothing:
             raise ValueError(
                 f"`scales` holds key scales calibrated with key_smoothing={scales.get('key_smoothing', False)}, but "
@@ -116,6 +130,11 @@ def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool,
         if spec.granularity == "tensor":
             per_layer = [max(heads) for heads in per_layer]
         out[f"{kind}_scale"] = per_layer
+    if key_smoothing and scales.get("key_mean") is not None and scales.get("key_rotation", "none") != key_rotation:
+        raise ValueError(
+            f"`scales` holds key means calibrated with key_rotation={scales.get('key_rotation', 'none')!r}, but the "
+            f"cache has key_rotation={key_rotation!r}; calibrate with the same setting."
+        )
     if key_smoothing and scales.get("key_mean") is not None:
         means = scales["key_mean"]
         if not isinstance(means, list) or len(means) != layers:
@@ -157,9 +176,12 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         key, value: full QuantSpec dicts overriding the shorthand for keys or values, e.g. key={"format": "int8"}.
         residual: the most recent `residual` tokens stay in the model's precision (older ones are quantized).
         key_smoothing: subtract a per-channel key mean before quantizing (calibrated, else the prompt's) and add it
-            back after: only the spread around the mean is quantized (on by default: on SmolLM2 it more than halves
-            the KL divergence of per-token E4M3; no effect for 'none' keys).
-        scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means.
+            back after: only the spread around the mean is quantized (on by default; no effect for 'none' keys).
+        key_rotation: "hadamard" (default), "random" or "none": keys are rotated by an orthogonal matrix before
+            they are stored, and queries alike in attention (hf_kvcache.rotation), which spreads outlier channels;
+            on SmolLM2 it quarters the KL divergence of E4M3 keys at no cost in bytes.
+        scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means
+            (calibrated with the same key_smoothing and key_rotation).
     """
 
     cache_name = "fp8"
@@ -174,17 +196,18 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         value: dict | None = None,
         residual: int = 0,
         key_smoothing: bool = True,
+        key_rotation: str = "hadamard",
         scales: dict | None = None,
     ):
         self.format, self.granularity, self.group_size = format, granularity, group_size
-        self.residual, self.key_smoothing = residual, key_smoothing
+        self.residual, self.key_smoothing, self.key_rotation = residual, key_smoothing, key_rotation
         base = {"format": format, "granularity": granularity, "group_size": group_size}
         value_base = dict(base)
         if granularity == "channel":  # KIVI layout: keys per channel, values per token
             value_base.update(granularity="token", group_size=None)
         key_spec = _spec(base, key, "key")
         value_spec = _spec(value_base, value, "value")
-        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales)
+        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation)
 
 
 def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
@@ -204,7 +227,8 @@ class KIVICache(_QuantizedKeepAllCache):
     """KIVI (arXiv 2402.02750): integer keys per channel (blocks of `group_size` tokens), values per token (groups
     of `value_group_size` channels, default `group_size`), the most recent `residual` tokens in full precision (plus
     those of an incomplete key block). Packed by optimum-quanto or hqq (`backend`, default: quanto if installed).
-    `scale_dtype` ("float16", ...) stores scales and zero points in another dtype than the model's."""
+    `scale_dtype` ("float16", ...) stores scales and zero points in another dtype than the model's. `key_rotation`
+    ("none" by default: KIVI's per-channel key groups already isolate outlier channels) as in QuantizedFP8Cache."""
 
     cache_name = "kivi"
 
@@ -218,6 +242,7 @@ class KIVICache(_QuantizedKeepAllCache):
         key_smoothing: bool = False,
         scale_dtype: str | None = None,
         value_group_size: int | None = None,
+        key_rotation: str = "none",
     ):
         if isinstance(bits, bool) or bits not in (2, 4, 8):
             raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
@@ -227,7 +252,8 @@ class KIVICache(_QuantizedKeepAllCache):
             backend = require_choice("backend", backend, ("quanto", "hqq", "torch"))
         self.bits, self.group_size, self.residual, self.backend = bits, group_size, residual, backend
         self.key_smoothing, self.scale_dtype, self.value_group_size = key_smoothing, scale_dtype, value_group_size
+        self.key_rotation = key_rotation
         fmt = f"int{bits}"
         key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
         value = QuantSpec(fmt, "token", value_group, backend, scale_dtype)
-        self._build(config_or_model, key, value, residual, key_smoothing, None)
+        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation)

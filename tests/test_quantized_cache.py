@@ -54,11 +54,16 @@ def reference(llama, ids):
 
 
 def test_residual_covering_everything_is_exact(llama, ids, reference):
-    """With every token in the full-precision residual nothing is quantized: identical to the full cache."""
-    for cache in (QuantizedFP8Cache(llama, residual=1000), KIVICache(llama, residual=1000, group_size=8)
-                  if PACKER else QuantizedFP8Cache(llama, residual=500)):
+    """With every token in the full-precision residual nothing is quantized: identical to the full cache (up to
+    float rounding of the rotated dot products when keys are rotated)."""
+    for cache in (QuantizedFP8Cache(llama, residual=1000, key_rotation="none"),
+                  KIVICache(llama, residual=1000, group_size=8)
+                  if PACKER else QuantizedFP8Cache(llama, residual=500, key_rotation="none")):
         assert torch.equal(teacher_forced_logprobs(llama, cache, ids), reference)
         assert cache.layers[0].store.qlen == 0
+    for rotation in ("hadamard", "random"):
+        cache = QuantizedFP8Cache(llama, residual=1000, key_rotation=rotation)
+        torch.testing.assert_close(teacher_forced_logprobs(llama, cache, ids), reference, atol=1e-4, rtol=1e-5)
 
 
 def test_format_precision_orders_the_error(llama, ids, reference):
@@ -165,7 +170,7 @@ def test_memory_is_the_quantized_cache_plus_one_layer(llama):
 # -- calibration ---------------------------------------------------------------------------------------------------
 def test_calibration_records_the_maxima(llama):
     ids = random_ids(2, 48, seed=9)
-    scales = calibrate(llama, input_ids=ids, window=16, key_smoothing=False)
+    scales = calibrate(llama, input_ids=ids, window=16, key_smoothing=False, key_rotation="none")
     json.dumps(scales)  # plain JSON
     dyn_k, dyn_v = [], []
     for start in range(0, 48, 16):
@@ -182,7 +187,7 @@ def test_calibration_records_the_maxima(llama):
         torch.testing.assert_close(torch.tensor(scales["key_scale"][i]), expected_k)
         torch.testing.assert_close(torch.tensor(scales["value_scale"][i]), expected_v)
         torch.testing.assert_close(torch.tensor(scales["key_mean"][i]), keys.mean(dim=(0, 2)), atol=1e-5, rtol=1e-5)
-    smoothed = calibrate(llama, input_ids=ids, window=16, key_smoothing=True)
+    smoothed = calibrate(llama, input_ids=ids, window=16, key_smoothing=True, key_rotation="none")
     assert smoothed["key_smoothing"] and not scales["key_smoothing"]
     keys = torch.cat([w[0] for w in dyn_k], 2)
     centred = keys - keys.mean(dim=(0, 2), keepdim=True)

@@ -90,7 +90,7 @@ class HeavyHitterPolicy(Policy):
         if self.rotator is None or self.arrived_keys is None or not self.has_evicted(layer.seen):
             return
         used = layer.used
-        valid, original = layer.slot_valid[..., :used], layer.slot_pos[..., :used]
+        valid, original = layer.slot_valid[..., :used], layer.slot_pos[..., :used].long()
         order = torch.where(valid, original, torch.iinfo(torch.long).max).argsort(-1)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(used, device=order.device).expand_as(order))
         newest = torch.where(valid, original, torch.iinfo(torch.long).min).amax(-1, keepdim=True)

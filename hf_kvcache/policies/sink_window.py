@@ -80,7 +80,7 @@ class SinkWindowPolicy(Policy):
             return
         # Unpadded rows share the ring layout: the oldest window token is in a known slot.
         oldest_slot = self.sinks + (layer.seen - self.window - self.sinks) % self.window
-        self.memory.reposition_before(layer, layer.slot_pos[:, 0, oldest_slot])
+        self.memory.reposition_before(layer, layer.slot_pos[:, 0, oldest_slot].long())
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)

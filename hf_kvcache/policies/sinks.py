@@ -68,7 +68,7 @@ class SinkMemory:
             return
         valid = layer.slot_valid[:, 0, self.sinks : used]
         positions = layer.slot_pos[:, 0, self.sinks : used]
-        oldest = torch.where(valid, positions, torch.iinfo(torch.long).max).amin(-1)
+        oldest = torch.where(valid, positions.long(), torch.iinfo(torch.long).max).amin(-1)
         self.reposition_before(layer, oldest, valid.any(-1))
 
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:
