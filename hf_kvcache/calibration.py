@@ -35,7 +35,7 @@ def calibrate(
     num_tokens: int = 2048,
     window: int = 512,
     format: str = "fp8_e4m3",
-    key_smoothing: bool = True,
+    key_smoothing: bool = False,
     margin: float = 1.0,
     key_rotation: str = "hadamard",
 ) -> dict[str, Any]:

@@ -196,8 +196,8 @@ def test_calibration_records_the_maxima(llama):
 
 
 def test_calibrated_cache_uses_static_scales_and_saturates(llama, ids, reference):
-    scales = calibrate(llama, input_ids=random_ids(1, 64, seed=11), window=32)
-    cache = QuantizedFP8Cache(llama, granularity="head", scales=scales)
+    scales = calibrate(llama, input_ids=random_ids(1, 64, seed=11), window=32, key_smoothing=True)
+    cache = QuantizedFP8Cache(llama, granularity="head", key_smoothing=True, scales=scales)
     got = teacher_forced_logprobs(llama, cache, ids)
     store = cache.layers[1].store
     assert torch.equal(store.keys_codec.scale.flatten(), torch.tensor(scales["key_scale"][1]))
@@ -240,8 +240,8 @@ def test_bad_calibration_dicts(llama):
         QuantizedFP8Cache(llama, granularity="head", scales={**scales, "num_layers": 3})
     with pytest.raises(ValueError, match=r"calibrated for format 'fp8_e4m3', but keys use 'fp8_e5m2'"):
         QuantizedFP8Cache(llama, format="fp8_e5m2", granularity="head", scales=scales)
-    with pytest.raises(ValueError, match=r"calibrated with key_smoothing=True, but the cache has key_smoothing=False"):
-        QuantizedFP8Cache(llama, granularity="head", key_smoothing=False, scales=scales)
+    with pytest.raises(ValueError, match=r"calibrated with key_smoothing=False, but the cache has key_smoothing=True"):
+        QuantizedFP8Cache(llama, granularity="head", key_smoothing=True, scales=scales)
     with pytest.raises(ValueError, match=r"scales\['key_scale'\]\[0\] must be a list of 2 numbers"):
         QuantizedFP8Cache(llama, granularity="head", scales={**scales, "key_scale": [[1.0], [1.0]]})
     with pytest.raises(ValueError, match=r"Unknown `scales` .* key\(s\) \['extra'\]"):
