@@ -33,7 +33,8 @@ class CompressedLayer(CacheLayerMixin):
         self.policy, self.store, self.forward_info, self.layer_idx = policy, store, forward_info, layer_idx
         self.seen = 0  # logical length: tokens of the stream so far, padding included
         self.used = 0  # slot columns attention sees
-        self.slot_pos: torch.Tensor | None = None  # [B, Hm, slots + 1] position id (int32) of the token in each slot
+        # [B, Hm, slots + 1] position id (int32) of the token in each slot; None for policies without `needs_positions`
+        self.slot_pos: torch.Tensor | None = None
         self.slot_valid: torch.Tensor | None = None  # [B, Hm, slots + 1]; the last slot is a trash slot
         self._served_forward = -1
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
@@ -54,7 +55,8 @@ class CompressedLayer(CacheLayerMixin):
         meta_heads = heads if self.policy.per_head else 1
         slots = self.policy.capacity if self.policy.capacity is not None else max(key_states.shape[-2], 16)
         self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device)
-        self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
+        if self.policy.needs_positions:
+            self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
         self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
         self.policy.allocate(batch, heads, self.device)
         if self.key_rotation is not None:
@@ -73,7 +75,8 @@ class CompressedLayer(CacheLayerMixin):
         slots = max(needed, self.trash_slot + self.trash_slot // 8 + 16)
         pad = slots + 1 - self.slot_valid.shape[-1]
         self.store.grow(slots + 1)
-        self.slot_pos = torch.nn.functional.pad(self.slot_pos, (0, pad))
+        if self.slot_pos is not None:
+            self.slot_pos = torch.nn.functional.pad(self.slot_pos, (0, pad))
         self.slot_valid = torch.nn.functional.pad(self.slot_valid, (0, pad))
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -139,7 +142,8 @@ class CompressedLayer(CacheLayerMixin):
         copies instead of scatters (most of the per-step cost on CPU is Python-level tensor op overhead)."""
         self.store.write_slot(slot, key_states, value_states)
         self.slot_valid[..., slot] = True
-        self.slot_pos[..., slot] = positions[:, :1]
+        if self.slot_pos is not None:
+            self.slot_pos[..., slot] = positions[:, :1]
         self.policy.after_decode_write(self, slot, key_states, positions)
         self.seen += 1
         self.used = self.policy.used_after(self.seen)
@@ -164,7 +168,8 @@ class CompressedLayer(CacheLayerMixin):
         values = value_states.gather(2, gather_index)
         self.store.write(dest, keys, values)
         self.slot_valid.scatter_(2, dest, placement.valid)
-        self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).to(torch.int32).unsqueeze(1).expand_as(dest))
+        if self.slot_pos is not None:
+            self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).to(torch.int32).unsqueeze(1).expand_as(dest))
         self.policy.after_write(self, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------
@@ -194,13 +199,16 @@ class CompressedLayer(CacheLayerMixin):
         """Bytes actually held: slot buffers (allocated, not just used), slot metadata and policy state."""
         if not self.is_initialized:
             return 0
-        return self.store.nbytes() + self.slot_pos.nbytes + self.slot_valid.nbytes + self.policy.nbytes()
+        positions = self.slot_pos.nbytes if self.slot_pos is not None else 0
+        return self.store.nbytes() + positions + self.slot_valid.nbytes + self.policy.nbytes()
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.is_initialized:
             return
         self.store.map_batch(fn)
-        self.slot_pos, self.slot_valid = fn(self.slot_pos), fn(self.slot_valid)
+        self.slot_valid = fn(self.slot_valid)
+        if self.slot_pos is not None:
+            self.slot_pos = fn(self.slot_pos)
         self.policy.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -100,7 +100,8 @@ def test_nbytes_equals_bytes_of_held_tensors(cache_name):
     total = 0
     for layer in cache.layers:
         tensors = held_tensors(layer)
-        names = {id(layer.store.keys), id(layer.store.values), id(layer.slot_pos), id(layer.slot_valid)}
+        metadata = [t for t in (layer.slot_pos, layer.slot_valid) if t is not None]
+        names = {id(layer.store.keys), id(layer.store.values)} | {id(t) for t in metadata}
         assert names <= {id(t) for t in tensors}
         # after a decode step the columns given to attention are a view of slot_valid, not a separate allocation
         assert layer._attention_columns.untyped_storage().data_ptr() == layer.slot_valid.untyped_storage().data_ptr()
@@ -137,7 +138,8 @@ def test_full_cache_grows_and_is_at_least_dynamic():
     dyn_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dyn.layers)
     assert b >= dyn_bytes
     # growth is by doubling: at most ~2x what is needed (+ trash slot + metadata)
-    assert b <= 2 * dyn_bytes + sum(layer.slot_pos.nbytes + layer.slot_valid.nbytes for layer in cache.layers) + \
+    assert all(layer.slot_pos is None for layer in cache.layers)  # keep-all: slot i is token i, no positions kept
+    assert b <= 2 * dyn_bytes + sum(layer.slot_valid.nbytes for layer in cache.layers) + \
         4 * sum(layer.store.keys[:, :, :1].nbytes for layer in cache.layers)
 
 

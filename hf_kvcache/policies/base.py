@@ -25,6 +25,7 @@ class Policy:
     per_head = False  # True when each KV head keeps its own token set
     deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`
+    needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)
 
     def configure(self, prompt_length: int) -> None:
         """Called once with the first forward's length (budgets given as ratios of the prompt resolve here)."""

@@ -9,6 +9,7 @@ from .base import Placement, Policy
 
 class KeepAllPolicy(Policy):
     capacity = None
+    needs_positions = False  # slot i holds the i-th token: no per-slot position ids to keep
 
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
