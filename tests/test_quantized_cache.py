@@ -289,3 +289,23 @@ def test_crop_for_assisted_decoding(llama):
             kivi.crop(-9)  # to 28: inside the quantized block [24, 32)
             with pytest.raises(NotImplementedError, match=r"cannot crop to 28 tokens.*Keep `residual` at least"):
                 llama(input_ids=ids[:, 28:29], past_key_values=kivi)
+
+
+@needs_packer
+def test_4k_tokens_whole_cache_bytes_versus_dynamic_cache_in_bfloat16():
+    """The issue's memory bound on everything `nbytes()` counts (stores, slot metadata, rotation matrix): at 4K
+    tokens FP8 (per-token scales) <= 0.52x and INT4 group 64 <= 0.30x of a bfloat16 DynamicCache."""
+    model = build_model("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
+                        max_position_embeddings=8192).to(torch.bfloat16)  # head_dim 64, as SmolLM2
+    ids = random_ids(1, 4096, seed=8)
+    dynamic = DynamicCache(config=model.config)
+    caches = {"fp8": QuantizedFP8Cache(model), "int4": KIVICache(model, bits=4, group_size=64, residual=0)}
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        for cache in caches.values():
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    dyn_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    ratios = {name: cache.nbytes() / dyn_bytes for name, cache in caches.items()}
+    assert ratios["fp8"] <= 0.52, ratios
+    assert ratios["int4"] <= 0.30, ratios
+    assert ratios["fp8"] >= 0.5 and ratios["int4"] >= 0.25, ratios  # nothing left uncounted
