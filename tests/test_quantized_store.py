@@ -250,3 +250,23 @@ def test_workspace_is_reused_and_sized_for_one_layer():
     one_layer = 2 * B * H * 43 * D * 4
     scratch = 2 * B * H * 43 * D * 2  # FP8 bits -> float16 conversion (keys and values)
     assert workspace.nbytes() <= 2 * (one_layer + scratch)
+
+
+@pytest.mark.parametrize("key,value,smoothing", [
+    (QuantSpec("fp8_e4m3", "token"), QuantSpec("fp8_e4m3", "token"), False),  # joint codec
+    (QuantSpec("fp8_e4m3", "token", 8), QuantSpec("fp8_e4m3", "token", 8), True),  # joint, channel groups, smoothing
+    (QuantSpec("fp8_e5m2", "head"), QuantSpec("int8", "token"), True),
+    pytest.param(QuantSpec("int4", "token", 8, PACKER or "torch"), QuantSpec("int2", "token", 16, PACKER or "torch"),
+                 False, marks=needs_packer),
+])
+def test_read_slots_dequantizes_only_the_slots_asked_for(key, value, smoothing):
+    """read_slots (CompositeCache moves) equals the gathered full read, per row and per head."""
+    torch.manual_seed(2)
+    store = make(key, value, append_only=False, key_smoothing=smoothing)
+    store.write(seq(0, 16), torch.randn(B, H, 16, D) * 3 + 1, torch.randn(B, H, 16, D))
+    k, v = store.read(17)
+    k, v = k.clone(), v.clone()
+    for slots in (torch.tensor([[[2, 0, 15]], [[5, 5, 16]]]), torch.randint(0, 17, (B, H, 4))):
+        sk, sv = store.read_slots(slots)
+        index = slots[..., None].expand(B, H, slots.shape[-1], D)
+        assert torch.equal(sk, k.gather(2, index)) and torch.equal(sv, v.gather(2, index))

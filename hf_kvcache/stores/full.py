@@ -44,6 +44,11 @@ class FullPrecisionStore:
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :used], self.values[:, :, :used]
 
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
+        index = slots[..., None].expand(self.keys.shape[0], self.keys.shape[1], slots.shape[-1], self.keys.shape[-1])
+        return self.keys.gather(2, index), self.values.gather(2, index)
+
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         """Overwrite keys of slots [start, start + n) (re-rotated sinks)."""
         self.keys[:, :, start : start + keys.shape[2]] = keys

@@ -328,6 +328,24 @@ class Codec:
         per-channel `bias` [B, H, 1, D] if given (smoothed keys get their mean back)."""
         raise NotImplementedError
 
+    def decode_slots(self, out: torch.Tensor, slots: torch.Tensor, workspace, bias: torch.Tensor | None = None) -> None:
+        """Dequantize only the slots `slots` [B, 1 or H, n] into out [B, H, n, D]: the codes of those slots are
+        gathered first, so the cost is O(n), not O(capacity) (CompositeCache moves a token between regions every
+        step). Per-slot layouts only (not blocks of tokens)."""
+        if self.per_block or self.block != 1 or getattr(self, "token_pairs", False):
+            raise NotImplementedError("decode_slots needs a per-slot layout (token granularity or fixed scales)")
+        batch, heads, n = out.shape[0], out.shape[1], slots.shape[-1]
+        saved, capacity = self.slot, self.capacity
+        self.capacity = n  # the gathered slots stand in for the buffers
+        self.slot = {
+            name: t.gather(2, slots.reshape(slots.shape + (1,) * (t.dim() - 3)).expand(batch, heads, n, *t.shape[3:]))
+            for name, t in saved.items()
+        }
+        try:
+            self.decode_into(out, n, workspace, bias)
+        finally:
+            self.slot, self.capacity = saved, capacity
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.slot.values()) + sum(t.nbytes for t in self.shared.values())
 

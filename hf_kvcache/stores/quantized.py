@@ -318,10 +318,24 @@ class QuantizedStore:
         return cached
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
-        keys, values = self.read(self.slots if not self.append_only else self.length)
-        index = slots[..., None].expand(self.batch, self.heads, slots.shape[-1], self.head_dim)
-        return keys.gather(2, index), values.gather(2, index)
+        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (fresh tensors). The slot layout dequantizes
+        those slots only; the append-only layout reads everything and gathers."""
+        if self.append_only:
+            keys, values = self.read(self.length)
+            index = slots[..., None].expand(self.batch, self.heads, slots.shape[-1], self.head_dim)
+            return keys.gather(2, index), values.gather(2, index)
+        shape = (self.batch, self.heads, slots.shape[-1], self.head_dim)
+        scratch = TransientWorkspace()
+        bias = self._key_bias()
+        if self.joint:
+            both = torch.empty((2 * self.batch,) + shape[1:], dtype=self.dtype, device=self.device)
+            self.keys_codec.decode_slots(both, torch.cat((slots, slots), 0), scratch, bias)
+            return both[: self.batch], both[self.batch :]
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.keys_codec.decode_slots(keys, slots, scratch, bias)
+        self.values_codec.decode_slots(values, slots, scratch)
+        return keys, values
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -60,10 +60,8 @@ class RegionStore:
             local = self._local(i, slots)
             if not bool((local < self.sizes[i]).any()):
                 continue
-            k, v = store.read(self.sizes[i] + 1)
-            index = local[..., None].expand(batch, heads, local.shape[-1], dim)
-            k, v = k.gather(2, index), v.gather(2, index)
             inside = (local < self.sizes[i])[..., None]
+            k, v = store.read_slots(local)  # slots outside the region read this region's trash slot
             out_k = k if out_k is None else torch.where(inside, k, out_k)
             out_v = v if out_v is None else torch.where(inside, v, out_v)
         return out_k, out_v
