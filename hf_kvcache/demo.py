@@ -21,13 +21,19 @@ class DemoRow:
     top1_agreement: float  # teacher-forced on the full cache's continuation: argmax equal to the full cache's
 
 
-def demo_specs(prompt_len: int) -> list[tuple[str, str, dict]]:
-    """(label, cache_implementation, cache_config) for the sweep; budgets as fractions of the prompt."""
-    specs = [("full (DynamicCache)", "dynamic", {})]
+def demo_specs(prompt_len: int) -> list[tuple[str, str, dict, str]]:
+    """(label, cache_implementation, cache_config, budget) for the sweep: each evicting cache at 1/8, 1/4 and 1/2 of
+    the prompt (in tokens), then the quantized keep-all caches (budget "all": every token, fewer bytes each)."""
+    specs = [("full (DynamicCache)", "dynamic", {}, "all")]
     for fraction in (0.125, 0.25, 0.5):
         budget = int(prompt_len * fraction)
-        specs.append((f"sink 4+{budget - 4}", "sink", {"sinks": 4, "window": budget - 4}))
-        specs.append((f"sliding {budget}", "sliding", {"window": budget}))
+        specs.append((f"sink 4+{budget - 4}", "sink", {"sinks": 4, "window": budget - 4}, str(budget)))
+        specs.append((f"sliding {budget}", "sliding", {"window": budget}, str(budget)))
+        specs.append((f"h2o {budget}", "h2o", {"budget": budget}, str(budget)))
+        specs.append((f"composite fp8 {budget}", "composite", {"preset": "sinks_heavy_recent", "budget": budget},
+                      str(budget)))
+    specs.append(("fp8 (E4M3, Hadamard)", "fp8", {}, "all"))
+    specs.append(("kivi int4", "kivi", {"bits": 4}, "all"))
     return specs
 
 
@@ -57,7 +63,7 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 64, p
     rows, reference = [], None
     model.generate(prompt_ids[:, :64], max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
     specs = demo_specs(prompt_ids.shape[1])
-    for label, name, config in progress(specs) if progress else specs:
+    for label, name, config, budget in progress(specs) if progress else specs:
         kwargs = {"cache_implementation": name}
         if config:
             kwargs["cache_config"] = config
@@ -74,7 +80,7 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 64, p
         rows.append(
             DemoRow(
                 cache=label,
-                budget=str(config.get("window", 0) + config.get("sinks", 0)) if config else "all",
+                budget=budget,
                 bytes_held=held,
                 decode_tokens_per_s=speed,
                 generated_agreement=float((generated == reference).float().mean()),
@@ -86,11 +92,11 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 64, p
 
 def format_table(rows: list[DemoRow]) -> str:
     full = rows[0].bytes_held
-    header = f"{'cache':<22}{'budget':>8}{'bytes held':>14}{'vs full':>9}{'decode tok/s':>14}{'gen agree':>11}{'top-1':>8}"
+    header = f"{'cache':<24}{'budget':>8}{'bytes held':>14}{'vs full':>9}{'decode tok/s':>14}{'gen agree':>11}{'top-1':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.cache:<22}{r.budget:>8}{r.bytes_held:>14,}{r.bytes_held / full:>8.2f}x{r.decode_tokens_per_s:>14.1f}"
+            f"{r.cache:<24}{r.budget:>8}{r.bytes_held:>14,}{r.bytes_held / full:>8.2f}x{r.decode_tokens_per_s:>14.1f}"
             f"{r.generated_agreement:>11.2%}{r.top1_agreement:>8.2%}"
         )
     return "\n".join(lines)

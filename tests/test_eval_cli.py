@@ -97,3 +97,27 @@ def test_sweep_dry_run(capsys, monkeypatch, tmp_path):
     assert main(["sweep", str(spec), "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("smoke: ") and "0 already done" in out
+
+
+def test_demo_runs_every_cache_family_on_a_tiny_model():
+    """The demo's sweep end to end (the README's main command runs it on SmolLM2): the full cache agrees with
+    itself, evicting caches hold less than the full cache, quantized ones keep every token in fewer bytes."""
+    from types import SimpleNamespace
+
+    from conftest import build_model, random_ids
+    from hf_kvcache.demo import format_table, run_demo
+    from hf_kvcache.stores.quantization import backend_available
+
+    model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    prompt = random_ids(1, 256, seed=1)  # longer than kivi's full-precision residual (128)
+    if not (backend_available("quanto") or backend_available("hqq")):
+        pytest.skip("kivi needs optimum-quanto or hqq")
+    rows = run_demo(model, SimpleNamespace(pad_token_id=0), prompt, new_tokens=6)
+    assert rows[0].cache.startswith("full") and rows[0].generated_agreement == rows[0].top1_agreement == 1.0
+    families = {r.cache.split()[0] for r in rows}
+    assert {"sink", "sliding", "h2o", "composite", "fp8", "kivi"} <= families
+    for r in rows[1:]:
+        assert 0 < r.bytes_held < rows[0].bytes_held, r
+        assert 0.0 <= r.top1_agreement <= 1.0 and r.decode_tokens_per_s > 0
+    assert [r.budget for r in rows if r.cache.startswith("sink")] == ["32", "64", "128"]
+    assert "composite fp8 128" in format_table(rows)
