@@ -16,7 +16,7 @@ distribution is scored against DynamicCache's at the same step:
   alike; the ratio is the median over steps of (config time / DynamicCache time in the same step).
 Static FP8 scales ("head, calibrated") come from `calibrate` on the last 4096 tokens of the corpus (never scored).
 
-    .venv/bin/python eval/bench_quantized.py                 # ~15 min on 2 CPU cores
+    .venv/bin/python eval/bench_quantized.py                 # ~20 min (one thread)
     .venv/bin/python eval/bench_quantized.py --prompt 512 --scored 64 --only dynamic hf_fp8 ours_fp8   # smoke
 Writes eval/results/quantized.{csv,json,png}.
 """
