@@ -135,3 +135,20 @@ def test_generate_with_rotation_from_cache_config(llama):
         )
     # everything in the full-precision residual: the rotation is exact up to float rounding
     assert torch.equal(out["none"], out["hadamard"]) and torch.equal(out["none"], out["random"])
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("qwen3", "sdpa"), ("phi3", "sdpa"), ("mistral", "eager")])
+def test_rotation_is_exact_across_architectures_and_attention_functions(arch, attn):
+    """Keys rotated in the cache, queries in the bridge: the same logits as DynamicCache (nothing quantized)."""
+    model = build_model(arch, attn=attn)
+    ids = random_ids(1, 20, seed=9)
+    cache = QuantizedFP8Cache(model, residual=64, key_rotation="hadamard")
+    assert cache.rotation_matrix is not None
+    with torch.no_grad():
+        ours = [model(input_ids=ids[:, :12], past_key_values=cache, use_cache=True).logits[:, -1]]
+        ref_cache = DynamicCache(config=model.config)
+        ref = [model(input_ids=ids[:, :12], past_key_values=ref_cache, use_cache=True).logits[:, -1]]
+        for t in range(12, 20):
+            ours.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            ref.append(model(input_ids=ids[:, t:t + 1], past_key_values=ref_cache, use_cache=True).logits[:, -1])
+    torch.testing.assert_close(torch.stack(ours), torch.stack(ref), atol=1e-4, rtol=1e-5)
