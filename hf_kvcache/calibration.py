@@ -1,7 +1,8 @@
 """Static FP8 scales (and key channel means) from a calibration run, to publish with a model.
 
     scales = calibrate(model, tokenizer)                       # offline corpus, 2048 tokens in 512-token windows
-                                                               # (key scales of mean-subtracted keys + the means)
+                                                               # (scales of Hadamard-rotated keys, as the cache
+                                                               # stores them by default, and of values)
     cache = QuantizedFP8Cache(model, granularity="head", scales=scales)
     save_calibrated_config("my-model", model, scales)          # kvcache_config.json next to the model
     # or: model.generation_config.cache_implementation = "fp8"
