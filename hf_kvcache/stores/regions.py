@@ -36,8 +36,12 @@ class RegionStore:
         return torch.where(inside, dest - base, size)
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Each region stores the tokens whose slot it holds; a region none of them lands in is skipped (one check
+        instead of quantizing every token into its trash slot: most decode writes touch one region)."""
         for i, store in enumerate(self.stores):
-            store.write(self._local(i, dest), keys, values)
+            local = self._local(i, dest)
+            if bool((local < self.sizes[i]).any()):
+                store.write(local, keys, values)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts_k, parts_v = [], []
