@@ -92,9 +92,9 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_rotation is not None:
             if not info.attention_bridged:
                 raise RuntimeError(
-                    f"Layer {self.layer_idx}: this cache stores keys rotated (key_rotation), so queries must be rotated "
-                    "too, which only the hf_kvcache attention bridge does; the model's attention implementation is "
-                    f"not the bridge. Call `hf_kvcache.enable(model)` after changing the attention implementation."
+                    f"Layer {self.layer_idx}: this cache stores keys rotated (key_rotation), so queries must be "
+                    "rotated too, which only the hf_kvcache attention bridge does; the model's attention "
+                    "implementation is not the bridge. Call `hf_kvcache.enable(model)` after changing it."
                 )
             key_states = rotate(key_states, self.key_rotation)
         q = key_states.shape[-2]

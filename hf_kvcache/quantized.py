@@ -180,7 +180,7 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             the KL divergence of unrotated E4M3 keys, but adds nothing once keys are rotated (and costs a pass).
         key_rotation: "hadamard" (default), "random" or "none": keys are rotated by an orthogonal matrix before
             they are stored, and queries alike in attention (hf_kvcache.rotation), which spreads outlier channels;
-            on SmolLM2 it quarters the KL divergence of E4M3 keys at no cost in bytes.
+            on SmolLM2 it cuts the KL divergence of E4M3 caches 2.5-4x at no cost in bytes.
         scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means
             (calibrated with the same key_smoothing and key_rotation).
     """

@@ -5,8 +5,8 @@ Hadamard matrix spreads their few large (outlier) channels over all channels, an
 same way instead of rotating keys back (one [D, D] product per query, not per cached token). Floating-point
 rounding is relative to each value, so the error of q . k is ~ sum_i q_i^2 k_i^2: large when q and k put their
 energy in the same few channels (they do, in RoPE models), ~ |q|^2 |k|^2 / D once both are spread. On SmolLM2
-this quarters the KL divergence of E4M3 keys at the same bytes (docs/quantization.md; QuaRot, arXiv 2404.00456,
-rotates KV caches the same way).
+this cuts the KL divergence of an E4M3 cache 2.5-4x at the same bytes (docs/quantization.md; QuaRot, arXiv
+2404.00456, rotates KV caches the same way).
 
     rotation_matrix("hadamard", 64)   # Sylvester Hadamard / sqrt(64): symmetric, orthogonal
     rotation_matrix("random", 96)     # a seeded random orthogonal matrix (any head size)
