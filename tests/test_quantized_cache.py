@@ -309,3 +309,32 @@ def test_4k_tokens_whole_cache_bytes_versus_dynamic_cache_in_bfloat16():
     assert ratios["fp8"] <= 0.52, ratios
     assert ratios["int4"] <= 0.30, ratios
     assert ratios["fp8"] >= 0.5 and ratios["int4"] >= 0.25, ratios  # nothing left uncounted
+
+
+@needs_packer
+def test_whole_cache_nbytes_is_the_theoretical_size_while_decoding():
+    """`cache.nbytes()` (everything held: stores, slot metadata, rotation matrix) within 1% of values x bits / 8 +
+    scales (+ zero points) + the residual buffer (+ the one rotation matrix), after a prefill and through 100
+    decode steps. SmolLM2's attention shape: 3 KV heads of 64."""
+    model = build_model("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
+                        max_position_embeddings=2048)
+    layers, heads, d = model.config.num_hidden_layers, 3, 64
+    ids = random_ids(1, 1101, seed=12)
+    fp8, kivi = QuantizedFP8Cache(model), KIVICache(model, bits=4, group_size=32, residual=128)
+    with torch.no_grad():
+        for cache in (fp8, kivi):
+            model(input_ids=ids[:, :1000], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for t in range(1000, 1100):
+            for cache in (fp8, kivi):
+                model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            n = t + 1
+            # E4M3 bytes + one bfloat16 scale per token and head, + the [d, d] float32 rotation matrix
+            fp8_theory = layers * heads * n * 2 * (d + 2) + d * d * 4
+            store = kivi.layers[0].store
+            q, fp_slots = store.qlen, store.fp_k.shape[2]
+            # keys: 4 bits + a scale and zero (float32) per channel and 32 tokens; values: 4 bits + a scale and zero
+            # per 32 channels; the full-precision residual buffer
+            per_head = q * (d // 2 + d * 8 // 32) + q * (d // 2 + (d // 32) * 8) + 2 * fp_slots * d * 4
+            kivi_theory = layers * heads * per_head
+            assert abs(fp8.nbytes() - fp8_theory) <= 0.01 * fp8_theory, (n, fp8.nbytes(), fp8_theory)
+            assert abs(kivi.nbytes() - kivi_theory) <= 0.01 * kivi_theory, (n, kivi.nbytes(), kivi_theory)

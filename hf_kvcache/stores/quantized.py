@@ -8,8 +8,9 @@ Two layouts:
   * per-channel key blocks (KIVI): a block of `group_size` tokens is quantized once, when all its tokens are written
     and it has left the residual. Already-quantized tokens are never dequantized and quantized again, so an append
     costs O(new tokens);
-  * physical buffers that grow by a small factor (1/32) at block granularity, so the bytes held stay within a few
-    percent of the content (the layer's slot capacity doubles; ours need not: +1/32 at a time).
+  * physical buffers that grow by a small factor (1/256) at block granularity, so the bytes held stay within 0.4%
+    (+ one block) of the content. Amortised, a growth copies 256 tokens' worth per appended token: small next to
+    reading the whole cache at every decode step.
 
 Reads dequantize into a workspace (`DequantWorkspace`, shared by the layers of a cache) and return views of it.
 Optional key smoothing subtracts a per-channel key mean before quantizing and adds it back after dequantizing; the
@@ -27,7 +28,7 @@ import torch
 from .quantization import QuantSpec, check_finite, make_codec
 from .workspace import TransientWorkspace
 
-GROWTH = 1 / 32
+GROWTH = 1 / 256
 
 
 class QuantizedStore:
@@ -145,7 +146,7 @@ class QuantizedStore:
         return (self.keys_codec,) if self.joint else (self.keys_codec, self.values_codec)
 
     def _reserve(self, tokens: int) -> None:
-        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/32 (amortised)."""
+        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/256 (amortised)."""
         cap = self.keys_codec.capacity
         if tokens <= cap:
             return
