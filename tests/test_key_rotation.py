@@ -152,3 +152,28 @@ def test_rotation_is_exact_across_architectures_and_attention_functions(arch, at
             ours.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
             ref.append(model(input_ids=ids[:, t:t + 1], past_key_values=ref_cache, use_cache=True).logits[:, -1])
     torch.testing.assert_close(torch.stack(ours), torch.stack(ref), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotated_fp8_cache_in_half_precision_models(dtype):
+    """Half-precision models: rotation is exact up to the dtype's rounding, and the quantized cache stays close."""
+    model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2).to(dtype)
+    ids = random_ids(1, 40, seed=10)
+
+    def logprobs(cache):
+        with torch.no_grad():
+            out = [model(input_ids=ids[:, :24], past_key_values=cache, use_cache=True).logits[:, -1]]
+            for t in range(24, 40):
+                out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        return torch.stack(out).float().log_softmax(-1)
+
+    def kl(other):
+        return float((ref.exp() * (ref - other)).sum(-1).mean())
+
+    ref = logprobs(DynamicCache(config=model.config))
+    # nothing quantized: rotation only, off by the dtype's rounding of rotated queries and keys (this random model's
+    # logits are large: bfloat16 KL ~6e-4, float16 ~1e-5; FP8 itself costs ~4e-2 here, rotated or not)
+    assert kl(logprobs(QuantizedFP8Cache(model, residual=64))) < 2e-3
+    quantized = logprobs(QuantizedFP8Cache(model))
+    assert torch.isfinite(quantized).all()
+    assert kl(quantized) < 0.1
