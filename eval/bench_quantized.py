@@ -9,9 +9,9 @@ distribution is scored against DynamicCache's at the same step:
 - bytes held: cache_nbytes() (quantized data, scales, zero points, residual window, our slot metadata, as
   allocated), averaged over the 512 steps (transformers' residual buffers fill and flush every 128 tokens) and at the
   end; `store_bytes_mean` is the same without our layers' slot metadata (int32 position + validity per slot, grown
-  1/8 at a time: ~1.4% of an FP8 cache); our stores grow by 1/32 at a time (transformers' concatenate every step,
-  which briefly holds old and new copies: not counted); our shared dequantization workspace (one layer in float32)
-  is listed separately;
+  1/8 at a time; a keep-all layer keeps only the validity byte: ~0.3% of an FP8 cache); our stores grow by 1/256 at
+  a time (transformers' concatenate every step, which briefly holds old and new copies: not counted); our shared
+  dequantization workspace (one layer in float32) is listed separately;
 - decode ms/token: every configuration runs each step in turn (order rotated per step), so machine noise hits all
   alike; the ratio is the median over steps of (config time / DynamicCache time in the same step).
 Static FP8 scales ("head, calibrated") come from `calibrate` on the last 4096 tokens of the corpus (never scored).
