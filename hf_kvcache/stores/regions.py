@@ -20,7 +20,6 @@ class RegionStore:
         return self.stores[0].keys
 
     def allocate(self, batch, heads, head_dim, slots, dtype, device) -> None:
-        self.shape = (batch, heads, head_dim)
         if self.sizes[-1] is None:
             self.sizes[-1] = slots - 1 - self.bases[-1]
         for size, store in zip(self.sizes, self.stores):
@@ -30,17 +29,18 @@ class RegionStore:
         self.sizes[-1] = slots - 1 - self.bases[-1]
         self.stores[-1].grow(self.sizes[-1] + 1)
 
-    def _local(self, i: int, dest: torch.Tensor) -> torch.Tensor:
+    def _local(self, i: int, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot indices in region i's store, the region's trash slot for the others; which ones are inside)."""
         base, size = self.bases[i], self.sizes[i]
         inside = (dest >= base) & (dest < base + size)
-        return torch.where(inside, dest - base, size)
+        return torch.where(inside, dest - base, size), inside
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Each region stores the tokens whose slot it holds; a region none of them lands in is skipped (one check
         instead of quantizing every token into its trash slot: most decode writes touch one region)."""
         for i, store in enumerate(self.stores):
-            local = self._local(i, dest)
-            if bool((local < self.sizes[i]).any()):
+            local, inside = self._local(i, dest)
+            if bool(inside.any()):
                 store.write(local, keys, values)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,14 +58,13 @@ class RegionStore:
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (each in some region)."""
-        batch, heads, dim = self.shape
         out_k = out_v = None
         for i, store in enumerate(self.stores):
-            local = self._local(i, slots)
-            if not bool((local < self.sizes[i]).any()):
+            local, inside = self._local(i, slots)
+            if not bool(inside.any()):
                 continue
-            inside = (local < self.sizes[i])[..., None]
             k, v = store.read_slots(local)  # slots outside the region read this region's trash slot
+            inside = inside[..., None]
             out_k = k if out_k is None else torch.where(inside, k, out_k)
             out_v = v if out_v is None else torch.where(inside, v, out_v)
         return out_k, out_v
