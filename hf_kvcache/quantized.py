@@ -116,26 +116,15 @@ def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool,
                 f"`scales` holds {kind} scales calibrated for format {scales.get('format')!r}, but {kind}s use "
                 f"{spec.format!r}; calibrate with format={spec.format!r}."
             )
-        if kind == "key" and scales.get("key_rotation", "none") != key_rotation:
-            raise ValueError(
-                f"`scales` holds key scales calibrated with key_rotation={scales.get('key_rotation', 'none')!r}, but "
-                f"the cache has key_rotation={key_rotation!r}: the key ranges differ; calibrate with the same setting."
-            )
-        if kind == "key" and bool(scales.get("key_smoothing", False)) != key_smoothing:
-            raise ValueError(
-                f"`scales` holds key scales calibrated with key_smoothing={scales.get('key_smoothing', False)}, but "
-                f"the cache has key_smoothing={key_smoothing}: the key ranges differ; calibrate with the same setting."
-            )
+        if kind == "key":
+            _require_same_setting(scales, "key scales", "key_rotation", key_rotation, "none")
+            _require_same_setting(scales, "key scales", "key_smoothing", key_smoothing, False)
         per_layer = _per_layer(entry, f"scales['{kind}_scale']", layers, kv_heads)
         if spec.granularity == "tensor":
             per_layer = [max(heads) for heads in per_layer]
         out[f"{kind}_scale"] = per_layer
-    if key_smoothing and scales.get("key_mean") is not None and scales.get("key_rotation", "none") != key_rotation:
-        raise ValueError(
-            f"`scales` holds key means calibrated with key_rotation={scales.get('key_rotation', 'none')!r}, but the "
-            f"cache has key_rotation={key_rotation!r}; calibrate with the same setting."
-        )
     if key_smoothing and scales.get("key_mean") is not None:
+        _require_same_setting(scales, "key means", "key_rotation", key_rotation, "none")
         means = scales["key_mean"]
         if not isinstance(means, list) or len(means) != layers:
             raise ValueError(f"scales['key_mean'] must be a list of {layers} per-layer [kv_heads][head_dim] lists.")
@@ -149,6 +138,18 @@ def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool,
             "key means to key_smoothing=True."
         )
     return out
+
+
+def _require_same_setting(scales: dict, what: str, setting: str, value: Any, default: Any) -> None:
+    """Calibrated key statistics only fit a cache that transforms keys the same way (smoothing, rotation)."""
+    recorded = scales.get(setting, default)
+    if type(default) is bool:
+        recorded = bool(recorded)
+    if recorded != value:
+        raise ValueError(
+            f"`scales` holds {what} calibrated with {setting}={recorded!r}, but the cache has {setting}={value!r}: "
+            "the key ranges differ; calibrate with the same setting."
+        )
 
 
 def _per_layer(entry: Any, where: str, layers: int, heads: int) -> list[list[float]]:
