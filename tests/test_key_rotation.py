@@ -11,9 +11,8 @@ from conftest import build_model, random_ids
 from hf_kvcache import QuantizedFP8Cache
 from hf_kvcache.calibration import calibrate, calibrated_scales
 from hf_kvcache.rotation import hadamard_matrix, rotate, rotation_matrix
-from hf_kvcache.stores.fp8 import FP8Codec
 from hf_kvcache.stores.quantization import QuantSpec
-from hf_kvcache.stores.workspace import TransientWorkspace
+from test_quantized_roundtrip import roundtrip
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +47,7 @@ def test_bad_rotation_names_the_parameter(llama):
 
 
 def _fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    codec = FP8Codec(QuantSpec("fp8_e4m3", "token"))
-    codec.allocate(x.shape[0], x.shape[1], x.shape[-1], x.shape[2], torch.float32, "cpu")
-    codec.put(codec.encode(x), 0)
-    out = torch.empty_like(x)
-    codec.decode_into(out, x.shape[2], TransientWorkspace())
-    return out
+    return roundtrip(QuantSpec("fp8_e4m3", "token"), x)[0]
 
 
 def test_rotation_shrinks_the_fp8_logit_error_of_outlier_channels():
