@@ -1,0 +1,529 @@
+"""Support matrix: every architecture of tests/model_zoo.py x every cache name in hf_kvcache.CACHE_IMPLEMENTATIONS.
+
+Each (architecture, cache) cell runs four checks, one test each:
+- `equal` (float32): at a budget that keeps every token, greedy `generate` (batch 2, left padding, 12-token prompt,
+  6 new tokens) gives DynamicCache's tokens with step logits within `LOGIT_ATOL`. Quantized keep-all caches (fp8,
+  kivi) cannot be identical; for them, along DynamicCache's greedy continuation fed back token by token
+  (teacher forcing), the next-token distributions must stay within `KL_MEAN_MAX` (mean KL(dynamic || cache) over
+  the 12 predicted positions) and `KL_MAX` (at each position). Top-1 agreement is reported, not required: these
+  random models have near ties (top-2 probability margins down to 3e-4), so it flips under 4-bit noise.
+- `budget` (float32): at budget 8 with a 16-token prompt (eviction happens), generation runs with finite logits and
+  `cache.nbytes()` is the same after 4 and after 12 new tokens, at least the budget's tokens' worth of keys and
+  values (at the stored precision) and at most `BOUND_FACTOR` times the full-precision bytes of the budget.
+  Keep-all quantized caches instead must grow with the stream and stay below `QUANTIZED_MAX_RATIO` of the
+  full-precision bytes of the same tokens.
+- `bfloat16`, `float16`: smoke run at the small budget on CPU: runs, finite logits. Skipped (reason recorded) when
+  the architecture itself (DynamicCache, same prompt) does not run or gives non-finite logits in that dtype.
+
+A check is "refused" when the cache raises ValueError/NotImplementedError while being built or, from hf_kvcache
+code, during the first forward (before any token is generated); the reason is the message's first line. Anything
+else (another exception, a failed check) is BROKEN and fails the test unless listed in KNOWN_FAILURES with its
+diagnosis (then xfail).
+
+docs/support_matrix.md is generated from these results: the last test renders it and compares (only when the whole
+matrix ran in this session; it skips with the reason otherwise). `HF_KVCACHE_WRITE_MATRIX=1` rewrites the file
+instead (`scripts/support_matrix.py`). Independently of that comparison, every cell check that the committed table
+lists as supported must still pass, so `-k` selections also catch regressions.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import hf_kvcache
+import model_zoo
+
+torch.set_num_threads(1)
+transformers.logging.set_verbosity_error()
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "support_matrix.md"
+WRITE = os.environ.get("HF_KVCACHE_WRITE_MATRIX") == "1"
+LIBRARY_DIR = str(Path(hf_kvcache.__file__).resolve().parent)
+
+ARCHS = list(model_zoo.ZOO)
+CACHES = list(hf_kvcache.CACHE_IMPLEMENTATIONS)
+CHECKS = ("equal", "budget", "bfloat16", "float16")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+EQUAL_ROWS, EQUAL_NEW = (12, 9), 6  # prompt lengths of the two rows (left padded), new tokens
+BUDGET_ROWS, BUDGET = (16, 11), 8
+SHORT_NEW, LONG_NEW = 4, 12
+
+LOGIT_ATOL = 1e-3  # exact caches: step logits vs DynamicCache (float32)
+KL_MEAN_MAX = 0.05  # quantized caches: mean KL(dynamic || cache) over the teacher-forced positions
+KL_MAX = 0.5  # quantized caches: KL at any one of them (a wrong mask or position gives ~1-4 on these models)
+BOUND_FACTOR = 2.0  # evicting caches: nbytes <= BOUND_FACTOR x full-precision bytes of BUDGET tokens
+QUANTIZED_MAX_RATIO = 0.6  # keep-all quantized caches: nbytes <= this x full-precision bytes of the same tokens
+
+
+@dataclass(frozen=True)
+class Spec:
+    full: dict  # a budget that keeps every token of the `equal` check (12 + 6 tokens)
+    small: dict  # BUDGET tokens (keep-all caches: their own config)
+    criterion: str  # "exact" or "kl"
+    memory: str  # "bounded" (evicting) or "grows" (keep-all, quantized)
+    min_bytes_per_value: float  # stored precision of the smallest region at the small budget (bytes per value)
+    label: str  # short description of the two configs for the legend
+
+
+_SINKS_WINDOW = [{"role": "sinks", "tokens": 4}, {"role": "window", "start": 0, "end": 32}]
+SPECS: dict[str, Spec] = {
+    "sink": Spec({"sinks": 4, "window": 60}, {"sinks": 2, "window": 6}, "exact", "bounded", 4,
+                 "sinks 4 + window 60 / 2 + 6"),
+    "sliding": Spec({"window": 64}, {"window": 8}, "exact", "bounded", 4, "window 64 / 8"),
+    "h2o": Spec({"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4,
+                "heavy 32 + recent 32 / 4 + 4"),
+    "random_eviction": Spec({"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4,
+                            "heavy 32 + recent 32 / 4 + 4"),
+    "composite": Spec({"regions": _SINKS_WINDOW + [{"role": "heavy", "tokens": 32}]},
+                      {"preset": "sinks_heavy_recent", "budget": BUDGET}, "exact", "bounded", 1,
+                      "full-precision sinks 4 + window 32 + heavy 32 / preset sinks_heavy_recent, budget 8 "
+                      "(4 full-precision sinks, recent and heavy in FP8)"),
+    "fp8": Spec({}, {}, "kl", "grows", 1, "defaults (E4M3 per token, Hadamard keys)"),
+    "kivi": Spec({"bits": 4, "group_size": 8, "residual": 0}, {"bits": 4, "group_size": 8, "residual": 0}, "kl",
+                 "grows", 0.5, "int4, group 8, residual 0"),
+}
+
+# (arch, cache, check) -> diagnosis, for BROKEN results we know about (fnmatch patterns allowed, e.g. "*").
+# Each entry says where in hf_kvcache the failure comes from; the test xfails on them instead of failing.
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
+
+
+# -- results of this session ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Result:
+    status: str  # "ok", "refused", "broken", "skipped"
+    detail: str = ""
+
+
+RESULTS: dict[tuple[str, str, str], Result] = {}
+ALL_KEYS = [(a, c, k) for a in ARCHS for c in CACHES for k in CHECKS]
+
+
+class Refused(Exception):
+    pass
+
+
+class Broken(Exception):
+    pass
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0].strip() if text else type(error).__name__
+    return line if len(line) <= 220 else line[:217] + "..."
+
+
+def _raised_in_library(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(LIBRARY_DIR)
+
+
+def known_failure(arch: str, cache: str, check: str) -> str | None:
+    for (a, c, k), diagnosis in KNOWN_FAILURES.items():
+        if fnmatch.fnmatchcase(arch, a) and fnmatch.fnmatchcase(cache, c) and fnmatch.fnmatchcase(check, k):
+            return diagnosis
+    return None
+
+
+# -- inputs and references --------------------------------------------------------------------------------------
+def prompt(rows: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded batch of random ids (never pad 0 or bos 1): (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(rows)
+    ids = torch.full((len(rows), width), model_zoo.PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, n in enumerate(rows):
+        ids[i, width - n:] = torch.randint(2, model_zoo.VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask, new, cache=None):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def teacher_forced(model, cache, seq, mask, prompt_len):
+    """Logits [B, n, V] predicting seq[:, prompt_len:], the prompt prefilled then one token per forward."""
+    mask = torch.cat((mask, torch.ones(mask.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)), 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = []
+    with torch.no_grad():
+        logits = model(seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], position_ids=pos[:, :prompt_len],
+                       past_key_values=cache, use_cache=True).logits
+        out.append(logits[:, -1:])
+        for t in range(prompt_len, seq.shape[1] - 1):
+            out.append(model(seq[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                             past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1).float()
+
+
+@dataclass
+class Reference:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    sequences: torch.Tensor
+    logits: torch.Tensor  # [B, new, V] step logits of generate
+    forced: torch.Tensor  # [B, new, V] teacher-forced logits along `sequences`
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str) -> Reference:
+    """DynamicCache results on the `equal` prompt (float32), on a model that never sees our caches."""
+    model = model_zoo.build(arch)
+    ids, mask = prompt(EQUAL_ROWS, seed=1)
+    out = generate(model, ids, mask, EQUAL_NEW)
+    forced = teacher_forced(model, DynamicCache(config=model.config), out.sequences, mask, ids.shape[1])
+    return Reference(ids, mask, out.sequences, torch.stack(out.logits, 1).float(), forced)
+
+
+@functools.lru_cache(maxsize=None)
+def bytes_per_token(arch: str) -> int:
+    """Full-precision (float32) key + value bytes of one token of the batch, all layers: read from the tensors a
+    DynamicCache holds after a forward (so MLA's different key and value head sizes count as they are)."""
+    model = model_zoo.build(arch)
+    ids, mask = prompt(BUDGET_ROWS, seed=2)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    total = 0
+    for layer in cache.layers:
+        (b, hk, _, dk), (_, hv, _, dv) = layer.keys.shape, layer.values.shape
+        total += b * (hk * dk + hv * dv) * 4
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_unsupported(arch: str, dtype_name: str) -> str | None:
+    """Why the architecture itself (DynamicCache) cannot run the smoke prompt in this dtype on CPU, or None."""
+    try:
+        model = model_zoo.build(arch, dtype=DTYPES[dtype_name])
+        ids, mask = prompt(BUDGET_ROWS, seed=2)
+        out = generate(model, ids, mask, SHORT_NEW)
+    except Exception as error:  # noqa: BLE001 - any failure of the architecture itself
+        return f"DynamicCache raises {type(error).__name__}: {first_line(error)}"
+    if not torch.stack(out.logits).isfinite().all():
+        return "DynamicCache gives non-finite logits"
+    return None
+
+
+# -- the checks -------------------------------------------------------------------------------------------------
+def build_cache(model, name: str, config: dict):
+    try:
+        return hf_kvcache.build_cache(name, model, copy.deepcopy(config))
+    except (ValueError, NotImplementedError) as error:
+        raise Refused(first_line(error)) from error
+    except Exception as error:  # noqa: BLE001
+        raise Broken(f"building the cache: {type(error).__name__}: {first_line(error)}") from error
+
+
+def run(model, fn):
+    """Run `fn` (model forwards through the cache); classify its exceptions."""
+    forwards = [0]
+    handle = model.register_forward_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        return fn()
+    except (ValueError, NotImplementedError) as error:
+        if forwards[0] == 0 and _raised_in_library(error):
+            raise Refused(first_line(error)) from error
+        raise Broken(f"{type(error).__name__}: {first_line(error)}") from error
+    except (Refused, Broken):
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise Broken(f"{type(error).__name__}: {first_line(error)}") from error
+    finally:
+        handle.remove()
+
+
+def check_finite(out, what: str) -> None:
+    logits = torch.stack(out.logits)
+    if not logits.isfinite().all():
+        raise Broken(f"{what}: non-finite logits")
+
+
+def check_equal(arch: str, name: str) -> str:
+    spec, ref = SPECS[name], reference(arch)
+    model = model_zoo.build(arch)
+    cache = build_cache(model, name, spec.full)
+    out = run(model, lambda: generate(model, ref.ids, ref.mask, EQUAL_NEW, cache))
+    check_finite(out, "generate")
+    got = out.sequences[:, ref.ids.shape[1]:]
+    want = ref.sequences[:, ref.ids.shape[1]:]
+    if spec.criterion == "exact":
+        if not torch.equal(got, want):
+            row, step = (got != want).nonzero()[0].tolist()
+            raise Broken(f"tokens differ from DynamicCache: row {row}, new token {step}: "
+                         f"{got[row, step].item()} vs {want[row, step].item()}")
+        diff = (torch.stack(out.logits, 1).float() - ref.logits).abs().max().item()
+        if diff > LOGIT_ATOL:
+            raise Broken(f"same tokens but step logits differ from DynamicCache by {diff:.2e} > {LOGIT_ATOL}")
+        return f"same tokens, max |logit diff| {diff:.1e}"
+    forced_cache = build_cache(model, name, spec.full)
+    forced = run(model, lambda: teacher_forced(model, forced_cache, ref.sequences, ref.mask, ref.ids.shape[1]))
+    if not forced.isfinite().all():
+        raise Broken("teacher-forced logits not finite")
+    logp_ref, logp = ref.forced.log_softmax(-1), forced.log_softmax(-1)
+    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1)
+    top1 = (ref.forced.argmax(-1) == forced.argmax(-1)).float().mean().item()
+    detail = f"mean KL {kl.mean().item():.1e}, max {kl.max().item():.1e}, top-1 agreement {top1:.2f}"
+    if kl.mean().item() > KL_MEAN_MAX or kl.max().item() > KL_MAX:
+        raise Broken(f"teacher-forced {detail} (bounds: mean KL <= {KL_MEAN_MAX}, max KL <= {KL_MAX})")
+    return detail
+
+
+def check_budget(arch: str, name: str) -> str:
+    spec = SPECS[name]
+    model = model_zoo.build(arch)
+    ids, mask = prompt(BUDGET_ROWS, seed=2)
+    sizes = {}
+    for new in (SHORT_NEW, LONG_NEW):
+        cache = build_cache(model, name, spec.small)
+        out = run(model, lambda: generate(model, ids, mask, new, cache))
+        check_finite(out, f"{new} new tokens")
+        if out.sequences.shape != (2, ids.shape[1] + new):
+            raise Broken(f"generate returned shape {tuple(out.sequences.shape)}")
+        sizes[new] = cache.nbytes()
+    short, long = sizes[SHORT_NEW], sizes[LONG_NEW]
+    per_token = bytes_per_token(arch)
+    if spec.memory == "bounded":
+        low = BUDGET * per_token * spec.min_bytes_per_value / 4
+        high = BOUND_FACTOR * BUDGET * per_token
+        if short != long:
+            raise Broken(f"nbytes grows with the stream: {short} after {SHORT_NEW} new tokens, {long} after {LONG_NEW}")
+        if not low <= long <= high:
+            raise Broken(f"nbytes {long} outside [{low:.0f}, {high:.0f}] implied by budget {BUDGET}")
+        return f"nbytes {long} = {long / (BUDGET * per_token):.2f} x full-precision budget"
+    tokens = ids.shape[1] + LONG_NEW - 1  # the last generated token is never fed back
+    full = tokens * per_token
+    if not short < long <= QUANTIZED_MAX_RATIO * full:
+        raise Broken(f"nbytes {short} -> {long} (keep-all: must grow and stay <= {QUANTIZED_MAX_RATIO} x {full})")
+    return f"nbytes {long} = {long / full:.2f} x full precision"
+
+
+def check_dtype(arch: str, name: str, dtype_name: str) -> str:
+    reason = dtype_unsupported(arch, dtype_name)
+    if reason is not None:
+        raise _Skip(reason)
+    model = model_zoo.build(arch, dtype=DTYPES[dtype_name])
+    ids, mask = prompt(BUDGET_ROWS, seed=2)
+    cache = build_cache(model, name, SPECS[name].small)
+    out = run(model, lambda: generate(model, ids, mask, SHORT_NEW, cache))
+    check_finite(out, dtype_name)
+    return "finite"
+
+
+class _Skip(Exception):
+    pass
+
+
+def evaluate(arch: str, name: str, check: str) -> Result:
+    try:
+        if check == "equal":
+            detail = check_equal(arch, name)
+        elif check == "budget":
+            detail = check_budget(arch, name)
+        else:
+            detail = check_dtype(arch, name, check)
+    except Refused as error:
+        return Result("refused", str(error))
+    except Broken as error:
+        return Result("broken", str(error))
+    except _Skip as error:
+        return Result("skipped", str(error))
+    return Result("ok", detail)
+
+
+# -- the committed table ----------------------------------------------------------------------------------------
+ABBREV = {"equal": "equal", "budget": "budget", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def render_cell(results: list[Result]) -> tuple[str, str | None]:
+    """Cell text (without its note number) and the note, from the results of one cell's checks (CHECKS order)."""
+    named = list(zip(CHECKS, results))
+    broken = [(c, r) for c, r in named if r.status == "broken"]
+    if broken:
+        return "BROKEN", "BROKEN: " + "; ".join(f"{ABBREV[c]}: {r.detail}" for c, r in broken)
+    refused = [(c, r) for c, r in named if r.status == "refused"]
+    ok = [c for c, r in named if r.status == "ok"]
+    if not refused:
+        return "yes", None
+    reasons = list(dict.fromkeys(r.detail for _, r in refused))
+    note = "refused: " + " / ".join(reasons)
+    if not ok:
+        return "refused", note
+    return f"yes ({', '.join(ABBREV[c] for c in ok)}), refused ({', '.join(ABBREV[c] for c, _ in refused)})", note
+
+
+def parse_cell(text: str) -> set[str]:
+    """The checks a committed cell claims to pass."""
+    text = re.sub(r"\s*\[\d+\]\s*$", "", text.strip())
+    if text == "yes":
+        return set(CHECKS)
+    match = re.match(r"yes \(([^)]*)\)", text)
+    if match:
+        full = {v: k for k, v in ABBREV.items()}
+        return {full[a.strip()] for a in match.group(1).split(",")}
+    return set()
+
+
+def committed_cells() -> dict[tuple[str, str], set[str]]:
+    """(arch, cache) -> checks the committed docs/support_matrix.md lists as working."""
+    if not DOC.exists():
+        return {}
+    header, cells = None, {}
+    for line in DOC.read_text().splitlines():
+        if not line.startswith("|"):
+            continue
+        parts = [p.strip() for p in line.strip().strip("|").split("|")]
+        if header is None and parts and parts[0].startswith("architecture"):
+            header = [re.sub(r"[`\s]", "", p) for p in parts[1:]]
+            continue
+        match = re.match(r"`([a-z0-9_]+)`", parts[0])
+        if header and match:
+            for cache, text in zip(header, parts[1:]):
+                cells[(match.group(1), cache)] = parse_cell(text)
+    return cells
+
+
+def _legend_value(value) -> str:
+    return json.dumps(value, separators=(", ", ": ")) if value else "defaults"
+
+
+def render_table(results: dict[tuple[str, str, str], Result]) -> str:
+    notes: list[str] = []
+
+    def note_number(text: str) -> int:
+        if text not in notes:
+            notes.append(text)
+        return notes.index(text) + 1
+
+    header = "| architecture: features (attention) | " + " | ".join(f"`{c}`" for c in CACHES) + " |"
+    rows = [header, "|" + "---|" * (len(CACHES) + 1)]
+    for arch in ARCHS:
+        model = model_zoo.build(arch)
+        skips = sorted({(k, r.detail) for (a, c, k), r in results.items() if a == arch and r.status == "skipped"})
+        label = f"`{arch}`: {', '.join(model_zoo.features(model)) or 'plain'} ({model.config._attn_implementation})"
+        for check, reason in dict(skips).items():
+            label += f"; {ABBREV[check]} not run [{note_number(f'{ABBREV[check]} not run: {reason}')}]"
+        cells = []
+        for cache in CACHES:
+            text, note = render_cell([results[(arch, cache, k)] for k in CHECKS])
+            cells.append(text if note is None else f"{text} [{note_number(note)}]")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    configs = "; ".join(f"`{c}` {SPECS[c].label}" for c in CACHES)
+    lines = [
+        "# Support matrix",
+        "",
+        f"Generated by `scripts/support_matrix.py` from `tests/test_support_matrix.py` (hf_kvcache "
+        f"{hf_kvcache.__version__}, transformers {transformers.__version__}, torch {torch.__version__}); do not edit "
+        "by hand. Tiny random models of `tests/model_zoo.py` (2 layers, hidden 64, vocab 128), CPU.",
+        "",
+        f"- **yes**: every check passes. float32, budget keeping every token: greedy `generate` (batch 2, left "
+        f"padding, {max(EQUAL_ROWS)}-token prompt, {EQUAL_NEW} new tokens) gives DynamicCache's tokens, step logits "
+        f"within {LOGIT_ATOL:g}; for `fp8` and `kivi` (quantized, never identical): along DynamicCache's greedy "
+        f"continuation fed back token by token, KL(DynamicCache || cache) of the next-token distributions <= "
+        f"{KL_MEAN_MAX:g} on average and <= {KL_MAX:g} at every position (top-1 agreement is not required: random "
+        f"tiny models have near ties). float32, budget {BUDGET} with a {max(BUDGET_ROWS)}-token prompt: generation "
+        f"runs, logits finite, `nbytes()` equal after {SHORT_NEW} and {LONG_NEW} new tokens and within [budget at "
+        f"stored precision, {BOUND_FACTOR:g} x budget at full precision] (`fp8`/`kivi` keep every token: `nbytes()` "
+        f"grows and stays <= {QUANTIZED_MAX_RATIO:g} x full precision). bfloat16 and float16 at the small budget: "
+        "runs, logits finite.",
+        "- **refused [n]**: the cache raises ValueError/NotImplementedError before generating a token; note n is "
+        "the message's first line. `yes (...), refused (...)` lists which checks pass and which are refused.",
+        "- **BROKEN [n]**: another exception or a failed check (note n); a known failure, documented in "
+        "`KNOWN_FAILURES` of the test.",
+        f"- Configs (keep-every-token / small budget): {configs}.",
+        "",
+        *rows,
+        "",
+        *(f"{i}. {text}" for i, text in enumerate(notes, 1)),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# -- tests --------------------------------------------------------------------------------------------------------
+def test_every_cache_name_has_a_spec():
+    assert set(SPECS) == set(hf_kvcache.CACHE_IMPLEMENTATIONS), "add a Spec for every registered cache name"
+
+
+def test_model_zoo_covers_enough_architectures():
+    assert len(ARCHS) >= 15
+    for arch in ("gemma2", "gemma3", "gpt_oss", "cohere2", "mistral", "ministral", "olmo3"):
+        model = model_zoo.build(arch)
+        assert any("slid" in f for f in model_zoo.features(model)), f"{arch}: sliding layers not on"
+    for arch in ("deepseek_v3", "minicpm3"):  # the MLA claim of features(): what the cache really receives
+        model = model_zoo.build(arch)
+        assert any(f.startswith("MLA") for f in model_zoo.features(model))
+        cache = DynamicCache(config=model.config)
+        ids, mask = prompt(BUDGET_ROWS, seed=2)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        keys, values = cache.layers[0].keys, cache.layers[0].values
+        assert keys.shape[1] == values.shape[1] == 1
+        assert (keys.shape[-1], values.shape[-1]) == (model.config.kv_lora_rank, model.config.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("cache_name", CACHES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cell(arch, cache_name, check):
+    result = evaluate(arch, cache_name, check)
+    RESULTS[(arch, cache_name, check)] = result
+    if result.status == "broken":
+        diagnosis = known_failure(arch, cache_name, check)
+        if diagnosis is None:
+            pytest.fail(f"BROKEN (not in KNOWN_FAILURES): {result.detail}")
+        pytest.xfail(f"known failure: {diagnosis} | observed: {result.detail}")
+    if not WRITE and check in committed_cells().get((arch, cache_name), set()) and result.status != "ok":
+        if result.status != "skipped":
+            pytest.fail(f"docs/support_matrix.md lists this check as working; now {result.status}: {result.detail}")
+    if result.status == "skipped":
+        pytest.skip(result.detail)
+
+
+def _whole_matrix_or_skip():
+    missing = [k for k in ALL_KEYS if k not in RESULTS]
+    if missing:
+        pytest.skip(f"only {len(ALL_KEYS) - len(missing)} of {len(ALL_KEYS)} matrix checks ran in this session "
+                    f"(-k selection or test order); the comparison needs them all")
+
+
+def test_known_failures_are_current():
+    _whole_matrix_or_skip()
+    stale = [key for key in KNOWN_FAILURES
+             if not any(r.status == "broken" and fnmatch.fnmatchcase(a, key[0]) and fnmatch.fnmatchcase(c, key[1])
+                        and fnmatch.fnmatchcase(k, key[2]) for (a, c, k), r in RESULTS.items())]
+    assert not stale, f"KNOWN_FAILURES entries that no longer fail (remove them, regenerate the table): {stale}"
+
+
+def test_docs_table_is_current():
+    """Last: renders the table from this session's results; compares with (or, with HF_KVCACHE_WRITE_MATRIX=1,
+    writes) docs/support_matrix.md."""
+    _whole_matrix_or_skip()
+    text = render_table(RESULTS)
+    if WRITE:
+        DOC.parent.mkdir(parents=True, exist_ok=True)
+        DOC.write_text(text)
+        return
+    assert DOC.exists(), "docs/support_matrix.md missing: run scripts/support_matrix.py"
+    assert DOC.read_text() == text, (
+        "docs/support_matrix.md is stale (results changed): run `python scripts/support_matrix.py` and commit it"
+    )
