@@ -1,0 +1,257 @@
+"""Our caches under transformers' own tensor parallelism, and layers whose keys live on another device.
+
+Tensor parallelism: the test saves a tiny random Llama (8 query heads, 4 KV heads, head_dim 16, 2 layers), starts
+`python -m torch.distributed.run --nproc-per-node 2` on loopback (free port chosen at run time, gloo on CPU) with
+tests/distributed_worker.py, which loads it with `DistributedConfig(tp_plan="auto")` (the model's own
+`base_model_tp_plan`: q/k/v colwise, o rowwise, so each rank computes 4 query heads and 2 KV heads) and runs every
+case through greedy `generate`, and compares each rank's report with the same cases run here in one process:
+- the generated tokens of both ranks equal the single-process run, and the per-step logits agree to float32
+  reassociation noise (the row-wise all-reduce sums in another order: ~5e-6 measured);
+- each layer of each rank's cache holds only the rank's KV heads: `layer.heads` and dim 1 of every per-row tensor of
+  its store is KV/world; its policy's tensors have the rank's heads or 1 (state shared by all heads);
+- `cache.nbytes()` per rank is 1/world of the single-process cache, up to what is not per head (slot positions of
+  head-shared policies, the shared key rotation matrix, scalar scales): within 10% of the single-process bytes.
+Budgets of 12 tokens for a 24-token prompt (eviction happens before the first decode step) and of 64 (nothing is
+evicted). Cases that fail because of a library bug are strict xfails naming the bug (see docs/distributed.md).
+
+Layers on other devices (`device_map` splits): only the CPU exists here, so the meta device stands in for "another
+device": one forward announced on the CPU, layer 0 receiving CPU keys and layer 1 meta keys; each layer must
+allocate its cache on the device of its keys. Only caches whose update path has no host synchronisation can run on
+meta (`.item()` / `bool(tensor)` are fine on a GPU but impossible on meta): sink, sliding, h2o.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import distributed_worker as worker
+from conftest import build_config, build_model
+from hf_kvcache import build_cache
+from hf_kvcache.calibration import calibrate
+
+WORLD = 2
+HEADS, KV_HEADS, HEAD_DIM = 8, 4, 16
+EVICT, KEEP = 12, 64  # budgets: below the 24-token prompt, above prompt + new tokens
+LOGIT_TOLERANCE = 1e-4  # float32 reassociation of the all-reduce measured at <= 5.2e-6
+NON_HEAD_SHARE = 0.10  # bytes not per head, as a share of the single-process cache (measured <= 7.1%)
+TIMEOUT = 300
+
+CASES = [
+    {"id": "dynamic", "cache": "dynamic"},  # transformers' own cache: the baseline of what TP gives every cache
+    {"id": "sink", "cache": "sink", "config": {"sinks": 2, "budget": EVICT}},
+    {"id": "sink_keep", "cache": "sink", "config": {"sinks": 2, "budget": KEEP}},
+    {"id": "sink_padded", "cache": "sink", "config": {"sinks": 2, "budget": EVICT}, "padded": True},
+    {"id": "sink_original", "cache": "sink", "config": {"sinks": 2, "budget": EVICT, "position_mode": "original"}},
+    {"id": "sliding", "cache": "sliding", "config": {"window": EVICT}},
+    {"id": "sliding_keep", "cache": "sliding", "config": {"window": KEEP}},
+    {"id": "h2o", "cache": "h2o", "config": {"budget": EVICT}},
+    {"id": "h2o_keep", "cache": "h2o", "config": {"budget": KEEP}},
+    {"id": "h2o_mean", "cache": "h2o", "config": {"budget": EVICT, "aggregation": "mean"}},
+    {"id": "h2o_max", "cache": "h2o", "config": {"budget": EVICT, "aggregation": "max"}},
+    {"id": "h2o_compact", "cache": "h2o", "config": {"budget": EVICT, "position_mode": "compact"}},
+    {"id": "h2o_padded", "cache": "h2o", "config": {"budget": EVICT}, "padded": True},
+    {"id": "composite", "cache": "composite", "config": {"preset": "sinks_heavy_recent", "budget": EVICT}},
+    {"id": "composite_keep", "cache": "composite", "config": {"preset": "sinks_heavy_recent", "budget": KEEP}},
+    {"id": "composite_original_sinks", "cache": "composite",
+     "config": {"preset": "sinks_heavy_recent", "budget": EVICT, "sink_positions": "original"}},
+    {"id": "composite_sinks_windows", "cache": "composite", "config": {"regions": [
+        {"role": "sinks", "tokens": 2},
+        {"role": "window", "start": 0, "end": 4},
+        {"role": "window", "start": 4, "end": 10, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+    ]}},
+    {"id": "random_eviction", "cache": "random_eviction", "config": {"budget": EVICT}},
+    {"id": "random_eviction_keep", "cache": "random_eviction", "config": {"budget": KEEP}},
+    {"id": "fp8", "cache": "fp8", "config": {}},
+    {"id": "fp8_head", "cache": "fp8", "config": {"granularity": "head"}},
+    {"id": "fp8_tensor", "cache": "fp8", "config": {"granularity": "tensor"}},
+    {"id": "fp8_calibrated", "cache": "fp8", "config": {"granularity": "head", "scales": "CALIBRATED"}},
+    {"id": "fp8_smoothing_residual", "cache": "fp8", "config": {"key_smoothing": True, "residual": 8}},
+    {"id": "kivi", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8}},
+    {"id": "kivi_hqq", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8, "backend": "hqq"}},
+]
+CASE_IDS = [case["id"] for case in CASES]
+
+# Library bugs (hf_kvcache) that make a case differ from the single-process run; each names the fix needed.
+COMPOSITE_SINKS = (
+    "SinkMemory.reposition (policies/sinks.py) moves every head's sinks before the oldest kept token of KV head 0 "
+    "(slot_valid[:, 0], slot_pos[:, 0]); with per-head heavy hitters each head keeps different tokens, and under TP "
+    "a rank's head 0 is another global head. Fix: reposition per (row, head)."
+)
+RANDOM_DRAWS = (
+    "RandomEvictionPolicy draws its random keys with shape [B, local heads, q] from one generator seeded alike on "
+    "every rank, so rank r's heads get global head 0..H/world-1's draws. Fix: draw for the global heads and keep the "
+    "rank's slice (or seed per global head)."
+)
+TENSOR_SCALE = (
+    "granularity='tensor' without calibration takes the prompt's max |x| over the rank's heads only: each rank gets "
+    "its own scale. Fix: all-reduce (MAX) the prompt scale over the TP group (or document it as per shard)."
+)
+CALIBRATED_SCALES = (
+    "Per-head calibrated scales (4 heads) are handed whole to a store that holds the rank's 2 heads: 'ValueError: 4 "
+    "static head scales for a layer with 2 KV heads'. Fix: slice calibrated per-head scales and key means to the "
+    "rank's heads (head offset = tp rank x local heads) at lazy initialisation."
+)
+HQQ_GLOBAL_STOP = (
+    "not an hf_kvcache bug: hqq's zero-point optimizer (hqq/core/optimize.py) stops on the mean error over all the "
+    "groups quantized together, so a rank (2 heads) stops at another iteration than one process (4 heads); tokens "
+    "still agree, logits differ by ~5e-2."
+)
+XFAIL = {  # test kind -> {case id: reason}
+    "tokens": {"composite": COMPOSITE_SINKS, "random_eviction": RANDOM_DRAWS, "fp8_tensor": TENSOR_SCALE,
+               "fp8_calibrated": CALIBRATED_SCALES},
+    "logits": {"composite": COMPOSITE_SINKS, "random_eviction": RANDOM_DRAWS, "fp8_tensor": TENSOR_SCALE,
+               "fp8_calibrated": CALIBRATED_SCALES, "kivi_hqq": HQQ_GLOBAL_STOP},
+    "heads": {"fp8_calibrated": CALIBRATED_SCALES},
+    "nbytes": {"fp8_calibrated": CALIBRATED_SCALES},
+}
+
+
+def cases_for(kind: str):
+    return [
+        pytest.param(cid, marks=pytest.mark.xfail(strict=True, reason=XFAIL[kind][cid])) if cid in XFAIL[kind] else cid
+        for cid in CASE_IDS
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(model_dir, cases_path, out_dir) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on loopback
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={WORLD}",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+        os.path.join(os.path.dirname(__file__), "distributed_worker.py"), str(model_dir), str(cases_path), str(out_dir),
+    ]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"torchrun did not finish in {TIMEOUT} s; stderr tail:\n{(error.stderr or '')[-3000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n{done.stderr[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"single": results, "ranks": [report of rank 0, rank 1]} for every case."""
+    root = tmp_path_factory.mktemp("tp")
+    model = build_model("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    model.save_pretrained(root / "model")
+    calibration_ids = torch.randint(2, worker.VOCAB, (2, 48), generator=torch.Generator().manual_seed(5))
+    scales = calibrate(model, input_ids=calibration_ids, window=48)
+    cases = [
+        {**case, "config": {**case["config"], "scales": scales}} if case.get("config", {}).get("scales") else case
+        for case in CASES
+    ]
+    (root / "cases.json").write_text(json.dumps(cases))
+    (root / "out").mkdir()
+    run_torchrun(root / "model", root / "cases.json", root / "out")
+    reference = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    single = worker.run_cases(reference, cases)
+    ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {"single": single, "ranks": ranks}
+
+
+def results(runs, cid: str) -> tuple[dict, list[dict]]:
+    single = runs["single"][cid]
+    assert "error" not in single, f"single-process run of {cid} failed: {single.get('traceback')}"
+    ranks = [report["cases"][cid] for report in runs["ranks"]]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank}, case {cid}: {result['error']}\n{result.get('traceback')}"
+    return single, ranks
+
+
+def test_transformers_sharded_the_model(runs):
+    for rank, report in enumerate(runs["ranks"]):
+        assert report["rank"] == rank and report["world"] == WORLD and report["tp_size"] == WORLD
+        assert report["k_proj_is_dtensor"]
+        assert report["k_proj_local_rows"] == KV_HEADS // WORLD * HEAD_DIM
+
+
+@pytest.mark.parametrize("cid", cases_for("tokens"))
+def test_tokens_equal_single_process(runs, cid):
+    single, ranks = results(runs, cid)
+    for rank, result in enumerate(ranks):
+        assert result["tokens"] == single["tokens"], f"rank {rank} generated other tokens than one process"
+
+
+@pytest.mark.parametrize("cid", cases_for("logits"))
+def test_logits_match_single_process(runs, cid):
+    single, ranks = results(runs, cid)
+    expected = torch.tensor(single["logits"])
+    for rank, result in enumerate(ranks):
+        got = torch.tensor(result["logits"])
+        assert got.shape == expected.shape
+        diff = (got - expected).abs().max().item()
+        assert diff <= LOGIT_TOLERANCE, f"rank {rank}: logits differ from one process by {diff:.3g}"
+
+
+@pytest.mark.parametrize("cid", cases_for("heads"))
+def test_each_rank_holds_only_its_heads(runs, cid):
+    single, ranks = results(runs, cid)
+    local = KV_HEADS // WORLD
+    assert single["heads"] == [KV_HEADS, KV_HEADS]  # the check below is live: one process holds every head
+    assert all(dims == [KV_HEADS] for dims in single["store_heads"])
+    for rank, result in enumerate(ranks):
+        assert result["heads"] == [local, local], f"rank {rank}"
+        assert all(dims == [local] for dims in result["store_heads"]), f"rank {rank}: {result['store_heads']}"
+        assert all(set(dims) <= {1, local} for dims in result["policy_heads"]), f"rank {rank}: {result['policy_heads']}"
+
+
+@pytest.mark.parametrize("cid", cases_for("nbytes"))
+def test_bytes_per_rank_are_a_shard(runs, cid):
+    single, ranks = results(runs, cid)
+    assert ranks[0]["nbytes"] == ranks[1]["nbytes"]
+    non_head = WORLD * ranks[0]["nbytes"] - single["nbytes"]  # bytes each rank holds whole, times (world - 1)
+    assert 0 <= non_head <= NON_HEAD_SHARE * single["nbytes"], (
+        f"per rank {ranks[0]['nbytes']} B vs one process {single['nbytes']} B "
+        f"(ratio {ranks[0]['nbytes'] / single['nbytes']:.4f}, expected ~{1 / WORLD})"
+    )
+
+
+# -- layers whose keys arrive on another device than the forward's input (device_map splits) ----------------------
+ON_ANOTHER_DEVICE = (
+    "ForwardInfo (caches.py) holds the new tokens' padding mask and positions on the device of input_ids; a layer "
+    "whose keys are on another device (device_map split over GPUs) mixes them with its own tensors (torch.cat in "
+    "CompressedLayer.update, scatter of positions). Fix: hand each layer `real`/`positions` moved to its keys' "
+    "device (cached per device and forward), and in the bridge take the query weight from the query's device."
+)
+DEVICE_CASES = [("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT})]
+
+
+def layer_tensor_devices(layer) -> set[str]:
+    tensors = list(worker._tensors(layer.store)) + list(worker._tensors(layer.policy))
+    tensors += [t for t in (layer.slot_valid, layer.slot_pos) if t is not None]
+    return {t.device.type for t in tensors}
+
+
+@pytest.mark.xfail(strict=True, reason=ON_ANOTHER_DEVICE)
+@pytest.mark.parametrize("name,config", DEVICE_CASES, ids=[name for name, _ in DEVICE_CASES])
+def test_layer_allocates_on_the_device_of_its_keys(name, config):
+    cache = build_cache(name, build_config("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                           head_dim=HEAD_DIM), config)
+    batch, devices = 2, ("cpu", "meta")
+    for q in (worker.PROMPT, 1, 1):  # prefill (evicts: 24 > 12), then two decode steps
+        cache.begin_forward(q, batch, torch.device("cpu"))
+        for layer, device in zip(cache.layers, devices):
+            keys = torch.randn(batch, KV_HEADS, q, HEAD_DIM).to(device)
+            out_keys, _ = layer.update(keys, torch.randn_like(keys))
+            if layer.policy.needs_attention:  # what the attention bridge does for H2O: scores of this forward
+                layer.policy.observe(layer, torch.rand(batch, HEADS, out_keys.shape[2], device=device))
+            assert out_keys.device.type == device
+    for layer, device in zip(cache.layers, devices):
+        assert layer_tensor_devices(layer) == {device}, f"layer {layer.layer_idx}"
+    assert cache.get_seq_length() == worker.PROMPT + 2
