@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from .layer import CompressedLayer
 from .rotation import rotate
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,15 @@ def attention_column_scores(
     scaling: float,
     query_weight: torch.Tensor,
     chunk: int = 256,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probability received by each key column, summed over the (weighted) queries: [B, Hq, kv] float32.
 
     Computed in float32, `chunk` queries at a time so prefill memory stays bounded. `mask` is a boolean (True =
-    attend) or additive mask broadcastable to [B, Hq, q, kv]; None means causal with the queries last."""
+    attend) or additive mask broadcastable to [B, Hq, q, kv]; None means causal with the queries last. As the
+    model's own attention does: `softcap` squashes logits (Gemma 2: softcap * tanh(logits / softcap)); `sinks`
+    [Hq] are extra logits in each softmax denominator that no key receives (GPT-OSS)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
@@ -81,6 +86,8 @@ def attention_column_scores(
         end = min(q_len, start + chunk)
         q = query[:, :, start:end].float().view(batch, kv_heads, groups, end - start, dim)
         logits = (q @ keys).view(batch, q_heads, end - start, kv) * scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         if mask is None:
             rows = torch.arange(start, end, device=query.device)[:, None] + (kv - q_len)
             logits = logits.masked_fill(torch.arange(kv, device=query.device) > rows, float("-inf"))
@@ -90,7 +97,12 @@ def attention_column_scores(
                 logits = logits.masked_fill(~m, float("-inf"))
             else:
                 logits = logits + m.float()
-        probs = torch.softmax(logits, dim=-1) * query_weight[:, None, start:end, None]
+        if sinks is not None:
+            sink = sinks.float().view(1, q_heads, 1, 1).expand(batch, q_heads, end - start, 1)
+            probs = torch.softmax(torch.cat((logits, sink), -1), dim=-1)[..., :kv]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        probs = probs * query_weight[:, None, start:end, None]
         total += probs.sum(2)
     return total
 
@@ -114,8 +126,8 @@ def _make_bridge(name: str):
     def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
         inner = sdpa_attention_forward if sdpa else _eager_for(module)
         cache = active_cache()
-        if cache is not None:
-            layer = cache.layers[module.layer_idx]
+        layer = None if cache is None else cache.layers[module.layer_idx]
+        if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
                 query = rotate(query, layer.key_rotation)
             spec = layer.attention_validity()
@@ -129,7 +141,9 @@ def _make_bridge(name: str):
             if layer.policy.needs_attention:
                 weight = layer.forward_info.real.to(torch.float32)
                 scores = attention_column_scores(
-                    query, key, attention_mask, kwargs.get("scaling", module.scaling), weight
+                    query, key, attention_mask, kwargs.get("scaling", module.scaling), weight,
+                    softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
+                    sinks=getattr(module, "sinks", None),
                 )
                 layer.policy.observe(layer, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)

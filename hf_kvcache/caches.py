@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache
 
+from .architecture import COMPRESSED_TYPE, check_supported_config, layer_plan
 from .config import check_keys, require_choice, require_int
 from .layer import CompressedLayer
 from .policies import KeepAllPolicy, SinkWindowPolicy
@@ -17,6 +19,7 @@ from .rope import KeyRotator
 from .stores import FullPrecisionStore
 
 POSITION_MODES = ("cache", "original")
+logger = logging.getLogger(__name__)
 
 
 class ForwardInfo:
@@ -72,36 +75,94 @@ class ForwardInfo:
         self.has_padding = False
 
 
-def check_supported_config(config) -> None:
-    """Our caches replace full-attention KV caches of decoder-only models; anything else gets a clear error."""
-    if getattr(config, "is_encoder_decoder", False):
+LAYER_CHOICES = ("keep", "default")
+
+
+def _layer_specs(layers, layer_types: list[str]) -> list:
+    """Per-layer settings from a cache's `layers` argument: None (the cache's own settings), "keep" (every token in
+    full precision on a full-attention layer; the model's window on a sliding layer), or a dict of settings for that
+    layer (merged over the cache's own; `{"cache": NAME, ...}` switches to another registered cache). `layers` is a
+    dict keyed by layer type ("full_attention", "sliding_attention", ...) and/or layer index, or a list with one
+    entry per layer. Index entries win over type entries."""
+    n = len(layer_types)
+    specs: list = [None] * n
+    if layers is None:
+        return specs
+    if isinstance(layers, (list, tuple)):
+        if len(layers) != n:
+            raise ValueError(f"`layers` as a list needs one entry per decoder layer ({n}), got {len(layers)}.")
+        entries = [(i, i, value) for i, value in enumerate(layers)]
+    elif isinstance(layers, dict):
+        by_type, by_index = [], []
+        for key, value in layers.items():
+            if isinstance(key, str) and not key.lstrip("-").isdigit():
+                if key not in layer_types:
+                    raise ValueError(
+                        f"`layers` key {key!r} is not a layer type of this model; its layer types are "
+                        f"{sorted(set(layer_types))} (or give layer indices 0..{n - 1})."
+                    )
+                by_type += [(key, i, value) for i, t in enumerate(layer_types) if t == key]
+            else:
+                index = int(key)
+                if not 0 <= index < n:
+                    raise ValueError(f"`layers` key {key!r}: layer index must be in 0..{n - 1}.")
+                by_index.append((key, index, value))
+        entries = by_type + by_index
+    else:
         raise ValueError(
-            f"{type(config).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models "
-            "with full attention (Llama, Qwen2/3, Mistral, Phi-3 and similar)."
+            f"`layers` must be a dict (by layer type or index) or a list (one entry per layer), got "
+            f"{type(layers).__name__}."
         )
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"{type(config).__name__} has layer types {sorted(set(layer_types))}; hf_kvcache supports models whose "
-            "layers all use full attention."
-        )
-    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise ValueError(
-            f"{type(config).__name__} uses sliding-window attention (sliding_window={config.sliding_window}); "
-            "hf_kvcache supports full-attention models (set `sliding_window=None` for Mistral-style models)."
-        )
-    for name in ("num_hidden_layers", "num_attention_heads"):
-        if not hasattr(config, name):
-            raise ValueError(f"{type(config).__name__} has no `{name}`; not a decoder-only transformer config.")
+    for key, index, value in entries:
+        where = f"layers[{key!r}]"
+        if value is None or value == "default":
+            specs[index] = None
+        elif value == "keep":
+            specs[index] = "keep"
+        elif isinstance(value, dict):
+            if layer_types[index] != COMPRESSED_TYPE:
+                raise ValueError(
+                    f"{where}: layer {index} is a {layer_types[index]!r} layer, which keeps exactly the model's own "
+                    f"window; settings apply to {COMPRESSED_TYPE!r} layers only (use \"keep\")."
+                )
+            specs[index] = dict(value)
+        else:
+            raise ValueError(f"{where} must be one of {LAYER_CHOICES} or a dict of settings, got {value!r}.")
+    return specs
+
+
+def layer_nbytes(layer) -> int:
+    """Bytes held by one cache layer: ours count everything they hold; transformers' layers their keys and values."""
+    if hasattr(layer, "nbytes"):
+        return layer.nbytes()
+    if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+        return 0
+    return layer.keys.nbytes + layer.values.nbytes
 
 
 class KVCache(Cache):
-    """Base of all hf_kvcache caches: a list of `CompressedLayer`s sharing one `ForwardInfo`."""
+    """Base of all hf_kvcache caches: one layer per decoder layer, sharing one `ForwardInfo`.
+
+    Full-attention layers are `CompressedLayer`s (this cache's policy x store, or per-layer settings from `layers`);
+    sliding/chunked, linear-attention and dummy layers are transformers' own layer classes for that type (see
+    hf_kvcache.architecture)."""
 
     #: name for `generate(cache_implementation=...)`; set by each public class
     cache_name: str = ""
+    #: arguments that together give the cache's size: a per-layer setting naming any of them replaces them all
+    size_keys: tuple[str, ...] = ()
 
-    def __init__(self, config_or_model, layer_factory):
+    def __new__(cls, *args, **kwargs):
+        # Remember the constructor's arguments, so per-layer settings can be merged over them (see `layers`).
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        self._given = {k: v for k, v in bound.items() if k not in ("self", "config_or_model", "layers")}
+        return self
+
+    def __init__(self, config_or_model, layer_factory, layers=None):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
         config = model.config if model is not None else config_or_model
         if not isinstance(config, PretrainedConfig):
@@ -112,22 +173,71 @@ class KVCache(Cache):
         check_supported_config(config)
         self.config = config
         self.forward_info = ForwardInfo()
-        layers = [
-            CompressedLayer(*layer_factory(config), forward_info=self.forward_info, layer_idx=i)
-            for i in range(config.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
+        layer_types, layer_kwargs = layer_plan(config)
+        self.layer_types = layer_types
+        specs = _layer_specs(layers, layer_types)
+        built = []
+        for i, (layer_type, kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
+            if layer_type != COMPRESSED_TYPE:
+                built.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
+            elif spec is None:
+                built.append(CompressedLayer(*layer_factory(config), forward_info=self.forward_info, layer_idx=i))
+            elif spec == "keep":
+                built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
+            else:
+                built.append(self._layer_from_settings(config, spec, i))
+        if not any(isinstance(layer, CompressedLayer) for layer in built):
+            logger.warning(
+                "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "
+                "model's own cache.", type(config).__name__, sorted(set(layer_types))
+            )
+        self.layers_spec = layers
+        super().__init__(layers=built)
         if model is not None:
             from .attention import enable
 
             enable(model)
 
+    def _layer_from_settings(self, config, settings: dict, index: int) -> CompressedLayer:
+        """Layer `index` of the cache these settings describe (merged over this cache's own arguments, or another
+        registered cache's with `"cache": NAME`), rebound to this cache's forward bookkeeping."""
+        settings = dict(settings)
+        name = settings.pop("cache", None)
+        if name is None:
+            cls, base = type(self), dict(self._given)
+        else:
+            from .registry import CACHE_IMPLEMENTATIONS
+
+            if name not in CACHE_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"layers[{index}]: `cache` must be one of {sorted(CACHE_IMPLEMENTATIONS)}, got {name!r}."
+                )
+            cls, base = CACHE_IMPLEMENTATIONS[name], {}
+        check_keys(f"layers[{index}] settings for {cls.cache_name!r}", settings, cls.config_keys())
+        if any(k in settings for k in cls.size_keys):  # a layer's own size replaces the cache's, whichever form
+            base = {k: v for k, v in base.items() if k not in cls.size_keys}
+        other = cls(config, **{**base, **settings})
+        layer = other.layers[index]
+        layer.forward_info = self.forward_info
+        self._sub_caches = getattr(self, "_sub_caches", []) + [other]
+        return layer
+
+    @property
+    def compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
     def begin_forward(self, q_len, batch, device, attention_mask=None, position_ids=None) -> None:
-        self.forward_info.begin(q_len, batch, device, self.get_seq_length(), attention_mask, position_ids)
+        seen = next((layer.seen for layer in self.compressed_layers), None)
+        if seen is None:
+            seen = self.get_seq_length()
+        self.forward_info.begin(q_len, batch, device, seen, attention_mask, position_ids)
 
     def nbytes(self) -> int:
-        """Bytes this cache holds: buffers as allocated, scales and metadata included."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes this cache holds: buffers as allocated, scales and metadata included, every layer type."""
+        return sum(layer_nbytes(layer) for layer in self.layers)
 
     def reset(self):
         super().reset()
@@ -150,11 +260,12 @@ class SlidingWindowCache(KVCache):
     """The last `window` tokens of each row (window attention with a rolling buffer)."""
 
     cache_name = "sliding"
+    size_keys = ("window",)
 
-    def __init__(self, config_or_model, window: int = 1024):
+    def __init__(self, config_or_model, window: int = 1024, layers: dict | list | None = None):
         window = require_int("window", window, 1)
         self.window = window
-        super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(0, window), FullPrecisionStore()))
+        super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(0, window), FullPrecisionStore()), layers)
 
 
 class SinkCache(KVCache):
@@ -164,6 +275,7 @@ class SinkCache(KVCache):
     sinks just before the window, as StreamingLLM does; `"original"` keeps their original positions."""
 
     cache_name = "sink"
+    size_keys = ("window", "budget")
 
     def __init__(
         self,
@@ -172,6 +284,7 @@ class SinkCache(KVCache):
         window: int | None = None,
         budget: int | None = None,
         position_mode: str = "cache",
+        layers: dict | list | None = None,
     ):
         sinks = require_int("sinks", sinks, 0)
         if (window is None) == (budget is None):
@@ -193,7 +306,7 @@ class SinkCache(KVCache):
                 rotators["rotator"] = KeyRotator(cfg)
             return SinkWindowPolicy(sinks, window, rotators.get("rotator")), FullPrecisionStore()
 
-        super().__init__(config_or_model, layer_parts)
+        super().__init__(config_or_model, layer_parts, layers)
 
 
 def _size_or_ratio(name: str, value):
@@ -217,6 +330,7 @@ class H2OCache(KVCache):
     one more key buffer); "original" (default) leaves every key at its own position."""
 
     cache_name = "h2o"
+    size_keys = ("heavy", "recent", "budget")
 
     def __init__(
         self,
@@ -226,6 +340,7 @@ class H2OCache(KVCache):
         budget: int | None = None,
         aggregation: str = "sum",
         position_mode: str = "original",
+        layers: dict | list | None = None,
     ):
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
         position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
@@ -259,7 +374,7 @@ class H2OCache(KVCache):
                 rotators["rotator"] = KeyRotator(cfg)
             return make_policy(heavy, recent, aggregation, rotators.get("rotator")), FullPrecisionStore()
 
-        super().__init__(config_or_model, layer_parts)
+        super().__init__(config_or_model, layer_parts, layers)
 
 
 class RandomEvictionCache(H2OCache):
@@ -275,11 +390,12 @@ class RandomEvictionCache(H2OCache):
         recent: int | float | None = None,
         budget: int | None = None,
         seed: int = 0,
+        layers: dict | list | None = None,
     ):
         seed = require_int("seed", seed, 0)
         self.seed = seed
         self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(heavy, recent, seed)
-        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget)
+        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, layers=layers)
 
 
 class FullCache(KVCache):
@@ -287,5 +403,5 @@ class FullCache(KVCache):
 
     cache_name = "hf_kvcache_full"
 
-    def __init__(self, config_or_model):
-        super().__init__(config_or_model, lambda cfg: (KeepAllPolicy(), FullPrecisionStore()))
+    def __init__(self, config_or_model, layers: dict | list | None = None):
+        super().__init__(config_or_model, lambda cfg: (KeepAllPolicy(), FullPrecisionStore()), layers)

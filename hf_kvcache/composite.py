@@ -117,6 +117,7 @@ class CompositeCache(KVCache):
     + heavy; keep-all with a full-precision recent window = window + rest."""
 
     cache_name = "composite"
+    size_keys = ("regions", "preset", "budget")
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class CompositeCache(KVCache):
         preset: str | None = None,
         budget: int | None = None,
         precision: Any = "fp8_e4m3",
+        layers: dict | list | None = None,
     ):
         if (regions is None) == (preset is None):
             raise ValueError(f"Give exactly one of `regions` or `preset` (one of {PRESETS}, with a `budget`).")
@@ -167,4 +169,4 @@ class CompositeCache(KVCache):
             store = RegionStore(sizes, [make_store(p["keys"], p["values"], p["where"]) for p in parts])
             return policy, store
 
-        super().__init__(config_or_model, layer_parts)
+        super().__init__(config_or_model, layer_parts, layers)

@@ -54,7 +54,8 @@ class CompressedLayer(CacheLayerMixin):
         self.heads, self.head_dim = heads, head_dim
         meta_heads = heads if self.policy.per_head else 1
         slots = self.policy.capacity if self.policy.capacity is not None else max(key_states.shape[-2], 16)
-        self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device)
+        self.value_dim = value_states.shape[-1]  # differs from head_dim for latent attention (MLA)
+        self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device, self.value_dim)
         if self.policy.needs_positions:
             self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
         self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
@@ -165,7 +166,7 @@ class CompressedLayer(CacheLayerMixin):
         src = placement.src
         gather_index = src[..., None].expand(src.shape[0], heads, src.shape[-1], key_states.shape[-1])
         keys = key_states.gather(2, gather_index)
-        values = value_states.gather(2, gather_index)
+        values = value_states.gather(2, gather_index[..., :1].expand(-1, -1, -1, value_states.shape[-1]))
         self.store.write(dest, keys, values)
         self.slot_valid.scatter_(2, dest, placement.valid)
         if self.slot_pos is not None:

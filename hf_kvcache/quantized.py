@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .architecture import attention_head_dim, is_latent_attention, refuse_latent
 from .caches import KVCache
 from .config import check_keys, require_choice, require_int
 from .policies import KeepAllPolicy
@@ -45,26 +46,31 @@ def _text_config(config_or_model) -> PretrainedConfig:
 def model_dims(config) -> tuple[int, int, int]:
     """(layers, kv heads, head_dim) of a decoder config."""
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return config.num_hidden_layers, kv_heads, attention_head_dim(config)
 
 
 class _QuantizedKeepAllCache(KVCache):
     """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
 
     def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
-               scales: dict | None, key_rotation: str = "none") -> None:
+               scales: dict | None, key_rotation: str = "none", layers=None) -> None:
         config = _text_config(config_or_model)
-        layers, kv_heads, head_dim = model_dims(config)
-        key.validate_head_dim(head_dim, "key")
-        value.validate_head_dim(head_dim, "value")
+        num_layers, kv_heads, head_dim = model_dims(config)
+        latent = is_latent_attention(config)
+        if not latent:  # latent (MLA) caches: sizes are checked when the first keys arrive
+            key.validate_head_dim(head_dim, "key")
+            value.validate_head_dim(head_dim, "value")
         residual = require_int("residual", residual, 0)
         if not isinstance(key_smoothing, bool):
             raise ValueError(f"`key_smoothing` must be a bool, got {key_smoothing!r}.")
-        key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS)
+        key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS + ("auto",))
+        if key_rotation == "auto":
+            key_rotation = "none" if latent else "hadamard"
+        elif key_rotation != "none":
+            refuse_latent(config, "a key rotation that queries undo", "key_rotation", "key_rotation='none' or 'auto'")
         self.rotation_matrix = rotation_matrix(key_rotation, head_dim)
-        static = _parse_scales(scales, key, value, key_smoothing, key_rotation, layers, kv_heads, head_dim)
+        static = _parse_scales(scales, key, value, key_smoothing, key_rotation, num_layers, kv_heads, head_dim)
         self.key_spec, self.value_spec = key, value
         self.workspace = DequantWorkspace()
         workspace = self.workspace
@@ -74,8 +80,10 @@ class _QuantizedKeepAllCache(KVCache):
                                    workspace=workspace, name=type(self).__name__)
             return KeepAllPolicy(), store
 
-        super().__init__(config_or_model, layer_parts)
+        super().__init__(config_or_model, layer_parts, layers)
         for i, layer in enumerate(self.layers):
+            if not isinstance(getattr(layer, "store", None), QuantizedStore) or layer.store.workspace is not workspace:
+                continue  # a layer of another type, or with per-layer settings of its own
             layer.store.layer_idx = i
             layer.key_rotation = self.rotation_matrix  # one matrix shared by the layers
             layer.store.set_static(**{name: values[i] for name, values in static.items()})
@@ -179,7 +187,8 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         key_smoothing: subtract a per-channel key mean before quantizing (calibrated, else the prompt's) and add it
             back after: only the spread around the mean is quantized. Off by default: on SmolLM2 it more than halves
             the KL divergence of unrotated E4M3 keys, but adds nothing once keys are rotated (and costs a pass).
-        key_rotation: "hadamard" (default), "random" or "none": keys are rotated by an orthogonal matrix before
+        key_rotation: "auto" (default: "hadamard", or "none" for latent-attention models whose cache holds no
+            attention keys), "hadamard", "random" or "none": keys are rotated by an orthogonal matrix before
             they are stored, and queries alike in attention (hf_kvcache.rotation), which spreads outlier channels;
             on SmolLM2 it cuts the KL divergence of E4M3 caches 2.5-4x at no cost in bytes.
         scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means
@@ -198,8 +207,9 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         value: dict | None = None,
         residual: int = 0,
         key_smoothing: bool = False,
-        key_rotation: str = "hadamard",
+        key_rotation: str = "auto",
         scales: dict | None = None,
+        layers: dict | list | None = None,
     ):
         self.format, self.granularity, self.group_size = format, granularity, group_size
         self.residual, self.key_smoothing, self.key_rotation = residual, key_smoothing, key_rotation
@@ -209,7 +219,7 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             value_base.update(granularity="token", group_size=None)
         key_spec = _spec(base, key, "key")
         value_spec = _spec(value_base, value, "value")
-        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation)
+        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers)
 
 
 def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
@@ -245,6 +255,7 @@ class KIVICache(_QuantizedKeepAllCache):
         scale_dtype: str | None = None,
         value_group_size: int | None = None,
         key_rotation: str = "none",
+        layers: dict | list | None = None,
     ):
         if isinstance(bits, bool) or bits not in (2, 4, 8):
             raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
@@ -258,4 +269,4 @@ class KIVICache(_QuantizedKeepAllCache):
         fmt = f"int{bits}"
         key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
         value = QuantSpec(fmt, "token", value_group, backend, scale_dtype)
-        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation)
+        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation, layers)

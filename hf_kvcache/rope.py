@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .architecture import attention_head_dim, refuse_latent
+
 # RoPE types whose inverse frequencies do not depend on the sequence length, so a delta rotation is exact.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -27,6 +29,7 @@ class KeyRotator:
     """Rotates keys by a per-token position delta with the model's inverse frequencies (rotate-half convention)."""
 
     def __init__(self, config, parameter: str = "position_mode"):
+        refuse_latent(config, "moving keys to new positions", parameter, f"`{parameter}='original'`")
         params = rope_parameters(config)
         if params is None:
             raise ValueError(
@@ -40,7 +43,7 @@ class KeyRotator:
                 f"{SUPPORTED_ROPE_TYPES}; this model uses {rope_type!r}. Use `{parameter}='original'`."
             )
         if rope_type == "default":
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            head_dim = attention_head_dim(config)
             dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         else:

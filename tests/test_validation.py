@@ -163,37 +163,6 @@ def test_enable_rejects_encoder_decoder_and_non_models():
         hf_kvcache.enable(config)
 
 
-def hybrid_configs():
-    return [
-        transformers.Gemma2Config(num_hidden_layers=2),
-        transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
-                                 layer_types=["sliding_attention", "full_attention"]),
-        transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
-        transformers.MistralConfig(num_hidden_layers=2, sliding_window=4096),
-    ]
-
-
-@pytest.mark.parametrize("index", range(4))
-def test_sliding_or_hybrid_layer_types_rejected(index):
-    config = hybrid_configs()[index]
-    for make in (
-        lambda c: SinkCache(c, sinks=4, window=8),
-        lambda c: SinkCache(c, sinks=4, window=8, position_mode="original"),
-        lambda c: SlidingWindowCache(c, window=8),
-        lambda c: FullCache(c),
-    ):
-        with pytest.raises(ValueError, match="sliding"):
-            make(config)
-
-
-def test_generate_rejects_hybrid_model():
-    model = build_model("qwen2", use_sliding_window=True, sliding_window=4,
-                        layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(ValueError, match="full attention"):
-        model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sliding",
-                       cache_config={"window": 8})
-
-
 # -- the attention bridge -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("make", [
     lambda c: SinkCache(c, sinks=2, window=6),

@@ -14,9 +14,10 @@ class FullPrecisionStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device) -> None:
+    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device,
+                 value_dim: int | None = None) -> None:
         self.keys = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.values = torch.zeros(batch, heads, slots, value_dim or head_dim, dtype=dtype, device=device)
 
     @property
     def slots(self) -> int:
@@ -34,6 +35,8 @@ class FullPrecisionStore:
         """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]."""
         index = dest[..., None].expand(keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3])
         self.keys.scatter_(2, index, keys.to(self.keys.dtype))
+        if values.shape[-1] != keys.shape[-1]:
+            index = dest[..., None].expand(values.shape)
         self.values.scatter_(2, index, values.to(self.values.dtype))
 
     def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -47,7 +50,8 @@ class FullPrecisionStore:
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
         index = slots[..., None].expand(self.keys.shape[0], self.keys.shape[1], slots.shape[-1], self.keys.shape[-1])
-        return self.keys.gather(2, index), self.values.gather(2, index)
+        value_index = slots[..., None].expand(index.shape[:-1] + (self.values.shape[-1],))
+        return self.keys.gather(2, index), self.values.gather(2, value_index)
 
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         """Overwrite keys of slots [start, start + n) (re-rotated sinks)."""

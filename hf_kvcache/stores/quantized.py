@@ -112,18 +112,25 @@ class QuantizedStore:
             self.static_key_mean = self.key_mean = mean[None, :, None, :]
 
     # -- allocation -------------------------------------------------------------------------------------------
-    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device) -> None:
+    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device,
+                 value_dim: int | None = None) -> None:
         self.batch, self.heads, self.head_dim, self.dtype, self.device = batch, heads, head_dim, dtype, device
+        self.value_dim = value_dim or head_dim
+        if self.joint and self.value_dim != head_dim:  # keys and values of different sizes (MLA): one codec each
+            self.joint = False
+            self.values_codec = make_codec(self.value_spec)
+            if self.static_value_scale is not None:
+                self.values_codec.set_scale(self.static_value_scale)
         self.slots = slots
         capacity = 0 if self.append_only else slots
-        for codec in self._codecs():
+        for codec, dim in zip(self._codecs(), (head_dim, self.value_dim)):
             if self.append_only and hasattr(codec, "set_pack_block"):
                 codec.set_pack_block(self.flush)  # whole blocks of `flush` tokens are quantized at once
-            codec.allocate(batch * (2 if self.joint else 1), heads, head_dim, capacity, dtype, device)
+            codec.allocate(batch * (2 if self.joint else 1), heads, dim, capacity, dtype, device)
         fp_slots = self.residual + self.flush - 1 if self.append_only else 0
         if fp_slots:
             self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
-            self.fp_v = torch.zeros_like(self.fp_k)
+            self.fp_v = torch.zeros(batch, heads, fp_slots, self.value_dim, dtype=dtype, device=device)
         if self.key_mean is not None:
             if self.key_mean.shape[1] != heads or self.key_mean.shape[-1] != head_dim:
                 raise ValueError(
@@ -292,7 +299,7 @@ class QuantizedStore:
             out_k, out_v = both[: self.batch], both[self.batch :]
         else:
             out_k = self.workspace.get("keys", shape, self.dtype, self.device)
-            out_v = self.workspace.get("values", shape, self.dtype, self.device)
+            out_v = self.workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
         if quantized:
             bias = self._key_bias()
             if self.joint:
@@ -324,7 +331,8 @@ class QuantizedStore:
         if self.append_only:
             keys, values = self.read(self.length)
             index = slots[..., None].expand(self.batch, self.heads, slots.shape[-1], self.head_dim)
-            return keys.gather(2, index), values.gather(2, index)
+            value_index = slots[..., None].expand(self.batch, self.heads, slots.shape[-1], self.value_dim)
+            return keys.gather(2, index), values.gather(2, value_index)
         shape = (self.batch, self.heads, slots.shape[-1], self.head_dim)
         scratch = TransientWorkspace()
         bias = self._key_bias()
@@ -333,7 +341,7 @@ class QuantizedStore:
             self.keys_codec.decode_slots(both, torch.cat((slots, slots), 0), scratch, bias)
             return both[: self.batch], both[self.batch :]
         keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape[:-1] + (self.value_dim,), dtype=self.dtype, device=self.device)
         self.keys_codec.decode_slots(keys, slots, scratch, bias)
         self.values_codec.decode_slots(values, slots, scratch)
         return keys, values

@@ -19,11 +19,11 @@ class RegionStore:
     def keys(self):  # for transformers code that inspects `layer.keys` (dtype, device)
         return self.stores[0].keys
 
-    def allocate(self, batch, heads, head_dim, slots, dtype, device) -> None:
+    def allocate(self, batch, heads, head_dim, slots, dtype, device, value_dim=None) -> None:
         if self.sizes[-1] is None:
             self.sizes[-1] = slots - 1 - self.bases[-1]
         for size, store in zip(self.sizes, self.stores):
-            store.allocate(batch, heads, head_dim, size + 1, dtype, device)
+            store.allocate(batch, heads, head_dim, size + 1, dtype, device, value_dim)
 
     def grow(self, slots: int) -> None:
         self.sizes[-1] = slots - 1 - self.bases[-1]

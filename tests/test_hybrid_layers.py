@@ -1,0 +1,157 @@
+"""Hybrid models (sliding + full attention layers), per-layer settings, and latent attention (MLA) head sizes.
+
+Full-attention layers get the cache's policy x store; sliding layers keep exactly the model's window through
+transformers' own layer class; `layers` gives per-layer-type or per-index settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+import hf_kvcache
+from hf_kvcache import FullCache, H2OCache, QuantizedFP8Cache, SinkCache, SlidingWindowCache
+from hf_kvcache.layer import CompressedLayer
+
+from conftest import build_model, left_pad, random_ids
+
+HYBRID = dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+
+
+def hybrid_configs():
+    return [
+        transformers.Gemma2Config(num_hidden_layers=2),
+        transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
+                                 layer_types=["sliding_attention", "full_attention"]),
+        transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+        transformers.MistralConfig(num_hidden_layers=2, sliding_window=4096),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_layers_follow_the_model_layer_types(index):
+    config = hybrid_configs()[index]
+    types = transformers.cache_utils.get_layer_types_and_kwargs(config)[0]
+    for cache in (SinkCache(config, sinks=4, window=8), SlidingWindowCache(config, window=8), FullCache(config)):
+        assert len(cache.layers) == len(types)
+        for layer, layer_type in zip(cache.layers, types):
+            if layer_type == "full_attention":
+                assert isinstance(layer, CompressedLayer)
+            else:
+                assert isinstance(layer, DynamicSlidingWindowLayer)
+                assert layer.sliding_window == config.sliding_window
+
+
+def _generate(model, cache, ids, mask, new=8):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                          past_key_values=cache)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: SinkCache(m, sinks=2, window=60),
+    lambda m: SlidingWindowCache(m, window=64),
+    lambda m: H2OCache(m, heavy=32, recent=32),
+    lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=64, precision="full"),
+])
+def test_hybrid_generation_equals_dynamic_cache_at_full_budget(make):
+    model = build_model("qwen2", **HYBRID)
+    ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
+    reference = _generate(model, DynamicCache(config=model.config), ids, mask)
+    assert torch.equal(_generate(model, make(model), ids, mask), reference)
+
+
+def test_hybrid_small_budget_bytes_are_window_plus_budget():
+    model = build_model("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"] * 2)
+    ids = random_ids(2, 20)
+    sizes = []
+    for new in (4, 12):
+        cache = SinkCache(model, sinks=2, window=6)
+        _generate(model, cache, ids, torch.ones_like(ids), new)
+        sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        assert all(layer.keys.shape[-2] <= model.config.sliding_window for layer in sliding)
+        sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1]  # flat: neither the sliding layers nor ours grow with the stream
+
+
+def test_per_layer_settings_by_type_and_index():
+    model = build_model("llama", num_hidden_layers=4)
+    cache = SinkCache(model, sinks=2, budget=8, layers={"2": "keep", 3: {"budget": 16}})
+    policies = [layer.policy for layer in cache.layers]
+    assert [getattr(p, "capacity", None) for p in policies] == [8, 8, None, 16]
+    pyramid = H2OCache(model, budget=8, layers=[{"budget": 32}, {"budget": 16}, None, {"heavy": 1, "recent": 3}])
+    assert [layer.policy.capacity for layer in pyramid.layers] == [32, 16, 8, 4]
+    other = SinkCache(model, sinks=2, window=6, layers={"full_attention": {"cache": "fp8"}})
+    assert all(type(layer.store).__name__ == "QuantizedStore" for layer in other.layers)
+    ids = random_ids(1, 12)
+    out = _generate(model, other, ids, torch.ones_like(ids), 4)
+    assert out.shape == (1, 16)
+
+
+def test_per_layer_settings_through_generate():
+    model = build_model("qwen2", **HYBRID)
+    ids = random_ids(1, 12)
+    cfg = {"window": 6, "layers": {"full_attention": {"window": 4}, "sliding_attention": "keep"}}
+    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, cache_implementation="sliding",
+                         cache_config=cfg)
+    assert out.shape == (1, 17)
+
+
+@pytest.mark.parametrize("layers, match", [
+    ({"sliding_attention": {"window": 2}}, "keeps exactly the model's own window"),
+    ({"mamba": "keep"}, "not a layer type of this model"),
+    ({"7": "keep"}, "layer index must be in 0..1"),
+    (["keep"], "one entry per decoder layer"),
+    ({"full_attention": "squash"}, "must be one of"),
+    ({"full_attention": {"windw": 3}}, "windw"),
+    ({"full_attention": {"cache": "nope"}}, "`cache` must be one of"),
+    ("keep", "must be a dict"),
+])
+def test_bad_per_layer_settings_name_the_field(layers, match):
+    config = build_model("qwen2", **HYBRID).config
+    with pytest.raises(ValueError, match=match):
+        SlidingWindowCache(config, window=8, layers=layers)
+
+
+def deepseek_v3(**overrides):
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+        moe_intermediate_size=32, initializer_range=0.2, pad_token_id=0, eos_token_id=None, **overrides)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: SlidingWindowCache(m, window=64),
+    lambda m: H2OCache(m, heavy=32, recent=32),
+    lambda m: SinkCache(m, sinks=2, window=60, position_mode="original"),
+])
+def test_latent_attention_equals_dynamic_cache_at_full_budget(make):
+    model = deepseek_v3()
+    ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
+    reference = _generate(model, DynamicCache(config=model.config), ids, mask)
+    cache = make(model)
+    assert torch.equal(_generate(model, cache, ids, mask), reference)
+    layer = cache.layers[0]
+    assert layer.store.keys.shape[-1] == 24 and layer.store.values.shape[-1] == 8  # latent, RoPE part
+
+
+def test_latent_attention_quantized_and_refusals():
+    model = deepseek_v3()
+    cache = QuantizedFP8Cache(model)  # key_rotation "auto": none, the latent is not an attention key
+    assert cache.rotation_matrix is None
+    ids = random_ids(2, 12)
+    logits_ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    logits = model(ids, past_key_values=cache).logits
+    assert torch.allclose(logits, logits_ref, atol=0.1)
+    with pytest.raises(ValueError, match="key_rotation.*latent"):
+        QuantizedFP8Cache(model, key_rotation="hadamard")
+    with pytest.raises(ValueError, match="position_mode.*latent"):
+        SinkCache(model, sinks=2, window=6)
