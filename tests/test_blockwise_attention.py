@@ -1,0 +1,343 @@
+"""Block-wise attention from quantized codes (hf_kvcache.kernels) against "dequantize everything, then softmax".
+
+Codes come from our real codecs (FP8Codec / IntegerCodec through `from_codec`), so the adapters are checked too.
+The Triton kernel runs under Triton's CPU interpreter in a subprocess (TRITON_INTERPRET must be set before triton
+is imported). Peak extra memory is measured with a TorchDispatchMode that tracks the storages alive during the call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hf_kvcache.attention import build_validity_mask
+from hf_kvcache.kernels import QuantizedKV, blockwise_attention, dequantize, from_codec, store_segments
+from hf_kvcache.stores.quantization import QuantSpec, make_codec
+from hf_kvcache.stores.quantized import QuantizedStore
+from hf_kvcache.stores.workspace import TransientWorkspace
+
+pytest.importorskip("optimum.quanto")
+pytest.importorskip("hqq")
+
+
+def codec_for(spec, x: torch.Tensor, pack_block: int | None = None):
+    """A codec holding x [B, H, n, D] (written in one go)."""
+    codec = make_codec(QuantSpec.from_value(spec))
+    if pack_block is not None and hasattr(codec, "set_pack_block"):  # integer codecs: token-packed blocks
+        codec.set_pack_block(pack_block)
+    b, h, n, d = x.shape
+    codec.allocate(b, h, d, n, torch.float32, "cpu")
+    codec.put(codec.encode(x), 0)
+    return codec
+
+
+def quantized(spec, x, pack_block=None) -> QuantizedKV:
+    return from_codec(codec_for(spec, x, pack_block), x.shape[2])
+
+
+def dense_attention(query, ks, vs, valid, scaling, causal_tail=0, softcap=None, sinks=None):
+    """Dequantize everything, then float32 softmax attention (empty rows -> 0). Returns (output, column scores)."""
+    ks = [ks] if isinstance(ks, QuantizedKV) else ks
+    vs = [vs] if isinstance(vs, QuantizedKV) else vs
+    k = torch.cat([dequantize(s) for s in ks], 2)
+    v = torch.cat([dequantize(s) for s in vs], 2)
+    b, hq, q, _ = query.shape
+    groups = hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = query.float() @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if valid is not None or causal_tail:
+        validity = valid if valid is not None else torch.ones(b, 1, k.shape[2], dtype=torch.bool)
+        logits = logits.masked_fill(~build_validity_mask(validity, causal_tail, query), float("-inf"))
+    if sinks is not None:
+        logits = torch.cat((logits, sinks.float().view(1, hq, 1, 1).expand(b, hq, q, 1)), -1)
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs @ v, probs.sum(2)
+
+
+FP8 = {"format": "fp8_e4m3"}
+FP8_E5M2_G8 = {"format": "fp8_e5m2", "group_size": 8}
+FP8_E8M0 = {"format": "fp8_e4m3", "scale_dtype": "e8m0"}
+FP8_HEAD = {"format": "fp8_e4m3", "granularity": "head"}
+FP8_TENSOR = {"format": "fp8_e4m3", "granularity": "tensor"}
+FP8_CHANNEL = {"format": "fp8_e4m3", "granularity": "channel", "group_size": 16}
+INT8 = {"format": "int8", "granularity": "token"}
+INT4_KEYS = {"format": "int4", "granularity": "channel", "group_size": 16, "backend": "quanto"}  # KIVI keys
+INT4_VALUES = {"format": "int4", "granularity": "token", "group_size": 8, "backend": "quanto"}  # KIVI values
+INT2_HQQ = {"format": "int2", "granularity": "token", "group_size": 8, "backend": "hqq"}
+
+# (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
+CASES = {
+    "fp8-token-decode": (FP8, FP8, None, 2, 1, 1, 32, 32, {}),
+    "fp8-head-gqa-causal-holes": (FP8_HEAD, FP8_TENSOR, None, 2, 3, 4, 32, 32, {"holes": True, "causal": True}),
+    "int8-keys-fp8-values-mla-softcap": (INT8, FP8_E5M2_G8, None, 1, 4, 2, 48, 16, {"softcap": 3.0}),
+    "fp8-e8m0-sinks-gqa": (FP8_E8M0, INT8, None, 2, 4, 1, 32, 24, {"sinks": True, "holes": True}),
+    "fp8-channel": (FP8_CHANNEL, FP8, None, 2, 2, 3, 32, 32, {"causal": True}),
+    "kivi-int4-token-packed": (INT4_KEYS, INT4_VALUES, 16, 2, 2, 1, 32, 32, {"holes": True}),
+    "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
+    "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
+}
+
+
+def build_case(name, n=80, batch=2, seed=0, query_dtype=torch.float32):
+    kspec, vspec, pack, hkv, groups, q, dk, dv, opts = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    query = (torch.randn(batch, hkv * groups, q, dk, generator=gen) * 1.5).to(query_dtype)
+    keys = quantized(kspec, torch.randn(batch, hkv, n, dk, generator=gen) * 2 + 0.3, pack)
+    values = quantized(vspec, torch.randn(batch, hkv, n, dv, generator=gen), pack)
+    kwargs = {"causal_tail": q if opts.get("causal") else 0, "softcap": opts.get("softcap")}
+    if opts.get("sinks"):
+        kwargs["sinks"] = torch.randn(hkv * groups, generator=gen) * 2
+    valid = None
+    if opts.get("holes"):
+        valid = torch.rand(batch, hkv, n, generator=gen) > 0.4
+    return query, keys, values, valid, kwargs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_dequantize_then_attend(name):
+    query, keys, values, valid, kw = build_case(name)
+    scaling = query.shape[-1] ** -0.5
+    out, scores = blockwise_attention(query, keys, values, valid, scaling, block=32, return_column_scores=True, **kw)
+    ref_out, ref_scores = dense_attention(query, keys, values, valid, scaling, **kw)
+    assert out.shape == ref_out.shape and out.dtype == query.dtype
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
+    # the scores are attention probabilities: each query row sums to 1 (minus what the sinks took)
+    rows = query.shape[2]
+    assert float(scores.sum(-1).max()) <= rows + 1e-4
+    if "sinks" not in kw:
+        torch.testing.assert_close(scores.sum(-1), torch.full_like(scores.sum(-1), rows), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_queries(dtype):
+    query, keys, values, valid, kw = build_case("fp8-head-gqa-causal-holes", query_dtype=dtype)
+    out = blockwise_attention(query, keys, values, valid, 0.2, block=16, **kw)
+    ref, _ = dense_attention(query, keys, values, valid, 0.2, **kw)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block", [1, 7, 80, 1000])
+def test_block_size_does_not_change_the_result(block):
+    query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa")
+    ref, ref_scores = blockwise_attention(query, keys, values, valid, 0.3, block=32, return_column_scores=True, **kw)
+    out, scores = blockwise_attention(query, keys, values, valid, 0.3, block=block, return_column_scores=True, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_rows_with_no_visible_column_give_zeros(q, sinks):
+    query, keys, values, _, _ = build_case("fp8-token-decode", n=40)
+    query = query[:, :, :1].expand(-1, -1, q, -1).contiguous()
+    valid = torch.ones(2, 1, 40, dtype=torch.bool)
+    valid[1] = False  # batch row 1 sees nothing
+    sink = torch.zeros(query.shape[1]) if sinks else None
+    out, scores = blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sink,
+                                      return_column_scores=True)
+    assert torch.isfinite(out).all() and torch.isfinite(scores).all()
+    assert (out[1] == 0).all() and (scores[1] == 0).all()
+    assert out[0].abs().sum() > 0 and scores[0].sum() > 0.5
+    ref, ref_scores = dense_attention(query, keys, values, valid, 0.2, sinks=sink)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
+
+
+def test_segments_quantized_then_full_precision():
+    """A store's layout: quantized tokens, then a full-precision residual; the causal tail spans the boundary."""
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 3, 32, generator=gen)
+    k_old, v_old = torch.randn(1, 2, 64, 32, generator=gen), torch.randn(1, 2, 64, 32, generator=gen)
+    k_new, v_new = torch.randn(1, 2, 2, 32, generator=gen), torch.randn(1, 2, 2, 32, generator=gen)
+    keys = [quantized(INT4_KEYS, k_old, 16), QuantizedKV(k_new, "none")]
+    values = [quantized(INT4_VALUES, v_old, 16), QuantizedKV(v_new, "none")]
+    valid = torch.rand(1, 1, 66, generator=gen) > 0.3
+    out, scores = blockwise_attention(query, keys, values, valid, 0.25, block=32, causal_tail=3,
+                                      return_column_scores=True)
+    ref, ref_scores = dense_attention(query, keys, values, valid, 0.25, causal_tail=3)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [FP8, FP8_E5M2_G8, FP8_E8M0, FP8_HEAD, FP8_TENSOR, FP8_CHANNEL, INT8, INT4_KEYS,
+                                  INT4_VALUES, INT2_HQQ], ids=str)
+@pytest.mark.parametrize("pack_block", [None, 16])
+def test_from_codec_dequantizes_like_the_codec(spec, pack_block):
+    x = torch.randn(2, 3, 48, 32) * 3
+    codec = codec_for(spec, x, pack_block)
+    expected = torch.empty_like(x)
+    codec.decode_into(expected, 48, TransientWorkspace())
+    kv = from_codec(codec, 48)
+    torch.testing.assert_close(dequantize(kv), expected, atol=1e-6, rtol=1e-6)
+    assert (kv.length, kv.head_dim, kv.heads) == (48, 32, 3)
+
+
+@pytest.mark.parametrize(
+    "key, value, kwargs",
+    [
+        (INT4_KEYS, INT4_VALUES, {"residual": 16, "append_only": True}),  # KIVI: token-packed blocks + residual
+        (FP8, FP8, {"key_smoothing": True}),  # joint codec (keys and values in one buffer), key mean as bias
+        (FP8_HEAD, INT8, {}),
+    ],
+    ids=["kivi-residual", "joint-smoothed", "mixed"],
+)
+def test_store_segments_match_the_store_read(key, value, kwargs):
+    store = QuantizedStore(key, value, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    store.allocate(2, 2, 32, 64, torch.float32, "cpu")
+    k, v = torch.randn(2, 2, 50, 32, generator=gen) + 1.0, torch.randn(2, 2, 50, 32, generator=gen)
+    store.write(torch.arange(50).view(1, 1, 50).expand(2, 1, 50), k, v)
+    for step in range(50, 53):  # a few decode steps
+        store.write_slot(step, torch.randn(2, 2, 1, 32, generator=gen), torch.randn(2, 2, 1, 32, generator=gen))
+    keys, values = store_segments(store, 53)
+    read_k, read_v = store.read(53)
+    torch.testing.assert_close(torch.cat([dequantize(s) for s in keys], 2), read_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.cat([dequantize(s) for s in values], 2), read_v, atol=1e-6, rtol=1e-6)
+    query = torch.randn(2, 4, 1, 32, generator=gen)
+    out = blockwise_attention(query, keys, values, None, 0.2, block=32)
+    probs = torch.softmax(query @ read_k.repeat_interleave(2, 1).transpose(-1, -2) * 0.2, -1)
+    torch.testing.assert_close(out, probs @ read_v.repeat_interleave(2, 1), atol=2e-6, rtol=1e-5)
+
+
+def test_errors_name_the_parameter():
+    query, keys, values, _, _ = build_case("kivi-int4-token-packed", n=32)
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'torch', 'triton'\)"):
+        blockwise_attention(query, keys, values, None, 0.2, backend="cuda")
+    with pytest.raises(ValueError, match=r"`block` \(8\) must be a multiple of 16"):
+        blockwise_attention(query, keys, values, None, 0.2, block=8)
+    with pytest.raises(ValueError, match="`causal_tail` must be 0 or the query length 1"):
+        blockwise_attention(query, keys, values, None, 0.2, causal_tail=2)
+    with pytest.raises(ValueError, match="`valid` must be bool"):
+        blockwise_attention(query, keys, values, torch.ones(2, 1, 31, dtype=torch.bool), 0.2)
+    with pytest.raises(ValueError, match="`sinks` must be"):
+        blockwise_attention(query, keys, values, None, 0.2, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="`format` must be one of"):
+        QuantizedKV(keys.codes, "int3", keys.scale, "channel", 16)
+    with pytest.raises(ValueError, match="`scale` for granularity 'token' must be"):
+        QuantizedKV(torch.zeros(1, 1, 4, 8, dtype=torch.uint8), "fp8_e4m3", torch.ones(1, 1, 3, 1), "token", 8)
+
+
+def test_triton_backend_refuses_to_run_where_it_cannot(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    query, keys, values, _, _ = build_case("fp8-token-decode", n=16)
+    with pytest.raises(RuntimeError, match="backend='triton'.*needs CUDA"):
+        blockwise_attention(query, keys, values, None, 0.2, backend="triton")
+    auto = blockwise_attention(query, keys, values, None, 0.2, backend="auto")  # CPU: the torch path
+    torch.testing.assert_close(auto, blockwise_attention(query, keys, values, None, 0.2, backend="torch"))
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+class PeakStorage(TorchDispatchMode):
+    """Peak bytes of the storages created by ops inside the mode and still alive (inputs excluded)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {ptr: (ref, size) for ptr, (ref, size) in self.live.items() if not ref.expired()}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.known and ptr not in self.live:
+                    self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+        return out
+
+
+def _peak(fn, inputs) -> int:
+    mode = PeakStorage(inputs)
+    with mode:
+        fn()
+    return mode.peak
+
+
+def test_extra_memory_is_o_block_while_dequantize_then_attend_is_o_n(record_property):
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, 1, 64, generator=gen)
+    peaks = {}
+    for n in (1024, 8192):
+        keys = quantized(FP8, torch.randn(1, 2, n, 64, generator=gen))
+        values = quantized(INT8, torch.randn(1, 2, n, 64, generator=gen))
+        inputs = (query, keys.codes, keys.scale, values.codes, values.scale, values.zero)
+        peaks["blockwise", n] = _peak(lambda: blockwise_attention(query, keys, values, None, 0.125, block=256), inputs)
+        peaks["dense", n] = _peak(lambda: dense_attention(query, keys, values, None, 0.125), inputs)
+    record_property("peak_bytes", {f"{kind}@{n}": v for (kind, n), v in peaks.items()})
+    print("peak extra bytes:", peaks)
+    assert peaks["blockwise", 8192] == peaks["blockwise", 1024]  # independent of n
+    assert peaks["dense", 8192] > 7 * peaks["dense", 1024]  # grows linearly
+    assert peaks["dense", 1024] > 2 * peaks["blockwise", 1024]
+    # one block of keys and values in float32 (+ logits) bounds it: 2 x 256 x 2 heads x 64 x 4 bytes = 256 KiB
+    assert peaks["blockwise", 8192] < 3 * 2 * 256 * 2 * 64 * 4
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------------------
+def test_torch_path_compiles_fullgraph_and_matches_eager():
+    query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa", n=48, batch=1)
+
+    def attend(query, keys, values, valid, sinks):
+        return blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sinks, backend="torch",
+                                   return_column_scores=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    out, scores = compiled(query, keys, values, valid, kw["sinks"])
+    ref, ref_scores = attend(query, keys, values, valid, kw["sinks"])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-5)
+
+
+# -- Triton kernel under the interpreter ------------------------------------------------------------------------------
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import test_blockwise_attention as t
+    from hf_kvcache.kernels import blockwise_attention
+    results = {{}}
+    for name, n in {cases!r}:
+        query, keys, values, valid, kw = t.build_case(name, n=n)
+        args = (query, keys, values, valid, 0.3)
+        ref, ref_scores = blockwise_attention(*args, block=16, return_column_scores=True, backend="torch", **kw)
+        out, scores = blockwise_attention(*args, return_column_scores=True, backend="triton", **kw)
+        results[name] = [float((out - ref).abs().max()), float((scores - ref_scores).abs().max()),
+                         bool(torch.isfinite(out).all())]
+    print(json.dumps(results))
+    """
+)
+
+
+def test_triton_kernel_under_interpreter_matches_torch():
+    pytest.importorskip("triton")
+    cases = [("fp8-token-decode", 70), ("fp8-head-gqa-causal-holes", 40), ("int8-keys-fp8-values-mla-softcap", 33),
+             ("fp8-e8m0-sinks-gqa", 48), ("kivi-int4-token-packed", 64), ("hqq-int2-token-packed", 48),
+             ("fp8-channel", 48)]
+    script = TRITON_SCRIPT.format(tests=os.path.dirname(__file__), cases=cases)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(name for name, _ in cases)
+    for name, (out_err, score_err, finite) in results.items():
+        assert finite, name
+        assert out_err < 2e-5 and score_err < 2e-6, (name, out_err, score_err)
