@@ -233,7 +233,10 @@ DEVICE_CASES = [("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": 
 
 
 def layer_tensor_devices(layer) -> set[str]:
-    tensors = list(worker._tensors(layer.store)) + list(worker._tensors(layer.policy))
+    """Devices of the layer's own state (the RoPE rotator's inverse frequencies are shared by all layers and moved
+    to the keys' device when used, so they do not count)."""
+    shared = {id(t) for t in worker._tensors(getattr(layer.policy, "rotator", None))}
+    tensors = [t for t in worker._tensors(layer.policy) if id(t) not in shared] + list(worker._tensors(layer.store))
     tensors += [t for t in (layer.slot_valid, layer.slot_pos) if t is not None]
     return {t.device.type for t in tensors}
 
