@@ -158,18 +158,27 @@ def test_rows_with_no_visible_column_give_zeros(q, sinks):
     torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
 
 
-def test_segments_quantized_then_full_precision():
-    """A store's layout: quantized tokens, then a full-precision residual; the causal tail spans the boundary."""
+def segments_case(empty_first=False):
+    """A store's layout: quantized tokens (KIVI int4), then a full-precision residual; the causal tail spans the
+    boundary. `empty_first`: an empty quantized segment in front (nothing quantized yet)."""
     gen = torch.Generator().manual_seed(3)
     query = torch.randn(1, 4, 3, 32, generator=gen)
     k_old, v_old = torch.randn(1, 2, 64, 32, generator=gen), torch.randn(1, 2, 64, 32, generator=gen)
     k_new, v_new = torch.randn(1, 2, 2, 32, generator=gen), torch.randn(1, 2, 2, 32, generator=gen)
     keys = [quantized(INT4_KEYS, k_old, 16), QuantizedKV(k_new, "none")]
     values = [quantized(INT4_VALUES, v_old, 16), QuantizedKV(v_new, "none")]
+    if empty_first:
+        keys.insert(0, quantized(FP8, k_old[:, :, :0]))
+        values.insert(0, quantized(INT8, v_old[:, :, :0]))
     valid = torch.rand(1, 1, 66, generator=gen) > 0.3
-    out, scores = blockwise_attention(query, keys, values, valid, 0.25, block=32, causal_tail=3,
-                                      return_column_scores=True)
-    ref, ref_scores = dense_attention(query, keys, values, valid, 0.25, causal_tail=3)
+    return query, keys, values, valid, {"causal_tail": 3}
+
+
+@pytest.mark.parametrize("empty_first", [False, True])
+def test_segments_quantized_then_full_precision(empty_first):
+    query, keys, values, valid, kw = segments_case(empty_first)
+    out, scores = blockwise_attention(query, keys, values, valid, 0.25, block=32, return_column_scores=True, **kw)
+    ref, ref_scores = dense_attention(query, keys, values, valid, 0.25, **kw)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
 
@@ -291,7 +300,7 @@ def test_extra_memory_is_o_block_while_dequantize_then_attend_is_o_n(record_prop
 
 # -- torch.compile ----------------------------------------------------------------------------------------------------
 def test_torch_path_compiles_fullgraph_and_matches_eager():
-    query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa", n=48, batch=1)
+    query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa", n=32, batch=1)  # two blocks: compile is slow
 
     def attend(query, keys, values, valid, sinks):
         return blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sinks, backend="torch",
@@ -315,7 +324,10 @@ TRITON_SCRIPT = textwrap.dedent(
     from hf_kvcache.kernels import blockwise_attention
     results = {{}}
     for name, n in {cases!r}:
-        query, keys, values, valid, kw = t.build_case(name, n=n)
+        if name.startswith("segments"):
+            query, keys, values, valid, kw = t.segments_case(empty_first=name.endswith("empty"))
+        else:
+            query, keys, values, valid, kw = t.build_case(name, n=n)
         args = (query, keys, values, valid, 0.3)
         ref, ref_scores = blockwise_attention(*args, block=16, return_column_scores=True, backend="torch", **kw)
         out, scores = blockwise_attention(*args, return_column_scores=True, backend="triton", **kw)
@@ -330,7 +342,7 @@ def test_triton_kernel_under_interpreter_matches_torch():
     pytest.importorskip("triton")
     cases = [("fp8-token-decode", 70), ("fp8-head-gqa-causal-holes", 40), ("int8-keys-fp8-values-mla-softcap", 33),
              ("fp8-e8m0-sinks-gqa", 48), ("kivi-int4-token-packed", 64), ("hqq-int2-token-packed", 48),
-             ("fp8-channel", 48)]
+             ("fp8-channel", 48), ("segments", 66), ("segments-empty", 66)]
     script = TRITON_SCRIPT.format(tests=os.path.dirname(__file__), cases=cases)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,

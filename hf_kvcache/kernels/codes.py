@@ -199,9 +199,9 @@ def dequantize_block(kv: QuantizedKV, start: int, end: int) -> torch.Tensor:
     """Tokens [start, end) of `kv` as float32 [B, H, end - start, D]. `start` must be a multiple of
     `kv.token_alignment`, and `end` too unless it is `kv.length`."""
     align = kv.token_alignment
-    if start % align or (end % align and end != kv.length) or not 0 <= start < end <= kv.length:
-        raise ValueError(f"dequantize_block: tokens [{start}, {end}) of a run of {kv.length} must be aligned to "
-                         f"{align}")
+    if start % align or (end % align and end != kv.length) or not 0 <= start <= end <= kv.length:
+        raise ValueError(f"dequantize_block: tokens [{start}, {end}) must lie within the run of {kv.length} and "
+                         f"start (and end, unless it is {kv.length}) at multiples of {align}")
     if kv.format == "none":
         x = kv.codes[:, :, start:end].float()
         return x if kv.bias is None else x + kv.bias.float()

@@ -304,13 +304,14 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
     for i, seg in enumerate(ks):
         blocks = math.ceil(seg.length / BLOCK_N)
         splits = max(1, min(blocks, math.ceil(target / programs)))
-        per_split = math.ceil(blocks / splits) * BLOCK_N
+        per_split = math.ceil(blocks / splits) * BLOCK_N or BLOCK_N
         splits = math.ceil(seg.length / per_split)
         plan.append((i, per_split, splits, total))
         total += splits
-    m = torch.empty(programs, total, block_m, device=device)
-    l = torch.empty_like(m)
-    acc = torch.empty(programs, total, block_m, block_dv, device=device)
+    # neutral partials (m = -inf, l = 0, acc = 0) if every segment is empty
+    m = torch.full((programs, max(total, 1), block_m), float("-inf"), device=device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(programs, max(total, 1), block_m, block_dv, device=device)
     if valid is not None:
         valid_u8 = valid.view(torch.uint8)
         valid_args = [valid_u8, valid_u8.stride(0), _stride(valid_u8, 1), valid_u8.stride(2)]
@@ -323,15 +324,17 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
     offset = 0
     offsets = []
     for i, per_split, splits, first in plan:
+        offsets.append(offset)
+        offset += ks[i].length
+        if not splits:
+            continue
         k_args, k_const = _operand(ks[i])
         v_args, v_const = _operand(vs[i])
         partial_kernel[(programs, splits)](
             *q_args, *k_args, *v_args, *valid_args, m, l, acc, first, total,
-            ks[i].length, offset, n, per_split, scaling, cap, hkv, dk, dv, *k_const, *v_const,
+            ks[i].length, offsets[-1], n, per_split, scaling, cap, hkv, dk, dv, *k_const, *v_const,
             BLOCK_DV=block_dv, **shape_const,
         )
-        offsets.append(offset)
-        offset += ks[i].length
     # combine the splits (and the sinks) in float32
     m_max = m.amax(1)
     if sinks is not None:
@@ -352,6 +355,8 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
     lse = torch.where(l_total > 0, m_safe + torch.log(l_total), float("inf")).contiguous()
     scores = torch.empty(b, hq, n, device=device)
     for (i, per_split, splits, _), offset in zip(plan, offsets):
+        if not splits:
+            continue
         k_args, k_const = _operand(ks[i])
         scores_kernel[(programs, splits)](
             *q_args, *k_args, *valid_args, lse, scores, scores.stride(0), scores.stride(1),
