@@ -44,8 +44,9 @@ def quantized(spec, x, pack_block=None) -> QuantizedKV:
     return from_codec(codec_for(spec, x, pack_block), x.shape[2])
 
 
-def dense_attention(query, ks, vs, valid, scaling, causal_tail=0, softcap=None, sinks=None):
-    """Dequantize everything, then float32 softmax attention (empty rows -> 0). Returns (output, column scores)."""
+def dense_attention(query, ks, vs, valid, scaling, causal_tail=0, softcap=None, sinks=None, query_weight=None):
+    """Dequantize everything, then float32 softmax attention (empty rows -> 0). Returns (output, column scores
+    weighted by `query_weight` [B, q])."""
     ks = [ks] if isinstance(ks, QuantizedKV) else ks
     vs = [vs] if isinstance(vs, QuantizedKV) else vs
     k = torch.cat([dequantize(s) for s in ks], 2)
@@ -64,7 +65,8 @@ def dense_attention(query, ks, vs, valid, scaling, causal_tail=0, softcap=None, 
     probs = torch.softmax(logits, -1).nan_to_num(0.0)
     if sinks is not None:
         probs = probs[..., :-1]
-    return probs @ v, probs.sum(2)
+    weight = torch.ones(b, q) if query_weight is None else query_weight
+    return probs @ v, (probs * weight[:, None, :, None]).sum(2)
 
 
 FP8 = {"format": "fp8_e4m3"}
@@ -81,11 +83,12 @@ INT2_HQQ = {"format": "int2", "granularity": "token", "group_size": 8, "backend"
 # (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
 CASES = {
     "fp8-token-decode": (FP8, FP8, None, 2, 1, 1, 32, 32, {}),
-    "fp8-head-gqa-causal-holes": (FP8_HEAD, FP8_TENSOR, None, 2, 3, 4, 32, 32, {"holes": True, "causal": True}),
+    "fp8-head-gqa-causal-holes": (FP8_HEAD, FP8_TENSOR, None, 2, 3, 4, 32, 32,
+                                  {"holes": True, "causal": True, "weights": True}),
     "int8-keys-fp8-values-mla-softcap": (INT8, FP8_E5M2_G8, None, 1, 4, 2, 48, 16, {"softcap": 3.0}),
     "fp8-e8m0-sinks-gqa": (FP8_E8M0, INT8, None, 2, 4, 1, 32, 24, {"sinks": True, "holes": True}),
     "fp8-channel": (FP8_CHANNEL, FP8, None, 2, 2, 3, 32, 32, {"causal": True}),
-    "kivi-int4-token-packed": (INT4_KEYS, INT4_VALUES, 16, 2, 2, 1, 32, 32, {"holes": True}),
+    "kivi-int4-token-packed": (INT4_KEYS, INT4_VALUES, 16, 2, 2, 1, 32, 32, {"holes": True, "weights": True}),
     "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
     "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
 }
@@ -100,6 +103,9 @@ def build_case(name, n=80, batch=2, seed=0, query_dtype=torch.float32):
     kwargs = {"causal_tail": q if opts.get("causal") else 0, "softcap": opts.get("softcap")}
     if opts.get("sinks"):
         kwargs["sinks"] = torch.randn(hkv * groups, generator=gen) * 2
+    if opts.get("weights"):  # H2O weighs queries (0: padding)
+        kwargs["query_weight"] = (torch.rand(batch, q, generator=gen) > 0.3).float()
+        kwargs["query_weight"][0, -1] = 0.0
     valid = None
     if opts.get("holes"):
         valid = torch.rand(batch, hkv, n, generator=gen) > 0.4
@@ -115,11 +121,12 @@ def test_matches_dequantize_then_attend(name):
     assert out.shape == ref_out.shape and out.dtype == query.dtype
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
-    # the scores are attention probabilities: each query row sums to 1 (minus what the sinks took)
-    rows = query.shape[2]
-    assert float(scores.sum(-1).max()) <= rows + 1e-4
-    if "sinks" not in kw:
-        torch.testing.assert_close(scores.sum(-1), torch.full_like(scores.sum(-1), rows), atol=1e-4, rtol=0)
+    # the scores are attention probabilities: each query row sums to 1 (minus what the sinks took), times its weight
+    weight = kw.get("query_weight", torch.ones(query.shape[0], query.shape[2]))
+    total = weight.sum(1)[:, None].expand(-1, query.shape[1])
+    assert (scores.sum(-1) <= total + 1e-4).all()
+    if kw.get("sinks") is None:
+        torch.testing.assert_close(scores.sum(-1), total, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -117,7 +117,8 @@ def _logits(qf, k, scaling, softcap, mask):
     return s
 
 
-def torch_blockwise_attention(query, ks, vs, n, valid, scaling, block, causal_tail, softcap, sinks, column_scores):
+def torch_blockwise_attention(query, ks, vs, n, valid, scaling, block, causal_tail, softcap, sinks, column_scores,
+                              query_weight=None):
     """The torch reference on validated inputs (see `blockwise_attention`)."""
     b, hq, q, dk = query.shape
     hkv, dv = ks[0].heads, vs[0].head_dim
@@ -159,15 +160,22 @@ def torch_blockwise_attention(query, ks, vs, n, valid, scaling, block, causal_ta
     lse = torch.where(l > 0, m + torch.log(l), float("inf"))  # empty rows: every probability is 0
     if one_pass:
         for c0, c1, m_block in maxima:
-            scores[:, :, c0:c1] *= torch.exp(m_block - lse).reshape(b, hq, 1)
+            factor = torch.exp(m_block - lse).reshape(b, hq, 1)
+            if query_weight is not None:
+                factor = factor * query_weight.float().view(b, 1, 1)
+            scores[:, :, c0:c1] *= factor
         return out, scores
+    weight = None if query_weight is None else query_weight.float().view(b, 1, 1, q, 1)
     offset = 0
     for kseg in ks:
         for s in range(0, kseg.length, block):
             e = min(s + block, kseg.length)
             mask = block_mask(valid, causal_tail, offset + s, offset + e, n, q, rows, device)
             p = torch.exp(_logits(qf, dequantize_block(kseg, s, e), scaling, softcap, mask) - lse[..., None])
-            scores[:, :, offset + s : offset + e] = p.view(b, hkv, groups, q, e - s).sum(3).reshape(b, hq, e - s)
+            p = p.view(b, hkv, groups, q, e - s)
+            if weight is not None:
+                p = p * weight
+            scores[:, :, offset + s : offset + e] = p.sum(3).reshape(b, hq, e - s)
         offset += kseg.length
     return out, scores
 
@@ -195,22 +203,27 @@ def blockwise_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_column_scores: bool = False,
+    query_weight: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Softmax attention of `query` [B, Hq, q, Dk] over quantized keys/values without dequantizing them whole.
     Returns the output [B, Hq, q, Dv] (query dtype), and with `return_column_scores` also the probability each
-    key column received summed over the queries, [B, Hq, n] float32. See the module docstring."""
+    key column received summed over the queries (each weighted by `query_weight` [B, q] if given, e.g. 0 for
+    padding queries), [B, Hq, n] float32. See the module docstring."""
     if backend not in BACKENDS:
         raise ValueError(f"blockwise_attention: `backend` must be one of {BACKENDS}, got {backend!r}")
     ks, vs, n = check_inputs(query, keys, values, valid, scaling, block, causal_tail, softcap, sinks)
+    if query_weight is not None and tuple(query_weight.shape) != (query.shape[0], query.shape[2]):
+        raise ValueError(f"blockwise_attention: `query_weight` must be [B, q] = {[query.shape[0], query.shape[2]]}, "
+                         f"got {list(query_weight.shape)}")
     if backend != "torch":
         reason = _triton_reason(query, ks, vs)
         if reason is None:
             from .triton_blockwise import triton_blockwise_attention
 
             return triton_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks,
-                                              return_column_scores)
+                                              return_column_scores, query_weight)
         if backend == "triton":
             raise RuntimeError(f"blockwise_attention(backend='triton') cannot run here: {reason}")
     return torch_blockwise_attention(query, ks, vs, n, valid, float(scaling), block, causal_tail, softcap, sinks,
-                                     return_column_scores)
+                                     return_column_scores, query_weight)

@@ -214,7 +214,7 @@ if triton is not None:
     def scores_kernel(Q, q_sb, q_sh, q_sq, q_sd,
                       K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd, kz_sb, kz_sh, kz_sn, kz_sd,
                       kb_sb, kb_sh, kb_sd,
-                      VALID, va_sb, va_sh, va_sn, LSE, SCORES, sc_sb, sc_sh,
+                      VALID, va_sb, va_sh, va_sn, LSE, SCORES, sc_sb, sc_sh, WEIGHT,
                       seg_len, col_offset, n_total, tokens_per_split, scaling, softcap, HKV, DK,
                       K_FMT: tl.constexpr, K_PACK: tl.constexpr, K_PER_BYTE: tl.constexpr, K_HQQ: tl.constexpr,
                       K_PACK_BLOCK: tl.constexpr, K_D_PACKED: tl.constexpr, K_S_TOK: tl.constexpr,
@@ -229,6 +229,7 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         q = load_query(Q, b, h, rows, q_sb, q_sh, q_sq, q_sd, DK, GROUPS, QLEN, BLOCK_DK)
         lse = tl.load(LSE + pid * BLOCK_M + rows)
+        weight = tl.load(WEIGHT + b * QLEN + rows % QLEN)  # per query (rows beyond GROUPS * QLEN: lse = inf)
         lo = split * tokens_per_split
         hi = tl.minimum(lo + tokens_per_split, seg_len)
         for start in range(lo, hi, BLOCK_N):
@@ -239,7 +240,7 @@ if triton is not None:
                              kz_sb, kz_sh, kz_sn, kz_sd, kb_sb, kb_sh, kb_sd, DK, VALID, va_sb, va_sh, va_sn,
                              K_FMT, K_PACK, K_PER_BYTE, K_HQQ, K_PACK_BLOCK, K_D_PACKED, K_S_TOK, K_S_CH, K_POW2,
                              K_HAS_ZERO, K_ZERO_CODE, K_HAS_BIAS, QLEN, HAS_VALID, CAUSAL, SOFTCAP, BLOCK_DK)
-            p = tl.exp(s - lse[:, None])
+            p = tl.exp(s - lse[:, None]) * weight[:, None]
             for g in tl.static_range(GROUPS):
                 col_sum = tl.sum(tl.where((rows // QLEN == g)[:, None], p, 0.0), 0)
                 tl.store(SCORES + b * sc_sb + (h * GROUPS + g) * sc_sh + col_offset + t, col_sum, mask=t_ok)
@@ -289,7 +290,8 @@ def _pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (x - 1).bit_length())
 
 
-def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores):
+def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
+                               query_weight=None):
     """The Triton path on validated inputs (see `blockwise.blockwise_attention`)."""
     b, hq, q, dk = query.shape
     hkv, dv = ks[0].heads, vs[0].head_dim
@@ -352,14 +354,18 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
     out = out[:, :rows, :dv].reshape(b, hkv, groups, q, dv).reshape(b, hq, q, dv).to(query.dtype)
     if not column_scores:
         return out
-    lse = torch.where(l_total > 0, m_safe + torch.log(l_total), float("inf")).contiguous()
+    lse = torch.where(l_total > 0, m_safe + torch.log(l_total), float("inf"))
+    lse[:, rows:] = float("inf")  # padding rows contribute nothing
+    if query_weight is None:
+        query_weight = torch.ones(b, q, device=device)
+    query_weight = query_weight.float().contiguous()
     scores = torch.empty(b, hq, n, device=device)
     for (i, per_split, splits, _), offset in zip(plan, offsets):
         if not splits:
             continue
         k_args, k_const = _operand(ks[i])
         scores_kernel[(programs, splits)](
-            *q_args, *k_args, *valid_args, lse, scores, scores.stride(0), scores.stride(1),
+            *q_args, *k_args, *valid_args, lse, scores, scores.stride(0), scores.stride(1), query_weight,
             ks[i].length, offset, n, per_split, scaling, cap, hkv, dk, *k_const, **shape_const,
         )
     return out, scores
