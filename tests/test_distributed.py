@@ -43,6 +43,7 @@ EVICT, KEEP = 12, 64  # budgets: below the 24-token prompt, above prompt + new t
 LOGIT_TOLERANCE = 1e-4  # float32 reassociation of the all-reduce measured at <= 5.2e-6
 NON_HEAD_SHARE = 0.10  # bytes not per head, as a share of the single-process cache (measured <= 7.1%)
 TIMEOUT = 300
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CASES = [
     {"id": "dynamic", "cache": "dynamic"},  # transformers' own cache: the baseline of what TP gives every cache
@@ -127,14 +128,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(model_dir, cases_path, out_dir) -> None:
+def torchrun(script: str, *args: str) -> str:
+    """Run `script` on WORLD processes on loopback (a free port chosen now); its stdout, or fail with stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on loopback
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={WORLD}",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-        os.path.join(os.path.dirname(__file__), "distributed_worker.py"), str(model_dir), str(cases_path), str(out_dir),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", script, *args,
     ]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -142,6 +143,7 @@ def run_torchrun(model_dir, cases_path, out_dir) -> None:
         pytest.fail(f"torchrun did not finish in {TIMEOUT} s; stderr tail:\n{(error.stderr or '')[-3000:]}")
     if done.returncode != 0:
         pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n{done.stderr[-5000:]}")
+    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,7 @@ def runs(tmp_path_factory):
     ]
     (root / "cases.json").write_text(json.dumps(cases))
     (root / "out").mkdir()
-    run_torchrun(root / "model", root / "cases.json", root / "out")
+    torchrun(os.path.join(HERE, "distributed_worker.py"), str(root / "model"), str(root / "cases.json"), str(root / "out"))
     reference = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
     single = worker.run_cases(reference, cases)
     ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -258,3 +260,44 @@ def test_layer_allocates_on_the_device_of_its_keys(name, config):
     for layer, device in zip(cache.layers, devices):
         assert layer_tensor_devices(layer) == {device}, f"layer {layer.layer_idx}"
     assert cache.get_seq_length() == worker.PROMPT + 2
+
+
+def test_example_under_torchrun():
+    """examples/tensor_parallel.py (tiny random Llama, 4 KV heads) on 2 ranks with --compare."""
+    out = torchrun(os.path.join(HERE, "..", "examples", "tensor_parallel.py"), "--cache", "sink:budget=12",
+                   "--cache", "h2o:budget=0.5", "--new-tokens", "6", "--compare")
+    for rank in range(WORLD):
+        assert out.count(f"[rank {rank}/{WORLD}]") == 2
+    lines = [line for line in out.splitlines() if line.startswith("[rank")]
+    assert all("KV heads per layer [2, 2]" in line for line in lines), out
+    comparisons = [line for line in out.splitlines() if "one process:" in line]
+    assert len(comparisons) == 2 and all("KV heads [4, 4]" in c and "tokens equal" in c for c in comparisons), out
+
+
+# -- a model dispatched by accelerate with a device_map --------------------------------------------------------------
+@pytest.mark.parametrize("name,config", [
+    ("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT}),
+    ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}), ("random_eviction", {"budget": EVICT}),
+    ("fp8", {}), ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
+], ids=["sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi"])
+def test_device_map_with_offloaded_layer(tmp_path, name, config):
+    """`device_map` with layer 1 offloaded to disk: accelerate's hooks move its weights in and its inputs around;
+    the only real device is the CPU, so both layers still compute there (not a split over devices). Our forward
+    hooks and attention bridge must work under accelerate's hooks: same tokens as the plain model."""
+    pytest.importorskip("accelerate")
+    model = build_model("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path / "offload")
+    ).eval()
+    assert dispatched.hf_device_map["model.layers.1"] == "disk"
+    ids, mask = worker.prompt(padded=True)
+    outputs = []
+    for m in (model, dispatched):
+        cache = build_cache(name, m, config)
+        outputs.append(m.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                                  do_sample=False, pad_token_id=worker.PAD))
+        assert cache.get_seq_length() == worker.PROMPT + 5  # the last token is generated, not cached
+    assert torch.equal(outputs[0], outputs[1])
