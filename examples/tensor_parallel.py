@@ -7,6 +7,9 @@
     # here, on CPU (gloo), with the default tiny random Llama (8 query heads, 4 KV heads): runs in seconds
     torchrun --nproc-per-node 2 examples/tensor_parallel.py --cache sink:budget=12 --compare
 
+    # layers split over the GPUs of one process instead (accelerate's device_map, no torchrun)
+    python examples/tensor_parallel.py --model Qwen/Qwen2.5-7B-Instruct --device-map auto --cache sink:budget=512
+
 Every rank loads the model with `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`
 (the spelling of `tp_plan="auto"` that transformers 5.23 does not deprecate), runs greedy `generate` with each
 `--cache` (`NAME` or `NAME:key=value,...`, names of `hf_kvcache.CACHE_IMPLEMENTATIONS` or "dynamic"; budgets in
@@ -50,8 +53,10 @@ def distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def load(path: str, dtype, tensor_parallel: bool):
+def load(path: str, dtype, tensor_parallel: bool, device_map: str | None = None):
     kwargs = {"dtype": DTYPES[dtype]}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     if tensor_parallel:
         from transformers.distributed import DistributedConfig
 
@@ -75,6 +80,13 @@ def kv_heads(cache) -> list[int]:
     if isinstance(cache, hf_kvcache.KVCache):
         return [layer.heads if layer.is_initialized else 0 for layer in cache.layers]
     return [layer.keys.shape[1] if layer.is_initialized else 0 for layer in cache.layers]
+
+
+def devices(cache) -> list[str]:
+    """The device each layer's cache allocated on (from the first keys it received)."""
+    if isinstance(cache, hf_kvcache.KVCache):
+        return [str(layer.device) if layer.is_initialized else "-" for layer in cache.layers]
+    return [str(layer.keys.device) if layer.is_initialized else "-" for layer in cache.layers]
 
 
 def nbytes(cache) -> int:
@@ -102,7 +114,11 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     parser.add_argument("--compare", action="store_true", help="also run one process on rank 0 and compare tokens")
+    parser.add_argument("--device-map", default=None, help="e.g. 'auto': split the layers over this process's "
+                        "devices (accelerate) instead of tensor parallelism; not under torchrun")
     args = parser.parse_args(argv)
+    if args.device_map is not None and distributed():
+        parser.error("--device-map and tensor parallelism (torchrun) are mutually exclusive in transformers")
     if args.prompt_tokens < 1 or args.new_tokens < 1:
         parser.error("--prompt-tokens and --new-tokens must be >= 1")
     specs = [parse_cache(text)[1:] for text in (args.cache or ["sink:budget=0.5", "dynamic"])]
@@ -112,7 +128,7 @@ def main(argv=None) -> None:
     transformers.logging.set_verbosity_error()
     path = tiny_model_dir() if args.model == TINY else args.model
     tokenizer = None if args.model == TINY else AutoTokenizer.from_pretrained(path)
-    model = load(path, args.dtype, distributed())
+    model = load(path, args.dtype, distributed(), args.device_map)
     rank = torch.distributed.get_rank() if distributed() else 0
     world = torch.distributed.get_world_size() if distributed() else 1
     batch = inputs(model, tokenizer, args.prompt, args.prompt_tokens)
@@ -121,7 +137,9 @@ def main(argv=None) -> None:
     for name, config in specs:
         tokens, cache = generate(model, batch, name, config, args.new_tokens)
         label = name + (":" + ",".join(f"{k}={v}" for k, v in config.items()) if config else "")
-        print(f"[rank {rank}/{world}] {label}: KV heads per layer {kv_heads(cache)}, nbytes {nbytes(cache)}", flush=True)
+        where = f", devices {devices(cache)}" if args.device_map is not None else ""
+        print(f"[rank {rank}/{world}] {label}: KV heads per layer {kv_heads(cache)}, nbytes {nbytes(cache)}{where}",
+              flush=True)
         if distributed():
             torch.distributed.barrier()
         if rank != 0:
