@@ -13,7 +13,8 @@ Contract (the same as "dequantize everything, then softmax attention" in float32
 - `causal_tail` (0 or q): the last q columns are the new tokens in order, causal among themselves, and each query
   always sees its own column (as `hf_kvcache.attention.build_validity_mask`, so such rows are never empty);
 - `sinks` [Hq]: one extra logit per query head in the softmax denominator, attached to no value (GPT-OSS);
-- a row with no visible column (and no sink) has a zero output and zero column scores (never NaN).
+- a row with no visible column (and no sink) has a zero output and zero column scores (never NaN);
+- column scores: the probability each column received summed over the queries, weighted by `query_weight` [B, q].
 
 Memory: the torch path dequantizes `block` tokens of keys and values at a time (float32), so besides the output
 (and the scores, if asked) it holds O(B x Hq x q x block) extra, whatever n is. Column scores need the final
