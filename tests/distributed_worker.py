@@ -1,15 +1,15 @@
 """What each rank runs for tests/test_distributed.py: our caches under transformers' own tensor parallelism.
 
-    python -m torch.distributed.run --nproc-per-node N tests/distributed_worker.py MODEL_DIR CASES_JSON OUT_DIR
+    python -m torch.distributed.run --nproc-per-node N tests/distributed_worker.py MODELS_DIR CASES_JSON OUT_DIR
 
-Under torchrun (WORLD_SIZE set) every rank loads MODEL_DIR with
+Under torchrun (WORLD_SIZE set) every rank loads each model MODELS_DIR/<case["model"]> the cases name with
 `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` (transformers' own tensor parallelism:
 the model's `base_model_tp_plan`, gloo on CPU, NCCL on GPUs), runs every case of CASES_JSON through greedy
 `generate` and writes OUT_DIR/rank{R}.json. The single-process reference calls `run_cases` on a model loaded the
 ordinary way, so both sides run exactly the same code.
 
-A case is {"id", "cache" (a name of hf_kvcache.CACHE_IMPLEMENTATIONS or "dynamic"), "config" (cache_config),
-"padded" (bool: left-pad the second row)}. Its result (`run_case`) holds what the test checks: the generated tokens
+A case is {"id", "model" (a subdirectory of MODELS_DIR), "cache" (a name of hf_kvcache.CACHE_IMPLEMENTATIONS or
+"dynamic"), "config" (cache_config), "padded" (bool: left-pad the second row)}. Its result (`run_case`) holds what the test checks: the generated tokens
 and per-step logits, the cache's KV head count per layer (`layer.heads`, and dim 1 of every per-row tensor held by
 the layer's store and policy), `cache.nbytes()`, or the error if generation raised. Nothing here asserts: the test
 does, against the single-process run.
@@ -124,18 +124,23 @@ def run_cases(model, cases: list[dict]) -> dict[str, dict]:
     return {case["id"]: run_case(model, case) for case in cases}
 
 
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
 def sharding_facts(model) -> dict:
-    """What transformers did to the model: TP size and the local shape of the first layer's key projection."""
-    weight = model.model.layers[0].self_attn.k_proj.weight
+    """What transformers did to the model: TP size and the local rows of the first layer's key projection."""
+    name, module = next((n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in KEY_PROJECTIONS)
+    weight = module.weight
     local = weight.to_local() if hasattr(weight, "to_local") else weight
     return {
         "tp_size": getattr(model, "_tp_size", None) or 1,
-        "k_proj_local_rows": local.shape[0],
-        "k_proj_is_dtensor": type(weight).__name__ == "DTensor",
+        "key_projection": name,
+        "key_projection_local_rows": local.shape[0],
+        "key_projection_is_dtensor": type(weight).__name__ == "DTensor",
     }
 
 
-def main(model_dir: str, cases_path: str, out_dir: str) -> None:
+def main(models_dir: str, cases_path: str, out_dir: str) -> None:
     import transformers
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -146,12 +151,15 @@ def main(model_dir: str, cases_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")
-    ).eval()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    report = {"rank": rank, "world": world, **sharding_facts(model), "cases": run_cases(model, cases)}
-    path = os.path.join(out_dir, f"rank{rank}.json")
+    report = {"models": {}, "cases": {}}
+    for name in dict.fromkeys(case["model"] for case in cases):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(models_dir, name), dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")
+        ).eval()
+        report["models"][name] = sharding_facts(model)
+        report["cases"].update(run_cases(model, [case for case in cases if case["model"] == name]))
+    report["rank"], report["world"] = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    path = os.path.join(out_dir, f"rank{report['rank']}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
     os.replace(path + ".tmp", path)

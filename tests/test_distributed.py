@@ -12,7 +12,10 @@ case through greedy `generate`, and compares each rank's report with the same ca
 - `cache.nbytes()` per rank is 1/world of the single-process cache, up to what is not per head (slot positions of
   head-shared policies, the shared key rotation matrix, scalar scales): within 10% of the single-process bytes.
 Budgets of 12 tokens for a 24-token prompt (eviction happens before the first decode step) and of 64 (nothing is
-evicted). Cases that fail because of a library bug are strict xfails naming the bug (see docs/distributed.md).
+evicted). A few cases also run on Qwen3 (sharded like Llama) and Phi-3 (its plan gathers the fused qkv output, so
+attention and the cache are replicated: every rank holds all heads). Cases that fail because of a library bug are
+strict xfails naming the bug (see docs/distributed.md). Also: examples/tensor_parallel.py under torchrun, and every
+cache on a model dispatched by accelerate with a device_map (a disk-offloaded layer).
 
 Layers on other devices (`device_map` splits): only the CPU exists here, so the meta device stands in for "another
 device": one forward announced on the CPU, layer 0 receiving CPU keys and layer 1 meta keys; each layer must
@@ -78,7 +81,22 @@ CASES = [
     {"id": "kivi", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8}},
     {"id": "kivi_hqq", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8, "backend": "hqq"}},
 ]
+for case in CASES:
+    case["model"] = "llama"
+# Other architectures: Qwen3 (q/k norms, replicated) shards like Llama; Phi-3's plan gathers its fused qkv_proj
+# output ("colwise_gather_output"), so every rank computes every head and its cache holds all of them.
+OTHER_ARCHS = {"qwen3": KV_HEADS // WORLD, "phi3": KV_HEADS}
+LOCAL_HEADS = {"llama": KV_HEADS // WORLD, **OTHER_ARCHS}
+for arch in OTHER_ARCHS:
+    CASES += [
+        {"id": f"{arch}-dynamic", "model": arch, "cache": "dynamic"},
+        {"id": f"{arch}-sink", "model": arch, "cache": "sink", "config": {"sinks": 2, "budget": EVICT}},
+        {"id": f"{arch}-h2o", "model": arch, "cache": "h2o", "config": {"budget": EVICT}},
+        {"id": f"{arch}-fp8", "model": arch, "cache": "fp8", "config": {}},
+        {"id": f"{arch}-kivi", "model": arch, "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8}},
+    ]
 CASE_IDS = [case["id"] for case in CASES]
+MODEL_OF = {case["id"]: case["model"] for case in CASES}
 
 # Library bugs (hf_kvcache) that make a case differ from the single-process run; each names the fix needed.
 COMPOSITE_SINKS = (
@@ -150,8 +168,11 @@ def torchrun(script: str, *args: str) -> str:
 def runs(tmp_path_factory):
     """{"single": results, "ranks": [report of rank 0, rank 1]} for every case."""
     root = tmp_path_factory.mktemp("tp")
-    model = build_model("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
-    model.save_pretrained(root / "model")
+    for arch in LOCAL_HEADS:
+        build_model(arch, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM).save_pretrained(
+            root / "models" / arch
+        )
+    model = AutoModelForCausalLM.from_pretrained(root / "models" / "llama", dtype=torch.float32).eval()
     calibration_ids = torch.randint(2, worker.VOCAB, (2, 48), generator=torch.Generator().manual_seed(5))
     scales = calibrate(model, input_ids=calibration_ids, window=48)
     cases = [
@@ -160,9 +181,12 @@ def runs(tmp_path_factory):
     ]
     (root / "cases.json").write_text(json.dumps(cases))
     (root / "out").mkdir()
-    torchrun(os.path.join(HERE, "distributed_worker.py"), str(root / "model"), str(root / "cases.json"), str(root / "out"))
-    reference = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
-    single = worker.run_cases(reference, cases)
+    torchrun(os.path.join(HERE, "distributed_worker.py"), str(root / "models"), str(root / "cases.json"),
+             str(root / "out"))
+    single = {}
+    for arch in LOCAL_HEADS:
+        reference = AutoModelForCausalLM.from_pretrained(root / "models" / arch, dtype=torch.float32).eval()
+        single.update(worker.run_cases(reference, [case for case in cases if case["model"] == arch]))
     ranks = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"single": single, "ranks": ranks}
 
@@ -176,11 +200,16 @@ def results(runs, cid: str) -> tuple[dict, list[dict]]:
     return single, ranks
 
 
-def test_transformers_sharded_the_model(runs):
+def test_transformers_sharded_the_models(runs):
     for rank, report in enumerate(runs["ranks"]):
-        assert report["rank"] == rank and report["world"] == WORLD and report["tp_size"] == WORLD
-        assert report["k_proj_is_dtensor"]
-        assert report["k_proj_local_rows"] == KV_HEADS // WORLD * HEAD_DIM
+        assert report["rank"] == rank and report["world"] == WORLD
+        assert set(report["models"]) == set(LOCAL_HEADS)
+        for arch, facts in report["models"].items():
+            assert facts["tp_size"] == WORLD and facts["key_projection_is_dtensor"], arch
+        assert report["models"]["llama"]["key_projection_local_rows"] == KV_HEADS // WORLD * HEAD_DIM
+        assert report["models"]["qwen3"]["key_projection_local_rows"] == KV_HEADS // WORLD * HEAD_DIM
+        # Phi-3: the fused q|k|v rows are split evenly, then gathered again before attention
+        assert report["models"]["phi3"]["key_projection_local_rows"] == (HEADS + 2 * KV_HEADS) * HEAD_DIM // WORLD
 
 
 @pytest.mark.parametrize("cid", cases_for("tokens"))
@@ -204,7 +233,7 @@ def test_logits_match_single_process(runs, cid):
 @pytest.mark.parametrize("cid", cases_for("heads"))
 def test_each_rank_holds_only_its_heads(runs, cid):
     single, ranks = results(runs, cid)
-    local = KV_HEADS // WORLD
+    local = LOCAL_HEADS[MODEL_OF[cid]]
     assert single["heads"] == [KV_HEADS, KV_HEADS]  # the check below is live: one process holds every head
     assert all(dims == [KV_HEADS] for dims in single["store_heads"])
     for rank, result in enumerate(ranks):
@@ -217,10 +246,11 @@ def test_each_rank_holds_only_its_heads(runs, cid):
 def test_bytes_per_rank_are_a_shard(runs, cid):
     single, ranks = results(runs, cid)
     assert ranks[0]["nbytes"] == ranks[1]["nbytes"]
-    non_head = WORLD * ranks[0]["nbytes"] - single["nbytes"]  # bytes each rank holds whole, times (world - 1)
+    shards = KV_HEADS // LOCAL_HEADS[MODEL_OF[cid]]  # 1 when the model's plan replicates attention (Phi-3)
+    non_head = shards * ranks[0]["nbytes"] - single["nbytes"]  # bytes each rank holds whole, times (shards - 1)
     assert 0 <= non_head <= NON_HEAD_SHARE * single["nbytes"], (
         f"per rank {ranks[0]['nbytes']} B vs one process {single['nbytes']} B "
-        f"(ratio {ranks[0]['nbytes'] / single['nbytes']:.4f}, expected ~{1 / WORLD})"
+        f"(ratio {ranks[0]['nbytes'] / single['nbytes']:.4f}, expected ~{1 / shards})"
     )
 
 
