@@ -22,7 +22,6 @@ import math
 
 import torch
 
-from .codes import FP8_FORMATS, INT_FORMATS
 
 MAX_ROWS = 128
 MAX_HEAD_DIM = 256
