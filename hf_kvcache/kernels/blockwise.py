@@ -24,7 +24,8 @@ the logits block by block against the final log-sum-exp (keys are dequantized tw
 
 Backends: "torch" (any device; no host-device sync: blocks come from Python ints; compiles with
 `torch.compile(fullgraph=True)`), "triton" (`triton_blockwise`, decode: Hq / Hkv x q <= 128 query rows per KV
-head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "auto" (triton when it can run, else torch).
+head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "auto" (triton for CUDA tensors when it can run,
+else torch; never the interpreter).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def blockwise_attention(
     if query_weight is not None and tuple(query_weight.shape) != (query.shape[0], query.shape[2]):
         raise ValueError(f"blockwise_attention: `query_weight` must be [B, q] = {[query.shape[0], query.shape[2]]}, "
                          f"got {list(query_weight.shape)}")
-    if backend != "torch":
+    if backend == "triton" or (backend == "auto" and query.device.type == "cuda"):  # the interpreter: asked only
         reason = _triton_reason(query, ks, vs)
         if reason is None:
             from .triton_blockwise import triton_blockwise_attention
