@@ -28,7 +28,18 @@ logger = logging.getLogger(__name__)
 
 BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
 _INNER = {"hf_kvcache_sdpa": sdpa_attention_forward, "hf_kvcache_eager": eager_attention_forward}
-_MASKS = {"hf_kvcache_sdpa": sdpa_mask, "hf_kvcache_eager": eager_mask}
+
+
+def _bridge_sdpa_mask(*args, **kwargs):
+    """transformers' sdpa mask, except that with one of our caches a decode step never reads the padding mask on
+    the host to decide whether the mask can be skipped (our layers bring their own validity in decode)."""
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    if q_length == 1 and active_cache() is not None:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+_MASKS = {"hf_kvcache_sdpa": _bridge_sdpa_mask, "hf_kvcache_eager": eager_mask}
 _local = threading.local()
 
 

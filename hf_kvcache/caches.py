@@ -34,6 +34,7 @@ class ForwardInfo:
         self.real: torch.Tensor | None = None  # [B, q] bool
         self.positions: torch.Tensor | None = None  # [B, q] long
         self.has_padding = False  # sticky: once padded, columns no longer map to contiguous positions
+        self.mask_given = False  # the current forward came with a padding mask
         self.attention_bridged = False  # the model's attention runs through our bridge (set by the pre-hook)
 
     def begin(self, q_len: int, batch: int, device, seen: int, attention_mask=None, position_ids=None) -> None:
@@ -54,7 +55,12 @@ class ForwardInfo:
             position_ids = torch.arange(seen, seen + q_len, device=device)[None]
         self.real = real
         self.positions = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
-        self.has_padding = self.has_padding or not bool(real.all())
+        # Whether the stream has padding is read on the host once per multi-token forward (prefill), never in decode:
+        # decode steps record each new token's validity on the device, and the bridge always applies it (see
+        # CompressedLayer.attention_validity), so a padding token in decode is masked without a host sync.
+        if q_len > 1 and attention_mask is not None and not self.has_padding:
+            self.has_padding = not bool(real.all())
+        self.mask_given = attention_mask is not None
         self.q_len = q_len
         self.serial += 1
 

@@ -105,7 +105,7 @@ class CompressedLayer(CacheLayerMixin):
         if q == 1 and self.seen > 0 and not self.forward_info.has_padding:
             slot = self.policy.decode_slot(self, self.seen)
             if slot is not None:
-                return self._decode_in_slot(slot, key_states, value_states, info.positions)
+                return self._decode_in_slot(slot, key_states, value_states, info.positions, info.real)
         if q == 1 and self.seen > 0:
             placement = self.policy.place(self, info.real, self.seen)
             self._write(placement, key_states, value_states, info.positions, self.seen)
@@ -138,11 +138,12 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += q
         return keys, values
 
-    def _decode_in_slot(self, slot: int, key_states, value_states, positions):
-        """Fast path for an unpadded one-token step whose slot the policy knows without looking at data: slice
-        copies instead of scatters (most of the per-step cost on CPU is Python-level tensor op overhead)."""
+    def _decode_in_slot(self, slot: int, key_states, value_states, positions, real):
+        """Fast path for a one-token step (no padding so far) whose slot the policy knows without looking at data:
+        slice copies instead of scatters (most of the per-step cost on CPU is Python-level tensor op overhead). The
+        token's validity comes from the mask, on the device (a padding token here is masked, never read back)."""
         self.store.write_slot(slot, key_states, value_states)
-        self.slot_valid[..., slot] = True
+        self.slot_valid[..., slot] = real[:, :1]
         if self.slot_pos is not None:
             self.slot_pos[..., slot] = positions[:, :1]
         self.policy.after_decode_write(self, slot, key_states, positions)
@@ -167,7 +168,7 @@ class CompressedLayer(CacheLayerMixin):
         gather_index = src[..., None].expand(src.shape[0], heads, src.shape[-1], key_states.shape[-1])
         keys = key_states.gather(2, gather_index)
         values = value_states.gather(2, gather_index[..., :1].expand(-1, -1, -1, value_states.shape[-1]))
-        self.store.write(dest, keys, values)
+        self.store.write(dest, keys, values, start=placement.start, regions=placement.regions)
         self.slot_valid.scatter_(2, dest, placement.valid)
         if self.slot_pos is not None:
             self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).to(torch.int32).unsqueeze(1).expand_as(dest))
@@ -176,8 +177,10 @@ class CompressedLayer(CacheLayerMixin):
     # -- what attention needs -----------------------------------------------------------------------------------
     def attention_validity(self) -> tuple[torch.Tensor, int] | None:
         """(validity [B, Hm, kv] of the columns of the last update, number of trailing causal columns), or None when
-        transformers' own mask is already right (no padding ever seen and a policy without holes)."""
-        if not (self.forward_info.has_padding or self.policy.may_have_holes):
+        transformers' own mask is already right (no padding ever seen and a policy without holes). Decode steps with a
+        padding mask always get the layer's validity: deciding otherwise would mean reading the mask on the host."""
+        decode_with_mask = self._attention_query_len == 1 and self.forward_info.mask_given
+        if not (self.forward_info.has_padding or self.policy.may_have_holes or decode_with_mask):
             return None
         causal = self._attention_query_len if self._attention_query_len > 1 else 0
         return self._attention_columns, causal

@@ -26,7 +26,7 @@ def roundtrip(key: QuantSpec, x: torch.Tensor, append_only: bool = False) -> tup
     b, h, n, d = x.shape
     store = QuantizedStore(key, "none", append_only=append_only, workspace=DequantWorkspace())
     store.allocate(b, h, d, n + 1, x.dtype, "cpu")
-    store.write(torch.arange(n).expand(b, 1, n), x, torch.zeros_like(x))
+    store.write(torch.arange(n).expand(b, 1, n), x, torch.zeros_like(x), start=0)
     keys, _ = store.read(n)
     return keys.clone(), store
 
@@ -201,7 +201,7 @@ def test_values_beyond_a_static_scale_saturate():
     store.set_static(key_scale=1.0, value_scale=[0.5, 2.0])
     store.allocate(1, 2, 16, 4, torch.float32, "cpu")
     x = torch.full((1, 2, 1, 16), 1000.0)
-    store.write(torch.zeros(1, 1, 1, dtype=torch.long), x, -x)
+    store.write(torch.zeros(1, 1, 1, dtype=torch.long), x, -x, start=0)
     k, v = store.read(1)
     assert torch.equal(k, torch.full_like(x, 448.0))  # fmax * scale
     assert torch.equal(v[0, 0], torch.full((1, 16), -224.0)) and torch.equal(v[0, 1], torch.full((1, 16), -896.0))
@@ -222,13 +222,13 @@ def test_non_finite_input_is_an_error_and_leaves_the_store_unchanged(spec, bad, 
     store.layer_idx = 7
     store.allocate(1, 2, 16, 8, torch.float32, "cpu")
     x = torch.randn(1, 2, 3, 16)
-    store.write(torch.arange(3).expand(1, 1, 3), x, x)
+    store.write(torch.arange(3).expand(1, 1, 3), x, x, start=0)
     before = [t.clone() for t in store.read(3)]
     nbytes = store.nbytes()
     y = torch.randn(1, 2, 1, 16)
     y[0, 1, 0, 5] = bad
     with pytest.raises(NonFiniteError, match=r"TestCache \(layer 7\): 1 non-finite values"):
-        store.write(torch.full((1, 1, 1), 3), x[:, :, :1], y)
+        store.write(torch.full((1, 1, 1), 3), x[:, :, :1], y, start=3)
     with pytest.raises(FloatingPointError):  # also an ArithmeticError for callers that catch those
         store.write_slot(3, y, x[:, :, :1])
     after = store.read(3)
@@ -248,7 +248,7 @@ def test_half_precision_models(spec, dtype):
     x = (torch.randn(2, 3, 40, 16) * 3 + 1).to(dtype)
     store = QuantizedStore(spec, spec, append_only=True, residual=3, key_smoothing=True, workspace=DequantWorkspace())
     store.allocate(2, 3, 16, 41, dtype, "cpu")
-    store.write(torch.arange(40).expand(2, 1, 40), x, x)
+    store.write(torch.arange(40).expand(2, 1, 40), x, x, start=0)
     k, v = store.read(40)
     assert k.dtype == v.dtype == dtype and store.qlen >= 32
     assert torch.equal(k[:, :, store.qlen:], x[:, :, store.qlen:])  # residual: exact

@@ -52,7 +52,7 @@ def test_append_only_quantizes_each_token_once_and_never_again(residual):
     store = make(*kivi(group=4), residual=residual)
     counter = EncodeCounter(store)
     x, y = torch.randn(B, H, 50, D), torch.randn(B, H, 50, D)
-    store.write(seq(0, 13), x[:, :, :13], y[:, :, :13])  # prefill
+    store.write(seq(0, 13), x[:, :, :13], y[:, :, :13], start=0)  # prefill
     first_k, _ = (t.clone() for t in store.read(13))
     for t in range(13, 50):
         store.write_slot(t, x[:, :, t : t + 1], y[:, :, t : t + 1])
@@ -78,7 +78,7 @@ def test_append_cost_is_proportional_to_new_tokens():
     """Work per append (tokens encoded) does not grow with the cache: 1 token per step for per-token FP8."""
     store = make(QuantSpec("fp8_e4m3"), QuantSpec("fp8_e4m3"))
     counter = EncodeCounter(store)
-    store.write(seq(0, 64), torch.randn(B, H, 64, D), torch.randn(B, H, 64, D))
+    store.write(seq(0, 64), torch.randn(B, H, 64, D), torch.randn(B, H, 64, D), start=0)
     for t in range(64, 200):
         before = counter.tokens
         store.write_slot(t, torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
@@ -91,7 +91,7 @@ def test_slot_layout_arbitrary_and_per_head_writes():
     store = make(spec, QuantSpec("int8"), append_only=False)
     ref = make(spec, QuantSpec("int8"), append_only=False)
     x, y = torch.randn(B, H, 16, D), torch.randn(B, H, 16, D)
-    store.write(seq(0, 16), x, y)
+    store.write(seq(0, 16), x, y, start=0)
     # overwrite slots in a scattered order, a different slot per row and per head (H2O-style), the trash slot too
     dest = torch.tensor([[[3, 16, 7], [0, 9, 16], [15, 2, 4]], [[5, 6, 16], [1, 16, 11], [8, 12, 13]]])
     nx, ny = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
@@ -103,7 +103,7 @@ def test_slot_layout_arbitrary_and_per_head_writes():
                 if dest[b, h, i] < 16:
                     expected_x[b, h, dest[b, h, i]] = nx[b, h, i]
                     expected_y[b, h, dest[b, h, i]] = ny[b, h, i]
-    ref.write(seq(0, 16), expected_x, expected_y)  # per-token scales: a token's codes depend on itself only
+    ref.write(seq(0, 16), expected_x, expected_y, start=0)  # per-token scales: a token's codes depend on itself only
     k, v = store.read(16)
     rk, rv = ref.read(16)
     assert torch.equal(k, rk) and torch.equal(v, rv)
@@ -128,9 +128,9 @@ def test_slot_layout_rejects_block_granularity_and_residual():
 
 def test_append_only_rejects_an_evicting_write_pattern():
     store = make(QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("fp8_e4m3"))
-    store.write(seq(0, 8), torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
+    store.write(seq(0, 8), torch.randn(B, H, 8, D), torch.randn(B, H, 8, D), start=0)
     ring = torch.tensor([[[8, 2]], [[8, 2]]])  # a ring buffer wrapping around (sliding-window policy)
-    with pytest.raises(RuntimeError, match=r"append-only layout got a non-sequential write.*append_only=False"):
+    with pytest.raises(RuntimeError, match=r"append-only layout needs sequential writes.*append_only=False"):
         store.write(ring, torch.randn(B, H, 2, D), torch.randn(B, H, 2, D))
 
 
@@ -138,7 +138,7 @@ def test_append_only_rejects_an_evicting_write_pattern():
 def test_crop_within_the_residual_and_at_block_boundaries():
     store = make(*kivi(group=4), residual=4)
     x, y = torch.randn(B, H, 20, D), torch.randn(B, H, 20, D)
-    store.write(seq(0, 20), x, y)  # 16 quantized + 4 in full precision
+    store.write(seq(0, 20), x, y, start=0)  # 16 quantized + 4 in full precision
     assert (store.qlen, store.fp_len) == (16, 4)
     store.write_slot(18, x[:, :, 18:19] * 0, y[:, :, 18:19] * 0)  # assisted decoding rejected 2 tokens
     assert store.length == 19
@@ -153,7 +153,7 @@ def test_crop_within_the_residual_and_at_block_boundaries():
 def test_map_batch_reorders_rows():
     store = make(QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("fp8_e5m2"), residual=3)
     x, y = torch.randn(B, H, 11, D), torch.randn(B, H, 11, D)
-    store.write(seq(0, 11), x, y)
+    store.write(seq(0, 11), x, y, start=0)
     k, v = (t.clone() for t in store.read(11))
     beam = torch.tensor([1, 1])
     store.map_batch(lambda t: t.index_select(0, beam))
@@ -200,7 +200,7 @@ def test_nbytes_is_the_theoretical_size(key, value, residual, dtype):
     store = QuantizedStore(key, value, residual=residual, append_only=True)
     store.allocate(B, H, D, 17, dtype, "cpu")
     n = 200
-    store.write(seq(0, n), torch.randn(B, H, n, D, dtype=dtype), torch.randn(B, H, n, D, dtype=dtype))
+    store.write(seq(0, n), torch.randn(B, H, n, D, dtype=dtype), torch.randn(B, H, n, D, dtype=dtype), start=0)
     model_bytes = torch.empty((), dtype=dtype).element_size()
     fp_slots = store.fp_k.shape[2] if store.fp_k is not None else 0
     assert fp_slots == (residual + store.flush - 1 if residual + store.flush > 1 else 0)
@@ -230,7 +230,7 @@ def test_4k_tokens_bytes_versus_dynamic_cache_in_bfloat16():
     ratios = {}
     for name, store in (("fp8", fp8), ("int4", int4)):
         store.allocate(1, heads, dim, 17, torch.bfloat16, "cpu")
-        store.write(torch.arange(n).view(1, 1, n), x, x)
+        store.write(torch.arange(n).view(1, 1, n), x, x, start=0)
         ratios[name] = store.nbytes() / dynamic
     assert ratios["fp8"] <= 0.52, ratios
     assert ratios["int4"] <= 0.30, ratios
@@ -243,7 +243,7 @@ def test_workspace_is_reused_and_sized_for_one_layer():
     for i, store in enumerate(stores):
         store.allocate(B, H, D, 17, torch.float32, "cpu")
         n = 43 - i  # the first read sizes the buffers; later (smaller) reads reuse them
-        store.write(seq(0, n), torch.randn(B, H, n, D), torch.randn(B, H, n, D))
+        store.write(seq(0, n), torch.randn(B, H, n, D), torch.randn(B, H, n, D), start=0)
         k, v = store.read(n)
         pointers.add((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
     assert len(pointers) == 1  # every layer dequantizes into the same buffers
@@ -263,7 +263,7 @@ def test_read_slots_dequantizes_only_the_slots_asked_for(key, value, smoothing):
     """read_slots (CompositeCache moves) equals the gathered full read, per row and per head."""
     torch.manual_seed(2)
     store = make(key, value, append_only=False, key_smoothing=smoothing)
-    store.write(seq(0, 16), torch.randn(B, H, 16, D) * 3 + 1, torch.randn(B, H, 16, D))
+    store.write(seq(0, 16), torch.randn(B, H, 16, D) * 3 + 1, torch.randn(B, H, 16, D), start=0)
     k, v = store.read(17)
     k, v = k.clone(), v.clone()
     for slots in (torch.tensor([[[2, 0, 15]], [[5, 5, 16]]]), torch.randint(0, 17, (B, H, 4))):

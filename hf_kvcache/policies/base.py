@@ -16,6 +16,10 @@ class Placement:
     src: torch.Tensor
     dest: torch.Tensor
     valid: torch.Tensor
+    #: host-side hints, so stores never read `dest` back from the device: the regions `dest` can land in (region
+    #: stores), and `start` when dest is start, start + 1, ... for every row (append-only stores)
+    regions: tuple | None = None
+    start: int | None = None
 
 
 class Policy:

@@ -80,15 +80,24 @@ class CascadePolicy(Policy):
         )
 
     # -- moving tokens between regions --------------------------------------------------------------------------
-    def _move(self, layer, src: torch.Tensor, dest: torch.Tensor) -> None:
-        """Move tokens from slots `src` to `dest` ([B, Hm, n]; dest -1 = drop), vacating the sources."""
-        keys, values = layer.store.read_slots(src)
+    def _region_hint(self, layer, slots) -> tuple | None:
+        """Regions of host-known slots (decode), for region stores; None when unknown or not a region store."""
+        if slots is None or not hasattr(layer.store, "region_of"):
+            return None
+        return tuple(layer.store.region_of(s) for s in slots)
+
+    def _move(self, layer, src: torch.Tensor, dest: torch.Tensor, src_slots=None, dest_slots=None) -> None:
+        """Move tokens from slots `src` to `dest` ([B, Hm, n]; dest -1 = drop), vacating the sources. `src_slots`,
+        `dest_slots`: the Python slot numbers they can be, when known on the host (decode), so region stores need
+        not read the device to know which regions are involved."""
+        src_hint, dest_hint = self._region_hint(layer, src_slots), self._region_hint(layer, dest_slots)
+        keys, values = layer.store.read_slots(src, regions=src_hint)
         valid = layer.slot_valid.gather(2, src)
         pos, stream, scores = layer.slot_pos.gather(2, src), self.stream.gather(2, src), self.scores.gather(2, src)
         layer.slot_valid.scatter_(2, src, False)
         dest = torch.where(dest >= 0, dest, layer.trash_slot)
         valid = valid & (dest != layer.trash_slot)
-        layer.store.write(dest, keys, values)
+        layer.store.write(dest, keys, values, regions=dest_hint)
         layer.slot_valid.scatter_(2, dest, valid)
         layer.slot_pos.scatter_(2, dest, pos)
         self.stream.scatter_(2, dest, stream)
@@ -132,12 +141,16 @@ class CascadePolicy(Policy):
             u = t - self.ends[tier]
             if u < 0:
                 continue
-            src = torch.full((batch, hm, 1), self.bases[tier] + u % self.tier_sizes[tier], device=device)
+            src_slot = self.bases[tier] + u % self.tier_sizes[tier]
+            src = torch.full((batch, hm, 1), src_slot, device=device)
             if tier + 1 < len(self.tier_sizes):
-                dest = torch.full_like(src, self.bases[tier + 1] + u % self.tier_sizes[tier + 1])
+                dest_slots = [self.bases[tier + 1] + u % self.tier_sizes[tier + 1]]
+                dest = torch.full_like(src, dest_slots[0])
             elif self.final == "keep":
-                dest = torch.full_like(src, self.final_base + u)
+                dest_slots = [self.final_base + u]
+                dest = torch.full_like(src, dest_slots[0])
             elif self.final == "heavy":
+                dest_slots = [self.final_base]  # some heavy slot, or dropped
                 heavy_slots = torch.arange(self.final_base, self.final_base + self.heavy, device=device)
                 cand_key = torch.where(layer.slot_valid.gather(2, src), self.scores.gather(2, src), float("-inf"))
                 occupant_key = torch.where(
@@ -152,11 +165,17 @@ class CascadePolicy(Policy):
                 layer.slot_valid[..., heavy_slots] &= ~victims[..., : self.heavy]
                 dest = targets[..., self.heavy :]
             else:
+                dest_slots = []
                 dest = torch.full_like(src, -1)
-            self._move(layer, src, dest)
+            self._move(layer, src, dest, [src_slot], dest_slots)
         is_sink, sink_dest = self._sink_split(real)
-        ring_dest = torch.full_like(sink_dest, self.bases[0] + t % self.tier_sizes[0]) if self.tier_sizes else None
-        return self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
+        ring_slot = self.bases[0] + t % self.tier_sizes[0] if self.tier_sizes else None
+        ring_dest = torch.full_like(sink_dest, ring_slot) if self.tier_sizes else None
+        placement = self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
+        # a token can only be a sink while its stream index is below `sinks` (its real index is at most that)
+        placement.regions = self._region_hint(layer, ([0] if t < self.sinks else []) + (
+            [ring_slot] if ring_slot is not None else []))
+        return placement
 
     def _placement(self, real, is_sink, sink_dest, ring_dest, ring_valid, hm) -> Placement:
         batch, q = real.shape
@@ -199,7 +218,7 @@ class CascadePolicy(Policy):
             target = torch.where(older, heavy_target, target)
         n_past = used - self.sinks
         moving = (target[..., :n_past] != cand_cur[..., :n_past]) & (cand_u[..., :n_past] >= 0)
-        if bool(moving.any()):
+        if n_past:  # tokens that stay are moved from the trash slot to nowhere (no host read to skip them)
             src = torch.where(moving, cand_cur[..., :n_past], layer.trash_slot)
             dest = torch.where(moving, target[..., :n_past], -1)
             self._move(layer, src, dest)

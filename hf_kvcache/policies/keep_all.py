@@ -14,7 +14,7 @@ class KeepAllPolicy(Policy):
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         src = torch.arange(q, device=real.device).expand(batch, 1, q)
-        return Placement(src=src, dest=src + seen, valid=real[:, None, :])
+        return Placement(src=src, dest=src + seen, valid=real[:, None, :], start=seen)
 
     def decode_slot(self, layer, seen: int) -> int | None:
         return seen

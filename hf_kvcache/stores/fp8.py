@@ -35,8 +35,10 @@ _I16_128: dict = {}
 
 def _i16_128(device) -> torch.Tensor:
     # a 1-element int16 tensor (not a 0-dim one) so that type promotion computes int8 * 128 in int16
-    _I16_128[device] = torch.tensor([128], dtype=torch.int16, device=device)
-    return _I16_128[device]
+    factor = _I16_128.get(device)
+    if factor is None:
+        factor = _I16_128[device] = torch.tensor([128], dtype=torch.int16, device=device)
+    return factor
 
 
 def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -45,7 +47,7 @@ def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tenso
     subnormals included; E5M2 is the upper byte of float16, exact."""
     if fp8_dtype == torch.float8_e4m3fn:
         # int8 (sign-extended) * 128 as int16: the sign lands in bits 15 and 14, exponent-mantissa in 13..7
-        torch.mul(data.view(torch.int8), _I16_128.get(scratch.device) or _i16_128(scratch.device), out=scratch)
+        torch.mul(data.view(torch.int8), _i16_128(scratch.device), out=scratch)
         scratch.bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
         return scratch.view(torch.float16), 256.0
     scratch.copy_(data.view(torch.uint8))

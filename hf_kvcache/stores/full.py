@@ -31,8 +31,9 @@ class FullPrecisionStore:
             self.keys = torch.nn.functional.pad(self.keys, pad)
             self.values = torch.nn.functional.pad(self.values, pad)
 
-    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]."""
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start=None, regions=None) -> None:
+        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D] (the placement's host-side
+        hints `start` and `regions` are for other stores)."""
         index = dest[..., None].expand(keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3])
         self.keys.scatter_(2, index, keys.to(self.keys.dtype))
         if values.shape[-1] != keys.shape[-1]:
@@ -47,7 +48,7 @@ class FullPrecisionStore:
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :used], self.values[:, :, :used]
 
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_slots(self, slots: torch.Tensor, regions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (copies)."""
         index = slots[..., None].expand(self.keys.shape[0], self.keys.shape[1], slots.shape[-1], self.keys.shape[-1])
         value_index = slots[..., None].expand(index.shape[:-1] + (self.values.shape[-1],))

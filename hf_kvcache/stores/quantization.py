@@ -230,18 +230,24 @@ def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_finite(keys: torch.Tensor, values: torch.Tensor | None, where: str) -> None:
-    """One fused check per update of the new tokens only (one device sync); raises NonFiniteError naming `where`."""
+    """Refuse inf/NaN keys or values before they are quantized; raises NonFiniteError naming `where`.
+
+    The check never makes an accelerator wait for the host (it runs in every layer of every forward): it is a
+    `torch._assert_async`, which raises at once on the CPU (the store is left unchanged) and, on a GPU, fails the
+    stream asynchronously (a device-side assert, reported at the next synchronisation)."""
     ok = torch.isfinite(keys).all()
     if values is not None:
         ok = ok & torch.isfinite(values).all()
-    if not bool(ok):
+    try:
+        torch._assert_async(ok, f"{where}: non-finite keys or values among the new tokens")
+    except RuntimeError:  # raised synchronously (CPU): give it our type and the whole story (counting is free now)
         parts = [("keys", keys)] + ([("values", values)] if values is not None else [])
         counts = [(int((~torch.isfinite(t)).sum()), name) for name, t in parts]
         found = ", ".join(f"{count} non-finite {name}" for count, name in counts if count)
         raise NonFiniteError(
             f"{where}: {found} among the new tokens (inf/NaN cannot be quantized). The cache was left unchanged; "
             "check the model's activations (overflow in float16?)."
-        )
+        ) from None
 
 
 def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):

@@ -191,20 +191,19 @@ class QuantizedStore:
         self.keys_codec.put(self.keys_codec.encode(keys), start, dest)
         self.values_codec.put(self.values_codec.encode(values), start, dest)
 
-    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]."""
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int | None = None,
+              regions=None) -> None:
+        """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]. The append-only layout
+        needs the policy's host-side `start` (dest is start, start + 1, ...): nothing is read back from the device."""
         check_finite(keys, values, self.where)
         if not self.append_only:
             self._encode_put(keys, values, dest=dest)
             return
-        n = keys.shape[2]
-        first = dest[0, 0, 0]
-        sequential = (dest == first + torch.arange(n, device=dest.device)).all()
-        start, ok = torch.stack((first, sequential.long())).tolist()
-        if not ok:
+        if start is None:
             raise RuntimeError(
-                f"{self.where}: the append-only layout got a non-sequential write; a policy that evicts or reorders "
-                "slots needs a store with append_only=False (per-token, -head or -tensor granularity, no residual)."
+                f"{self.where}: the append-only layout needs sequential writes from a policy that says where they "
+                "start (keep-all); a policy that evicts or reorders slots needs a store with append_only=False "
+                "(per-token, -head or -tensor granularity, no residual)."
             )
         self._append(start, keys, values)
 
@@ -213,8 +212,7 @@ class QuantizedStore:
         if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
             # decode step with keys and values quantized together right away: as few ops as possible
             both = torch.cat((keys, values), 0)
-            if not bool(torch.isfinite(both).all()):
-                check_finite(keys, values, self.where)
+            check_finite(both, None, self.where)
             if self.append_only:
                 if slot != self.length:
                     self._truncate(slot)

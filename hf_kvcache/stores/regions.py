@@ -35,13 +35,25 @@ class RegionStore:
         inside = (dest >= base) & (dest < base + size)
         return torch.where(inside, dest - base, size), inside
 
-    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Each region stores the tokens whose slot it holds; a region none of them lands in is skipped (one check
-        instead of quantizing every token into its trash slot: most decode writes touch one region)."""
-        for i, store in enumerate(self.stores):
-            local, inside = self._local(i, dest)
-            if bool(inside.any()):
-                store.write(local, keys, values)
+    def region_of(self, slot: int) -> int | None:
+        """The region holding layer slot `slot` (None for the layer's trash slot)."""
+        for i, (base, size) in enumerate(zip(self.bases, self.sizes)):
+            if base <= slot < base + size:
+                return i
+        return None
+
+    def _touched(self, regions) -> list[int]:
+        """Regions to visit: the caller's host-side hint (decode: the policy knows which regions its slots are in),
+        else all of them. Never read from the device: that would make an accelerator wait, once per layer."""
+        if regions is not None:
+            return sorted({r for r in regions if r is not None})
+        return list(range(len(self.stores)))
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start=None, regions=None) -> None:
+        """Each region stores the tokens whose slot it holds; regions none of them lands in are skipped (most decode
+        writes touch one region). Tokens meant for other regions go to each visited region's trash slot."""
+        for i in self._touched(regions):
+            self.stores[i].write(self._local(i, dest)[0], keys, values)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts_k, parts_v = [], []
@@ -56,14 +68,12 @@ class RegionStore:
             return parts_k[0], parts_v[0]
         return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
 
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (each in some region)."""
+    def read_slots(self, slots: torch.Tensor, regions=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (each in some region; `regions`: see `write`)."""
         out_k = out_v = None
-        for i, store in enumerate(self.stores):
+        for i in self._touched(regions):
             local, inside = self._local(i, slots)
-            if not bool(inside.any()):
-                continue
-            k, v = store.read_slots(local)  # slots outside the region read this region's trash slot
+            k, v = self.stores[i].read_slots(local)  # slots outside the region read this region's trash slot
             inside = inside[..., None]
             out_k = k if out_k is None else torch.where(inside, k, out_k)
             out_v = v if out_v is None else torch.where(inside, v, out_v)
