@@ -48,8 +48,9 @@ def build_cache(model, case: dict):
     return hf_kvcache.build_cache(case["cache"], model, case.get("config") or {})
 
 
-def _tensors(obj, depth: int = 0, seen: set | None = None):
-    """Every torch.Tensor reachable from `obj` through attributes, dicts, lists and tuples (not inside tensors)."""
+def _tensors(obj, depth: int = 0, seen: set | None = None, skip: tuple[str, ...] = ()):
+    """Every torch.Tensor reachable from `obj` through attributes (except those named in `skip`), dicts, lists and
+    tuples (not inside tensors)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 5:
         return
@@ -62,11 +63,11 @@ def _tensors(obj, depth: int = 0, seen: set | None = None):
     elif isinstance(obj, (list, tuple)):
         children = obj
     elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("hf_kvcache", "optimum", "hqq")):
-        children = vars(obj).values()
+        children = [value for name, value in vars(obj).items() if name not in skip]
     else:
         return
     for child in children:
-        yield from _tensors(child, depth + 1, seen)
+        yield from _tensors(child, depth + 1, seen, skip)
 
 
 def head_dims(obj, batch: int) -> list[int]:

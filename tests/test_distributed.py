@@ -19,8 +19,8 @@ cache on a model dispatched by accelerate with a device_map (a disk-offloaded la
 
 Layers on other devices (`device_map` splits): only the CPU exists here, so the meta device stands in for "another
 device": one forward announced on the CPU, layer 0 receiving CPU keys and layer 1 meta keys; each layer must
-allocate its cache on the device of its keys. Only caches whose update path has no host synchronisation can run on
-meta (`.item()` / `bool(tensor)` are fine on a GPU but impossible on meta): sink, sliding, h2o.
+allocate its cache on the device of its keys. Every family except random eviction (no generator on meta) runs on
+meta, since updates no longer read values on the host.
 """
 
 from __future__ import annotations
@@ -261,14 +261,21 @@ ON_ANOTHER_DEVICE = (
     "CompressedLayer.update, scatter of positions). Fix: hand each layer `real`/`positions` moved to its keys' "
     "device (cached per device and forward), and in the bridge take the query weight from the query's device."
 )
-DEVICE_CASES = [("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT})]
+DEVICE_CASES = [
+    ("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT}),
+    ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}),
+    ("fp8", {"key_rotation": "none"}),  # rotated keys need the bridge (it rotates the queries), not called here
+    ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
+]
+
+
+# Shared by all layers of a cache, not a layer's state: the RoPE inverse frequencies (moved to the keys' device when
+# used) and the dequantization workspace (one buffer per device).
+SHARED_STATE = ("rotator", "workspace")
 
 
 def layer_tensor_devices(layer) -> set[str]:
-    """Devices of the layer's own state (the RoPE rotator's inverse frequencies are shared by all layers and moved
-    to the keys' device when used, so they do not count)."""
-    shared = {id(t) for t in worker._tensors(getattr(layer.policy, "rotator", None))}
-    tensors = [t for t in worker._tensors(layer.policy) if id(t) not in shared] + list(worker._tensors(layer.store))
+    tensors = list(worker._tensors(layer.policy, skip=SHARED_STATE)) + list(worker._tensors(layer.store, skip=SHARED_STATE))
     tensors += [t for t in (layer.slot_valid, layer.slot_pos) if t is not None]
     return {t.device.type for t in tensors}
 
