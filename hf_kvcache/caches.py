@@ -38,11 +38,15 @@ class ForwardInfo:
         self.attention_bridged = False  # the model's attention runs through our bridge (set by the pre-hook)
 
     def begin(self, q_len: int, batch: int, device, seen: int, attention_mask=None, position_ids=None) -> None:
-        if attention_mask is not None:
+        if isinstance(attention_mask, dict):  # prepared masks by layer type (generate with a compileable cache)
+            attention_mask = attention_mask.get("full_attention", next(iter(attention_mask.values()), None))
+        if attention_mask is not None and attention_mask.dim() == 4:
+            real = _new_tokens_real(attention_mask, q_len).to(device)
+        elif attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
-                    f"hf_kvcache caches need a 2-D `attention_mask` [batch, seen + new tokens]; got "
-                    f"{attention_mask.dim()}-D. Pass the padding mask, not a prepared 4-D mask."
+                    f"hf_kvcache caches need a 2-D `attention_mask` [batch, seen + new tokens] (or transformers' "
+                    f"prepared 4-D mask); got {attention_mask.dim()}-D."
                 )
             if attention_mask.shape[-1] < q_len:
                 raise ValueError(
@@ -82,6 +86,18 @@ class ForwardInfo:
 
 
 LAYER_CHOICES = ("keep", "default")
+
+
+def _new_tokens_real(mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, q] whether each new token is real, from transformers' prepared 4-D mask [B, 1, q, kv] (boolean, True =
+    attend, or additive, 0 = attend): the new tokens are the last q columns, and a real token attends to itself
+    while a padding token's column is masked for every query. Read on the device (no host sync)."""
+    if mask.shape[-2] != q_len:
+        raise ValueError(f"the prepared 4-D `attention_mask` has {mask.shape[-2]} query rows, not the {q_len} new tokens.")
+    kv = mask.shape[-1]
+    rows = torch.arange(q_len, device=mask.device)
+    own = mask[:, 0, rows, kv - q_len + rows]  # each new token's entry for itself
+    return own if own.dtype == torch.bool else own == 0
 
 
 def _layer_specs(layers, layer_types: list[str]) -> list:
@@ -313,6 +329,7 @@ class SinkCache(KVCache):
             return SinkWindowPolicy(sinks, window, rotators.get("rotator")), FullPrecisionStore()
 
         super().__init__(config_or_model, layer_parts, layers)
+        KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
 
 
 def _size_or_ratio(name: str, value):
@@ -381,6 +398,7 @@ class H2OCache(KVCache):
             return make_policy(heavy, recent, aggregation, rotators.get("rotator")), FullPrecisionStore()
 
         super().__init__(config_or_model, layer_parts, layers)
+        KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
 
 
 class RandomEvictionCache(H2OCache):

@@ -170,3 +170,4 @@ class CompositeCache(KVCache):
             return policy, store
 
         super().__init__(config_or_model, layer_parts, layers)
+        KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree

@@ -26,7 +26,12 @@ if TYPE_CHECKING:
 
 class CompressedLayer(CacheLayerMixin):
     is_sliding = False
-    is_compileable = False
+
+    @property
+    def is_compileable(self) -> bool:
+        """Decode keeps constant shapes and never reads the device on the host: a fixed capacity, a policy and a
+        store whose decode steps are written for it (tested with torch.compile(fullgraph=True))."""
+        return self.policy.capacity is not None and self.policy.compileable and getattr(self.store, "compileable", False)
 
     def __init__(self, policy: Policy, store, forward_info: "ForwardInfo", layer_idx: int):
         super().__init__()
@@ -111,11 +116,7 @@ class CompressedLayer(CacheLayerMixin):
             self._write(placement, key_states, value_states, info.positions, self.seen)
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
-            self.policy.before_read(self)
-            keys, values = self.store.read(self.used)
-            self._attention_columns = self.slot_valid[..., : self.used]
-            self._attention_query_len = 1
-            return keys, values
+            return self._decode_read()
 
         # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
         self.policy.before_read(self)
@@ -139,20 +140,29 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values
 
     def _decode_in_slot(self, slot: int, key_states, value_states, positions, real):
-        """Fast path for a one-token step (no padding so far) whose slot the policy knows without looking at data:
-        slice copies instead of scatters (most of the per-step cost on CPU is Python-level tensor op overhead). The
-        token's validity comes from the mask, on the device (a padding token here is masked, never read back)."""
-        self.store.write_slot(slot, key_states, value_states)
-        self.slot_valid[..., slot] = real[:, :1]
+        """Fast path for a one-token step (no padding so far) whose slot the policy knows without looking at data.
+        The slot is used as a one-element index tensor (`index_copy_`), never to index in Python: under
+        torch.compile a Python index specialises the graph on its value (a recompilation per step). The token's
+        validity comes from the mask, on the device (a padding token here is masked, never read back)."""
+        index = torch.full((1,), slot, dtype=torch.long, device=self.device)
+        self.store.write_slot(slot, key_states, value_states, index=index)
+        batch, meta_heads = self.slot_valid.shape[:2]
+        self.slot_valid.index_copy_(2, index, real[:, None, :1].expand(batch, meta_heads, 1))
         if self.slot_pos is not None:
-            self.slot_pos[..., slot] = positions[:, :1]
+            self.slot_pos.index_copy_(2, index, positions[:, None, :1].to(torch.int32).expand(batch, meta_heads, 1))
         self.policy.after_decode_write(self, slot, key_states, positions)
         self.seen += 1
         self.used = self.policy.used_after(self.seen)
+        return self._decode_read()
+
+    def _decode_read(self):
+        """What attention reads in a decode step. Fixed-capacity policies always return all `capacity` slots (the
+        empty ones masked invalid), so every decode step has the same shapes (compilable, like StaticCache)."""
         self.policy.before_read(self)
-        self._attention_columns = self.slot_valid[..., : self.used]
+        width = self.policy.capacity if self.policy.capacity is not None else self.used
+        self._attention_columns = self.slot_valid[..., :width]
         self._attention_query_len = 1
-        return self.store.read(self.used)
+        return self.store.read(width)
 
     def commit(self, placement) -> None:
         """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""
@@ -179,7 +189,8 @@ class CompressedLayer(CacheLayerMixin):
         """(validity [B, Hm, kv] of the columns of the last update, number of trailing causal columns), or None when
         transformers' own mask is already right (no padding ever seen and a policy without holes). Decode steps with a
         padding mask always get the layer's validity: deciding otherwise would mean reading the mask on the host."""
-        decode_with_mask = self._attention_query_len == 1 and self.forward_info.mask_given
+        decode_with_mask = self._attention_query_len == 1 and (
+            self.forward_info.mask_given or self._attention_columns.shape[-1] != self.used)
         if not (self.forward_info.has_padding or self.policy.may_have_holes or decode_with_mask):
             return None
         causal = self._attention_query_len if self._attention_query_len > 1 else 0
@@ -187,7 +198,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 1 and self.seen > 0:
-            kv_length = self.policy.used_after(self.seen + 1)
+            kv_length = self.policy.capacity or self.policy.used_after(self.seen + 1)
         else:
             kv_length = self.used + query_length
         return kv_length, self.seen + query_length - kv_length

@@ -30,6 +30,7 @@ class Policy:
     deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`
     needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)
+    compileable = False  # True when its decode steps compile without graph breaks or per-step recompilation
 
     def configure(self, prompt_length: int) -> None:
         """Called once with the first forward's length (budgets given as ratios of the prompt resolve here)."""

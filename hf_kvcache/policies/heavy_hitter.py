@@ -35,6 +35,7 @@ def resolve_size(name: str, value, prompt_length: int) -> int:
 
 
 class HeavyHitterPolicy(Policy):
+    compileable = True
     per_head = True
     may_have_holes = True
     deferred = True
@@ -95,7 +96,8 @@ class HeavyHitterPolicy(Policy):
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(used, device=order.device).expand_as(order))
         newest = torch.where(valid, original, torch.iinfo(torch.long).min).amax(-1, keepdim=True)
         target = torch.where(valid, newest - valid.long().sum(-1, keepdim=True) + 1 + rank, original)
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.arrived_keys[:, :, :used], target - original))
+        rotated = self.rotator.rotate(self.arrived_keys[:, :, :used], target - original, layer.layer_idx)
+        layer.store.write_keys_slice(0, rotated)
 
     # -- scores from the bridge ---------------------------------------------------------------------------------
     def aggregate(self, column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from .sinks import SinkMemory
 
 
 class SinkWindowPolicy(Policy):
+    compileable = True
     def __init__(self, sinks: int, window: int, rotator: KeyRotator | None = None):
         self.sinks, self.window, self.rotator = sinks, window, rotator
         self.capacity = sinks + window
@@ -80,7 +81,8 @@ class SinkWindowPolicy(Policy):
             return
         # Unpadded rows share the ring layout: the oldest window token is in a known slot.
         oldest_slot = self.sinks + (layer.seen - self.window - self.sinks) % self.window
-        self.memory.reposition_before(layer, layer.slot_pos[:, 0, oldest_slot].long())
+        index = torch.full((1,), oldest_slot, dtype=torch.long, device=layer.slot_pos.device)  # no Python index:
+        self.memory.reposition_before(layer, layer.slot_pos[:, 0].index_select(-1, index)[:, 0].long())  # compiles
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)

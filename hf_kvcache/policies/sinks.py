@@ -2,7 +2,8 @@
 
 Sinks are each row's first real tokens. We remember, per sink slot, the key as it arrived, its original position
 id and its stream index; with a rotator ("positions inside the cache", StreamingLLM), the sink keys are re-rotated
-before each read, from the arrived copy (exact), to sit just before the oldest other kept token.
+before each read, from the arrived copy (exact), to sit just before the oldest other kept token, with the layer's
+own RoPE (none on NoPE layers, e.g. SmolLM3's or Cohere2's full-attention layers: the sinks then stay as stored).
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ class SinkMemory:
 
     def reposition_before(self, layer, oldest: torch.Tensor, has_other: torch.Tensor | None = None) -> None:
         """Rotate the sinks to sit just before position `oldest` [B] (rows where `has_other` is False keep their
-        original positions)."""
+        original positions). On a layer without RoPE (the rotator's identity) the keys carry no position: nothing
+        to do."""
+        if not self.rotator.applies(layer.layer_idx):
+            return
         s = self.sinks
         original = self.pos[:, :s]
         target = oldest[:, None] - s + torch.arange(s, device=oldest.device)
         if has_other is not None:
             target = torch.where(has_other[:, None], target, original)
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], target - original))
+        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], target - original, layer.layer_idx))
 
     def reposition(self, layer, used: int) -> None:
         """General case: find the oldest valid token among slots [sinks, used) per row."""

@@ -10,6 +10,8 @@ import torch
 class FullPrecisionStore:
     """Slot buffers [batch, kv_heads, slots, head_dim]; writes scatter into slots, reads are views (no copy)."""
 
+    compileable = True  # in-place writes into fixed buffers, views for reads
+
     def __init__(self):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
@@ -40,10 +42,13 @@ class FullPrecisionStore:
             index = dest[..., None].expand(values.shape)
         self.values.scatter_(2, index, values.to(self.values.dtype))
 
-    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One token [B, H, 1, D] into one slot shared by all rows and heads."""
-        self.keys[:, :, slot : slot + 1] = keys
-        self.values[:, :, slot : slot + 1] = values
+    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """One token [B, H, 1, D] into one slot shared by all rows and heads (`index`: the slot as a 1-element tensor,
+        so compiled code does not specialise on the slot number)."""
+        if index is None:
+            index = torch.full((1,), slot, dtype=torch.long, device=self.keys.device)
+        self.keys.index_copy_(2, index, keys.to(self.keys.dtype))
+        self.values.index_copy_(2, index, values.to(self.values.dtype))
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :used], self.values[:, :, :used]

@@ -207,7 +207,7 @@ class QuantizedStore:
             )
         self._append(start, keys, values)
 
-    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """One token [B, H, 1, D] into one slot shared by all rows and heads (the layer's decode fast path)."""
         if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
             # decode step with keys and values quantized together right away: as few ops as possible

@@ -1,0 +1,78 @@
+"""torch.compile through our fixed-capacity caches (CPU, inductor): full graphs, no recompilation after warm-up,
+outputs equal to eager decode.
+
+Fixed-capacity layers return all `capacity` slots in every decode step (the empty ones masked) and index their
+slots with tensors, so decode shapes are constant; the only recompilations are the warm-up ones where the cache
+turns from filling to full (Python-level facts such as `seen > capacity`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+import hf_kvcache
+
+from conftest import build_model, random_ids
+
+CACHES = {
+    "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=10),
+    "sliding": lambda m: hf_kvcache.SlidingWindowCache(m, window=12),
+    "h2o": lambda m: hf_kvcache.H2OCache(m, heavy=6, recent=6),
+}
+PROMPT, STEPS, WARMUP = 8, 16, 8  # the cache fills and evicts within the warm-up steps
+
+
+def _decode(model, cache, forward):
+    ids = random_ids(2, PROMPT)
+    logits, graphs = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache)  # prefill runs eager, as in generate
+        token = out.logits[:, -1:].argmax(-1)
+        for step in range(STEPS):
+            positions = torch.full((2, 1), PROMPT + step)
+            out = forward(input_ids=token, position_ids=positions, past_key_values=cache)
+            logits.append(out.logits)
+            graphs.append(counters["stats"]["unique_graphs"])
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.cat(logits, 1), graphs
+
+
+@pytest.mark.parametrize("name", sorted(CACHES))
+def test_compiled_decode_equals_eager_without_recompiling(name):
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    hf_kvcache.enable(model)
+    assert CACHES[name](model).is_compileable
+    eager, _ = _decode(model, CACHES[name](model), model.forward)
+    counters.clear()
+    compiled, graphs = _decode(model, CACHES[name](model), torch.compile(model.forward, fullgraph=True))
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    assert graphs[WARMUP:] == [graphs[WARMUP]] * (STEPS - WARMUP), graphs  # no recompilation after warm-up
+    assert graphs[-1] <= 5
+
+
+def test_generate_with_compile_config():
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    ids = random_ids(2, PROMPT)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles automatically on accelerators; on CPU when asked
+    kwargs = dict(input_ids=ids, max_new_tokens=16, do_sample=False, cache_implementation="sink",
+                  cache_config={"sinks": 2, "window": 10})
+    eager = model.generate(**kwargs)
+    counters.clear()
+    first = model.generate(**kwargs, compile_config=config)
+    graphs = counters["stats"]["unique_graphs"]
+    again = model.generate(**kwargs, compile_config=config)
+    assert graphs >= 1  # it did compile
+    assert counters["stats"]["unique_graphs"] == graphs  # a second generate reuses the graphs
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+
+
+def test_growing_and_region_caches_say_they_are_not_compileable():
+    model = build_model("llama", num_hidden_layers=2)
+    for cache in (hf_kvcache.QuantizedFP8Cache(model), hf_kvcache.KIVICache(model, group_size=16),
+                  hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12), hf_kvcache.FullCache(model)):
+        assert not cache.is_compileable  # generate then runs them eagerly instead of compiling them
