@@ -111,24 +111,7 @@ SPECS: dict[str, Spec] = {
 
 # (arch, cache, check) -> diagnosis, for BROKEN results we know about (fnmatch patterns allowed, e.g. "*").
 # Each entry says where in hf_kvcache the failure comes from; the test xfails on them instead of failing.
-_ROTATOR = (
-    "Sinks re-positioned by hf_kvcache/rope.py KeyRotator (position_mode / sink_positions='cache'), which applies "
-    "one rotate-half RoPE to every layer. Eviction itself is exact (the same stream with position_mode='original' "
-    "matches its reference to 1e-6), so the error is the re-rotation: "
-)
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    ("smollm3", "sink", "evict"): _ROTATOR + "SmolLM3's NoPE layers (config.no_rope_layers[i] == 0) hold keys "
-    "without RoPE, yet their sink keys get rotated. Fix: KeyRotator per layer, identity where no_rope_layers[i] == 0.",
-    ("smollm3", "composite", "evict"): _ROTATOR + "NoPE layers rotated (see the sink entry).",
-    ("glm4", "sink", "evict"): _ROTATOR + "GLM-4 rotates interleaved pairs (x[..., 0::2], x[..., 1::2], "
-    "modeling_glm4.rotate_half, cos/sin repeat_interleave'd) on its partial rotary dims, not halves. Fix: read the "
-    "convention from the model (interleaved for glm/glm4/cohere/cohere2 and DeepSeek with rope_interleave).",
-    ("glm4", "composite", "evict"): _ROTATOR + "interleaved RoPE pairs of GLM-4 (see the sink entry).",
-    ("cohere2", "sink", "evict"): _ROTATOR + "Cohere2's full-attention layers (the ones we compress) have no RoPE "
-    "(Cohere2Attention applies it only when the layer has a sliding window), yet their sink keys get rotated. Fix: "
-    "identity rotator for full layers of Cohere2 (and of any model whose full layers skip RoPE).",
-    ("cohere2", "composite", "evict"): _ROTATOR + "Cohere2's full layers have no RoPE (see the sink entry).",
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 
 # -- results of this session ------------------------------------------------------------------------------------
