@@ -150,7 +150,7 @@ def _make_bridge(name: str):
                     )
                 attention_mask = mask
             if layer.policy.needs_attention:
-                weight = layer.forward_info.real.to(torch.float32)
+                weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
                 scores = attention_column_scores(
                     query, key, attention_mask, kwargs.get("scaling", module.scaling), weight,
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),

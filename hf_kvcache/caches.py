@@ -41,7 +41,7 @@ class ForwardInfo:
         if isinstance(attention_mask, dict):  # prepared masks by layer type (generate with a compileable cache)
             attention_mask = attention_mask.get("full_attention", next(iter(attention_mask.values()), None))
         if attention_mask is not None and attention_mask.dim() == 4:
-            real = _new_tokens_real(attention_mask, q_len).to(device)
+            real = _new_tokens_real(attention_mask, q_len, seen).to(device)
         elif attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -68,6 +68,16 @@ class ForwardInfo:
         self.q_len = q_len
         self.serial += 1
 
+    def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(real, positions) on `device`: a layer whose keys live on another device than the input ids (a model
+        split over devices with `device_map`) gets copies, made once per device and forward."""
+        if self.real.device == torch.device(device):
+            return self.real, self.positions
+        key = (self.serial, torch.device(device))
+        if getattr(self, "_moved_key", None) != key:
+            self._moved_key, self._moved = key, (self.real.to(device), self.positions.to(device))
+        return self._moved
+
     def for_layer(self, layer: CompressedLayer, q_len: int) -> "ForwardInfo":
         if self.q_len is None or layer._served_forward == self.serial:
             raise RuntimeError(
@@ -88,15 +98,18 @@ class ForwardInfo:
 LAYER_CHOICES = ("keep", "default")
 
 
-def _new_tokens_real(mask: torch.Tensor, q_len: int) -> torch.Tensor:
+def _new_tokens_real(mask: torch.Tensor, q_len: int, seen: int) -> torch.Tensor:
     """[B, q] whether each new token is real, from transformers' prepared 4-D mask [B, 1, q, kv] (boolean, True =
-    attend, or additive, 0 = attend): the new tokens are the last q columns, and a real token attends to itself
-    while a padding token's column is masked for every query. Read on the device (no host sync)."""
+    attend, or additive, 0 = attend): a real token attends to itself, a padding token's column is masked for every
+    query. The mask's columns start at the offset our layers gave (`get_mask_sizes`: the last kv positions, or 0
+    while a fixed-width cache is still filling), so token `seen + i` is column `seen + i - offset`. Read on the
+    device (no host sync)."""
     if mask.shape[-2] != q_len:
         raise ValueError(f"the prepared 4-D `attention_mask` has {mask.shape[-2]} query rows, not the {q_len} new tokens.")
     kv = mask.shape[-1]
+    offset = max(0, seen + q_len - kv)
     rows = torch.arange(q_len, device=mask.device)
-    own = mask[:, 0, rows, kv - q_len + rows]  # each new token's entry for itself
+    own = mask[:, 0, rows, seen - offset + rows]  # each new token's entry for itself
     return own if own.dtype == torch.bool else own == 0
 
 

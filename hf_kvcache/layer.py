@@ -104,16 +104,17 @@ class CompressedLayer(CacheLayerMixin):
                 )
             key_states = rotate(key_states, self.key_rotation)
         q = key_states.shape[-2]
+        real, positions = info.on(key_states.device)
         if self.policy.capacity is None:
             self._ensure_slots(self.policy.used_after(self.seen + q))
 
         if q == 1 and self.seen > 0 and not self.forward_info.has_padding:
             slot = self.policy.decode_slot(self, self.seen)
             if slot is not None:
-                return self._decode_in_slot(slot, key_states, value_states, info.positions, info.real)
+                return self._decode_in_slot(slot, key_states, value_states, positions, real)
         if q == 1 and self.seen > 0:
-            placement = self.policy.place(self, info.real, self.seen)
-            self._write(placement, key_states, value_states, info.positions, self.seen)
+            placement = self.policy.place(self, real, self.seen)
+            self._write(placement, key_states, value_states, positions, self.seen)
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
             return self._decode_read()
@@ -126,15 +127,15 @@ class CompressedLayer(CacheLayerMixin):
             keys, values = torch.cat((past_k, key_states), -2), torch.cat((past_v, value_states), -2)
         else:
             keys, values = key_states, value_states
-        new_valid = info.real[:, None, :].expand(-1, past_valid.shape[1], -1)
+        new_valid = real[:, None, :].expand(-1, past_valid.shape[1], -1)
         self._attention_columns = torch.cat((past_valid, new_valid), -1)
         self._attention_query_len = q
         if self.policy.deferred:
             # The policy needs this forward's attention scores to choose survivors: it calls `commit` from the bridge.
-            self._pending = (key_states, value_states, info.real, info.positions, self.seen)
+            self._pending = (key_states, value_states, real, positions, self.seen)
         else:
-            placement = self.policy.place(self, info.real, self.seen)
-            self._write(placement, key_states, value_states, info.positions, self.seen)
+            placement = self.policy.place(self, real, self.seen)
+            self._write(placement, key_states, value_states, positions, self.seen)
             self.used = self.policy.used_after(self.seen + q)
         self.seen += q
         return keys, values
@@ -201,7 +202,9 @@ class CompressedLayer(CacheLayerMixin):
             kv_length = self.policy.capacity or self.policy.used_after(self.seen + 1)
         else:
             kv_length = self.used + query_length
-        return kv_length, self.seen + query_length - kv_length
+        # A decode step of a cache still filling returns more columns than tokens seen (all `capacity` slots, the
+        # empty ones masked by the layer's own validity): offset 0 then, as transformers' StaticLayer does.
+        return kv_length, max(0, self.seen + query_length - kv_length)
 
     def get_seq_length(self) -> int:
         return self.seen

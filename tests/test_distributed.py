@@ -255,12 +255,6 @@ def test_bytes_per_rank_are_a_shard(runs, cid):
 
 
 # -- layers whose keys arrive on another device than the forward's input (device_map splits) ----------------------
-ON_ANOTHER_DEVICE = (
-    "ForwardInfo (caches.py) holds the new tokens' padding mask and positions on the device of input_ids; a layer "
-    "whose keys are on another device (device_map split over GPUs) mixes them with its own tensors (torch.cat in "
-    "CompressedLayer.update, scatter of positions). Fix: hand each layer `real`/`positions` moved to its keys' "
-    "device (cached per device and forward), and in the bridge take the query weight from the query's device."
-)
 DEVICE_CASES = [
     ("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT}),
     ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}),
@@ -280,7 +274,6 @@ def layer_tensor_devices(layer) -> set[str]:
     return {t.device.type for t in tensors}
 
 
-@pytest.mark.xfail(strict=True, reason=ON_ANOTHER_DEVICE)
 @pytest.mark.parametrize("name,config", DEVICE_CASES, ids=[name for name, _ in DEVICE_CASES])
 def test_layer_allocates_on_the_device_of_its_keys(name, config):
     cache = build_cache(name, build_config("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
