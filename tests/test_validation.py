@@ -208,13 +208,21 @@ def test_base_model_of_enabled_model_accepts_our_cache():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_four_d_attention_mask_rejected():
+def test_prepared_four_d_mask_equals_the_padding_mask_and_three_d_is_rejected():
+    """generate hands compileable caches transformers' prepared 4-D mask: each new token's validity is read from it."""
     model = build_model("llama")
-    cache = SinkCache(model, sinks=2, window=6)
-    mask = torch.ones(1, 1, 5, 5)
+    ids = random_ids(1, 5)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=torch.ones(1, 5, dtype=torch.long),
+                      past_key_values=SinkCache(model, sinks=2, window=6), use_cache=True).logits
+        causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+        prepared = model(ids, attention_mask=causal, past_key_values=SinkCache(model, sinks=2, window=6),
+                         use_cache=True).logits
+    torch.testing.assert_close(prepared, plain)
     with pytest.raises(ValueError, match="2-D"):
         with torch.no_grad():
-            model(random_ids(1, 5), attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=torch.ones(1, 5, 5), past_key_values=SinkCache(model, sinks=2, window=6),
+                  use_cache=True)
 
 
 # -- crop ------------------------------------------------------------------------------------------------------------
