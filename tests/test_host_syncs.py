@@ -33,6 +33,12 @@ CACHES = {
 LAYERS = 3
 
 
+def test_decode_under_inference_mode_never_syncs():
+    with torch.inference_mode():  # .item() / bool() reach the counter as other aten ops here
+        _, per_step = _decode_syncs(CACHES["composite"], padded=True)
+    assert all(syncs == 0 for syncs, _ in per_step), per_step
+
+
 def _decode_syncs(make, padded: bool, steps: int = 12):
     """(syncs of the prefill forward, [syncs per decode step]) for a fresh cache on a tiny Llama."""
     model = build_model("llama", num_hidden_layers=LAYERS)
@@ -67,17 +73,23 @@ def test_decode_steps_never_sync(name, padded):
     assert prefill.syncs <= 6, dict(prefill.by_name)
 
 
-def test_counter_sees_what_would_sync():
-    x = torch.arange(6)
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_counter_sees_what_would_sync(context):
+    with context():
+        x = torch.arange(6)
+        _count_syncs(x, context)
+
+
+def _count_syncs(x, context):
     with HostSyncCounter() as counter:
         x.tolist()
         bool(x[0])
         x.nonzero()
         x[x > 2]
         torch._assert_async(torch.tensor(True))  # checked on the device: not a sync
-    assert counter.syncs == 4
-    assert set(counter.by_name) == {"Tensor.tolist", "aten._local_scalar_dense", "aten.nonzero",
-                                    "aten.index (boolean mask)"}
+    assert counter.syncs == 4, dict(counter.by_name)
+    scalar = {"aten._local_scalar_dense"} if context is torch.no_grad else {"aten.is_nonzero"}
+    assert set(counter.by_name) == {"Tensor.tolist", "aten.nonzero", "aten.index (boolean mask)"} | scalar
 
 
 def test_non_finite_decode_write_still_refused_without_a_sync():

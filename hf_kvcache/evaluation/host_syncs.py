@@ -13,7 +13,8 @@ CPU, so they can be counted here without a GPU:
     counter.ops            # every aten operation dispatched (a proxy for per-step launch overhead)
 
 Python-level conversions are seen by a `TorchFunctionMode` (`tolist`, `numpy`), the rest at the aten level by a
-`TorchDispatchMode` (`item`, `bool`, `int`, `__index__` all end in `aten._local_scalar_dense`, counted once).
+`TorchDispatchMode` (`item`, `bool`, `int`, `__index__` end in `aten._local_scalar_dense`, or in `aten.item` /
+`aten.is_nonzero` under `torch.inference_mode`; either way counted once: the mode is off while an op runs).
 `torch._assert_async` is not counted: on an accelerator it checks on the device without waiting.
 """
 
@@ -28,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: aten operations that read a value back to the host, or whose output shape depends on the data
 SYNC_ATEN_OPS = (
     "aten._local_scalar_dense",
+    "aten.item",  # under torch.inference_mode `.item()` / `__index__` arrive as this, not decomposed further
+    "aten.is_nonzero",  # likewise `bool(t)` under inference_mode
     "aten.nonzero",
     "aten.nonzero_static",  # static size, but still reads the count back on some backends: counted to be safe
     "aten.masked_select",
