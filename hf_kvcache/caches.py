@@ -17,6 +17,7 @@ from .policies import KeepAllPolicy, SinkWindowPolicy
 from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvictionPolicy
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
+from .tensor_parallel import TensorParallel
 
 POSITION_MODES = ("cache", "original")
 logger = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ class KVCache(Cache):
         config = config.get_text_config(decoder=True)
         check_supported_config(config)
         self.config = config
+        self.tensor_parallel = TensorParallel.of(config_or_model)  # rank, group: a model sharded by transformers
         self.forward_info = ForwardInfo()
         layer_types, layer_kwargs = layer_plan(config)
         self.layer_types = layer_types
@@ -431,7 +433,8 @@ class RandomEvictionCache(H2OCache):
     ):
         seed = require_int("seed", seed, 0)
         self.seed = seed
-        self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(heavy, recent, seed)
+        self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(
+            heavy, recent, seed, self.tensor_parallel)  # draws keyed by global KV head under tensor parallelism
         super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, layers=layers)
 
 

@@ -87,6 +87,7 @@ class _QuantizedKeepAllCache(KVCache):
             layer.store.layer_idx = i
             layer.key_rotation = self.rotation_matrix  # one matrix shared by the layers
             layer.store.set_static(**{name: values[i] for name, values in static.items()})
+            layer.store.tensor_parallel = self.tensor_parallel  # per-head statics sliced to the rank's KV heads
 
     def nbytes(self) -> int:
         """The layers' bytes plus the shared key rotation matrix (once)."""

@@ -11,7 +11,8 @@ ordinary way, so both sides run exactly the same code.
 A case is {"id", "model" (a subdirectory of MODELS_DIR), "cache" (a name of hf_kvcache.CACHE_IMPLEMENTATIONS or
 "dynamic"), "config" (cache_config), "padded" (bool: left-pad the second row)}. Its result (`run_case`) holds what the test checks: the generated tokens
 and per-step logits, the cache's KV head count per layer (`layer.heads`, and dim 1 of every per-row tensor held by
-the layer's store and policy), `cache.nbytes()`, or the error if generation raised. Nothing here asserts: the test
+the layer's store and policy), `cache.nbytes()`, the TP rank and size the cache read from the model and the global
+index of each layer's first KV head (`cache.tensor_parallel`), or the error if generation raised. Nothing here asserts: the test
 does, against the single-process run.
 """
 
@@ -87,11 +88,14 @@ def describe_cache(cache, batch: int) -> dict:
             "policy_heads": [[] for _ in cache.layers],
             "nbytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
         }
+    tp = cache.tensor_parallel  # what the cache read from the model: rank and size of its TP group
     return {
         "heads": [layer.heads for layer in cache.layers],
         "store_heads": [head_dims(layer.store, batch) for layer in cache.layers],
         "policy_heads": [head_dims(layer.policy, batch) for layer in cache.layers],
         "nbytes": cache.nbytes(),
+        "tensor_parallel": [tp.rank, tp.size],
+        "head_offsets": [tp.head_offset(layer.heads) for layer in cache.layers],
     }
 
 

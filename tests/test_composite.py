@@ -215,3 +215,40 @@ def test_fp8_regions_hold_fewer_bytes_and_stay_close_to_full_precision():
     with pytest.raises(ValueError, match="channel"):
         hf_kvcache.CompositeCache(model.config, regions=[{**W, "start": 0, "end": 8,
                                                           "keys": {"format": "int4", "granularity": "channel"}}])
+
+
+def _keys_at(model, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's keys [H, n, D] of the sequence `tokens` [n] placed at the contiguous `positions` [n]: RoPE
+    attention depends only on relative positions, so shifting the whole sequence changes no hidden state and each
+    key is the model's own key rotated to its new position (the model's RoPE, no rotator of ours involved)."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+    return [layer.keys[0] for layer in cache.layers]
+
+
+def test_per_head_composite_places_each_heads_sinks_before_that_heads_oldest_token():
+    """With heavy hitters each KV head keeps its own tokens, so each head's sinks move to just before the oldest
+    token that head kept (not head 0's): checked after every decode step against keys the model computes itself."""
+    model = build_model("llama")
+    sinks, ids = 2, random_ids(2, 40, seed=21)
+    cache = hf_kvcache.CompositeCache(model, regions=CLASSIC)
+    heads_differed = 0
+    with torch.no_grad():
+        model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        for i in range(10, ids.shape[1]):
+            model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            for layer_idx, layer in enumerate(cache.layers):
+                assert layer.slot_valid.shape[1] == layer.heads == 2  # per-head metadata
+                stored = layer.store.read(layer.used)[0][:, :, :sinks]  # [B, H, sinks, D]
+                valid = layer.slot_valid[:, :, sinks : layer.used]
+                positions = layer.slot_pos[:, :, sinks : layer.used].long()
+                oldest = torch.where(valid, positions, 10**9).amin(-1)  # [B, H]
+                heads_differed += int((oldest[:, 0] != oldest[:, 1]).sum())
+                for row in range(ids.shape[0]):
+                    for head in range(layer.heads):
+                        target = oldest[row, head] - sinks + torch.arange(sinks)
+                        want = _keys_at(model, ids[row, :sinks], target)[layer_idx][head]
+                        torch.testing.assert_close(
+                            stored[row, head], want, atol=1e-4, rtol=1e-4,
+                            msg=lambda m: f"step {i}, layer {layer_idx}, row {row}, head {head}: {m}")
+    assert heads_differed > 0  # the heads really kept different oldest tokens (else this checks nothing per head)

@@ -269,6 +269,69 @@ def test_random_eviction_prefill_longer_than_budget_and_padding():
         assert kept.numel() == 8 * 2 and bool((kept >= real_start).all())
 
 
+def _kept_sets(cache) -> list[list[list[frozenset]]]:
+    """Per layer, row and KV head: the stream indices of the tokens kept."""
+    return [[[frozenset(layer.policy.stream[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
+              for h in range(layer.slot_valid.shape[1])] for b in range(layer.slot_valid.shape[0])]
+            for layer in cache.layers]
+
+
+def _feed(cache, heads: slice, steps, seed=0):
+    """Prefill 20 tokens (evicting: budget 10), then decode 15, straight into the layers (random eviction needs no
+    attention), giving each layer the KV heads `heads` of the same random keys and values."""
+    g = torch.Generator().manual_seed(seed)
+    for q in steps:
+        cache.begin_forward(q, 2, torch.device("cpu"))
+        for layer in cache.layers:
+            keys = torch.randn(2, 4, q, 16, generator=g)
+            layer.update(keys[:, heads], keys[:, heads] + 1)
+
+
+def test_random_eviction_draws_per_global_kv_head_and_seed():
+    """The random key of a token is a function of (seed, row, global KV head, stream index): a cache holding only KV
+    heads 2..3 (tensor-parallel rank 1 of 2: head offset 2) keeps exactly what a single process keeps in heads 2..3,
+    and rank 0 what it keeps in heads 0..1; the same seed gives the same choices, another seed others."""
+    from hf_kvcache.tensor_parallel import TensorParallel
+
+    config = build_model("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=16).config
+    steps = [20] + [1] * 15
+    caches = {}
+    for name, seed, rank, heads in (("full", 0, 0, slice(0, 4)), ("again", 0, 0, slice(0, 4)),
+                                    ("other_seed", 7, 0, slice(0, 4)), ("rank0", 0, 0, slice(0, 2)),
+                                    ("rank1", 0, 1, slice(2, 4))):
+        cache = hf_kvcache.RandomEvictionCache(config, heavy=6, recent=4, seed=seed)
+        assert cache.tensor_parallel.size == 1  # a config-only cache: single process, head offset 0
+        if name.startswith("rank"):
+            for layer in cache.layers:
+                layer.policy.tensor_parallel = TensorParallel(rank=rank, size=2, kv_heads=4)
+        _feed(cache, heads, steps)
+        caches[name] = _kept_sets(cache)
+    full = caches["full"]
+    assert all(len(s) == 10 for layer in full for row in layer for s in row)
+    assert caches["again"] == full
+    assert caches["other_seed"] != full
+    assert caches["rank0"] == [[row[:2] for row in layer] for layer in full]
+    assert caches["rank1"] == [[row[2:] for row in layer] for layer in full]
+    assert full[0][0][0] != full[0][0][2]  # heads draw differently (else the rank check would prove nothing)
+
+
+def test_random_eviction_decode_compiles_to_one_graph():
+    """No generator state: a decode step compiles with fullgraph=True and equals eager."""
+    torch._dynamo.reset()
+    model = build_model("llama")
+    hf_kvcache.enable(model)
+    ids = random_ids(2, 24, seed=3)
+    outputs = []
+    for forward in (model.forward, torch.compile(model.forward, fullgraph=True, backend="eager")):
+        cache = hf_kvcache.RandomEvictionCache(model, heavy=4, recent=4)
+        with torch.no_grad():
+            model(input_ids=ids[:, :8], past_key_values=cache)  # prefill eager, as generate does
+            outputs.append(torch.cat([forward(input_ids=ids[:, i : i + 1], position_ids=torch.full((2, 1), i),
+                                              past_key_values=cache).logits for i in range(8, 24)], 1))
+    assert cache.is_compileable
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
 def _rope(x, positions, theta, dim):
     """Reference RoPE (rotate-half), written out: x [n, D] rotated to `positions` [n]."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .base import Placement, Policy
 
 AGGREGATIONS = ("sum", "mean", "max")
@@ -173,45 +174,68 @@ class HeavyHitterPolicy(Policy):
         return sum(t.nbytes for t in tensors if t is not None)
 
 
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
+
+
+def _mix32(x):
+    """A 32-bit integer finaliser (xorshift-multiply, as in splitmix/murmur) on int64 tensors or Python ints holding
+    values in [0, 2**32). The multipliers are below 2**31, so no product overflows int64 (exact everywhere)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x31848BAB) & _MASK32
+    return x ^ (x >> 16)
+
+
+def random_keys(seed: int, rows: torch.Tensor, heads: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 keys in [0, 1), a pure function of (seed, batch row, global KV head, stream index): counter
+    based, so any token's key can be recomputed anywhere (every TP rank, any device, inside torch.compile) with
+    tensor ops only. `rows`, `heads`, `stream` are int64 tensors broadcasting to the output shape."""
+    h = _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+    for part in (rows, heads, stream):
+        h = _mix32(((h ^ (part & _MASK32)) + _GOLDEN32) & _MASK32)
+    return (h >> 8).to(torch.float32) * (1.0 / 2**24)  # 24 bits: exact in float32
+
+
 class RandomEvictionPolicy(HeavyHitterPolicy):
     """The baseline H2O is measured against: the recent window plus a uniformly random subset of older tokens.
 
-    Each token gets a random key when it arrives (seeded generator); the token with the lowest key is evicted,
-    which picks uniformly among the candidates. No attention scores are needed."""
+    Each token gets a random key when it arrives, and the token with the lowest key is evicted, which picks
+    uniformly among the candidates. No attention scores are needed. The key is a hash of (seed, batch row, global
+    KV head, stream index) (`random_keys`): the same seed makes the same choices, and under tensor parallelism rank
+    r's heads (global heads from `tensor_parallel.head_offset`) make exactly the choices one process makes for them.
+    No generator state: it compiles and runs on any device."""
 
     deferred = False
     needs_attention = False
 
-    def __init__(self, heavy, recent, seed: int = 0):
+    def __init__(self, heavy, recent, seed: int = 0, tensor_parallel: TensorParallel = SINGLE_PROCESS):
         super().__init__(heavy, recent)
-        self.seed = seed
-        self.generator: torch.Generator | None = None
+        self.seed, self.tensor_parallel = seed, tensor_parallel
+        self.head_offset = 0
 
     def allocate(self, batch: int, heads: int, device) -> None:
         super().allocate(batch, heads, device)
-        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        self.head_offset = self.tensor_parallel.head_offset(heads)
 
-    def _random(self, shape, device) -> torch.Tensor:
-        return torch.rand(shape, generator=self.generator, device=device)
+    def _random(self, stream: torch.Tensor) -> torch.Tensor:
+        """Keys of the tokens with stream indices `stream` [B, H, n] (rows and heads by position in the tensor)."""
+        batch, heads, _ = stream.shape
+        rows = torch.arange(batch, device=stream.device)[:, None, None]
+        global_heads = (torch.arange(heads, device=stream.device) + self.head_offset)[None, :, None]
+        return random_keys(self.seed, rows, global_heads, stream)
 
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         if real.shape[1] == 1 and seen > 0:
             return super().place(layer, real, seen)
         batch, q = real.shape
-        keys = self._random((batch, self.scores.shape[1], q), real.device)
-        placement = self._select(layer, real, seen, keys)
-        self._pending_keys = (placement, keys)
-        return placement
+        stream = (seen + torch.arange(q, device=real.device)).expand(batch, self.scores.shape[1], q)
+        return self._select(layer, real, seen, self._random(stream))
 
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         super().after_write(layer, placement, keys, dest, positions, seen_before)
-        pending = getattr(self, "_pending_keys", None)
-        if pending is not None and pending[0] is placement:
-            random_keys = pending[1]
-        else:
-            random_keys = self._random(dest.shape, dest.device)
-        self.scores.scatter_(2, dest, random_keys)
-        self._pending_keys = None
+        self.scores.scatter_(2, dest, self._random(seen_before + placement.src))
 
     def observe(self, layer, column_scores: torch.Tensor) -> None:  # never called: needs_attention is False
         raise RuntimeError("RandomEvictionPolicy does not use attention scores")

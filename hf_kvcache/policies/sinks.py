@@ -54,25 +54,31 @@ class SinkMemory:
             self.keys[:, :, slot] = keys[:, :, 0]
 
     def reposition_before(self, layer, oldest: torch.Tensor, has_other: torch.Tensor | None = None) -> None:
-        """Rotate the sinks to sit just before position `oldest` [B] (rows where `has_other` is False keep their
-        original positions). On a layer without RoPE (the rotator's identity) the keys carry no position: nothing
-        to do."""
+        """Rotate the sinks to sit just before position `oldest`: [B] (the same token set in every head) or
+        [B, Hm] (per row and meta head; Hm is 1 or the layer's KV heads). Where `has_other` (same shape) is False
+        the sinks keep their original positions. On a layer without RoPE (the rotator's identity) the keys carry no
+        position: nothing to do."""
         if not self.rotator.applies(layer.layer_idx):
             return
         s = self.sinks
-        original = self.pos[:, :s]
-        target = oldest[:, None] - s + torch.arange(s, device=oldest.device)
+        if oldest.dim() == 1:
+            oldest = oldest[:, None]
+            has_other = None if has_other is None else has_other[:, None]
+        original = self.pos[:, None, :s]  # [B, 1, s]
+        target = oldest[..., None] - s + torch.arange(s, device=oldest.device)  # [B, Hm, s]
         if has_other is not None:
-            target = torch.where(has_other[:, None], target, original)
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], target - original, layer.layer_idx))
+            target = torch.where(has_other[..., None], target, original)
+        delta = target - original  # [B, Hm, s]: rotate broadcasts Hm = 1 over the KV heads
+        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], delta, layer.layer_idx))
 
     def reposition(self, layer, used: int) -> None:
-        """General case: find the oldest valid token among slots [sinks, used) per row."""
+        """General case: find the oldest valid token among slots [sinks, used) per row and meta head (per-head
+        policies such as a composite with heavy hitters keep different tokens in each KV head)."""
         if self.rotator is None or self.sinks == 0 or self.keys is None:
             return
-        valid = layer.slot_valid[:, 0, self.sinks : used]
-        positions = layer.slot_pos[:, 0, self.sinks : used]
-        oldest = torch.where(valid, positions.long(), torch.iinfo(torch.long).max).amin(-1)
+        valid = layer.slot_valid[:, :, self.sinks : used]  # [B, Hm, n]
+        positions = layer.slot_pos[:, :, self.sinks : used]
+        oldest = torch.where(valid, positions.long(), torch.iinfo(torch.long).max).amin(-1)  # [B, Hm]
         self.reposition_before(layer, oldest, valid.any(-1))
 
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:

@@ -6,7 +6,9 @@ group), so the largest value of each group lands at fmax (within the scale's rou
 every other value gets FP8 rounding only (relative 2^-4 for E4M3 normal values, 2^-3 for E5M2). With scale_dtype
 "e8m0" the scale is a power of two in one byte (OCP microscaling): division is exact but the largest value lands
 anywhere in [fmax / 2, fmax]. Fixed scales (tensor, head) are float32: calibrated (static) or taken from the first
-write (warm-up); larger values later saturate at +-fmax * scale.
+write (warm-up); larger values later saturate at +-fmax * scale. Under tensor parallelism (a rank holds a shard of
+the KV heads) calibrated per-head scales are sliced to the rank's heads and a "tensor" warm-up scale is the maximum
+over the ranks, so every rank quantizes as one process would (see hf_kvcache.tensor_parallel).
 
 Dequantization on CPU avoids torch's scalar float8 -> float conversion (about 3 ns per value): the FP8 bits are moved
 into float16 bits with integer ops (vectorised), then one multiply by the scale writes the output.
@@ -18,6 +20,7 @@ import math
 
 import torch
 
+from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec
 
 EXP_MIN, EXP_MAX = -126, 119  # 2^(e + 8) stays a normal float32
@@ -56,6 +59,10 @@ def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tenso
 
 
 class FP8Codec(Codec):
+    #: set by the store at allocation: under tensor parallelism, static per-head scales (given for all the model's KV
+    #: heads) are sliced to this rank's heads, and the warm-up scale of granularity "tensor" is the max over all ranks
+    tensor_parallel: TensorParallel = SINGLE_PROCESS
+
     def __init__(self, spec: QuantSpec):
         super().__init__(spec)
         self.fp8_dtype = FP8_DTYPES[spec.format]
@@ -120,6 +127,10 @@ class FP8Codec(Codec):
     def allocate(self, batch, heads, head_dim, capacity, dtype, device) -> None:
         super().allocate(batch, heads, head_dim, capacity, dtype, device)
         if self.scale is not None:
+            tp = self.tensor_parallel
+            if self.spec.granularity == "head" and self.scale.shape[1] == tp.kv_heads != heads and tp.sharded(heads):
+                offset = tp.head_offset(heads)  # scales for all the model's heads: keep this rank's
+                self.scale = self.scale[:, offset : offset + heads]
             if self.spec.granularity == "head" and self.scale.shape[1] != heads:
                 raise ValueError(f"{self.scale.shape[1]} static head scales for a layer with {heads} KV heads")
             self.scale = self.scale.to(device)
@@ -143,6 +154,8 @@ class FP8Codec(Codec):
         if self.scale is None:  # warm-up: the first write fixes the scale
             dims = (0, 2, 3) if gran == "head" else (0, 1, 2, 3)
             amax = x.abs().amax(dim=dims, keepdim=True)
+            if gran == "tensor":  # one scale for the layer: the max over every rank's heads (no-op unsharded)
+                self.tensor_parallel.all_reduce_max(amax, x.shape[1])
             self.scale = (amax / self.fmax).clamp_(min=torch.finfo(torch.float32).tiny)
             self.shared = {"scale": self.scale}
         return {"data": (x / self.scale).clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).view(torch.uint8)}
@@ -151,7 +164,9 @@ class FP8Codec(Codec):
     def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:
         data = self.slot["data"][:, :, :n]
         gran = self.spec.granularity
-        if out.device.type == "cpu":
+        if out.device.type == "cpu" and not torch.compiler.is_compiling():
+            # (compiled code takes the native conversion: inductor's CPU code for this bit trick next to bfloat16
+            # scales was measured wrong, and it vectorises the native one itself)
             scratch = workspace.get("fp8_scratch", tuple(data.shape), torch.int16, out.device)
             half, factor = fp8_as_half(data, self.fp8_dtype, scratch)
             out.copy_(half)  # float16 -> output dtype, then one in-place multiply (faster than a mixed-dtype mul)

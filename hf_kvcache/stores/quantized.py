@@ -123,7 +123,12 @@ class QuantizedStore:
                 self.values_codec.set_scale(self.static_value_scale)
         self.slots = slots
         capacity = 0 if self.append_only else slots
+        # Under tensor parallelism (set by the cache: hf_kvcache.tensor_parallel) this layer holds a shard of the
+        # model's KV heads: calibrated per-head scales and key means, given for all heads, are sliced to it.
+        tp = getattr(self, "tensor_parallel", None)
         for codec, dim in zip(self._codecs(), (head_dim, self.value_dim)):
+            if tp is not None:
+                codec.tensor_parallel = tp
             if self.append_only and hasattr(codec, "set_pack_block"):
                 codec.set_pack_block(self.flush)  # whole blocks of `flush` tokens are quantized at once
             codec.allocate(batch * (2 if self.joint else 1), heads, dim, capacity, dtype, device)
@@ -132,6 +137,9 @@ class QuantizedStore:
             self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
             self.fp_v = torch.zeros(batch, heads, fp_slots, self.value_dim, dtype=dtype, device=device)
         if self.key_mean is not None:
+            if tp is not None and self.key_mean.shape[1] == tp.kv_heads != heads and tp.sharded(heads):
+                offset = tp.head_offset(heads)
+                self.key_mean = self.key_mean[:, offset : offset + heads]
             if self.key_mean.shape[1] != heads or self.key_mean.shape[-1] != head_dim:
                 raise ValueError(
                     f"{self.where}: key_mean has shape {list(self.key_mean.shape[1::2])}, the layer has {heads} KV "
