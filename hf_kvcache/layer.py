@@ -190,8 +190,10 @@ class CompressedLayer(CacheLayerMixin):
         """(validity [B, Hm, kv] of the columns of the last update, number of trailing causal columns), or None when
         transformers' own mask is already right (no padding ever seen and a policy without holes). Decode steps with a
         padding mask always get the layer's validity: deciding otherwise would mean reading the mask on the host."""
+        # (fixed-capacity layers read all their slots in decode, empty ones included: always their own mask, decided
+        # by a constant rather than by comparing counters, which torch.compile would guard on)
         decode_with_mask = self._attention_query_len == 1 and (
-            self.forward_info.mask_given or self._attention_columns.shape[-1] != self.used)
+            self.forward_info.mask_given or self.policy.capacity is not None)
         if not (self.forward_info.has_padding or self.policy.may_have_holes or decode_with_mask):
             return None
         causal = self._attention_query_len if self._attention_query_len > 1 else 0

@@ -54,7 +54,7 @@ class _QuantizedKeepAllCache(KVCache):
     """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
 
     def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
-               scales: dict | None, key_rotation: str = "none", layers=None) -> None:
+               scales: dict | None, key_rotation: str = "none", layers=None, max_length: int | None = None) -> None:
         config = _text_config(config_or_model)
         num_layers, kv_heads, head_dim = model_dims(config)
         latent = is_latent_attention(config)
@@ -62,6 +62,14 @@ class _QuantizedKeepAllCache(KVCache):
             key.validate_head_dim(head_dim, "key")
             value.validate_head_dim(head_dim, "value")
         residual = require_int("residual", residual, 0)
+        if max_length is not None:
+            max_length = require_int("max_length", max_length, 1)
+            if residual or key.append_only or value.append_only:
+                raise ValueError(
+                    "`max_length` (a fixed capacity, for torch.compile) needs residual=0 and granularity 'token', "
+                    f"'head' or 'tensor' (got residual={residual}, key granularity {key.granularity!r}, value "
+                    f"granularity {value.granularity!r})."
+                )
         if not isinstance(key_smoothing, bool):
             raise ValueError(f"`key_smoothing` must be a bool, got {key_smoothing!r}.")
         key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS + ("auto",))
@@ -77,8 +85,8 @@ class _QuantizedKeepAllCache(KVCache):
 
         def layer_parts(cfg):
             store = QuantizedStore(key, value, residual=residual, append_only=True, key_smoothing=key_smoothing,
-                                   workspace=workspace, name=type(self).__name__)
-            return KeepAllPolicy(), store
+                                   workspace=workspace, name=type(self).__name__, fixed_slots=max_length is not None)
+            return KeepAllPolicy(max_length), store
 
         super().__init__(config_or_model, layer_parts, layers)
         for i, layer in enumerate(self.layers):
@@ -194,6 +202,10 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             on SmolLM2 it cuts the KL divergence of E4M3 caches 2.5-4x at no cost in bytes.
         scales: a calibration dict (hf_kvcache.calibration.calibrate): static per-head scales and key means
             (calibrated with the same key_smoothing and key_rotation).
+        max_length: None (the cache grows with the stream), or a fixed capacity in tokens, allocated at the first
+            update, like transformers' StaticCache: decode shapes stay constant, so the cache is compileable
+            (`generate(compile_config=...)`); needs residual=0 and token/head/tensor granularity. A stream longer
+            than max_length is a clear error.
     """
 
     cache_name = "fp8"
@@ -210,6 +222,7 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         key_smoothing: bool = False,
         key_rotation: str = "auto",
         scales: dict | None = None,
+        max_length: int | None = None,
         layers: dict | list | None = None,
     ):
         self.format, self.granularity, self.group_size = format, granularity, group_size
@@ -220,7 +233,9 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             value_base.update(granularity="token", group_size=None)
         key_spec = _spec(base, key, "key")
         value_spec = _spec(value_base, value, "value")
-        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers)
+        self.max_length = max_length
+        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers,
+                    max_length)
 
 
 def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:

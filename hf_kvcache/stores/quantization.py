@@ -317,17 +317,19 @@ class Codec:
         raise NotImplementedError
 
     def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None,
-            rows: slice | None = None):
+            rows: slice | None = None, index: torch.Tensor | None = None):
         """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots (of the batch
-        `rows` only, if given)."""
+        `rows` only, if given). `index`: slots [start, start + n) as a tensor, for per-slot layouts: compiled code
+        then does not specialise on `start`."""
         for name, t in encoded.items():
             buf = self.slot[name] if rows is None else self.slot[name][rows]
-            if dest is None:
+            if index is not None and name not in self.per_block:
+                buf.index_copy_(2, index, t)
+            elif dest is None:
                 first = self._rows(name, start)
                 buf[:, :, first : first + t.shape[2]] = t
             else:
-                index = dest.reshape(dest.shape + (1,) * (t.dim() - 3)).expand(t.shape)
-                buf.scatter_(2, index, t)
+                buf.scatter_(2, dest.reshape(dest.shape + (1,) * (t.dim() - 3)).expand(t.shape), t)
 
     def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:
         """Dequantize slots [0, n) into out [B, H, n, D] (any strides with a unit stride on the last dim), plus a

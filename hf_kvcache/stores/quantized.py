@@ -43,6 +43,7 @@ class QuantizedStore:
         name: str = "store",
         flush: int | None = None,
         growth: float = GROWTH,
+        fixed_slots: bool = False,
     ):
         self.key_spec = QuantSpec.from_value(key, f"{name}: key")
         self.value_spec = QuantSpec.from_value(value, f"{name}: value")
@@ -63,6 +64,14 @@ class QuantizedStore:
                 )
         if residual < 0:
             raise ValueError(f"{name}: `residual` must be >= 0, got {residual}")
+        # All slots allocated once (a fixed `max_length`): an append-only store never grows and a read may cover
+        # slots not written yet (the layer masks them), so decode shapes are constant (torch.compile).
+        self.fixed_slots = fixed_slots
+        if fixed_slots and append_only and (residual or self.block != 1):
+            raise ValueError(
+                f"{name}: a fixed maximum length (for torch.compile) needs residual=0 and per-token, -head or -tensor "
+                f"granularity (got residual={residual}, block of {self.block} tokens)."
+            )
         self.append_only, self.residual, self.growth = append_only, residual, growth
         if flush is None:
             flush = 16 if (residual and self.block == 1) else 1
@@ -122,7 +131,7 @@ class QuantizedStore:
             if self.static_value_scale is not None:
                 self.values_codec.set_scale(self.static_value_scale)
         self.slots = slots
-        capacity = 0 if self.append_only else slots
+        capacity = 0 if self.append_only and not self.fixed_slots else slots
         # Under tensor parallelism (set by the cache: hf_kvcache.tensor_parallel) this layer holds a shard of the
         # model's KV heads: calibrated per-head scales and key means, given for all heads, are sliced to it.
         tp = getattr(self, "tensor_parallel", None)
@@ -157,6 +166,10 @@ class QuantizedStore:
             for codec in self._codecs():
                 codec.resize(slots)
 
+    @property
+    def compileable(self) -> bool:
+        return self.fixed_slots
+
     def _codecs(self):
         return (self.keys_codec,) if self.joint else (self.keys_codec, self.values_codec)
 
@@ -165,6 +178,8 @@ class QuantizedStore:
         cap = self.keys_codec.capacity
         if tokens <= cap:
             return
+        if self.fixed_slots:
+            raise ValueError(f"{self.where}: {tokens} tokens do not fit the fixed maximum length of {cap - 1}.")
         if cap:
             tokens = max(tokens, cap + max(self.flush, math.ceil(cap * self.growth)))
         tokens = -(-tokens // self.flush) * self.flush
@@ -221,7 +236,12 @@ class QuantizedStore:
             # decode step with keys and values quantized together right away: as few ops as possible
             both = torch.cat((keys, values), 0)
             check_finite(both, None, self.where)
-            if self.append_only:
+            if self.append_only and self.fixed_slots:
+                # the slot is the token's index: nothing grows, nothing to truncate after a crop (later slots are
+                # overwritten, and reads mask what is not valid); no comparison of host counters either, which
+                # torch.compile would turn into guards
+                self.qlen = slot + 1
+            elif self.append_only:
                 if slot != self.length:
                     self._truncate(slot)
                 self._reserve(self.qlen + 1)
@@ -229,7 +249,7 @@ class QuantizedStore:
             if self.key_smoothing:
                 both = both.float()
                 both[: self.batch] -= self.key_mean
-            self.keys_codec.put(self.keys_codec.encode(both), slot)
+            self.keys_codec.put(self.keys_codec.encode(both), slot, index=index if self.fixed_slots else None)
             return
         check_finite(keys, values, self.where)
         if self.append_only:
@@ -291,7 +311,9 @@ class QuantizedStore:
     # -- reads ------------------------------------------------------------------------------------------------
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
-        if self.append_only:
+        if self.append_only and self.fixed_slots:
+            quantized = used  # every slot decodes, written or not (the layer masks what is not valid)
+        elif self.append_only:
             if used < self.length:
                 self._truncate(used)
             elif used > self.length:
