@@ -94,6 +94,12 @@ class CompressedLayer(CacheLayerMixin):
                 f"Layer {self.layer_idx}: the previous forward's tokens were never placed because attention did not "
                 "run through the hf_kvcache bridge; call `hf_kvcache.enable(model)`."
             )
+        if torch.compiler.is_compiling() and not self.is_compileable and key_states.shape[-2] == 1:
+            raise RuntimeError(
+                f"Layer {self.layer_idx} ({type(self.policy).__name__} over {type(self.store).__name__}) is not "
+                "compileable: its decode shapes grow with the stream. Compile a fixed-capacity cache (sink, sliding, "
+                "h2o, random_eviction, or fp8 with `max_length`), or run this one eagerly (generate does, by itself)."
+            )
         info = self.forward_info.for_layer(self, key_states.shape[-2])
         if self.key_rotation is not None:
             if not info.attention_bridged:

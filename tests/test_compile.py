@@ -121,3 +121,14 @@ def test_growing_and_region_caches_say_they_are_not_compileable():
     for cache in (hf_kvcache.QuantizedFP8Cache(model), hf_kvcache.KIVICache(model, group_size=16),
                   hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12), hf_kvcache.FullCache(model)):
         assert not cache.is_compileable  # generate then runs them eagerly instead of compiling them
+
+
+def test_compiling_a_growing_cache_is_a_clear_error():
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=1)
+    hf_kvcache.enable(model)
+    cache = hf_kvcache.KIVICache(model, group_size=16)
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 6), past_key_values=cache)
+        with pytest.raises(Exception, match="not compileable"):
+            torch.compile(model.forward, fullgraph=True)(input_ids=random_ids(1, 1), past_key_values=cache)
