@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from .codes_attention import attend
 from .layer import CompressedLayer
 from .rotation import rotate
 
@@ -141,6 +142,10 @@ def _make_bridge(name: str):
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
                 query = rotate(query, layer.key_rotation)
+            if layer.attention_from_codes:  # attention straight from the store's codes (hf_kvcache.codes_attention)
+                out = attend(module, layer, query, key, value, kwargs)
+                if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
+                    return out
             spec = layer.attention_validity()
             if spec is not None:
                 mask = build_validity_mask(spec[0], spec[1], query)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .codes_attention import read_codes, resolve_attention
 from .policies.base import Policy
 from .rotation import rotate
 
@@ -46,6 +47,8 @@ class CompressedLayer(CacheLayerMixin):
         self._attention_query_len = 0
         self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
+        # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.codes_attention), resolved at allocation
+        self.attention, self.attention_block, self.attention_from_codes, self.codes_read = "dequantize", None, False, None
 
     @property
     def is_croppable(self) -> bool:
@@ -67,6 +70,7 @@ class CompressedLayer(CacheLayerMixin):
         self.policy.allocate(batch, heads, self.device)
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device)
+        self.attention_from_codes = resolve_attention(self, self.device)
         self.is_initialized = True
 
     @property
@@ -128,7 +132,9 @@ class CompressedLayer(CacheLayerMixin):
         # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
         self.policy.before_read(self)
         past_valid = self.slot_valid[..., : self.used]
-        if self.used > 0:
+        if self.attention_from_codes:  # stand-ins: the bridge attends from the codes, new tokens in full precision
+            keys, values = read_codes(self, self.used, key_states, value_states)
+        elif self.used > 0:
             past_k, past_v = self.store.read(self.used)
             keys, values = torch.cat((past_k, key_states), -2), torch.cat((past_v, value_states), -2)
         else:
@@ -169,7 +175,7 @@ class CompressedLayer(CacheLayerMixin):
         width = self.policy.capacity if self.policy.capacity is not None else self.used
         self._attention_columns = self.slot_valid[..., :width]
         self._attention_query_len = 1
-        return self.store.read(width)
+        return read_codes(self, width) if self.attention_from_codes else self.store.read(width)
 
     def commit(self, placement) -> None:
         """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""
@@ -249,7 +255,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store.reset()
         self.policy.reset()
-        self.slot_pos = self.slot_valid = self._attention_columns = None
+        self.slot_pos = self.slot_valid = self._attention_columns = self.codes_read = None
         self.seen = self.used = 0
         self._pending = None
         self._served_forward = -1

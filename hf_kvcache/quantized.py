@@ -10,6 +10,8 @@ Every token is kept (KeepAllPolicy) in a `QuantizedStore` per layer (hf_kvcache.
 quantized once, when they leave the optional full-precision residual of the most recent `residual` tokens, and never
 re-quantized. Attention reads dequantize into one workspace shared by all layers, so the memory held is the
 quantized cache plus one layer in the model's dtype (`workspace_nbytes()`), not a full-precision copy per layer.
+With `attention="blockwise"` (the default "auto" on CUDA) attention reads the codes block by block instead
+(hf_kvcache.codes_attention, docs/blockwise_attention.md) and the workspace stays empty.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .architecture import attention_head_dim, is_latent_attention, refuse_latent
 from .caches import KVCache
+from .codes_attention import ATTENTION_MODES
 from .config import check_keys, require_choice, require_int
 from .policies import KeepAllPolicy
 from .rotation import ROTATIONS, rotation_matrix
@@ -101,6 +104,20 @@ class _QuantizedKeepAllCache(KVCache):
         """The layers' bytes plus the shared key rotation matrix (once)."""
         extra = self.rotation_matrix.nbytes if self.rotation_matrix is not None else 0
         return super().nbytes() + (extra if any(layer.is_initialized for layer in self.layers) else 0)
+
+    def _set_attention(self, config_or_model, attention: str, attention_block: int | None) -> None:
+        """The `attention` option of the layers (hf_kvcache.codes_attention): "dequantize" (the whole layer into the
+        workspace, then SDPA / eager), "blockwise" (block by block straight from the codes: Triton on CUDA, torch
+        elsewhere), "auto" (blockwise for keys on CUDA, else dequantize; always dequantize for latent attention,
+        whose model expands the cached latent before attention: "blockwise" is refused there at the first forward).
+        `attention_block`: tokens dequantized at a time by the torch path (None: DEFAULT_BLOCK)."""
+        self.attention = require_choice("attention", attention, ATTENTION_MODES)
+        self.attention_block = None if attention_block is None else require_int("attention_block", attention_block, 1)
+        if attention == "auto" and is_latent_attention(_text_config(config_or_model)):
+            attention = "dequantize"
+        for layer in self.layers:
+            if isinstance(getattr(layer, "store", None), QuantizedStore) and layer.store.workspace is self.workspace:
+                layer.attention, layer.attention_block = attention, self.attention_block
 
     def workspace_nbytes(self) -> int:
         """Bytes of the shared dequantization workspace (one layer's keys and values in the model's dtype, grown by
@@ -206,6 +223,10 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             update, like transformers' StaticCache: decode shapes stay constant, so the cache is compileable
             (`generate(compile_config=...)`); needs residual=0 and token/head/tensor granularity. A stream longer
             than max_length is a clear error.
+        attention: "auto" (default: straight from the codes when the keys are on CUDA, else dequantize),
+            "blockwise" (attention reads the codes block by block, no full-precision copy of the layer; slower on
+            CPU, docs/blockwise_attention.md) or "dequantize" (the layer into a shared workspace, then SDPA/eager).
+        attention_block: tokens per block of the torch block-wise path (default 1024, rounded to the codes' block).
     """
 
     cache_name = "fp8"
@@ -224,6 +245,8 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         scales: dict | None = None,
         max_length: int | None = None,
         layers: dict | list | None = None,
+        attention: str = "auto",
+        attention_block: int | None = None,
     ):
         self.format, self.granularity, self.group_size = format, granularity, group_size
         self.residual, self.key_smoothing, self.key_rotation = residual, key_smoothing, key_rotation
@@ -236,6 +259,7 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         self.max_length = max_length
         self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers,
                     max_length)
+        self._set_attention(config_or_model, attention, attention_block)
 
 
 def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
@@ -256,7 +280,8 @@ class KIVICache(_QuantizedKeepAllCache):
     of `value_group_size` channels, default `group_size`), the most recent `residual` tokens in full precision (plus
     those of an incomplete key block). Packed by optimum-quanto or hqq (`backend`, default: quanto if installed).
     `scale_dtype` ("float16", ...) stores scales and zero points in another dtype than the model's. `key_rotation`
-    ("none" by default: KIVI's per-channel key groups already isolate outlier channels) as in QuantizedFP8Cache."""
+    ("none" by default: KIVI's per-channel key groups already isolate outlier channels), `attention` and
+    `attention_block` as in QuantizedFP8Cache."""
 
     cache_name = "kivi"
 
@@ -272,6 +297,8 @@ class KIVICache(_QuantizedKeepAllCache):
         value_group_size: int | None = None,
         key_rotation: str = "none",
         layers: dict | list | None = None,
+        attention: str = "auto",
+        attention_block: int | None = None,
     ):
         if isinstance(bits, bool) or bits not in (2, 4, 8):
             raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
@@ -286,3 +313,4 @@ class KIVICache(_QuantizedKeepAllCache):
         key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
         value = QuantSpec(fmt, "token", value_group, backend, scale_dtype)
         self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation, layers)
+        self._set_attention(config_or_model, attention, attention_block)

@@ -27,6 +27,7 @@ the key and value segments of a `QuantizedStore` (its quantized part, then its f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -126,6 +127,11 @@ class QuantizedKV:
         if not ok:
             raise ValueError(f"QuantizedKV: `scale` for granularity {self.granularity!r} must be {want}, got "
                              f"{list(shape)}")
+
+    def clone(self) -> "QuantizedKV":
+        """A copy owning its codes, scales and zero points (writes to the buffers it viewed no longer affect it)."""
+        copy = lambda t: None if t is None else t.clone()
+        return dataclasses.replace(self, codes=self.codes.clone(), scale=copy(self.scale), zero=copy(self.zero))
 
     # -- shape ----------------------------------------------------------------------------------------------------
     @property
@@ -283,31 +289,10 @@ def from_codec(codec, n: int, rows: slice | None = None, bias: torch.Tensor | No
 
 
 def store_segments(store, used: int) -> tuple[list[QuantizedKV], list[QuantizedKV]]:
-    """(key segments, value segments) of the first `used` slots of a `QuantizedStore`, in slot order: the
-    quantized slots, then (append-only layout) the full-precision residual. Views, no copy; valid until the next
-    write. Mirrors `QuantizedStore.read` (which dequantizes the same slots into a workspace)."""
-    if store.append_only:
-        if used < store.length:
-            store._truncate(used)
-        elif used > store.length:
-            raise RuntimeError(f"{store.where}: read of {used} slots, only {store.length} written")
-        quantized = store.qlen
-    else:
-        quantized = used
-    bias = None
-    if store.key_smoothing and store.key_mean is not None:
-        bias = store.key_mean.to(store.dtype).float()
-    keys, values = [], []
-    if quantized:
-        b = store.batch
-        if store.joint:
-            keys.append(from_codec(store.keys_codec, quantized, slice(0, b), bias))
-            values.append(from_codec(store.keys_codec, quantized, slice(b, 2 * b)))
-        else:
-            keys.append(from_codec(store.keys_codec, quantized, None, bias))
-            values.append(from_codec(store.values_codec, quantized))
-    if used > quantized:
-        rest = used - quantized
-        keys.append(QuantizedKV(store.fp_k[:, :, :rest], "none"))
-        values.append(QuantizedKV(store.fp_v[:, :, :rest], "none"))
-    return keys, values
+    """(key segments, value segments) of the first `used` slots of a store with a `segments` method
+    (`QuantizedStore`: its quantized slots, then its full-precision residual; `RegionStore`: each region's in slot
+    order). Views, no copy; valid until the next write."""
+    if not hasattr(store, "segments"):
+        raise TypeError(f"store_segments: {type(store).__name__} has no `segments` method (QuantizedStore, "
+                        "RegionStore and FullPrecisionStore have one)")
+    return store.segments(used)

@@ -74,3 +74,13 @@ class FullPrecisionStore:
 
     def reset(self) -> None:
         self.keys = self.values = None
+
+    def segments(self, used: int, stable: bool = False):
+        """Slots [0, used) as one full-precision `hf_kvcache.kernels.QuantizedKV` run each for keys and values
+        (views; `stable=True` copies them, since slot writes overwrite in place)."""
+        from ..kernels.codes import QuantizedKV
+
+        keys, values = self.keys[:, :, :used], self.values[:, :, :used]
+        if stable:
+            keys, values = keys.clone(), values.clone()
+        return [QuantizedKV(keys, "none")], [QuantizedKV(values, "none")]

@@ -403,3 +403,43 @@ class QuantizedStore:
 
     def reset(self) -> None:
         self._init_state()
+
+    # -- attention straight from the codes (hf_kvcache.kernels) ----------------------------------------------------
+    def segments(self, used: int, stable: bool = False):
+        """(key segments, value segments) of slots [0, used) as `hf_kvcache.kernels.QuantizedKV` runs, in slot order:
+        the quantized slots, then (append-only layout) the full-precision residual. Views of the codes, no
+        dequantization and no workspace; valid until the next write. `stable=True`: the segments survive the write of
+        new tokens (a prefill chunk attends to the past as it was): the append-only layout copies only its residual
+        (which writes shift in place; at most residual + flush tokens), the slot layout copies everything. Mirrors
+        `read`."""
+        from ..kernels.codes import QuantizedKV, from_codec
+
+        fixed = getattr(self, "fixed_slots", False)
+        if self.append_only:
+            if used < self.length:
+                self._truncate(used)
+            elif used > self.length and not fixed:
+                raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
+            quantized = used if fixed else self.qlen  # fixed slots: unwritten ones are read too (the layer masks them)
+        else:
+            quantized = used
+        bias = None
+        if self.key_smoothing and self.key_mean is not None:
+            bias = self.key_mean.to(self.dtype).float()
+        keys, values = [], []
+        if quantized:
+            if self.joint:
+                keys.append(from_codec(self.keys_codec, quantized, slice(0, self.batch), bias))
+                values.append(from_codec(self.keys_codec, quantized, slice(self.batch, 2 * self.batch)))
+            else:
+                keys.append(from_codec(self.keys_codec, quantized, None, bias))
+                values.append(from_codec(self.values_codec, quantized))
+            if stable and not self.append_only:  # slot layout: writes overwrite slots in place
+                keys, values = [s.clone() for s in keys], [s.clone() for s in values]
+        if used > quantized:
+            rest_k, rest_v = self.fp_k[:, :, : used - quantized], self.fp_v[:, :, : used - quantized]
+            if stable:
+                rest_k, rest_v = rest_k.clone(), rest_v.clone()
+            keys.append(QuantizedKV(rest_k, "none"))
+            values.append(QuantizedKV(rest_v, "none"))
+        return keys, values

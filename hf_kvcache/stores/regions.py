@@ -96,3 +96,16 @@ class RegionStore:
     def reset(self) -> None:
         for store in self.stores:
             store.reset()
+
+    def segments(self, used: int, stable: bool = False):
+        """(key segments, value segments) of slots [0, used): each region's segments, regions in slot order (as
+        `read` concatenates them), for attention straight from the codes (`hf_kvcache.kernels`)."""
+        keys, values = [], []
+        for base, size, store in zip(self.bases, self.sizes, self.stores):
+            n = min(size, used - base)
+            if n <= 0:
+                break
+            k, v = store.segments(n, stable)
+            keys += k
+            values += v
+        return keys, values

@@ -1,0 +1,145 @@
+"""Attention straight from a layer's quantized codes (the quantized caches' `attention="blockwise"` option).
+
+By default a quantized layer dequantizes its whole store into the shared workspace at every read and the attention
+bridge calls SDPA / eager on that copy. A layer with `attention_from_codes` set never dequantizes its store:
+
+- `CompressedLayer.update` returns stand-ins for keys and values (`read_codes`): expanded views of a one-element
+  tensor with the right shape, dtype and device, no memory. It records the store's segments (`store.segments`,
+  `hf_kvcache.kernels.QuantizedKV` runs of codes, scales and the full-precision residual), and for a multi-token
+  forward (prefill, chunks) the new tokens as a last full-precision segment, since they are attended to in full
+  precision before (or without) being quantized, as on the dequantize path. The first prefill (nothing stored yet)
+  returns the new tokens themselves and attends as usual (SDPA / eager): there is nothing to dequantize.
+- The bridge (`hf_kvcache.attention`) rotates the queries as usual and, instead of SDPA, calls `attend`, which runs
+  `hf_kvcache.kernels.blockwise_attention` over those segments with the layer's validity mask (padding, causal
+  tail), the module's scaling, softcap and sinks, and H2O column scores when the policy asks for them.
+
+The bridge checks that the keys / values it receives are exactly the stand-ins: a model that transforms the cached
+keys before attention (DeepSeek MLA expands its latent with `expand_kv`) would otherwise attend to zeros, so it is a
+clear error naming the attention class and pointing to attention="dequantize".
+
+Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel),
+dequantize elsewhere (on CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md);
+resolved per layer at its first update, from the keys' device. Only stores with `segments` and an append-only
+(keep-all) layout attend from codes: a slot store overwritten by an evicting policy in prefill would need a copy of
+the whole past (the composite cache stays on the dequantize path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import QuantizedKV, blockwise_attention
+
+ATTENTION_MODES = ("auto", "blockwise", "dequantize")
+#: tokens dequantized at a time (rounded up to the segments' token alignment); the Triton kernel ignores it
+DEFAULT_BLOCK = 1024
+
+
+@dataclass
+class CodesRead:
+    """What one `update` handed attention: the segments, and the stand-ins the bridge must receive back."""
+
+    keys: list[QuantizedKV]
+    values: list[QuantizedKV]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def resolve_attention(layer, device) -> bool:
+    """Whether `layer` attends from its codes, from its `attention` mode and the device of its keys."""
+    mode = getattr(layer, "attention", "dequantize")
+    if mode == "dequantize":
+        return False
+    store = layer.store
+    if not (getattr(store, "append_only", False) and hasattr(store, "segments")):
+        if mode == "blockwise":
+            raise ValueError(
+                f"Layer {layer.layer_idx}: attention='blockwise' needs an append-only quantized store (keep-all), "
+                f"this layer has {type(store).__name__}; use attention='dequantize' or 'auto'."
+            )
+        return False
+    return mode == "blockwise" or torch.device(device).type == "cuda"
+
+
+def read_codes(layer, used: int, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None):
+    """Stand-ins (keys, values) for slots [0, used) of the layer's store, followed by `new_keys` / `new_values`
+    (a multi-token forward, not yet written: the store's segments are taken `stable`, so the write that follows
+    does not change them). Records the segments on `layer.codes_read` for the bridge."""
+    if not layer.forward_info.attention_bridged:
+        raise RuntimeError(
+            f"Layer {layer.layer_idx}: attention from quantized codes (attention='blockwise', or 'auto' on CUDA) runs "
+            "in the hf_kvcache attention bridge, but the model's attention implementation is not the bridge. Call "
+            "`hf_kvcache.enable(model)` after changing it, or use attention='dequantize'."
+        )
+    if not used and new_keys is not None:
+        # nothing stored yet (the first prefill): the new tokens are all there is, in full precision, as on the
+        # dequantize path; attention runs on them as usual (SDPA / eager), and the bridge still checks they arrive
+        # untransformed (the same model would transform the stand-ins of later steps)
+        layer.codes_read = CodesRead(None, None, new_keys, new_values)
+        return new_keys, new_values
+    keys, values = layer.store.segments(used, stable=new_keys is not None) if used else ([], [])
+    n = used
+    if new_keys is not None:
+        keys.append(QuantizedKV(new_keys, "none"))
+        values.append(QuantizedKV(new_values, "none"))
+        n += new_keys.shape[-2]
+    batch = layer.slot_valid.shape[0]
+    anchor = torch.zeros((), dtype=layer.dtype, device=layer.device)
+    key = anchor.expand(batch, layer.heads, n, layer.head_dim)
+    value = anchor.expand(batch, layer.heads, n, layer.value_dim)
+    layer.codes_read = CodesRead(keys, values, key, value)
+    return key, value
+
+
+def block_size(layer, segments) -> int:
+    """The layer's `attention_block` (checked against the segments' token alignment), else DEFAULT_BLOCK rounded
+    up to it."""
+    align = math.lcm(*(s.token_alignment for s in segments))
+    block = getattr(layer, "attention_block", None)
+    if block is None:
+        return -(-DEFAULT_BLOCK // align) * align
+    if block % align:
+        raise ValueError(
+            f"`attention_block` must be a multiple of {align} for this cache (channel-scale blocks / token packing "
+            f"cover {align} tokens), got {block}."
+        )
+    return block
+
+
+def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict):
+    """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) of
+    the (already rotated) `query` over the segments the layer's last update recorded; None when that update had
+    nothing stored (the first prefill: the caller attends to the new tokens as usual)."""
+    read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
+    if read is None or key is not read.key or value is not read.value:
+        config = getattr(module, "config", None)
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {layer.layer_idx}, {type(config).__name__}): this cache attends straight "
+            "from its quantized codes (attention='blockwise'), but the model transformed the cached keys / values "
+            "before attention (e.g. latent attention expanding its latent), so attention cannot read them from the "
+            "codes. Use attention='dequantize' with this model."
+        )
+    if read.keys is None:
+        return None
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ValueError("attention='blockwise' has no attention dropout (training); use attention='dequantize'.")
+    q = query.shape[2]
+    spec = layer.attention_validity()
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
+    needs_scores = layer.policy.needs_attention
+    weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32) if needs_scores else None
+    result = blockwise_attention(
+        query, read.keys, read.values, None if spec is None else spec[0], float(scaling),
+        block=block_size(layer, read.keys + read.values), causal_tail=q if q > 1 else 0, softcap=softcap or None,
+        sinks=getattr(module, "sinks", None), return_column_scores=needs_scores, query_weight=weight,
+    )
+    if needs_scores:
+        result, scores = result
+        layer.policy.observe(layer, scores)
+    return result.transpose(1, 2).contiguous(), None
