@@ -10,7 +10,9 @@ from .composite import CompositeCache
 from .quantized import KIVICache, QuantizedFP8Cache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
+    DEFAULT_CACHE_CONFIGS,
     build_cache,
+    default_cache_config,
     load_cache_config,
     register,
     save_cache_config,
@@ -20,20 +22,26 @@ __version__ = "0.1.0"
 
 register()
 
+from .hub import KVCacheConfig, publish  # noqa: E402  (needs the registry filled)
+
 __all__ = [
     "CACHE_IMPLEMENTATIONS",
     "CompositeCache",
+    "DEFAULT_CACHE_CONFIGS",
     "FullCache",
     "H2OCache",
     "KVCache",
     "KIVICache",
+    "KVCacheConfig",
     "QuantizedFP8Cache",
     "RandomEvictionCache",
     "SinkCache",
     "SlidingWindowCache",
     "build_cache",
+    "default_cache_config",
     "enable",
     "load_cache_config",
+    "publish",
     "register",
     "save_cache_config",
 ]

@@ -2,11 +2,34 @@
 
 transformers 5.x validates `cache_implementation` against a fixed tuple and hard-codes the name-to-class mapping in
 `GenerationMixin._prepare_cache_for_generation`; we extend both, idempotently, and only on a tested version range.
+
+Published configs. A model's `generation_config.json` may carry `"hf_kvcache": {"cache": NAME, "config": {...},
+"version": 1}` (see hf_kvcache.hub): transformers keeps that key and ignores it, so the model loads and generates
+everywhere; with hf_kvcache imported, `generate` builds that cache whenever the call sets no `cache_implementation`
+and passes no `past_key_values` (either of which wins). `save_cache_config` writes that safe form, never a
+`cache_implementation` (which makes `from_pretrained` fail wherever hf_kvcache is not imported).
+
+Defaults. Every name runs without a `cache_config`: the caller's keys are merged over `DEFAULT_CACHE_CONFIGS`, with
+token sizes capped by the model's `max_position_embeddings` (L below; 1024 when the config has none):
+
+| name | defaults | with L < 1024 |
+|---|---|---|
+| `sink` | sinks 4 + window 1020 (StreamingLLM) | sinks min(4, L-1), window L - sinks |
+| `sliding` | window 1024 | window L |
+| `h2o` | heavy 0.1 + recent 0.1 of the prompt (H2O's 20% budget) | same |
+| `random_eviction` | heavy 0.1 + recent 0.1 of the prompt | same |
+| `composite` | preset "sinks_heavy_recent", budget 1024 (4 sinks, recent + heavy hitters in FP8 E4M3) | budget max(L, 6) |
+| `fp8` | the class defaults: E4M3, per-token scales, Hadamard-rotated keys, no full-precision window | same |
+| `kivi` | the class defaults: int4, group 32, residual 128, quanto (else hqq); value groups gcd(32, head_dim) when head_dim is not a multiple of 32 | same |
+
+A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
+heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -35,6 +58,27 @@ CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
 
 CONFIG_FILE = "kvcache_config.json"
 
+#: defaults merged under a caller's cache_config (token sizes for a model with >= 1024 positions; see the module
+#: docstring and `default_cache_config` for the cap by max_position_embeddings)
+DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
+    "sink": {"sinks": 4, "window": 1020},
+    "sliding": {"window": 1024},
+    "h2o": {"heavy": 0.1, "recent": 0.1},
+    "random_eviction": {"heavy": 0.1, "recent": 0.1},
+    "composite": {"preset": "sinks_heavy_recent", "budget": 1024},
+    "fp8": {},
+    "kivi": {},
+}
+
+#: a caller's key -> the default keys it replaces (besides itself)
+DEFAULT_REPLACED_BY: dict[str, dict[str, tuple[str, ...]]] = {
+    "sink": {"budget": ("window",)},
+    "h2o": {"budget": ("heavy", "recent")},
+    "random_eviction": {"budget": ("heavy", "recent")},
+    "composite": {"regions": ("preset", "budget")},
+    "kivi": {"group_size": ("value_group_size",)},
+}
+
 
 def builtin_cache_implementations() -> tuple[str, ...]:
     """The names transformers itself accepts (ours excluded)."""
@@ -54,8 +98,81 @@ def check_transformers_version(version: str | None = None) -> None:
         )
 
 
+def _max_positions(config_or_model) -> int | None:
+    config = getattr(config_or_model, "config", config_or_model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
+
+
+def default_cache_config(name: str, config_or_model=None) -> dict[str, Any]:
+    """The documented defaults for cache `name` (a copy), token sizes capped by the model's max_position_embeddings.
+    Names without an entry (custom registered caches) have no defaults."""
+    defaults = json.loads(json.dumps(DEFAULT_CACHE_CONFIGS.get(name, {})))
+    if name == "kivi" and config_or_model is not None:
+        head_dim = _head_dim(config_or_model)
+        if head_dim and head_dim % 32:  # per-token value groups must divide head_dim (key blocks stay 32 tokens)
+            defaults["value_group_size"] = math.gcd(32, head_dim)
+    limit = _max_positions(config_or_model) if config_or_model is not None else None
+    if limit is None or limit >= 1024:
+        return defaults
+    if name == "sink":
+        defaults["sinks"] = min(defaults["sinks"], limit - 1)
+        defaults["window"] = limit - defaults["sinks"]
+    elif name == "sliding":
+        defaults["window"] = limit
+    elif name == "composite":
+        defaults["budget"] = max(limit, 6)  # the preset's 4 sinks + at least one recent and one heavy slot
+    return defaults
+
+
+def _head_dim(config_or_model) -> int | None:
+    config = getattr(config_or_model, "config", config_or_model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None)
+    if not isinstance(head_dim, int):
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    return head_dim
+
+
+def resolve_cache_config(name: str, config_or_model, cache_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The caller's `cache_config` merged over the defaults for `name` (the caller's dict is not modified)."""
+    given = dict(cache_config or {})
+    defaults = default_cache_config(name, config_or_model)
+    for key in given:
+        for replaced in DEFAULT_REPLACED_BY.get(name, {}).get(key, ()):
+            defaults.pop(replaced, None)
+    return {**defaults, **given}
+
+
+def _published_cache(model, generation_config, model_kwargs):
+    """(name, settings) from generation_config.hf_kvcache when this call should use it, else None."""
+    if generation_config.cache_implementation is not None or model_kwargs.get("past_key_values") is not None:
+        return None
+    if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
+        return None
+    from .hub import KVCacheConfig
+
+    published = KVCacheConfig.from_generation_config(generation_config, validate=False)
+    if published is None:
+        return None
+    if model.config.is_encoder_decoder:
+        raise ValueError(
+            f"generation_config key 'hf_kvcache' names cache {published.cache!r}, but hf_kvcache caches are for "
+            f"decoder-only models; remove the key or pass cache_implementation='dynamic'."
+        )
+    return published.cache, published.config
+
+
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
     name = generation_config.cache_implementation
+    cache_config = generation_config.cache_config
+    published = _published_cache(self, generation_config, model_kwargs)
+    if published is not None:
+        name, cache_config = published
     if name in CACHE_IMPLEMENTATIONS:
         if model_kwargs.get("past_key_values") is not None:
             raise ValueError(
@@ -64,9 +181,15 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
             )
         if generation_config.use_cache is False:
             return None
-        model_kwargs["past_key_values"] = CACHE_IMPLEMENTATIONS[name].from_cache_config(
-            self, generation_config.cache_config
-        )
+        try:
+            model_kwargs["past_key_values"] = build_cache(name, self, cache_config)
+        except ValueError as error:
+            if published is None:
+                raise
+            raise ValueError(
+                f"generation_config.json key 'hf_kvcache' (cache {name!r}) does not build for this model: {error} "
+                f"Pass cache_implementation='dynamic' (or another cache) to generate without it."
+            ) from None
         return None
     result = _prepare_cache_for_generation.original(self, generation_config, model_kwargs, *args, **kwargs)
     if isinstance(model_kwargs.get("past_key_values"), KVCache):
@@ -103,10 +226,14 @@ def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
 
 
 def build_cache(name: str, config_or_model, cache_config: dict[str, Any] | None = None) -> KVCache:
-    """Build a registered cache by name, e.g. from a published config."""
+    """Build a registered cache by name, e.g. from a published config; the caller's settings are merged over the
+    defaults (`DEFAULT_CACHE_CONFIGS`, derived from the model)."""
     if name not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"Unknown cache {name!r}; hf_kvcache caches are {sorted(CACHE_IMPLEMENTATIONS)}.")
-    return CACHE_IMPLEMENTATIONS[name].from_cache_config(config_or_model, cache_config)
+    if cache_config is not None and not isinstance(cache_config, dict):
+        raise ValueError(f"cache_config for {name!r} must be a dict of settings, got {type(cache_config).__name__}.")
+    return CACHE_IMPLEMENTATIONS[name].from_cache_config(config_or_model, resolve_cache_config(
+        name, config_or_model, cache_config))
 
 
 def _validation_config():
@@ -117,34 +244,26 @@ def _validation_config():
     return LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)
 
 
-def save_cache_config(directory: str | os.PathLike, name: str, cache_config: dict[str, Any], model_config=None) -> str:
-    """Write `kvcache_config.json` next to a model, after checking that the config builds a cache (against
-    `model_config` when given, else a minimal Llama-shaped config) and is plain JSON."""
-    build_cache(name, model_config if model_config is not None else _validation_config(), cache_config)
-    try:
-        json.dumps(cache_config)
-    except TypeError as error:
-        raise ValueError(f"cache_config for {name!r} must be JSON-serialisable: {error}") from None
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, CONFIG_FILE)
-    with open(path, "w") as f:
-        json.dump({"cache_implementation": name, "cache_config": cache_config}, f, indent=2, sort_keys=True)
-    return path
+def save_cache_config(directory: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None,
+                      model_config=None) -> str:
+    """Write `kvcache_config.json` ({"cache": name, "config": {...}, "version": 1}) into `directory`, after checking
+    that the settings are plain JSON and build a cache (against `model_config` when given, else a minimal
+    Llama-shaped config). Never writes a `cache_implementation` (see hf_kvcache.hub); to make `generate` on the
+    saved model use the cache, use `hf_kvcache.hub.publish(directory, name, cache_config)`, which also writes the
+    `hf_kvcache` key of generation_config.json."""
+    from .hub import KVCacheConfig
+
+    config = KVCacheConfig(name, cache_config, model_config=model_config, source=f"save_cache_config({name!r})")
+    return config.save_pretrained(directory)
 
 
 def load_cache_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """Read `kvcache_config.json`: returns {"cache_implementation": ..., "cache_config": {...}} for `generate`."""
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}.")
-    with open(path) as f:
-        data = json.load(f)
-    from .config import check_keys
+    """Read the cache config of a folder (`kvcache_config.json`, in the current or the 0.1 format, else the
+    `hf_kvcache` key of generation_config.json): returns {"cache_implementation": ..., "cache_config": {...}} for
+    `model.generate(**loaded)`."""
+    from .hub import KVCacheConfig
 
-    check_keys(CONFIG_FILE, data, ["cache_implementation", "cache_config"])
-    if data.get("cache_implementation") not in CACHE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"{path}: cache_implementation {data.get('cache_implementation')!r} is not one of "
-            f"{sorted(CACHE_IMPLEMENTATIONS)}."
-        )
-    return {"cache_implementation": data["cache_implementation"], "cache_config": data.get("cache_config") or {}}
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"No {CONFIG_FILE} in {directory}: not a folder.")
+    return KVCacheConfig.from_pretrained(directory).generate_kwargs()

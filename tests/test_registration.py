@@ -197,7 +197,10 @@ def test_save_load_cache_config_round_trip(tmp_path):
     path = hf_kvcache.save_cache_config(tmp_path / "model", "sink", {"sinks": 4, "budget": 16})
     assert path.endswith("kvcache_config.json")
     data = json.loads(open(path).read())
-    assert data == {"cache_implementation": "sink", "cache_config": {"sinks": 4, "budget": 16}}
+    # the safe form (hf_kvcache.hub): never a `cache_implementation`, which transformers refuses without our package
+    assert data == {"cache": "sink", "config": {"sinks": 4, "budget": 16}, "version": 1,
+                    "hf_kvcache_version": hf_kvcache.__version__}
+    assert "cache_implementation" not in open(path).read()
     loaded = hf_kvcache.load_cache_config(tmp_path / "model")
     assert loaded == {"cache_implementation": "sink", "cache_config": {"sinks": 4, "budget": 16}}
     model = build_model("llama")
@@ -220,11 +223,22 @@ def test_save_cache_config_rejects_bad_input(tmp_path):
 
 # Regression (found by this suite, fixed in the library): registry.save_cache_config promises to check that the config
 # 'builds a valid cache description' but only checks key names: values that every model rejects (sinks >= budget,
-# budget 0, missing window/budget) are written and only fail later, at load/generate time
-@pytest.mark.parametrize("cache_config", [{"sinks": 4, "budget": 2}, {"sinks": 4, "budget": 0}, {"sinks": 4}])
+# budget 0, ...) are written and only fail later, at load/generate time. ({"sinks": 4} without a window is valid
+# since every name has defaults: registry.DEFAULT_CACHE_CONFIGS fills the window.)
+@pytest.mark.parametrize("cache_config", [{"sinks": 4, "budget": 2}, {"sinks": 4, "budget": 0},
+                                          {"sinks": 4, "window": 0}, {"sinks": 4, "position_mode": "rope"}])
 def test_save_cache_config_rejects_invalid_values(tmp_path, cache_config):
     with pytest.raises(ValueError):
         hf_kvcache.save_cache_config(tmp_path, "sink", cache_config)
+    assert not (tmp_path / "kvcache_config.json").exists()
+
+
+def test_load_cache_config_reads_the_old_format(tmp_path):
+    """Folders written by hf_kvcache 0.1 ({"cache_implementation": ..., "cache_config": ...}) still load."""
+    (tmp_path / "kvcache_config.json").write_text(
+        json.dumps({"cache_implementation": "sink", "cache_config": {"sinks": 2, "window": 6}}))
+    assert hf_kvcache.load_cache_config(tmp_path) == {"cache_implementation": "sink",
+                                                      "cache_config": {"sinks": 2, "window": 6}}
 
 
 def test_load_cache_config_rejects_bad_files(tmp_path):
