@@ -338,8 +338,9 @@ def test_assisted_decoding_after_eviction_raises_clear_error():
                        past_key_values=SinkCache(model.config, sinks=2, window=4))
 
 
-def test_generate_sink_without_size_is_a_clear_error():
-    model = build_model("llama")
-    with pytest.raises(ValueError, match="window") as err:
-        model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink")
-    assert "budget" in str(err.value)
+def test_generate_sink_without_size_uses_the_documented_default():
+    model = build_model("llama")  # max_position_embeddings 1024: the default 4 + 1020 fits as is
+    out = model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink",
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, hf_kvcache.SinkCache) and (cache.sinks, cache.window) == (4, 1020)
