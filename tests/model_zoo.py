@@ -18,25 +18,14 @@ from typing import Callable
 import torch
 import transformers
 
+from conftest import COMMON as CONFTEST_COMMON
+
 VOCAB = 128
 PAD = 0
 BOS = 1
 WINDOW = 8  # sliding window of sliding layers (shorter than the prompts)
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,  # attention far from uniform (see tests/conftest.py)
-    pad_token_id=PAD,
-    bos_token_id=BOS,
-    eos_token_id=None,
-    tie_word_embeddings=False,
-)
+COMMON = {**CONFTEST_COMMON, "max_position_embeddings": 256}  # the unit tests' tiny shape, a shorter context
 HYBRID = ["sliding_attention", "full_attention"]
 
 
