@@ -228,7 +228,6 @@ class KVCache(Cache):
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "
                 "model's own cache.", type(config).__name__, sorted(set(layer_types))
             )
-        self.layers_spec = layers
         super().__init__(layers=built)
         if model is not None:
             from .attention import enable
@@ -256,7 +255,6 @@ class KVCache(Cache):
         other = cls(config, **{**base, **settings})
         layer = other.layers[index]
         layer.forward_info = self.forward_info
-        self._sub_caches = getattr(self, "_sub_caches", []) + [other]
         return layer
 
     @property
