@@ -1,5 +1,5 @@
 # The two commands of README.md. Each does its own set-up (a .venv in the repo) on a fresh machine.
-.PHONY: demo test
+.PHONY: demo test docs
 
 demo:
 	bash scripts/setup-env.sh eval
@@ -8,3 +8,7 @@ demo:
 test:
 	bash scripts/setup-env.sh dev
 	.venv/bin/python -m pytest -q
+
+docs:
+	bash scripts/setup-env.sh dev
+	.venv/bin/mkdocs build --strict -d site
