@@ -33,6 +33,28 @@ def _demo(args) -> int:
     return 0
 
 
+def _export_hub(args) -> int:
+    from .eval_cli import parse_cache
+    from .export import export_custom_generate
+
+    text, name, config = parse_cache(args.cache)
+    model_config = None
+    if args.model is not None:
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError) as err:
+            raise OSError(f"--model {args.model!r}: cannot load its config: {err}") from err
+    written = export_custom_generate(args.directory, name, config, model_config=model_config,
+                                     overwrite=args.overwrite, source=f"--cache {text!r}")
+    for rel in written.values():
+        print(rel)
+    print(f"Use: model.generate(..., custom_generate={args.directory!r}, trust_remote_code=True), or push the "
+          f"folder to a Hub repo and pass its id.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-kvcache",
@@ -54,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
     demo.add_argument("--offset", type=int, default=20000, help="where the prompt starts in the corpus, in tokens")
     demo.set_defaults(func=_demo)
+    export = sub.add_parser(
+        "export-hub",
+        help="write a Hub-ready custom_generate folder that generates with a cache",
+        description="Write DIR/custom_generate/generate.py, DIR/custom_generate/requirements.txt and DIR/README.md "
+        "(tag custom_generate): model.generate(..., custom_generate=DIR or its Hub repo, trust_remote_code=True) "
+        "then generates with the cache.",
+    )
+    export.add_argument("directory", metavar="DIR", help="folder to write (created when missing)")
+    export.add_argument("--cache", required=True, metavar="NAME:key=value,...",
+                        help="cache name and settings, e.g. sink:sinks=4,window=1020 or "
+                        "'composite:{\"regions\": [...]}'")
+    export.add_argument("--model", metavar="ID|PATH", help="check the settings against this model's config "
+                        "(folder or Hub id) instead of a minimal Llama-shaped one (head_dim 8)")
+    export.add_argument("--overwrite", action="store_true", help="replace existing files of the folder")
+    export.set_defaults(func=_export_hub)
     from .eval_cli import add_eval_commands
 
     add_eval_commands(sub)
@@ -62,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _EPILOG = """commands:
   demo        generate with each cache and print bytes held, speed and agreement with the full cache
+  export-hub  write a Hub-ready custom_generate folder (generate(custom_generate=DIR, trust_remote_code=True))
   caches      list the cache names and their config keys
   memory      KV-cache bytes per token / per context for model shapes and precisions; max concurrent requests;
               with --measure, bytes held by real caches next to the calculator
