@@ -12,6 +12,7 @@ Contract with attention (see docs/design.md):
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -22,7 +23,7 @@ from .policies.base import Policy
 from .rotation import rotate
 
 if TYPE_CHECKING:
-    from .caches import ForwardInfo
+    from .forward_info import ForwardInfo
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -63,6 +64,8 @@ class CompressedLayer(CacheLayerMixin):
         meta_heads = heads if self.policy.per_head else 1
         slots = self.policy.capacity if self.policy.capacity is not None else max(key_states.shape[-2], 16)
         self.value_dim = value_states.shape[-1]  # differs from head_dim for latent attention (MLA)
+        if self.policy.capacity is not None:  # a budget: refuse one larger than the device before allocating it
+            self._check_budget_fits(batch, heads, meta_heads, slots + 1, key_states.dtype, key_states.device)
         self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device, self.value_dim)
         if self.policy.needs_positions:
             self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
@@ -72,6 +75,37 @@ class CompressedLayer(CacheLayerMixin):
             self.key_rotation = self.key_rotation.to(self.device)
         self.attention_from_codes = resolve_attention(self, self.device)
         self.is_initialized = True
+
+    def _check_budget_fits(self, batch: int, heads: int, meta_heads: int, slots: int, dtype, device) -> None:
+        """A ValueError naming the size parameter and the bytes, when the buffers of a fixed budget certainly cannot
+        be allocated: a lower bound of their bytes (slot metadata, plus keys and values at the model's dtype in a
+        full-precision store, at 2 bits per value, the smallest format, otherwise) above the device's total memory
+        (`psutil.virtual_memory().total` on CPU, `torch.cuda.get_device_properties(...).total_memory` on CUDA)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            total, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s total memory"
+        elif device.type == "cpu":
+            try:
+                import psutil
+
+                total = psutil.virtual_memory().total
+            except ImportError:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            where = "the machine's total memory"
+        else:
+            return
+        from .stores import FullPrecisionStore
+
+        bits = dtype.itemsize * 8 if isinstance(self.store, FullPrecisionStore) else 2
+        data = batch * heads * slots * (self.head_dim + self.value_dim) * bits // 8
+        meta = batch * meta_heads * slots * (1 + (4 if self.policy.needs_positions else 0))
+        if data + meta > total:
+            names = " / ".join(f"`{name}`" for name in getattr(self, "size_parameters", ("budget",)))
+            raise ValueError(
+                f"Layer {self.layer_idx}: the cache's size ({names}: {slots - 1} token slots per row, batch {batch}, "
+                f"{heads} KV heads of {self.head_dim}) would need at least {data + meta:,} bytes, more than "
+                f"{where} ({total:,} bytes). Give a smaller {names}."
+            )
 
     @property
     def trash_slot(self) -> int:
@@ -93,6 +127,12 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.slot_valid.shape[0]:
+            raise ValueError(
+                f"Layer {self.layer_idx}: this cache holds a batch of {self.slot_valid.shape[0]} rows, but the forward "
+                f"gave {key_states.shape[0]}: the batch size cannot change in the middle of a stream. Use "
+                "`cache.reset()` to start a new one (or batch_repeat_interleave / batch_select_indices to change rows)."
+            )
         if self._pending is not None:
             raise RuntimeError(
                 f"Layer {self.layer_idx}: the previous forward's tokens were never placed because attention did not "
