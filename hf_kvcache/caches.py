@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
@@ -51,6 +52,10 @@ def _layer_specs(layers, layer_types: list[str]) -> list:
                     )
                 by_type += [(key, i, value) for i, t in enumerate(layer_types) if t == key]
             else:
+                if not isinstance(key, (str, numbers.Integral)) or isinstance(key, bool):  # not int(1.5) -> layer 1
+                    raise ValueError(
+                        f"`layers` key {key!r} ({type(key).__name__}) must be a layer type or a layer index 0..{n - 1}."
+                    )
                 index = int(key)
                 if not 0 <= index < n:
                     raise ValueError(f"`layers` key {key!r}: layer index must be in 0..{n - 1}.")
@@ -135,6 +140,9 @@ class KVCache(Cache):
                 built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
             else:
                 built.append(self._layer_from_settings(config, spec, i))
+        for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
+            if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
+                layer.size_parameters = self.size_keys or ("max_length",)
         if not any(isinstance(layer, CompressedLayer) for layer in built):
             logger.warning(
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "

@@ -102,6 +102,7 @@ PRESET_SINKS = 4
 def preset_regions(preset: str, budget: int, precision: Any) -> list[dict]:
     preset = require_choice("preset", preset, PRESETS)
     budget = require_int("budget", budget, PRESET_SINKS + 2)
+    make_store(precision, precision, "`precision`")  # the error names the argument, not the region it fills
     recent = (budget - PRESET_SINKS) // 2
     return [
         {"role": "sinks", "tokens": PRESET_SINKS},

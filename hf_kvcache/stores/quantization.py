@@ -201,11 +201,15 @@ class QuantSpec:
         """A spec from a QuantSpec, a dict of its fields, or a format name ("fp8_e4m3", "int4", "full" ...)."""
         if isinstance(value, QuantSpec):
             return value
-        if isinstance(value, str):
-            return cls(format="none" if value in FULL_PRECISION_NAMES else value)
-        if isinstance(value, dict):
-            check_keys(where, value, SPEC_KEYS)
-            return cls(**value)
+        try:
+            if isinstance(value, str):
+                return cls(format="none" if value in FULL_PRECISION_NAMES else value)
+            if isinstance(value, dict):
+                check_keys(where, value, SPEC_KEYS)
+                return cls(**value)
+        except ValueError as error:  # name the field the spec came from (a region's keys, a cache's key spec ...)
+            message = str(error)
+            raise ValueError(message if where in message else f"{where}: {message}") from None
         raise ValueError(
             f"{where} must be a format name {FORMATS}, a dict with keys {SPEC_KEYS}, or a QuantSpec; got "
             f"{type(value).__name__}."

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .quantization import QuantSpec, check_finite, make_codec
+from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
 from .workspace import TransientWorkspace
 
 GROWTH = 1 / 256
@@ -235,7 +235,11 @@ class QuantizedStore:
         if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
             # decode step with keys and values quantized together right away: as few ops as possible
             both = torch.cat((keys, values), 0)
-            check_finite(both, None, self.where)
+            try:
+                check_finite(both, None, self.where)
+            except NonFiniteError:  # (raised on the host: count keys and values apart for the message)
+                check_finite(keys, values, self.where)
+                raise
             if self.append_only and self.fixed_slots:
                 # the slot is the token's index: nothing grows, nothing to truncate after a crop (later slots are
                 # overwritten, and reads mask what is not valid); no comparison of host counters either, which

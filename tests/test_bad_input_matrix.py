@@ -1,0 +1,578 @@
+"""The bad-input matrix (issue 12): every public argument of every cache, `cache_config` keys through `generate`,
+per-layer settings, composite regions and presets, quantization specs and calibration dicts, KVCacheConfig files,
+non-finite keys/values and budgets larger than memory, each with the error it must raise.
+
+The cases are data (`CASES`): what is called, the exception type, and a regex the message must match -- it names
+the field (and, where the message lists them, the allowed values). Cases on an existing cache (`Stateful`) also
+check that the failed call left the cache unchanged: its length and bytes are the same, and the next valid call
+gives exactly the logits of a twin cache that never saw the bad call.
+
+docs/bad_inputs.md is generated from this table and the messages raised in this session: the last test renders it
+and compares it with the committed file (only when every case ran in this session; it skips otherwise).
+`HF_KVCACHE_WRITE_BAD_INPUTS=1` rewrites the file instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import transformers
+
+import hf_kvcache
+from conftest import build_config, build_model, random_ids
+from hf_kvcache.hub import KVCacheConfig
+from hf_kvcache.stores.quantization import NonFiniteError
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bad_inputs.md"
+WRITE = os.environ.get("HF_KVCACHE_WRITE_BAD_INPUTS") == "1"
+EXCERPT = 260  # characters of each message in the docs table
+
+CLASSES = {
+    "SinkCache": hf_kvcache.SinkCache,
+    "SlidingWindowCache": hf_kvcache.SlidingWindowCache,
+    "H2OCache": hf_kvcache.H2OCache,
+    "RandomEvictionCache": hf_kvcache.RandomEvictionCache,
+    "CompositeCache": hf_kvcache.CompositeCache,
+    "QuantizedFP8Cache": hf_kvcache.QuantizedFP8Cache,
+    "KIVICache": hf_kvcache.KIVICache,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    group: str
+    input: str  # what the user wrote, for the docs table
+    run: Callable[[], Any]  # raises the expected error
+    error: type
+    match: str  # regex searched in the message: names the field (and the allowed values where listed)
+    after: Callable[[], None] | None = field(default=None, compare=False)  # state checks after the failed call
+
+
+_CONFIG = build_config("llama")  # 2 layers, 2 KV heads of head_dim 16, max_position_embeddings 1024
+
+
+def _kwargs_text(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def ctor(cls: str, error=ValueError, match: str = "", case_id: str | None = None, **kwargs) -> Case:
+    text = f"{cls}(config, {_kwargs_text(kwargs)})"
+    return Case(case_id or f"{cls}-{_kwargs_text(kwargs)}", "constructor", text,
+                lambda: CLASSES[cls](_CONFIG, **kwargs), error, match)
+
+
+def region_case(regions, match: str, error=ValueError, **kwargs) -> Case:
+    text = f"CompositeCache(config, regions={regions!r}{', ' if kwargs else ''}{_kwargs_text(kwargs)})"
+    return Case(f"regions-{regions!r}-{_kwargs_text(kwargs)}", "composite regions", text,
+                lambda: hf_kvcache.CompositeCache(_CONFIG, regions=regions, **kwargs), error, match)
+
+
+def layers_case(layers, match: str, error=ValueError, cls: str = "SinkCache", config=None, **kwargs) -> Case:
+    kwargs = kwargs or {"sinks": 2, "window": 8}
+    text = f"{cls}(config, {_kwargs_text(kwargs)}, layers={layers!r})"
+    return Case(f"layers-{cls}-{layers!r}", "layers", text,
+                lambda: CLASSES[cls](config() if config else _CONFIG, layers=layers, **kwargs), error, match)
+
+
+# -- generate(cache_implementation=..., cache_config=...) ------------------------------------------------------------
+_MODEL: dict[str, Any] = {}
+
+
+def model():
+    if "llama" not in _MODEL:
+        _MODEL["llama"] = build_model("llama")
+    return _MODEL["llama"]
+
+
+def gen_case(name, cache_config, match: str, error=ValueError, **extra) -> Case:
+    extra_text = "".join(f", {k}=..." for k in extra)
+    text = f"generate(cache_implementation={name!r}, cache_config={cache_config!r}{extra_text})"
+
+    def run():
+        m = model()
+        kwargs = {k: (v() if callable(v) else v) for k, v in extra.items()}
+        m.generate(random_ids(1, 4), max_new_tokens=2, do_sample=False, cache_implementation=name,
+                   cache_config=cache_config, **kwargs)
+
+    return Case(f"generate-{name}-{cache_config!r}", "generate cache_config", text, run, error, match)
+
+
+# -- KVCacheConfig files ------------------------------------------------------------------------------------------
+def file_case(content: str | bytes, match: str, error=ValueError, name: str = "kvcache_config.json",
+              what: str | None = None) -> Case:
+    shown = what or (content.decode("latin-1") if isinstance(content, bytes) else content)
+    text = f"KVCacheConfig.from_pretrained(dir) with {name}: {shown!r}"
+
+    def run():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
+            try:
+                KVCacheConfig.from_pretrained(tmp)
+            except Exception as error:  # the message must name the file it came from
+                assert str(path) in str(error) or name in str(error), str(error)
+                raise
+
+    return Case(f"file-{name}-{shown!r}", "config files", text, run, error, match)
+
+
+# -- bad calls on a live cache ------------------------------------------------------------------------------------
+def forward(m, cache, ids=None, **kwargs):
+    with torch.no_grad():
+        return m(ids, past_key_values=cache, use_cache=True, **kwargs).logits
+
+
+def _state(cache) -> tuple:
+    return cache.get_seq_length(), cache.nbytes(), tuple(getattr(layer, "seen", None) for layer in cache.layers)
+
+
+def stateful(case_id: str, input_text: str, make: Callable, bad: Callable, error, match: str,
+             prefix: int = 6, next_call: Callable | None = None) -> Case:
+    """A cache after a valid prompt of `prefix` tokens (none if 0); `bad(model, cache)` must raise, leave the cache's
+    state as it was, and the next valid call (`next_call`, default one decode token) must give the logits of a twin
+    cache that never saw the bad call."""
+    next_call = next_call or (lambda m, cache: forward(m, cache, random_ids(1, 1, seed=9)))
+    holder: dict[str, Any] = {}
+
+    def run():
+        m = build_model("llama")
+        hf_kvcache.enable(m)
+        cache, twin = make(m), make(m)
+        if prefix:
+            ids = random_ids(1, prefix, seed=3)
+            forward(m, cache, ids)
+            forward(m, twin, ids)
+        holder.update(model=m, cache=cache, twin=twin, before=_state(cache))
+        bad(m, cache)
+
+    def after():
+        m, cache, twin = holder["model"], holder["cache"], holder["twin"]
+        assert _state(cache) == holder["before"], "the failed call changed the cache"
+        if prefix:  # the stream goes on as if the bad call never happened
+            torch.testing.assert_close(next_call(m, cache), next_call(m, twin), rtol=0, atol=0)
+        else:  # nothing was allocated: the error came before the buffers
+            assert cache.nbytes() == 0 and not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
+
+    return Case(case_id, "live cache", input_text, run, error, match, after)
+
+
+def non_finite_embeds(m, length=4, where=(0, 1, 3), value=float("inf")):
+    embeds = m.model.embed_tokens(random_ids(1, length, seed=5)).detach().clone()
+    embeds[where] = value
+    return embeds
+
+
+def huge(param: str, build: Callable, size=10**12) -> Case:
+    return stateful(f"memory-{param}", f"{param} of {size:.0e} tokens, then a 6-token prompt", build,
+                    lambda m, cache: forward(m, cache, random_ids(1, 6)), ValueError,
+                    rf"`{param}`.*at least [\d,]+ bytes.*total memory", prefix=0)
+
+
+def _mistral_sliding():
+    return build_config("mistral", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+CASES: list[Case] = [
+    # -- SinkCache -------------------------------------------------------------------------------------------------
+    ctor("SinkCache", match=r"`sinks` must be an integer >= 0", sinks=-1, window=8),
+    ctor("SinkCache", match=r"`sinks` must be an integer", sinks="4", window=8),
+    ctor("SinkCache", match=r"`sinks` must be an integer", sinks=2.5, window=8),
+    ctor("SinkCache", match=r"`sinks` must be an integer", sinks=None, window=8),
+    ctor("SinkCache", match=r"`window` must be an integer >= 1", sinks=2, window=0),
+    ctor("SinkCache", match=r"`window` must be an integer", sinks=2, window=1.5),
+    ctor("SinkCache", match=r"`window` must be an integer", sinks=2, window="8"),
+    ctor("SinkCache", match=r"`budget` must be an integer >= 1", sinks=0, budget=0),
+    ctor("SinkCache", match=r"`budget` must be an integer", sinks=2, budget=True),
+    ctor("SinkCache", match=r"exactly one of `window` or `budget`", sinks=2, window=8, budget=10),
+    ctor("SinkCache", match=r"`sinks` \(8\) must be smaller than `budget` \(8\)", sinks=8, budget=8),
+    ctor("SinkCache", match=r"`position_mode` must be one of \('cache', 'original'\)", sinks=2, window=8,
+         position_mode="absolute"),
+    ctor("SinkCache", match=r"`position_mode` must be one of \('cache', 'original'\)", sinks=2, window=8,
+         position_mode=None),
+    ctor("SinkCache", TypeError, r"'windows'", sinks=2, windows=8),
+    # -- SlidingWindowCache --------------------------------------------------------------------------------------------
+    ctor("SlidingWindowCache", match=r"`window` must be an integer >= 1", window=-5),
+    ctor("SlidingWindowCache", match=r"`window` must be an integer", window=None),
+    ctor("SlidingWindowCache", match=r"`window` must be an integer", window=2.0),
+    ctor("SlidingWindowCache", match=r"`window` must be an integer", window=[8]),
+    ctor("SlidingWindowCache", TypeError, r"'windw'", windw=8),
+    # -- H2OCache -----------------------------------------------------------------------------------------------------
+    ctor("H2OCache", match=r"`heavy` must be an integer >= 0", heavy=-1, recent=4),
+    ctor("H2OCache", match=r"`heavy` as a ratio .* must be in \(0, 1\]", heavy=1.5, recent=4),
+    ctor("H2OCache", match=r"`heavy` as a ratio .* must be in \(0, 1\]", heavy=0.0, recent=4),
+    ctor("H2OCache", match=r"`recent` must be an integer", heavy=4, recent="4"),
+    ctor("H2OCache", match=r"Give `heavy` and `recent`.*`budget`"),
+    ctor("H2OCache", match=r"Give `heavy` and `recent`.*`budget`", heavy=4),
+    ctor("H2OCache", match=r"`budget` must be an integer >= 1", budget=0),
+    ctor("H2OCache", match=r"`budget` must be an integer", budget=8.0),
+    ctor("H2OCache", match=r"`budget` is a token count.*not ratios", budget=8, heavy=0.5),
+    ctor("H2OCache", match=r"`heavy` \+ `recent` \(6 \+ 6\) must fit in `budget` \(8\)", budget=8, heavy=6, recent=6),
+    ctor("H2OCache", match=r"`heavy` \+ `recent` must be at least 1", heavy=0, recent=0),
+    ctor("H2OCache", match=r"`aggregation` must be one of \('sum', 'mean', 'max'\)", heavy=4, recent=4,
+         aggregation="median"),
+    ctor("H2OCache", match=r"`position_mode` must be one of \('original', 'compact'\)", heavy=4, recent=4,
+         position_mode="cache"),
+    # -- RandomEvictionCache ------------------------------------------------------------------------------------------
+    ctor("RandomEvictionCache", match=r"`seed` must be an integer >= 0", heavy=2, recent=2, seed=-1),
+    ctor("RandomEvictionCache", match=r"`seed` must be an integer", heavy=2, recent=2, seed=1.5),
+    ctor("RandomEvictionCache", match=r"`seed` must be an integer", heavy=2, recent=2, seed="0"),
+    ctor("RandomEvictionCache", match=r"`heavy` as a ratio", heavy=2.0, recent=2),
+    ctor("RandomEvictionCache", match=r"must fit in `budget` \(8\)", budget=8, heavy=9),
+    ctor("RandomEvictionCache", match=r"Give `heavy` and `recent`", recent=3),
+    ctor("RandomEvictionCache", TypeError, r"'aggregation'", heavy=2, recent=2, aggregation="sum"),
+    # -- CompositeCache: arguments and presets ------------------------------------------------------------------------
+    ctor("CompositeCache", match=r"exactly one of `regions` or `preset`.*sinks_heavy_recent"),
+    ctor("CompositeCache", match=r"exactly one of `regions` or `preset`",
+         regions=[{"role": "window", "start": 0, "end": 8}], preset="sinks_heavy_recent", budget=64),
+    ctor("CompositeCache", match=r"`preset` must be one of \('sinks_heavy_recent',\)", preset="h2o", budget=64),
+    ctor("CompositeCache", match=r"`preset` 'sinks_heavy_recent' needs a token `budget`", preset="sinks_heavy_recent"),
+    ctor("CompositeCache", match=r"`budget` must be an integer >= 6", preset="sinks_heavy_recent", budget=5),
+    ctor("CompositeCache", match=r"`budget` must be an integer", preset="sinks_heavy_recent", budget=64.0),
+    ctor("CompositeCache", match=r"`budget` is for presets", regions=[{"role": "window", "start": 0, "end": 8}],
+         budget=64),
+    ctor("CompositeCache", match=r"`precision`.*`format` must be one of \('fp8_e4m3', 'fp8_e5m2', 'int8', 'int4', "
+         r"'int2', 'none'\)",
+         preset="sinks_heavy_recent", budget=64, precision="fp7"),
+    ctor("CompositeCache", match=r"`aggregation` must be one of \('sum', 'mean', 'max'\)",
+         regions=[{"role": "window", "start": 0, "end": 8}], aggregation="avg"),
+    ctor("CompositeCache", match=r"`sink_positions` must be one of \('cache', 'original'\)",
+         regions=[{"role": "window", "start": 0, "end": 8}], sink_positions="absolute"),
+    # -- CompositeCache: regions and their fields ---------------------------------------------------------------------
+    region_case([], r"`regions` must be a non-empty list"),
+    region_case("window", r"`regions` must be a non-empty list"),
+    region_case([["window", 0, 8]], r"regions\[0\] must be a dict, got list"),
+    region_case([{"start": 0, "end": 8}], r"`regions\[0\]\.role` must be one of \('sinks', 'window', 'heavy', 'rest'\)"),
+    region_case([{"role": "recent", "start": 0, "end": 8}], r"`regions\[0\]\.role` must be one of \('sinks', 'window'"),
+    region_case([{"role": "window", "end": 8}], r"`regions\[0\]\.start` must be an integer >= 0"),
+    region_case([{"role": "window", "start": -1, "end": 8}], r"`regions\[0\]\.start` must be an integer >= 0"),
+    region_case([{"role": "window", "start": 0, "end": 2.5}], r"`regions\[0\]\.end` must be an integer"),
+    region_case([{"role": "window", "start": 8, "end": 8}], r"regions\[0\]: `end` \(8\) must be larger than `start` \(8\)"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "window", "start": 10, "end": 16}],
+                r"regions\[1\]: window starts at 10 .* a gap of 2 tokens"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "window", "start": 4, "end": 16}],
+                r"regions\[1\]: window \[4, 16\) overlaps"),
+    region_case([{"role": "window", "start": 4, "end": 8}], r"regions\[0\]: window starts at 4 .* gap"),
+    region_case([{"role": "sinks", "tokens": 4}], r"needs at least one 'window' region"),
+    region_case([{"role": "sinks", "tokens": 4}, {"role": "sinks", "tokens": 2},
+                 {"role": "window", "start": 0, "end": 8}], r"regions\[1\]: only one 'sinks' region"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4}, {"role": "rest"}],
+                r"regions\[2\]: only one of 'heavy' or 'rest'"),
+    region_case([{"role": "sinks", "tokens": 0}, {"role": "window", "start": 0, "end": 8}],
+                r"`regions\[0\]\.tokens` must be an integer >= 1"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy"}], r"`regions\[1\]\.tokens` must be an integer"),
+    region_case([{"role": "window", "start": 0, "end": 8, "size": 8}],
+                r"Unknown regions\[0\] \(window\) key\(s\) \['size'\]; valid keys are \['end', 'keys', 'role', 'start', 'values'\]"),
+    region_case([{"role": "sinks", "tokens": 4, "start": 0}, {"role": "window", "start": 0, "end": 8}],
+                r"Unknown regions\[0\] \(sinks\) key\(s\) \['start'\]"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "rest", "tokens": 4}],
+                r"Unknown regions\[1\] \(rest\) key\(s\) \['tokens'\]"),
+    region_case([{"role": "window", "start": 0, "end": 8, "keys": "fp9"}],
+                r"regions\[0\]\.keys.*`format` must be one of \('fp8_e4m3'"),
+    region_case([{"role": "window", "start": 0, "end": 8, "values": 8}],
+                r"regions\[0\]\.values must be a format name"),
+    region_case([{"role": "window", "start": 0, "end": 8, "values": {"format": "int4", "granularity": "channel"}}],
+                r"regions\[0\]\.values: granularity 'channel' needs the append-only"),
+    region_case([{"role": "window", "start": 0, "end": 8, "keys": {"format": "int8", "bits": 8}}],
+                r"Unknown regions\[0\]\.keys key\(s\) \['bits'\]"),
+    # -- QuantizedFP8Cache ---------------------------------------------------------------------------------------------
+    ctor("QuantizedFP8Cache", match=r"`format` must be one of \('fp8_e4m3', 'fp8_e5m2', 'int8'", format="fp16"),
+    ctor("QuantizedFP8Cache", match=r"`granularity` must be one of \('tensor', 'head', 'token', 'channel'\)",
+         granularity="block"),
+    ctor("QuantizedFP8Cache", match=r"`group_size` must be an integer >= 1", group_size=0),
+    ctor("QuantizedFP8Cache", match=r"`group_size` \(7\) must divide the model's head_dim \(16\)", group_size=7),
+    ctor("QuantizedFP8Cache", match=r"`group_size` must be None for granularity 'head'", granularity="head",
+         group_size=4),
+    ctor("QuantizedFP8Cache", match=r"`residual` must be an integer >= 0", residual=-1),
+    ctor("QuantizedFP8Cache", match=r"`residual` must be an integer", residual=1.5),
+    ctor("QuantizedFP8Cache", match=r"`key_smoothing` must be a bool", key_smoothing="yes"),
+    ctor("QuantizedFP8Cache", match=r"`key_rotation` must be one of \(.*'hadamard'.*'auto'\)", key_rotation="dct"),
+    ctor("QuantizedFP8Cache", match=r"`max_length` must be an integer >= 1", max_length=0),
+    ctor("QuantizedFP8Cache", match=r"`max_length` must be an integer", max_length="1024"),
+    ctor("QuantizedFP8Cache", match=r"`max_length` .* needs residual=0 .*got residual=4", max_length=16, residual=4),
+    ctor("QuantizedFP8Cache", match=r"`max_length` .* granularity 'token', 'head' or 'tensor'.*'channel'",
+         max_length=16, granularity="channel"),
+    ctor("QuantizedFP8Cache", match=r"`attention` must be one of \(.*'blockwise'.*\)", attention="flash"),
+    ctor("QuantizedFP8Cache", match=r"`attention_block` must be an integer >= 1", attention_block=0),
+    ctor("QuantizedFP8Cache", match=r"`key` must be a dict of QuantSpec fields, got str", key="int8"),
+    ctor("QuantizedFP8Cache", match=r"`value` must be a dict of QuantSpec fields, got list", value=["int8"]),
+    ctor("QuantizedFP8Cache", match=r"Unknown `key` spec key\(s\) \['fmt'\]; valid keys are \['backend'",
+         key={"fmt": "int8"}),
+    ctor("QuantizedFP8Cache", match=r"backend 'torch' does not support format 'int4': it supports .* use backend "
+         r"'quanto' or 'hqq'", value={"format": "int4", "backend": "torch"}),
+    ctor("QuantizedFP8Cache", match=r"`granularity` for integer format 'int8' must be one of \('token', 'channel'\)",
+         key={"format": "int8", "granularity": "head"}),
+    ctor("QuantizedFP8Cache", match=r"`scale_dtype` must be one of \('float32', 'float16', 'bfloat16', 'e8m0'\)",
+         key={"scale_dtype": "float64"}),
+    ctor("QuantizedFP8Cache", match=r"`scale_dtype` applies to integer formats and to FP8 'token'/'channel'",
+         granularity="head", value={"scale_dtype": "float16"}),
+    ctor("QuantizedFP8Cache", match=r"`backend` must be one of \('torch', 'quanto', 'hqq'\)",
+         key={"backend": "triton"}),
+    ctor("QuantizedFP8Cache", match=r"`group_size` must be an integer", value={"group_size": "4"}),
+    ctor("QuantizedFP8Cache", match=r"value: head_dim \(16\) must be a multiple|`group_size` \(32\) must divide",
+         value={"format": "int4", "group_size": 32}),
+    # -- QuantizedFP8Cache: calibration dicts (scales) ---------------------------------------------------------------
+    ctor("QuantizedFP8Cache", match=r"`scales` must be a calibration dict", granularity="head", scales="calib.json"),
+    ctor("QuantizedFP8Cache", match=r"Unknown `scales` \(calibration dict\) key\(s\) \['foo'\]", granularity="head",
+         scales={"foo": 1}),
+    ctor("QuantizedFP8Cache", match=r"`scales` was calibrated for num_layers=5, this model has 2", granularity="head",
+         scales={"num_layers": 5}),
+    ctor("QuantizedFP8Cache", match=r"`scales` was calibrated for head_dim=64, this model has 16", granularity="head",
+         scales={"head_dim": 64}),
+    ctor("QuantizedFP8Cache", match=r"scales\['key_scale'\] must be a list of 2 per-layer lists", granularity="head",
+         key_rotation="none", scales={"format": "fp8_e4m3", "key_scale": [[1.0, 1.0]]}),
+    ctor("QuantizedFP8Cache", match=r"scales\['value_scale'\]\[1\] must be a list of 2 numbers", granularity="head",
+         scales={"format": "fp8_e4m3", "value_scale": [[1.0, 1.0], [1.0, "x"]]}),
+    ctor("QuantizedFP8Cache", match=r"value scales calibrated for format 'fp8_e5m2'.*calibrate with "
+         r"format='fp8_e4m3'", granularity="head", scales={"format": "fp8_e5m2", "value_scale": [[1.0, 1.0]] * 2}),
+    ctor("QuantizedFP8Cache", match=r"key scales calibrated with key_rotation='none'.*key_rotation='hadamard'",
+         granularity="head", scales={"format": "fp8_e4m3", "key_scale": [[1.0, 1.0]] * 2}),
+    ctor("QuantizedFP8Cache", match=r"`scales` was given but nothing uses it", scales={"format": "fp8_e4m3",
+         "key_scale": [[1.0, 1.0]] * 2}),
+    ctor("QuantizedFP8Cache", match=r"scales\['key_mean'\]\[0\] must be \[2\]\[16\]", key_smoothing=True,
+         key_rotation="none", scales={"key_mean": [[[0.0] * 16], [[0.0] * 16] * 2]}),
+    # -- KIVICache ------------------------------------------------------------------------------------------------------
+    ctor("KIVICache", match=r"`bits` must be one of \(2, 4, 8\), got 3", bits=3),
+    ctor("KIVICache", match=r"`bits` must be one of \(2, 4, 8\), got True", bits=True),
+    ctor("KIVICache", match=r"`bits` must be one of \(2, 4, 8\)", bits="4"),
+    ctor("KIVICache", match=r"`group_size` must be an integer >= 1", group_size=0),
+    ctor("KIVICache", match=r"`value_group_size` must be an integer >= 1", value_group_size=-2),
+    ctor("KIVICache", match=r"`group_size` \(5\) must divide the model's head_dim \(16\)", value_group_size=5),
+    ctor("KIVICache",
+         match=r"`backend` must be one of \('quanto', 'hqq', 'torch'\)", backend="bnb", value_group_size=16),
+    ctor("KIVICache",
+         match=r"backend 'torch' does not support format 'int4'", backend="torch", value_group_size=16),
+    ctor("KIVICache",
+         match=r"`residual` must be an integer >= 0", residual=-1, value_group_size=16),
+    ctor("KIVICache",
+         match=r"`scale_dtype` must be one of \('float32', 'float16', 'bfloat16'\)", scale_dtype="float64",
+         value_group_size=16),
+    ctor("KIVICache",
+         match=r"`key_smoothing` must be a bool", key_smoothing=1, value_group_size=16),
+    ctor("KIVICache",
+         match=r"`key_rotation` must be one of", key_rotation="rotate", value_group_size=16),
+    ctor("KIVICache",
+         match=r"`attention` must be one of", attention="flash", value_group_size=16),
+    ctor("KIVICache",
+         match=r"`attention_block` must be an integer >= 1", attention_block=-1, value_group_size=16),
+    # -- the first argument -------------------------------------------------------------------------------------------
+    Case("first-argument-string", "constructor", "SinkCache('meta-llama/Llama-2-7b', sinks=2, window=8)",
+         lambda: hf_kvcache.SinkCache("meta-llama/Llama-2-7b", sinks=2, window=8), ValueError,
+         r"first argument must be a transformers model or its config, got str"),
+    Case("first-argument-fp8-dict", "constructor", "QuantizedFP8Cache({'num_hidden_layers': 2})",
+         lambda: hf_kvcache.QuantizedFP8Cache({"num_hidden_layers": 2}), ValueError,
+         r"first argument must be a transformers model or its config, got dict"),
+    Case("encoder-decoder", "constructor", "SlidingWindowCache(T5Config(), window=8)",
+         lambda: hf_kvcache.SlidingWindowCache(transformers.T5Config(), window=8), ValueError, r"encoder-decoder"),
+    # -- generate(cache_implementation=..., cache_config=...) ----------------------------------------------------------
+    gen_case("sink", {"windows": 8}, r"Unknown cache_config for cache_implementation='sink' key\(s\) \['windows'\]; "
+             r"valid keys are \['budget', 'layers', 'position_mode', 'sinks', 'window'\]"),
+    gen_case("sink", {"window": 0}, r"`window` must be an integer >= 1"),
+    gen_case("sink", {"sinks": 8, "budget": 8}, r"`sinks` \(8\) must be smaller than `budget` \(8\)"),
+    gen_case("sliding", {"window": "8"}, r"`window` must be an integer"),
+    gen_case("h2o", {"heavy": 2.0, "recent": 4}, r"`heavy` as a ratio"),
+    gen_case("h2o", {"budget": 8, "heavy": 0.5}, r"`budget` is a token count"),
+    gen_case("h2o", {"aggregation": "median"}, r"`aggregation` must be one of \('sum', 'mean', 'max'\)"),
+    gen_case("random_eviction", {"seed": -1}, r"`seed` must be an integer >= 0"),
+    gen_case("composite", {"regions": [{"role": "window", "start": 0}]}, r"`regions\[0\]\.end` must be an integer"),
+    gen_case("composite", {"preset": "x"}, r"`preset` must be one of \('sinks_heavy_recent',\)"),
+    gen_case("composite", {"regions": [{"role": "window", "start": 0, "end": 8}], "budget": 8}, r"`budget` is for presets"),
+    gen_case("fp8", {"format": "int3"}, r"`format` must be one of \('fp8_e4m3'"),
+    gen_case("fp8", {"max_length": 8, "residual": 2}, r"`max_length` .* needs residual=0"),
+    gen_case("kivi", {"bits": 5}, r"`bits` must be one of \(2, 4, 8\)"),
+    gen_case("kivi", {"backend": "gptq"}, r"`backend` must be one of"),
+    gen_case("sink", {"layers": {"9": "keep"}, "window": 8}, r"`layers` key '9': layer index must be in 0\.\.1"),
+    gen_case("sink", {"window": 8}, r"Passing both `cache_implementation`.*`past_key_values`",
+             past_key_values=lambda: hf_kvcache.SinkCache(_CONFIG, sinks=2, window=8)),
+    # -- per-layer settings (layers=) -----------------------------------------------------------------------------------
+    layers_case([None], r"`layers` as a list needs one entry per decoder layer \(2\), got 1"),
+    layers_case({"5": "keep"}, r"`layers` key '5': layer index must be in 0\.\.1"),
+    layers_case({-1: "keep"}, r"`layers` key -1: layer index must be in 0\.\.1"),
+    layers_case({1.5: "keep"}, r"`layers` key 1\.5 \(float\) must be a layer type or a layer index 0\.\.1"),
+    layers_case({True: "keep"}, r"`layers` key True \(bool\) must be a layer type or a layer index"),
+    layers_case({"sliding_attention": "keep"}, r"`layers` key 'sliding_attention' is not a layer type of this model; "
+                r"its layer types are \['full_attention'\]"),
+    layers_case({"0": "drop"}, r"layers\['0'\] must be one of \('keep', 'default'\) or a dict of settings"),
+    layers_case([{"windw": 4}, None], r"Unknown layers\[0\] settings for 'sink' key\(s\) \['windw'\]; valid keys"),
+    layers_case({"1": {"cache": "lru"}}, r"layers\[1\]: `cache` must be one of \['composite', 'fp8'"),
+    layers_case({"0": {"window": 0}}, r"`window` must be an integer >= 1"),
+    layers_case([{"cache": "fp8", "format": "x"}, None], r"`format` must be one of"),
+    layers_case([{"cache": "fp8", "max_length": 4, "residual": 1}, None], r"`max_length` .* needs residual=0"),
+    layers_case(5, r"`layers` must be a dict \(by layer type or index\) or a list .*got int"),
+    layers_case("keep", r"`layers` must be a dict .*got str"),
+    layers_case({"sliding_attention": {"window": 4}}, r"layers\['sliding_attention'\]: layer 0 is a "
+                r"'sliding_attention' layer.*settings apply to 'full_attention' layers only", config=_mistral_sliding),
+    layers_case({"full_attention": {"heavy": 2.0}}, r"`heavy` as a ratio", cls="H2OCache", heavy=4, recent=4),
+    # -- KVCacheConfig files ----------------------------------------------------------------------------------------------
+    file_case("", r"kvcache_config\.json is empty; expected a JSON object"),
+    file_case("{", r"kvcache_config\.json is truncated \(the JSON ends early\)"),
+    file_case('{"cache": "sink", "config": {"window": 8}', r"is truncated \(the JSON ends early\)"),
+    file_case('{"cache": "sink", "config": {"window": 8}}}', r"is not valid JSON: Extra data"),
+    file_case("cache: sink\nconfig:\n  window: 8\n", r"is not valid JSON: Expecting value at line 1"),
+    file_case(b"\xff\xfe{\x00}\x00", r"is not a JSON text file \(not UTF-8: byte 0 is 0xff\)", what="UTF-16 bytes"),
+    file_case("[1, 2]", r"must be a JSON object with fields \['cache', 'config', 'version'\], got list"),
+    file_case('{"cache": "sink", "config": {"window": NaN}}', r"NaN is not valid JSON \(JSON has no NaN or Infinity\)"),
+    file_case('{"cache": "sink", "cache": "sliding"}', r"key 'cache' appears twice in the same JSON object"),
+    file_case('{"config": {"window": 8}}', r"missing field 'cache' \(the cache name, one of \['composite', 'fp8'"),
+    file_case('{"cache": "lru"}', r"`cache` must be one of \['composite', 'fp8', 'h2o', 'kivi', 'random_eviction', "
+              r"'sink', 'sliding'\], got 'lru'"),
+    file_case('{"cache": "sink", "config": {"window": 8}, "extra": 1}', r"unknown field\(s\) \['extra'\]; valid fields "
+              r"are \['cache', 'config', 'version', 'hf_kvcache_version'\]"),
+    file_case('{"cache": "sink", "config": {"window": 8}, "version": 99}', r"version.*99"),
+    file_case('{"cache": "sink", "config": {"window": 8}, "version": "1"}', r"version"),
+    file_case('{"cache": "sink", "config": {"window": -1}}', r"kvcache_config\.json.*`window` must be an integer >= 1"),
+    file_case('{"cache": "sink", "config": [8]}', r"config"),
+    file_case('{"cache": "sink", "config": {"windw": 8}}', r"Unknown cache_config .* key\(s\) \['windw'\]; valid keys"),
+    file_case('{"cache": "sink", "hf_kvcache_version": 3}', r"`hf_kvcache_version` must be a string, got 3"),
+    file_case('{"cache_implementation": "sink", "cache_config": {"window": "x"}}', r"`window` must be an integer"),
+    file_case('{"hf_kvcache": {"cache": "sliding", "config": {"window": 0}}}', r"key 'hf_kvcache'.*`window` must be "
+              r"an integer >= 1", name="generation_config.json"),
+    file_case('{"hf_kvcache": {"cache": "sliding", "config": {"window": 8}', r"generation_config\.json is truncated",
+              name="generation_config.json"),
+    # -- live caches: the failed call leaves the cache unchanged and the next call works ----------------------------------
+    stateful("non-finite-fp8-prefill", "QuantizedFP8Cache: a prompt chunk whose keys/values hold inf",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m)), NonFiniteError,
+             r"QuantizedFP8Cache \(layer 0\): \d+ non-finite keys, \d+ non-finite values .* left unchanged"),
+    stateful("non-finite-fp8-decode", "QuantizedFP8Cache: a decode token whose keys/values are NaN",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m, 1, (0, 0, 5), float("nan"))),
+             NonFiniteError, r"layer 0\): 32 non-finite keys, 32 non-finite values among .*inf/NaN cannot be quantized"),
+    stateful("non-finite-fp8-max-length", "QuantizedFP8Cache(max_length=32): inf keys/values in decode",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=32),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m, 1, (0, 0, 1))), NonFiniteError,
+             r"non-finite keys"),
+    stateful("non-finite-fp8-residual", "QuantizedFP8Cache(residual=2): inf in a prompt chunk",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m, residual=2),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m)), NonFiniteError, r"non-finite keys"),
+    stateful("non-finite-kivi", "KIVICache(group_size=4, residual=4): inf in a prompt chunk",
+             lambda m: hf_kvcache.KIVICache(m, group_size=4, value_group_size=4, residual=4),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m, 8, (0, 1))), NonFiniteError,
+             r"KIVICache \(layer 0\): \d+ non-finite keys"),
+    stateful("non-finite-composite", "CompositeCache with an FP8 window: inf in a prompt chunk",
+             lambda m: hf_kvcache.CompositeCache(m, regions=[
+                 {"role": "sinks", "tokens": 2},
+                 {"role": "window", "start": 0, "end": 16, "keys": "fp8_e4m3", "values": "fp8_e4m3"}]),
+             lambda m, c: forward(m, c, inputs_embeds=non_finite_embeds(m)), NonFiniteError,
+             r"regions\[1\].*non-finite keys"),
+    stateful("batch-size-change-sink", "SinkCache: a forward with 2 rows after a 1-row prompt",
+             lambda m: hf_kvcache.SinkCache(m, sinks=2, window=8),
+             lambda m, c: forward(m, c, random_ids(2, 1)), ValueError,
+             r"batch of 1 rows, but the forward gave 2: the batch size cannot change .*`cache\.reset\(\)`"),
+    stateful("batch-size-change-h2o", "H2OCache: a 3-row chunk after a 1-row prompt",
+             lambda m: hf_kvcache.H2OCache(m, heavy=2, recent=2),
+             lambda m, c: forward(m, c, random_ids(3, 2)), ValueError, r"batch of 1 rows, but the forward gave 3"),
+    stateful("batch-size-change-fp8", "QuantizedFP8Cache: a 2-row token after a 1-row prompt",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m),
+             lambda m, c: forward(m, c, random_ids(2, 1)), ValueError, r"batch of 1 rows, but the forward gave 2"),
+    stateful("max-length-overflow", "QuantizedFP8Cache(max_length=8): a 4-token chunk after 6 tokens",
+             lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=8),
+             lambda m, c: forward(m, c, random_ids(1, 4)), ValueError,
+             r"`max_length` is 8 tokens; this forward would make it 10"),
+    stateful("crop-positive", "SinkCache: crop(3)", lambda m: hf_kvcache.SinkCache(m, sinks=2, window=16),
+             lambda m, c: c.crop(3), ValueError, r"negative"),
+    stateful("crop-after-eviction", "SinkCache(2 + 2): crop(-1) after 6 tokens",
+             lambda m: hf_kvcache.SinkCache(m, sinks=2, window=2), lambda m, c: c.crop(-1), ValueError, r"evict"),
+    stateful("mask-3d", "SinkCache: a 3-D attention_mask", lambda m: hf_kvcache.SinkCache(m, sinks=2, window=16),
+             lambda m, c: forward(m, c, random_ids(1, 2), attention_mask=torch.ones(1, 8, 8)), ValueError,
+             r"2-D `attention_mask`.*got 3-D"),
+    stateful("mask-too-short", "SinkCache: an attention_mask with fewer columns than new tokens",
+             lambda m: hf_kvcache.SinkCache(m, sinks=2, window=16),
+             lambda m, c: forward(m, c, random_ids(1, 3), attention_mask=torch.ones(1, 2, dtype=torch.long)),
+             ValueError, r"`attention_mask` has 2 columns, fewer than the 3 new tokens"),
+    # -- budgets larger than memory: refused before allocating, with the bytes ----------------------------------------
+    huge("window", lambda m: hf_kvcache.SlidingWindowCache(m, window=10**12)),
+    huge("budget", lambda m: hf_kvcache.SinkCache(m, sinks=4, budget=10**12)),
+    huge("heavy", lambda m: hf_kvcache.H2OCache(m, heavy=10**12, recent=4)),
+    huge("recent", lambda m: hf_kvcache.RandomEvictionCache(m, heavy=4, recent=10**12)),
+    huge("max_length", lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=10**12)),
+    huge("regions", lambda m: hf_kvcache.CompositeCache(m, regions=[{"role": "window", "start": 0, "end": 10**12}])),
+]
+
+
+# -- the tests --------------------------------------------------------------------------------------------------------
+RESULTS: dict[str, tuple[str, str]] = {}  # case id -> (error type, message) raised in this session
+
+
+def test_case_ids_are_unique_and_enough():
+    ids = [case.id for case in CASES]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    assert not duplicates, duplicates
+    assert len(CASES) >= 100, len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input(case: Case):
+    with pytest.raises(case.error) as info:
+        case.run()
+    message = str(info.value)
+    assert re.search(case.match, message, re.S), f"message does not match {case.match!r}:\n{message}"
+    assert "Traceback" not in message
+    if case.after is not None:
+        case.after()
+    RESULTS[case.id] = (info.type.__name__, message)
+
+
+def test_memory_check_allows_what_fits():
+    """The budget check refuses only what cannot fit: a large but possible budget allocates as usual."""
+    m = build_model("llama")
+    cache = hf_kvcache.SlidingWindowCache(m, window=100_000)  # ~25 MB of keys and values
+    forward(m, cache, random_ids(1, 6))
+    assert cache.get_seq_length() == 6 and cache.nbytes() >= 2 * 2 * 2 * 100_000 * 16 * 4
+
+
+# -- docs/bad_inputs.md -----------------------------------------------------------------------------------------------
+def _normalise(message: str) -> str:
+    message = re.sub(r"/[^\s'\"]*?/(kvcache_config\.json|generation_config\.json)", r"<dir>/\1", message)
+    message = re.sub(r"total memory \([\d,]+ bytes\)", "total memory (N bytes)", message)
+    message = " ".join(message.split())
+    return message if len(message) <= EXCERPT else message[: EXCERPT - 1] + "…"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(results: dict[str, tuple[str, str]]) -> str:
+    lines = [
+        "# Bad inputs and the errors they raise",
+        "",
+        "Generated by `tests/test_bad_input_matrix.py` from its case table and the messages raised (do not edit:",
+        "`HF_KVCACHE_WRITE_BAD_INPUTS=1 pytest tests/test_bad_input_matrix.py` rewrites it). Every case checks the",
+        "exception type and that the message names the field (and the allowed values where it lists them). Cases on",
+        "a live cache also check that the failed call left the cache unchanged and that the next valid call gives",
+        "the same logits as a cache that never saw it. Budgets larger than the device's total memory are refused",
+        "before allocating, with the bytes they would need (machine-specific numbers shown as N).",
+        "",
+        f"{len(CASES)} cases.",
+        "",
+        "| # | group | input | error | message (excerpt) |",
+        "|---|---|---|---|---|",
+    ]
+    for i, case in enumerate(CASES, 1):
+        error, message = results[case.id]
+        lines.append(f"| {i} | {case.group} | `{_cell(case.input)}` | {error} | {_cell(_normalise(message))} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_docs_table_is_current():
+    """Last: renders docs/bad_inputs.md from this session's results; compares (or writes, with the env var)."""
+    missing = [case.id for case in CASES if case.id not in RESULTS]
+    if missing:
+        pytest.skip(f"only {len(CASES) - len(missing)} of {len(CASES)} cases ran in this session")
+    text = render(RESULTS)
+    if WRITE:
+        DOC.write_text(text)
+        return
+    assert DOC.exists() and DOC.read_text() == text, (
+        "docs/bad_inputs.md is stale: run `HF_KVCACHE_WRITE_BAD_INPUTS=1 pytest tests/test_bad_input_matrix.py` "
+        "and commit it"
+    )
