@@ -541,6 +541,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _prose_cell(text: str) -> str:
+    """A message as table text: brackets escaped, so `x[1][0]` is not read as a Markdown reference link."""
+    return _cell(text).replace("[", "\\[").replace("]", "\\]")
+
+
 def render(results: dict[str, tuple[str, str]]) -> str:
     lines = [
         "# Bad inputs and the errors they raise",
@@ -559,7 +564,7 @@ def render(results: dict[str, tuple[str, str]]) -> str:
     ]
     for i, case in enumerate(CASES, 1):
         error, message = results[case.id]
-        lines.append(f"| {i} | {case.group} | `{_cell(case.input)}` | {error} | {_cell(_normalise(message))} |")
+        lines.append(f"| {i} | {case.group} | `{_cell(case.input)}` | {error} | {_prose_cell(_normalise(message))} |")
     return "\n".join(lines) + "\n"
 
 
