@@ -81,6 +81,8 @@ class CompressedLayer(CacheLayerMixin):
         be allocated: a lower bound of their bytes (slot metadata, plus keys and values at the model's dtype in a
         full-precision store, at 2 bits per value, the smallest format, otherwise) above the device's total memory
         (`psutil.virtual_memory().total` on CPU, `torch.cuda.get_device_properties(...).total_memory` on CUDA)."""
+        if torch.compiler.is_compiling():  # a compiled prefill: the memory query cannot be traced (eager runs check)
+            return
         device = torch.device(device)
         if device.type == "cuda":
             total, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s total memory"
