@@ -313,18 +313,21 @@ class QuantizedStore:
             )
 
     # -- reads ------------------------------------------------------------------------------------------------
+    def _quantized_slots(self, used: int) -> int:
+        """How many of slots [0, used) a read takes from the codes (the rest: the append-only full-precision residual).
+        Shared by `read` and `segments`. Append-only: a read shorter than the content truncates it (a crop); the slot
+        layout and fixed slots read every slot from the codes, written or not (the layer masks what is not valid)."""
+        if not self.append_only or self.fixed_slots:
+            return used
+        if used < self.length:
+            self._truncate(used)
+        elif used > self.length:
+            raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
+        return self.qlen
+
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
-        if self.append_only and self.fixed_slots:
-            quantized = used  # every slot decodes, written or not (the layer masks what is not valid)
-        elif self.append_only:
-            if used < self.length:
-                self._truncate(used)
-            elif used > self.length:
-                raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
-            quantized = self.qlen
-        else:
-            quantized = used
+        quantized = self._quantized_slots(used)
         shape = (self.batch, self.heads, used, self.head_dim)
         if self.joint:
             both = self.workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
@@ -418,15 +421,7 @@ class QuantizedStore:
         `read`."""
         from ..kernels.codes import QuantizedKV, from_codec
 
-        fixed = getattr(self, "fixed_slots", False)
-        if self.append_only:
-            if used < self.length:
-                self._truncate(used)
-            elif used > self.length and not fixed:
-                raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
-            quantized = used if fixed else self.qlen  # fixed slots: unwritten ones are read too (the layer masks them)
-        else:
-            quantized = used
+        quantized = self._quantized_slots(used)
         bias = None
         if self.key_smoothing and self.key_mean is not None:
             bias = self.key_mean.to(self.dtype).float()
