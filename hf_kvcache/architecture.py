@@ -19,8 +19,6 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types
 
 #: the layer type our policies compress
 COMPRESSED_TYPE = "full_attention"
-#: layer types that keep what the model's own attention needs (a window), through transformers' layer class
-WINDOW_TYPES = ("sliding_attention", "chunked_attention")
 
 
 def check_supported_config(config) -> None:
