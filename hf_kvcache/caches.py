@@ -113,6 +113,7 @@ class KVCache(Cache):
         except TypeError:
             bound = {}
         self._given = {k: v for k, v in bound.items() if k not in ("self", "config_or_model", "layers")}
+        self._given_layers = bound.get("layers")  # recorded with the settings by hf_kvcache.state
         return self
 
     def __init__(self, config_or_model, layer_factory, layers=None):
