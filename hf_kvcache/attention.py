@@ -154,10 +154,17 @@ def _make_bridge(name: str):
                         ~mask, torch.finfo(query.dtype).min
                     )
                 attention_mask = mask
+            if layer.policy.needs_queries:
+                layer.policy.observe_queries(layer, query)
             if layer.policy.needs_attention:
                 weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+                scored_query, scored_mask, window = query, attention_mask, layer.policy.attention_window
+                if window is not None and query.shape[2] > window:  # only the last `window` queries are scored
+                    scored_query, weight = query[:, :, -window:], weight[:, -window:]
+                    if scored_mask is not None and scored_mask.shape[2] > 1:
+                        scored_mask = scored_mask[:, :, -window:]
                 scores = attention_column_scores(
-                    query, key, attention_mask, kwargs.get("scaling", module.scaling), weight,
+                    scored_query, key, scored_mask, kwargs.get("scaling", module.scaling), weight,
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
                     sinks=getattr(module, "sinks", None),
                 )

@@ -47,6 +47,8 @@ class CompressedLayer(CacheLayerMixin):
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
         self._attention_query_len = 0
         self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
+        # (keys, values, position ids) of the tokens being placed, during `policy.place` only (key-scoring policies)
+        self.incoming: tuple | None = None
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
         # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.codes_attention), resolved at allocation
         self.attention, self.attention_block, self.attention_from_codes, self.codes_read = "dequantize", None, False, None
@@ -165,7 +167,9 @@ class CompressedLayer(CacheLayerMixin):
             if slot is not None:
                 return self._decode_in_slot(slot, key_states, value_states, positions, real)
         if q == 1 and self.seen > 0:
+            self.incoming = (key_states, value_states, positions)
             placement = self.policy.place(self, real, self.seen)
+            self.incoming = None
             self._write(placement, key_states, value_states, positions, self.seen)
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
@@ -188,7 +192,9 @@ class CompressedLayer(CacheLayerMixin):
             # The policy needs this forward's attention scores to choose survivors: it calls `commit` from the bridge.
             self._pending = (key_states, value_states, real, positions, self.seen)
         else:
+            self.incoming = (key_states, value_states, positions)
             placement = self.policy.place(self, real, self.seen)
+            self.incoming = None
             self._write(placement, key_states, value_states, positions, self.seen)
             self.used = self.policy.used_after(self.seen + q)
         self.seen += q
