@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 register()
 
 from .hub import KVCacheConfig, publish  # noqa: E402  (needs the registry filled)
+from .state import load_cache_state, read_cache_state_header, save_cache_state  # noqa: E402
 
 __all__ = [
     "CACHE_IMPLEMENTATIONS",
@@ -41,7 +42,10 @@ __all__ = [
     "default_cache_config",
     "enable",
     "load_cache_config",
+    "load_cache_state",
     "publish",
+    "read_cache_state_header",
     "register",
     "save_cache_config",
+    "save_cache_state",
 ]
