@@ -47,7 +47,7 @@ class CompressedLayer(CacheLayerMixin):
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
         self._attention_query_len = 0
         self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
-        # (keys, values, position ids) of the tokens being placed, during `policy.place` only (key-scoring policies)
+        # (keys, values, position ids) of the tokens being placed, during `policy.place` and the write (key scorers)
         self.incoming: tuple | None = None
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
         # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.codes_attention), resolved at allocation
@@ -159,6 +159,7 @@ class CompressedLayer(CacheLayerMixin):
             key_states = rotate(key_states, self.key_rotation)
         q = key_states.shape[-2]
         real, positions = info.on(key_states.device)
+        self.policy.begin(self, q)
         if self.policy.capacity is None:
             self._ensure_slots(self.policy.used_after(self.seen + q))
 
@@ -169,8 +170,8 @@ class CompressedLayer(CacheLayerMixin):
         if q == 1 and self.seen > 0:
             self.incoming = (key_states, value_states, positions)
             placement = self.policy.place(self, real, self.seen)
-            self.incoming = None
             self._write(placement, key_states, value_states, positions, self.seen)
+            self.incoming = None
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
             return self._decode_read()
@@ -194,8 +195,8 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self.incoming = (key_states, value_states, positions)
             placement = self.policy.place(self, real, self.seen)
-            self.incoming = None
             self._write(placement, key_states, value_states, positions, self.seen)
+            self.incoming = None
             self.used = self.policy.used_after(self.seen + q)
         self.seen += q
         return keys, values

@@ -40,6 +40,9 @@ class Policy:
     def allocate(self, batch: int, heads: int, device) -> None:
         """Create per-row state at the first update."""
 
+    def begin(self, layer, q: int) -> None:
+        """Called at the start of every update with its number of new tokens, before any slot is sized or placed."""
+
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
         """real [B, q]: which of the q new tokens are real (not padding); seen: tokens before them."""
         raise NotImplementedError
