@@ -16,6 +16,7 @@ from .forward_info import ForwardInfo
 from .layer import CompressedLayer
 from .policies import KeepAllPolicy, SinkWindowPolicy
 from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvictionPolicy
+from .policies.prompt_mode import COMPRESS_MODES, PromptCompressionPolicy
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
 from .tensor_parallel import TensorParallel
@@ -136,7 +137,10 @@ class KVCache(Cache):
             if layer_type != COMPRESSED_TYPE:
                 built.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
             elif spec is None:
-                built.append(CompressedLayer(*layer_factory(config), forward_info=self.forward_info, layer_idx=i))
+                policy, store = layer_factory(config)
+                if getattr(self, "compress", "always") == "prompt":  # see hf_kvcache.policies.prompt_mode
+                    policy = PromptCompressionPolicy(policy)
+                built.append(CompressedLayer(policy, store, forward_info=self.forward_info, layer_idx=i))
             elif spec == "keep":
                 built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
             else:
@@ -191,6 +195,13 @@ class KVCache(Cache):
             seen = self.get_seq_length()
         self.forward_info.begin(q_len, batch, device, seen, attention_mask, position_ids)
 
+    def end_prompt(self) -> None:
+        """With `compress="prompt"`: end the prompt now (it otherwise ends at the first one-token forward); the
+        tokens of later forwards are appended uncompressed. No effect in "always" mode."""
+        for layer in self.compressed_layers:
+            if isinstance(layer.policy, PromptCompressionPolicy):
+                layer.policy.end_prompt(layer)
+
     def nbytes(self) -> int:
         """Bytes this cache holds: buffers as allocated, scales and metadata included, every layer type."""
         return sum(layer_nbytes(layer) for layer in self.layers)
@@ -218,9 +229,11 @@ class SlidingWindowCache(KVCache):
     cache_name = "sliding"
     size_keys = ("window",)
 
-    def __init__(self, config_or_model, window: int = 1024, layers: dict | list | None = None):
+    def __init__(self, config_or_model, window: int = 1024, compress: str = "always",
+                 layers: dict | list | None = None):
         window = require_int("window", window, 1)
         self.window = window
+        self.compress = require_choice("compress", compress, COMPRESS_MODES)
         super().__init__(config_or_model, lambda cfg: (SinkWindowPolicy(0, window), FullPrecisionStore()), layers)
 
 
@@ -240,9 +253,11 @@ class SinkCache(KVCache):
         window: int | None = None,
         budget: int | None = None,
         position_mode: str = "cache",
+        compress: str = "always",
         layers: dict | list | None = None,
     ):
         sinks = require_int("sinks", sinks, 0)
+        self.compress = require_choice("compress", compress, COMPRESS_MODES)
         if (window is None) == (budget is None):
             raise ValueError(f"Give exactly one of `window` or `budget` (got window={window!r}, budget={budget!r}).")
         if budget is not None:
@@ -297,9 +312,11 @@ class H2OCache(KVCache):
         budget: int | None = None,
         aggregation: str = "sum",
         position_mode: str = "original",
+        compress: str = "always",
         layers: dict | list | None = None,
     ):
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        self.compress = require_choice("compress", compress, COMPRESS_MODES)
         position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
         heavy = None if heavy is None else _size_or_ratio("heavy", heavy)
         recent = None if recent is None else _size_or_ratio("recent", recent)
@@ -348,13 +365,14 @@ class RandomEvictionCache(H2OCache):
         recent: int | float | None = None,
         budget: int | None = None,
         seed: int = 0,
+        compress: str = "always",
         layers: dict | list | None = None,
     ):
         seed = require_int("seed", seed, 0)
         self.seed = seed
         self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(
             heavy, recent, seed, self.tensor_parallel)  # draws keyed by global KV head under tensor parallelism
-        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, layers=layers)
+        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, compress=compress, layers=layers)
 
 
 class FullCache(KVCache):

@@ -21,6 +21,7 @@ token sizes capped by the model's `max_position_embeddings` (L below; 1024 when 
 | `composite` | preset "sinks_heavy_recent", budget 1024 (4 sinks, recent + heavy hitters in FP8 E4M3) | budget max(L, 6) |
 | `fp8` | the class defaults: E4M3, per-token scales, Hadamard-rotated keys, no full-precision window | same |
 | `kivi` | the class defaults: int4, group 32, residual 128, quanto (else hqq); value groups gcd(32, head_dim) when head_dim is not a multiple of 32 | same |
+| `knorm`, `keydiff`, `tova`, `snapkv`, `expected_attention` | budget 0.2 of the prompt, each scorer's own defaults | same |
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -41,6 +42,7 @@ from transformers.generation.utils import GenerationMixin
 from .caches import H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
 from .quantized import KIVICache, QuantizedFP8Cache
+from .scorer_caches import SCORER_CACHES
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
 SUPPORTED_RANGE_TEXT = ">=5.23,<6"
@@ -54,6 +56,7 @@ CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
     RandomEvictionCache.cache_name: RandomEvictionCache,
     QuantizedFP8Cache.cache_name: QuantizedFP8Cache,
     KIVICache.cache_name: KIVICache,
+    **{cls.cache_name: cls for cls in SCORER_CACHES},
 }
 
 CONFIG_FILE = "kvcache_config.json"
@@ -68,6 +71,7 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "composite": {"preset": "sinks_heavy_recent", "budget": 1024},
     "fp8": {},
     "kivi": {},
+    **{cls.cache_name: {"budget": 0.2} for cls in SCORER_CACHES},
 }
 
 #: a caller's key -> the default keys it replaces (besides itself)

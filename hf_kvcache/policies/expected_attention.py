@@ -1,0 +1,179 @@
+"""Expected attention: keep the tokens that future queries are expected to attend to, from query statistics.
+
+Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution"
+(arXiv 2510.00636; kvpress ExpectedAttentionPress). Queries are modelled as Gaussian: mean mu and covariance Sigma
+per query head, from the prompt's queries before RoPE, the first `sinks` excluded (outliers). Future queries sit at
+the next `future` positions, so their statistics are rotated by the average RoPE rotation R over those positions:
+mu' = R mu, Sigma' = R Sigma R^T. For a key k the expected logit is  s mu'.k + s^2/2 k^T Sigma' k  (s = 1/sqrt(d),
+the moment generating function of a Gaussian); scores are the softmax of those logits over the candidate keys,
+averaged over the query heads of each KV group (GQA), times ||v||. The first `sinks` tokens are always kept.
+Protocol defaults are kvpress's: future 512, sinks 4, covariance and value norm on, epsilon 0.
+
+Here the statistics come from the actual queries the model computes (taken from the bridge, `needs_queries`:
+RoPE-rotated, so they are un-rotated with the model's RoPE at their position ids; biases and QK norms are therefore
+included, which kvpress's projection of hidden states leaves out), padding weighted out, accumulated over every
+multi-token forward (chunked prefill sees the statistics of all chunks so far; stored tokens are re-scored at each
+chunk). Decode keeps the last statistics: each token's logits are computed once when it arrives, and each eviction
+takes the group-mean softmax over the stored tokens, times their value norms. No attention probabilities are computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..rope import KeyRotator
+from .base import Placement
+from .scored import ScoredPolicy, group_mean
+
+
+def future_rotation(rotator: KeyRotator | None, layer_idx: int, start: torch.Tensor, future: int, dim: int):
+    """M [B, D, D] with M = R^T, R the mean RoPE rotation over positions start .. start + future - 1 (start [B]),
+    so that row vectors transform as x @ M = (R x)^T. Identity on a layer without RoPE."""
+    batch = start.shape[0]
+    eye = torch.eye(dim, device=start.device)
+    if rotator is None or not rotator.applies(layer_idx):
+        return eye.expand(batch, dim, dim)
+    rows = eye.repeat(future, 1)[None, None].expand(batch, 1, future * dim, dim)  # [B, 1, future * D, D]
+    delta = (start[:, None] + torch.arange(future, device=start.device).repeat_interleave(dim)[None]).long()
+    rotated = rotator.rotate(rows, delta, layer_idx)
+    return rotated.view(batch, future, dim, dim).mean(1)
+
+
+def expected_logits(keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None) -> torch.Tensor:
+    """keys [B, Hkv, n, D], mean [B, Hq, D], cov [B, Hq, D, D] or None -> expected logits [B, Hq, n] (float32)."""
+    batch, kv_heads, n, dim = keys.shape
+    groups = mean.shape[1] // kv_heads
+    k = keys.float().repeat_interleave(groups, dim=1)  # [B, Hq, n, D]
+    scale = 1.0 / math.sqrt(dim)
+    logits = (k @ mean[..., None])[..., 0] * scale
+    if cov is not None:
+        logits = logits + ((k @ cov) * k).sum(-1) * (scale * scale / 2)
+    return logits
+
+
+def expected_attention_scores(logits: torch.Tensor, valid: torch.Tensor, value_norm: torch.Tensor | None,
+                              kv_heads: int, epsilon: float = 0.0) -> torch.Tensor:
+    """Softmax of expected logits [B, Hq, n] over the valid candidates (valid [B, Hkv or 1, n]), group mean, times
+    the value norms [B, Hkv, n] -> [B, Hkv, n]."""
+    groups = logits.shape[1] // kv_heads
+    mask = valid.expand(-1, kv_heads, -1).repeat_interleave(groups, dim=1)
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    scores = group_mean(probs, kv_heads)
+    if value_norm is not None:
+        scores = (scores + epsilon) * value_norm
+    return scores
+
+
+class ExpectedAttentionPolicy(ScoredPolicy):
+    deferred = True
+    needs_queries = True
+
+    def __init__(self, budget, recent: int = 0, sinks: int = 4, future: int = 512, use_covariance: bool = True,
+                 use_value_norm: bool = True, epsilon: float = 0.0, rotator: KeyRotator | None = None):
+        super().__init__(budget, recent=recent, sinks=sinks)
+        self.future, self.use_covariance, self.use_value_norm = future, use_covariance, use_value_norm
+        self.epsilon, self.query_rotator = epsilon, rotator
+        self.count = self.total = self.outer = None  # running query statistics [B, 1, 1], [B, Hq, D], [B, Hq, D, D]
+        self.mean = self.cov = None  # rotated to the future positions
+        self.logits: torch.Tensor | None = None  # [B, Hq, slots + 1] expected logits of each slot's token
+        self.value_norm: torch.Tensor | None = None  # [B, Hkv, slots + 1]
+
+    def _statistics(self, layer, query: torch.Tensor, real, positions) -> None:
+        """Accumulate the forward's queries (un-rotated, sinks and padding out); rotate the statistics forward."""
+        q = query.float()
+        if self.query_rotator is not None:
+            q = self.query_rotator.rotate(q, -positions.to(q.device), layer.layer_idx)
+        weight = (real & (positions >= self.sinks)).float()[:, None, :, None]  # [B, 1, q, 1]
+        count, total = weight.sum(2), (q * weight).sum(2)
+        outer = (q * weight).transpose(-1, -2) @ q if self.use_covariance else None
+        if self.count is None:
+            self.count, self.total, self.outer = count, total, outer
+        else:
+            self.count, self.total = self.count + count, self.total + total
+            self.outer = None if outer is None else self.outer + outer
+        n = self.count.clamp_min(1.0)  # [B, 1, 1]
+        mean = self.total / n
+        start = positions.max(-1).values + 1
+        m = future_rotation(self.query_rotator, layer.layer_idx, start, self.future, q.shape[-1])[:, None]
+        self.mean = (mean[:, :, None] @ m)[:, :, 0]
+        if self.use_covariance:
+            cov = self.outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
+            self.cov = m.transpose(-1, -2) @ cov @ m
+        else:
+            self.cov = None
+
+    def observe_queries(self, layer, query: torch.Tensor) -> None:
+        if layer._pending is None:  # decode: statistics stay those of the prompt
+            return
+        keys, values, real, positions, seen_before = layer._pending
+        self._statistics(layer, query, real, positions)
+        used = layer.used
+        if used:
+            stored_k, stored_v = layer.store.read(used)
+            keys, values = torch.cat((stored_k, keys.to(stored_k.dtype)), 2), torch.cat((stored_v, values.to(stored_v.dtype)), 2)
+        heads = keys.shape[1]
+        logits = expected_logits(keys, self.mean, self.cov)
+        value_norm = values.float().norm(dim=-1) if self.use_value_norm else None
+        candidate_positions = torch.cat((layer.slot_pos[..., :used].long().expand(-1, heads, -1),
+                                         positions[:, None].expand(-1, heads, -1)), -1)
+        valid = torch.cat((layer.slot_valid[..., :used], real[:, None].expand(-1, heads, -1)), -1)
+        scores = expected_attention_scores(logits, valid & (candidate_positions >= self.sinks), value_norm, heads,
+                                           self.epsilon)
+        self._ensure_buffers()
+        self.logits[..., :used] = logits[..., :used]
+        if value_norm is not None:
+            self.value_norm[..., :used] = value_norm[..., :used]
+        self._chunk_logits = (logits[..., used:], None if value_norm is None else value_norm[..., used:])
+        layer.commit(self.select_chunk(layer, real, seen_before, positions, scores[..., :used], scores[..., used:]))
+
+    def _ensure_buffers(self) -> None:
+        if self.logits is None:
+            batch, _, slots = self.scores.shape
+            self.logits = self.scores.new_zeros(batch, self.mean.shape[1], slots)
+            self.value_norm = self.scores.new_ones(self.scores.shape)
+
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        chunk = getattr(self, "_chunk_logits", None)
+        if chunk is not None:
+            logits, value_norm = chunk
+            self._chunk_logits = None
+        else:  # decode: the new token, with the statistics of the prompt
+            values = layer.incoming[1]
+            src = placement.src.expand(dest.shape)
+            logits = expected_logits(keys, self.mean, self.cov)
+            value_norm = values.float().norm(dim=-1).gather(2, src) if self.use_value_norm else None
+            src = None
+        if chunk is not None:
+            src = placement.src.expand(dest.shape)
+            logits = logits.gather(2, src.repeat_interleave(logits.shape[1] // dest.shape[1], dim=1))
+            value_norm = None if value_norm is None else value_norm.gather(2, src)
+        groups = self.logits.shape[1] // dest.shape[1]
+        self.logits.scatter_(2, dest.repeat_interleave(groups, dim=1), logits)
+        if value_norm is not None:
+            self.value_norm.scatter_(2, dest, value_norm)
+        super().after_write(layer, placement, keys, dest, positions, seen_before)
+
+    def refresh(self, layer) -> None:
+        c = self.capacity
+        heads = self.scores.shape[1]
+        valid = layer.slot_valid[..., :c] & (layer.slot_pos[..., :c] >= self.sinks)
+        value_norm = self.value_norm[..., :c] if self.use_value_norm else None
+        scores = expected_attention_scores(self.logits[..., :c], valid, value_norm, heads, self.epsilon)
+        self.scores[..., :c] = self.protect(scores, layer.slot_pos[..., :c])
+
+    def map_batch(self, fn) -> None:
+        super().map_batch(fn)
+        for name in ("count", "total", "outer", "mean", "cov", "logits", "value_norm"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reset(self) -> None:
+        super().reset()
+        self.count = self.total = self.outer = self.mean = self.cov = self.logits = self.value_norm = None
+
+    def nbytes(self) -> int:
+        extra = (self.count, self.total, self.outer, self.mean, self.cov, self.logits, self.value_norm)
+        return super().nbytes() + sum(t.nbytes for t in extra if t is not None)

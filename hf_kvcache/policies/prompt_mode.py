@@ -1,0 +1,131 @@
+"""Prompt compression (`compress="prompt"`): compress the prompt to the budget once, then let the cache grow.
+
+Wraps an evicting policy (sinks + window, H2O, random eviction, the scorers). Definition of "the end of the prompt":
+- every multi-token forward before it is placed by the wrapped policy exactly as in `compress="always"` mode, so a
+  prompt given in one forward or in chunks (`generate(prefill_chunk_size=...)`) ends compressed to the budget, and
+  peak memory during a chunked prefill stays at the budget;
+- the prompt ends at the first one-token forward (the first decode step of `generate`, or the first teacher-forced
+  token), or earlier when the caller says so with `cache.end_prompt()` (e.g. to append a question uncompressed
+  after compressing a document, as kvpress does);
+- from then on every new token is appended to a growing slot range and nothing is evicted (re-compressing every N
+  tokens, as kvpress's decoding presses do, is not offered).
+
+The wrapped policy's last decision stands: at the end of the prompt its `before_read` runs once (sinks or compacted
+positions are placed for good) and its scores are no longer needed (no attention probabilities are computed in the
+appended phase). Appended slots are a contiguous range, so decode writes one known slot (no host sync). Buffers grow
+by 1/8 at a time (the layer's growing path). Crop works within the appended tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .base import Placement, Policy
+
+COMPRESS_MODES = ("always", "prompt")
+
+
+class PromptCompressionPolicy(Policy):
+    may_have_holes = True
+    compileable = False  # it grows after the prompt
+
+    def __init__(self, inner: Policy):
+        self.inner = inner
+        self.per_head = inner.per_head
+        self.needs_positions = inner.needs_positions
+        self.start_seen: int | None = None  # stream index of the first appended token (None: still in the prompt)
+        self.base = 0  # slot of the first appended token
+
+    # while in the prompt, the wrapped policy decides everything
+    @property
+    def ended(self) -> bool:
+        return self.start_seen is not None
+
+    capacity = property(lambda self: None if self.ended else self.inner.capacity)
+    deferred = property(lambda self: False if self.ended else self.inner.deferred)
+    needs_attention = property(lambda self: False if self.ended else self.inner.needs_attention)
+    needs_queries = property(lambda self: False if self.ended else self.inner.needs_queries)
+    attention_window = property(lambda self: self.inner.attention_window)
+    rotator = property(lambda self: getattr(self.inner, "rotator", None))  # checked against the model's RoPE
+
+    def configure(self, prompt_length: int) -> None:
+        self.inner.configure(prompt_length)
+
+    def allocate(self, batch: int, heads: int, device) -> None:
+        self.inner.allocate(batch, heads, device)
+
+    def begin(self, layer, q: int) -> None:
+        if not self.ended and q == 1 and layer.seen > 0:
+            self.end_prompt(layer)
+
+    def end_prompt(self, layer) -> None:
+        """Freeze the wrapped policy's choice: later tokens are appended after the slots it uses."""
+        if self.ended or not layer.is_initialized:
+            return
+        self.inner.before_read(layer)
+        self.base = self.inner.used_after(layer.seen)
+        self.start_seen = layer.seen
+        layer.slot_valid[..., self.base :] = False  # empty slots and the old trash slot are free from here on
+
+    # -- placement ----------------------------------------------------------------------------------------------
+    def _slot(self, seen: int) -> int:
+        return self.base + seen - self.start_seen
+
+    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+        if not self.ended:
+            return self.inner.place(layer, real, seen)
+        batch, q = real.shape
+        hm = layer.slot_valid.shape[1]
+        start = self._slot(seen)
+        src = torch.arange(q, device=real.device).expand(batch, hm, q)
+        return Placement(src=src, dest=(start + src).contiguous(), valid=real[:, None, :].expand(batch, hm, q),
+                         start=start)
+
+    def observe(self, layer, column_scores: torch.Tensor) -> None:
+        self.inner.observe(layer, column_scores)
+
+    def observe_queries(self, layer, query: torch.Tensor) -> None:
+        self.inner.observe_queries(layer, query)
+
+    def decode_slot(self, layer, seen: int) -> int | None:
+        return self._slot(seen) if self.ended else self.inner.decode_slot(layer, seen)
+
+    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self.ended:
+            self.inner.after_decode_write(layer, slot, keys, positions)
+
+    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        if not self.ended:
+            self.inner.after_write(layer, placement, keys, dest, positions, seen_before)
+
+    def before_read(self, layer) -> None:
+        if not self.ended:
+            self.inner.before_read(layer)
+
+    def used_after(self, seen: int) -> int:
+        return self._slot(seen) if self.ended else self.inner.used_after(seen)
+
+    def has_evicted(self, seen: int) -> bool:
+        return self.inner.has_evicted(min(seen, self.start_seen) if self.ended else seen)
+
+    def crop(self, layer, new_seen: int) -> None:
+        if not self.ended:
+            return self.inner.crop(layer, new_seen)
+        if new_seen < self.start_seen:
+            raise ValueError(
+                f"Cannot crop to {new_seen} tokens: the prompt ({self.start_seen} tokens) was compressed; only "
+                "tokens appended after it can be removed."
+            )
+        layer.slot_valid[..., self._slot(new_seen) :] = False
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inner.map_batch(fn)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.start_seen, self.base = None, 0
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()

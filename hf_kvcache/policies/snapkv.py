@@ -1,0 +1,108 @@
+"""SnapKV: keep what an observation window of the last queries attends to, smoothed by pooling.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469): the last `window`
+queries of the prompt (the observation window) vote for the earlier tokens with their attention; votes are pooled
+along the sequence so that the neighbours of a selected token come with it, and the window itself is kept.
+Protocol (kvpress SnapKVPress, window 64, kernel 5): per query head, mean over the window queries of their softmax
+attention to the tokens before the window; 1-D average pooling (kernel `kernel`, stride 1, zero padding kernel // 2)
+along the token order; mean over the query heads of each KV group (GQA); the window tokens always kept (`recent` =
+`window`).
+
+Here: a multi-token forward is scored by its last `window` queries (the bridge computes only theirs:
+`attention_window`; left padding weighted out); the stored tokens and the new ones are pooled in stream order
+(pooling is along the sequence, whatever slots they sit in). In decode, the observation window is the last `window`
+decode queries (a ring of their attention rows per slot; the prompt's window counts as one row until `window` steps
+have passed), pooled the same way before each eviction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .scored import ScoredPolicy, group_mean
+
+
+def pool_in_order(scores: torch.Tensor, stream: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average-pool scores [B, H, n] along the stream order of their tokens (`stream` [B, H, n]); invalid entries
+    count as 0 and sit after the valid ones."""
+    order = torch.where(valid, stream, torch.iinfo(torch.long).max).argsort(-1)
+    ordered = torch.where(valid, scores, 0.0).gather(-1, order)
+    batch, heads, n = ordered.shape
+    pooled = F.avg_pool1d(ordered.reshape(batch * heads, 1, n), kernel, stride=1, padding=kernel // 2)
+    return torch.empty_like(ordered).scatter_(-1, order, pooled.reshape(batch, heads, n))
+
+
+class SnapKVPolicy(ScoredPolicy):
+    deferred = True
+    needs_attention = True
+
+    def __init__(self, budget, window: int = 64, kernel: int = 5, sinks: int = 0):
+        super().__init__(budget, recent=window, sinks=sinks)
+        self.window, self.kernel = window, kernel
+        self.attention_window = window
+        self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
+
+    def _pool(self, layer, scores, stream, valid, newest: int) -> torch.Tensor:
+        """Pool with the observation window's own tokens (stream index > newest - window) zeroed, as kvpress pools
+        the tokens before the window only."""
+        before_window = valid & (stream <= newest - self.window)
+        return pool_in_order(scores, stream, before_window, self.kernel)
+
+    def observe(self, layer, column_scores: torch.Tensor) -> None:
+        heads = self.scores.shape[1]
+        if layer._pending is None:  # decode: one query, the columns are the slots
+            self._record_row(layer, group_mean(column_scores.float(), heads))
+            return
+        _, _, real, positions, seen_before = layer._pending
+        count = real[:, -self.window :].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
+        scores = group_mean(column_scores.float(), heads) / count
+        used, q = layer.used, real.shape[1]
+        new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
+        stream = torch.cat((self.stream[..., :used], new_stream), -1)
+        valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
+        pooled = self._pool(layer, scores, stream, valid, seen_before + q - 1)
+        self._seed = scores  # the prompt's window as one ring row, re-slotted after the commit
+        layer.commit(self.select_chunk(layer, real, seen_before, positions, pooled[..., :used], pooled[..., used:]))
+
+    def after_write(self, layer, placement, keys, dest, positions, seen_before: int) -> None:
+        new_scores = self._new_scores
+        super().after_write(layer, placement, keys, dest, positions, seen_before)
+        if self.rows is None:
+            self.rows = self.scores.new_zeros(self.scores.shape[:2] + (self.window, self.scores.shape[-1]))
+        # a slot's new token starts with no votes from earlier queries
+        self.rows.scatter_(3, dest[:, :, None, :].expand(-1, -1, self.window, -1), 0.0)
+        seed = getattr(self, "_seed", None)
+        if new_scores is not None and seed is not None:  # after a chunk: its window's votes in ring row 0
+            used_before = seed.shape[-1] - placement.src.shape[-1]
+            row = torch.zeros_like(self.scores)
+            row[..., :used_before] = seed[..., :used_before] * layer.slot_valid[..., :used_before]
+            row.scatter_(2, dest, seed[..., used_before:].gather(2, placement.src.expand(dest.shape)))
+            self.rows.zero_()
+            self.rows[:, :, 0] = row
+            self._seed = None
+
+    def _record_row(self, layer, row: torch.Tensor) -> None:
+        index = torch.full((1,), layer.seen % self.window, dtype=torch.long, device=row.device)
+        full = torch.zeros_like(self.scores)
+        full[..., : row.shape[-1]] = row
+        self.rows.index_copy_(2, index, full[:, :, None])
+
+    def refresh(self, layer) -> None:
+        c = self.capacity
+        scores = self.rows[..., :c].sum(2) / self.window
+        valid, stream = layer.slot_valid[..., :c], self.stream[..., :c]
+        pooled = self._pool(layer, scores, stream, valid, layer.seen)
+        self.scores[..., :c] = self.protect(pooled, layer.slot_pos[..., :c])
+
+    def map_batch(self, fn) -> None:
+        super().map_batch(fn)
+        if self.rows is not None:
+            self.rows = fn(self.rows)
+
+    def reset(self) -> None:
+        super().reset()
+        self.rows = None
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (0 if self.rows is None else self.rows.nbytes)
