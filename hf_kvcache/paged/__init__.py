@@ -1,0 +1,22 @@
+"""Quantized pages for transformers' continuous batching (docs/serving.md).
+
+One module per job: `spec` (what a page holds, read from the continuous-batching config), `records` (byte layout
+of a token and the codec views over it), `allocators` (transformers' cache allocators with quantized pages),
+`cache` (the PagedAttentionCache subclass, `install`, `enable_paged`), `internals` (the transformers internals
+relied on, checked), `agreement` (teacher-forced logits of continuous-batching runs, for the benchmark),
+`serve_bench` (`hf-kvcache serve-bench`).
+"""
+
+from .cache import QuantizedPagedAttentionCache, enable_paged, install
+from .internals import UnsupportedTransformersError, check_internals
+from .spec import KV_DTYPES, PagedKVSpec
+
+__all__ = [
+    "KV_DTYPES",
+    "PagedKVSpec",
+    "QuantizedPagedAttentionCache",
+    "UnsupportedTransformersError",
+    "check_internals",
+    "enable_paged",
+    "install",
+]

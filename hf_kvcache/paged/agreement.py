@@ -1,0 +1,83 @@
+"""Teacher-forced next-token distributions of a continuous-batching run, per request, on the same positions.
+
+    with record_logits(model, force=reference_tokens) as rec:     # force: {request_id: tokens} or None
+        model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=cb)
+    rows = rec.logprobs()          # {request_id: float32 [generated tokens, vocab]}, row g predicts token g
+
+`generate_batch` only returns the sampled tokens, so a forward hook on the model reads the logits of each batch
+and maps its rows to requests the way transformers does (the batch's requests that produce a token, in order).
+With `force`, the hook then replaces each row by one that makes greedy sampling pick the reference token: the run
+is teacher-forced, every request sees the same tokens as the reference run, and KL / top-1 compare the same
+positions (hf_kvcache.evaluation.divergence.divergence_metrics). Unforced rows are recorded as sampled.
+
+Internals relied on (transformers 5.23, see hf_kvcache.paged.internals for the cache ones): the manager returned
+by `model.init_continuous_batching` (which `generate_batch` calls) has `batch_processor.inputs_and_outputs.
+requests_in_batch` (FutureRequestState: `.state.request_id`, `.state.generated_len()`, `.has_new_token`) for the
+batch being computed, and the model is called with `logits_to_keep` (rows = those requests) or `logits_indices`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class LogitsRecorder:
+    def __init__(self, force: dict[str, list[int]] | None = None):
+        self.force = force or {}
+        self.manager = None
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}
+
+    def hook(self, module, args, kwargs, output):
+        if self.manager is None or self.manager.batch_processor is None:
+            raise RuntimeError("record_logits: the model ran outside a continuous-batching manager it could see")
+        requests = [f for f in self.manager.batch_processor.inputs_and_outputs.requests_in_batch if f.has_new_token]
+        logits = output.logits
+        if "logits_to_keep" in kwargs and isinstance(kwargs["logits_to_keep"], torch.Tensor):
+            positions = list(range(len(requests)))
+        else:
+            positions = kwargs["logits_indices"][: len(requests)].tolist()
+        for future, position in zip(requests, positions):
+            state = future.state
+            step = state.generated_len()
+            row = logits[0, position]
+            self.rows.setdefault(state.request_id, {})[step] = torch.log_softmax(row.float(), -1).cpu()
+            forced = self.force.get(state.request_id)
+            if forced is not None and step < len(forced):
+                row.fill_(float("-inf"))
+                row[forced[step]] = 0.0
+        return output
+
+    def logprobs(self) -> dict[str, torch.Tensor]:
+        """{request_id: [steps, vocab]} with rows in generation order (steps 0, 1, ... all present)."""
+        out = {}
+        for request_id, steps in self.rows.items():
+            missing = sorted(set(range(len(steps))) - set(steps))
+            if missing:
+                raise RuntimeError(f"record_logits: request {request_id} has no logits for steps {missing}")
+            out[request_id] = torch.stack([steps[i] for i in range(len(steps))])
+        return out
+
+
+@contextlib.contextmanager
+def record_logits(model, force: dict[str, list[int]] | None = None):
+    """Record (and optionally force) the logits of continuous-batching runs of `model` in this block."""
+    recorder = LogitsRecorder(force)
+    original = model.init_continuous_batching  # an instance attribute if enable_paged wrapped it
+
+    def init_continuous_batching(*args, **kwargs):
+        recorder.manager = original(*args, **kwargs)
+        return recorder.manager
+
+    had_instance_attr = "init_continuous_batching" in vars(model)
+    model.init_continuous_batching = init_continuous_batching
+    handle = model.register_forward_hook(recorder.hook, with_kwargs=True)
+    try:
+        yield recorder
+    finally:
+        handle.remove()
+        if had_instance_attr:
+            model.init_continuous_batching = original
+        else:
+            del model.init_continuous_batching

@@ -1,0 +1,155 @@
+"""QuantizedPagedAttentionCache: transformers' PagedAttentionCache with quantized pages, and the switch.
+
+transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve`) builds its
+cache in `ContinuousBatchingManager._create_batch_processor` by calling the name `PagedAttentionCache` of the
+module `transformers.generation.continuous_batching.continuous_api`. `install()` (run by `import hf_kvcache`)
+points that name at `QuantizedPagedAttentionCache`, a subclass which:
+- with no `kv_cache_dtype` on the continuous-batching config (or "model"), is exactly transformers' cache;
+- otherwise builds the quantized allocators (hf_kvcache.paged.allocators) instead of transformers' ones. The
+  sector / block sizes, and so the number of pages for a memory budget, are computed by transformers from our
+  page size in bytes: `num_blocks` (or the free memory) is turned into bytes with the model-dtype block size as
+  usual, and those bytes then hold 1.9-3.2x as many tokens.
+
+The switch, in transformers' style (a field of the config, or one call on the model):
+
+    import hf_kvcache
+    cb = ContinuousBatchingConfig(num_blocks=64); cb.kv_cache_dtype = "fp8_e4m3"
+    model.generate_batch(inputs, continuous_batching_config=cb)
+    # or
+    hf_kvcache.enable_paged(model, kv_dtype="fp8_e4m3")   # every continuous-batching run of this model
+    model.generate_batch(inputs)
+
+The transformers internals relied on are listed and checked in hf_kvcache.paged.internals.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+
+import torch
+
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching import continuous_api
+
+from .allocators import ALLOCATORS
+from .internals import check_internals
+from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
+
+_BUILD_LOCK = threading.Lock()
+UPSTREAM_CACHE = cb_cache.PagedAttentionCache
+
+
+class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
+    """transformers' PagedAttentionCache whose pages hold FP8 / INT8 / INT4 codes + scales when the
+    continuous-batching config has `kv_cache_dtype` (see the module docstring)."""
+
+    def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=None,
+                 model_supports_logits_to_keep: bool = False):
+        self.kv_spec = PagedKVSpec.from_cb_config(continuous_batching_config)
+        kwargs = dict(config=config, continuous_batching_config=continuous_batching_config, device=device,
+                      distributed_helper=distributed_helper, model_supports_logits_to_keep=model_supports_logits_to_keep)
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        if self.kv_spec is None:
+            super().__init__(**kwargs)
+            return
+        spec = self.kv_spec
+        factories = {
+            name: functools.partial(cls, kv_spec=spec) for name, cls in ALLOCATORS.items()
+        }
+        # transformers builds its allocators from the module-level ATTN_TYPE_TO_ALLOCATOR: ours stand in while
+        # this cache is built (under a lock; the mapping is restored even on error)
+        with _BUILD_LOCK:
+            saved = dict(cb_cache.ATTN_TYPE_TO_ALLOCATOR)
+            cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(factories)
+            try:
+                super().__init__(**kwargs)
+            finally:
+                cb_cache.ATTN_TYPE_TO_ALLOCATOR.clear()
+                cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(saved)
+        # capacity in whole-model blocks of quantized pages (transformers counted model-dtype blocks)
+        layers = config.num_hidden_layers
+        page_bytes = next(iter(self.cache_allocators.values())).bytes_per_page
+        self.num_blocks = (self.num_sectors * self.bytes_per_sector) // (layers * page_bytes)
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        """transformers' update; for quantized full-attention layers on the index path, first tells the allocator
+        which read positions belong to requests in their first forward (see first_forward_masks)."""
+        allocator = self.layer_to_allocator[layer_idx]
+        if self.kv_spec is not None and kwargs.get("block_table") is None and hasattr(allocator, "first_forward"):
+            cu_k = kwargs["cu_seq_lens_k"]
+            cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k
+            read_index = kwargs["read_index"][allocator.index]
+            allocator.first_forward = first_forward_masks(kwargs["cu_seq_lens_q"], cu_k, read_index.shape[0],
+                                                          key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, kwargs)
+
+    def tokens_capacity(self) -> int:
+        """Tokens of one request the pages could hold for every layer (whole-model blocks x page size)."""
+        return self.num_blocks * next(iter(self.cache_allocators.values())).tokens_per_page
+
+
+def first_forward_masks(cu_seq_lens_q, cu_seq_lens_k, num_read: int, num_new: int):
+    """Boolean masks over the packed read positions [num_read] and new tokens [num_new] of the requests whose
+    query is their whole key range (no past: their first forward). Requests are packed in order in both; positions
+    past the last request (padding) are False. Tensor ops only (no host synchronisation)."""
+    cu_q, cu_k = cu_seq_lens_q.long(), cu_seq_lens_k.long()
+    first = (cu_q[1:] - cu_q[:-1]) == (cu_k[1:] - cu_k[:-1])  # [requests]
+    first = torch.cat([first, first.new_zeros(1)])  # index `requests` = padding
+    device = first.device
+    read_req = torch.searchsorted(cu_k[1:], torch.arange(num_read, device=device), right=True)
+    new_req = torch.searchsorted(cu_q[1:], torch.arange(num_new, device=device), right=True)
+    return first[read_req], first[new_req]
+
+
+_installed = False
+
+
+def install() -> None:
+    """Make transformers' continuous batching build QuantizedPagedAttentionCache (idempotent). Raises
+    `UnsupportedTransformersError` naming the internal if this transformers version lacks one we rely on."""
+    global _installed
+    if _installed:
+        return
+    check_internals()
+    continuous_api.PagedAttentionCache = QuantizedPagedAttentionCache
+    _installed = True
+
+
+def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
+    """Quantized pages for every continuous-batching run of `model` (`generate_batch`, `init_continuous_batching`,
+    `continuous_batching_context_manager`): `kv_dtype` as `kv_cache_dtype`, `options` as `kv_cache_quantization`
+    (see hf_kvcache.paged.spec). A config passed to the call that sets `kv_cache_dtype` itself wins.
+    `kv_dtype=None` (or "model") turns it off again."""
+    spec = PagedKVSpec.from_fields(kv_dtype, options or None)
+    install()
+    original = getattr(model, "_hf_kvcache_original_init_cb", None)
+    if spec is None:
+        if original is not None:
+            model.init_continuous_batching = original
+            del model._hf_kvcache_original_init_cb
+        return
+    if original is None:
+        original = model.init_continuous_batching
+        model._hf_kvcache_original_init_cb = original
+
+    @functools.wraps(original)
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        cb_config = continuous_batching_config
+        if cb_config is None:  # as transformers: the generation config's (deprecated) field, else the defaults
+            gen = generation_config if generation_config is not None else model.generation_config
+            cb_config = getattr(gen, "continuous_batching_config", None)
+            if not isinstance(cb_config, ContinuousBatchingConfig):
+                cb_config = ContinuousBatchingConfig()
+        if getattr(cb_config, DTYPE_FIELD, None) is None:
+            cb_config = copy.deepcopy(cb_config)
+            setattr(cb_config, DTYPE_FIELD, spec.kv_dtype)
+            setattr(cb_config, OPTIONS_FIELD, {k: v for k, v in spec.to_dict().items() if k != "kv_dtype"})
+        return original(generation_config=generation_config, continuous_batching_config=cb_config,
+                        workload_hints=workload_hints)
+
+    model.init_continuous_batching = init_continuous_batching
+    model._hf_kvcache_paged_spec = spec

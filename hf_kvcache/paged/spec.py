@@ -1,0 +1,106 @@
+"""What a quantized page holds: a validated, JSON-only spec read from transformers' ContinuousBatchingConfig.
+
+    cb = ContinuousBatchingConfig(num_blocks=64)
+    cb.kv_cache_dtype = "fp8_e4m3"                        # the switch (after `import hf_kvcache`)
+    cb.kv_cache_quantization = {"group_size": 32}         # optional details, see PagedKVSpec
+    model.generate_batch(inputs, continuous_batching_config=cb)
+
+`kv_cache_dtype`: "model" (or None / absent: transformers' own pages, in the model's dtype), "fp8_e4m3",
+"fp8_e5m2", "int8", "int4". Keys and values share the format. `kv_cache_quantization` (dict, optional):
+- granularity: "token" (default: one scale per token and KV head, or per `group_size` channels of it, computed
+  at every write so pages can be written in any order).
+- group_size: channels per scale (divides head_dim). Default: the whole head for FP8; for integers 32 (KIVI's
+  value groups) when it divides head_dim, else the whole head.
+- scale_dtype: how scales (and integer zero points) are stored: "bfloat16" (default), "float16", "float32"
+  (FP8 also "e8m0": a power of two in one byte).
+- key_rotation: "none" (default) or "hadamard" / "random": keys are rotated by an orthogonal matrix before they
+  are quantized and rotated back when read (hf_kvcache.rotation): outlier channels are spread over the head.
+
+Errors name the field (`kv_cache_dtype`, `kv_cache_quantization.group_size`, ...) and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..rotation import ROTATIONS
+from ..stores.quantization import QuantSpec
+
+DTYPE_FIELD = "kv_cache_dtype"
+OPTIONS_FIELD = "kv_cache_quantization"
+KV_DTYPES = ("model", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+OPTION_KEYS = ("granularity", "group_size", "scale_dtype", "key_rotation")
+GRANULARITIES = ("token",)
+#: integer formats: channels per scale when no group_size is given
+DEFAULT_INT_GROUP = 32
+
+
+@dataclass(frozen=True)
+class PagedKVSpec:
+    """Format of the keys and values in quantized pages (see the module docstring)."""
+
+    kv_dtype: str = "fp8_e4m3"
+    granularity: str = "token"
+    group_size: int | None = None
+    scale_dtype: str = "bfloat16"
+    key_rotation: str = "none"
+
+    def __post_init__(self):
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES[1:]:
+            raise ValueError(f"`{DTYPE_FIELD}` must be one of {KV_DTYPES} (or None), got {self.kv_dtype!r}.")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"`{OPTIONS_FIELD}.granularity` must be one of {GRANULARITIES} for paged caches (a page is shared "
+                f"by requests written in any order, so scales are computed per token), got {self.granularity!r}."
+            )
+        if self.key_rotation not in ROTATIONS:
+            raise ValueError(f"`{OPTIONS_FIELD}.key_rotation` must be one of {ROTATIONS}, got {self.key_rotation!r}.")
+        group = self.group_size
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            raise ValueError(f"`{OPTIONS_FIELD}.group_size` must be a positive integer or None, got {group!r}.")
+        try:
+            self.quant_spec()
+        except (ValueError, ImportError) as error:
+            raise type(error)(f"`{OPTIONS_FIELD}`: {error}") from None
+
+    def quant_spec(self, head_dim: int | None = None) -> QuantSpec:
+        """The codec spec (hf_kvcache.stores.quantization) used for keys and values alike."""
+        group = self.group_size
+        if group is None and self.kv_dtype.startswith("int") and (head_dim is None or head_dim % DEFAULT_INT_GROUP == 0):
+            group = DEFAULT_INT_GROUP
+        return QuantSpec(format=self.kv_dtype, granularity=self.granularity, group_size=group,
+                         scale_dtype=self.scale_dtype)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        try:
+            self.quant_spec(head_dim).validate_head_dim(head_dim)
+        except ValueError as error:
+            raise ValueError(f"`{OPTIONS_FIELD}`: {error}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, kv_dtype: Any, options: Any = None) -> "PagedKVSpec | None":
+        """The spec for a `kv_cache_dtype` value and `kv_cache_quantization` dict; None for model-dtype pages."""
+        if kv_dtype is None or kv_dtype == "model":
+            if options:
+                raise ValueError(
+                    f"`{OPTIONS_FIELD}` ({options!r}) was given but `{DTYPE_FIELD}` is {kv_dtype!r}: set "
+                    f"`{DTYPE_FIELD}` to one of {KV_DTYPES[1:]} to quantize the pages."
+                )
+            return None
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise ValueError(f"`{OPTIONS_FIELD}` must be a dict with keys {OPTION_KEYS}, got {type(options).__name__}.")
+        unknown = sorted(set(options) - set(OPTION_KEYS))
+        if unknown:
+            raise ValueError(f"`{OPTIONS_FIELD}` has unknown keys {unknown}; allowed keys are {OPTION_KEYS}.")
+        return cls(kv_dtype=kv_dtype, **options)
+
+    @classmethod
+    def from_cb_config(cls, cb_config) -> "PagedKVSpec | None":
+        """Read the two fields from a ContinuousBatchingConfig (absent fields: model-dtype pages)."""
+        return cls.from_fields(getattr(cb_config, DTYPE_FIELD, None), getattr(cb_config, OPTIONS_FIELD, None))
