@@ -178,6 +178,10 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     if published is not None:
         name, cache_config = published
     if name in CACHE_IMPLEMENTATIONS:
+        if generation_config.is_assistant and isinstance(model_kwargs.get("past_key_values"), KVCache):
+            # Assisted generation hands the main model's generation config (our cache name included) to the
+            # assistant, and the assistant's cache of the previous round back with it: keep using that cache.
+            return None
         if model_kwargs.get("past_key_values") is not None:
             raise ValueError(
                 "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` (a "
@@ -194,13 +198,36 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
                 f"generation_config.json key 'hf_kvcache' (cache {name!r}) does not build for this model: {error} "
                 f"Pass cache_implementation='dynamic' (or another cache) to generate without it."
             ) from None
+        _refuse_rollback_past_budget(model_kwargs["past_key_values"], *args, **kwargs)
         return None
     result = _prepare_cache_for_generation.original(self, generation_config, model_kwargs, *args, **kwargs)
     if isinstance(model_kwargs.get("past_key_values"), KVCache):
         from .attention import enable
 
         enable(self)
+        _refuse_rollback_past_budget(model_kwargs["past_key_values"], *args, **kwargs)
     return result
+
+
+def _refuse_rollback_past_budget(cache, generation_mode=None, batch_size=None, max_cache_length=None, **_) -> None:
+    """Assisted generation and prompt lookup roll rejected candidate tokens back with `cache.crop`, which a cache can
+    do only until it first evicts (evicted tokens cannot come back): refuse, before any forward, a generation whose
+    length is past a layer's budget. The verifying forward may hold `max_length + 1` tokens (prompt lookup proposes
+    up to the last position, plus the token being verified; `max_cache_length` is `max_length - 1`)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    if generation_mode != GenerationMode.ASSISTED_GENERATION or max_cache_length is None:
+        return
+    needed = max_cache_length + 2
+    for layer in cache.compressed_layers:
+        if layer.policy.has_evicted(needed):
+            raise ValueError(
+                f"{type(cache).__name__} cannot serve assisted generation / prompt lookup (`assistant_model`, "
+                f"`prompt_lookup_num_tokens`): rejected candidates are rolled back with `crop`, which is impossible "
+                f"once tokens were evicted, and layer {layer.layer_idx} keeps {layer.policy.capacity} tokens of the "
+                f"up to {needed} this generation holds (prompt + max_new_tokens + 1). Give a budget of at least "
+                f"{needed}, a cache that keeps every token (fp8, kivi), or generate without an assistant."
+            )
 
 
 def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
