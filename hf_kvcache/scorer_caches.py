@@ -38,10 +38,10 @@ def _budget(budget):
     return budget
 
 
-def _recent(recent, budget) -> int:
-    recent = require_int("recent", recent, 0)
+def _recent(recent, budget, name: str = "recent") -> int:
+    recent = require_int(name, recent, 0)
     if not isinstance(budget, float) and recent > budget:
-        raise ValueError(f"`recent` ({recent}) must not exceed `budget` ({budget}).")
+        raise ValueError(f"`{name}` ({recent}) must not exceed `budget` ({budget}).")
     return recent
 
 
@@ -102,7 +102,7 @@ class SnapKVCache(_ScorerCache):
         self.kernel = require_int("kernel", kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"`kernel` must be odd (pooling keeps the sequence length), got {kernel}.")
-        _recent(window, _budget(budget))
+        _recent(window, _budget(budget), "window")
         self._setup(config_or_model, budget, compress,
                     lambda cfg: SnapKVPolicy(self.budget, self.window, self.kernel), layers)
 

@@ -26,7 +26,7 @@ from .scored import ScoredPolicy, group_mean
 def pool_in_order(scores: torch.Tensor, stream: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
     """Average-pool scores [B, H, n] along the stream order of their tokens (`stream` [B, H, n]); invalid entries
     count as 0 and sit after the valid ones."""
-    order = torch.where(valid, stream, torch.iinfo(torch.long).max).argsort(-1)
+    order = torch.where(valid, stream, torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)
     ordered = torch.where(valid, scores, 0.0).gather(-1, order)
     batch, heads, n = ordered.shape
     pooled = F.avg_pool1d(ordered.reshape(batch * heads, 1, n), kernel, stride=1, padding=kernel // 2)
@@ -44,10 +44,10 @@ class SnapKVPolicy(ScoredPolicy):
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
 
     def _pool(self, layer, scores, stream, valid, newest: int) -> torch.Tensor:
-        """Pool with the observation window's own tokens (stream index > newest - window) zeroed, as kvpress pools
-        the tokens before the window only."""
+        """Pool the tokens before the observation window (stream index <= newest - window) only, as kvpress does;
+        the window's own tokens (kept by the recent window) and invalid slots score 0."""
         before_window = valid & (stream <= newest - self.window)
-        return pool_in_order(scores, stream, before_window, self.kernel)
+        return torch.where(before_window, pool_in_order(scores, stream, before_window, self.kernel), 0.0)
 
     def observe(self, layer, column_scores: torch.Tensor) -> None:
         heads = self.scores.shape[1]
