@@ -57,7 +57,8 @@ class _QuantizedKeepAllCache(KVCache):
     """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
 
     def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
-               scales: dict | None, key_rotation: str = "none", layers=None, max_length: int | None = None) -> None:
+               scales: dict | None, key_rotation: str = "none", layers=None, max_length: int | None = None,
+               fixed_ring: bool = False) -> None:
         config = _text_config(config_or_model)
         num_layers, kv_heads, head_dim = model_dims(config)
         latent = is_latent_attention(config)
@@ -67,7 +68,7 @@ class _QuantizedKeepAllCache(KVCache):
         residual = require_int("residual", residual, 0)
         if max_length is not None:
             max_length = require_int("max_length", max_length, 1)
-            if residual or key.append_only or value.append_only:
+            if not fixed_ring and (residual or key.append_only or value.append_only):
                 raise ValueError(
                     "`max_length` (a fixed capacity, for torch.compile) needs residual=0 and granularity 'token', "
                     f"'head' or 'tensor' (got residual={residual}, key granularity {key.granularity!r}, value "
@@ -83,6 +84,7 @@ class _QuantizedKeepAllCache(KVCache):
         self.rotation_matrix = rotation_matrix(key_rotation, head_dim)
         static = _parse_scales(scales, key, value, key_smoothing, key_rotation, num_layers, kv_heads, head_dim)
         self.key_spec, self.value_spec = key, value
+        self.fixed_ring = max_length is not None and (residual > 0 or key.append_only or value.append_only)
         self.workspace = DequantWorkspace()
         workspace = self.workspace
 
@@ -114,6 +116,14 @@ class _QuantizedKeepAllCache(KVCache):
         self.attention = require_choice("attention", attention, ATTENTION_MODES)
         self.attention_block = None if attention_block is None else require_int("attention_block", attention_block, 1)
         if attention == "auto" and is_latent_attention(_text_config(config_or_model)):
+            attention = "dequantize"
+        if getattr(self, "fixed_ring", False):  # max_length with a residual / token blocks (KIVI): see the store
+            if attention == "blockwise":
+                raise ValueError(
+                    "`attention`='blockwise' does not read the fixed-length ring layout (`max_length` with a "
+                    "residual or blocks of tokens: its full-precision tokens sit in a ring); use attention='auto' or "
+                    "'dequantize', or drop `max_length`."
+                )
             attention = "dequantize"
         for layer in self.layers:
             if isinstance(getattr(layer, "store", None), QuantizedStore) and layer.store.workspace is self.workspace:
@@ -281,7 +291,14 @@ class KIVICache(_QuantizedKeepAllCache):
     those of an incomplete key block). Packed by optimum-quanto or hqq (`backend`, default: quanto if installed).
     `scale_dtype` ("float16", ...) stores scales and zero points in another dtype than the model's. `key_rotation`
     ("none" by default: KIVI's per-channel key groups already isolate outlier channels), `attention` and
-    `attention_block` as in QuantizedFP8Cache."""
+    `attention_block` as in QuantizedFP8Cache.
+
+    `max_length` (None: the cache grows): a fixed capacity in tokens, allocated at the first update: codes for every
+    block that can leave the residual, the residual in a ring, and each decode step quantizes "the block that just
+    completed" with the same ops whether one did or not (hf_kvcache.stores.quantized, ring layout). Decode shapes are
+    then constant and the cache is compileable (`generate(compile_config=...)`, `torch.compile(fullgraph=True)`);
+    outputs equal the growing layout's. Needs backend "quanto" (default when installed): hqq's zero-point optimizer
+    branches on the data and cannot be traced. `attention` is then "dequantize" ("blockwise" is refused)."""
 
     cache_name = "kivi"
 
@@ -299,6 +316,7 @@ class KIVICache(_QuantizedKeepAllCache):
         layers: dict | list | None = None,
         attention: str = "auto",
         attention_block: int | None = None,
+        max_length: int | None = None,
     ):
         if isinstance(bits, bool) or bits not in (2, 4, 8):
             raise ValueError(f"`bits` must be one of (2, 4, 8), got {bits!r}.")
@@ -312,5 +330,13 @@ class KIVICache(_QuantizedKeepAllCache):
         fmt = f"int{bits}"
         key = QuantSpec(fmt, "channel", group_size, backend, scale_dtype)
         value = QuantSpec(fmt, "token", value_group, backend, scale_dtype)
-        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation, layers)
+        if max_length is not None and "hqq" in (key.backend, value.backend):
+            raise ValueError(
+                "`backend` 'hqq' cannot be used with `max_length` (a fixed capacity, for torch.compile): hqq's "
+                "zero-point optimizer branches on the data, which torch.compile cannot trace. Use backend='quanto' "
+                "(pip install optimum-quanto), or drop `max_length` (the cache then grows and runs eagerly)."
+            )
+        self.max_length = max_length
+        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation, layers, max_length,
+                    fixed_ring=True)
         self._set_attention(config_or_model, attention, attention_block)

@@ -103,6 +103,75 @@ def test_fp8_with_max_length_compiles(granularity):
         assert kl.mean() < 1e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
 
 
+KIVI_FIXED = dict(group_size=4, residual=6)  # blocks complete in prefill and in decode, the residual stays in a ring
+
+
+def test_kivi_with_max_length_compiles_and_equals_eager():
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    hf_kvcache.enable(model)
+    make = lambda: hf_kvcache.KIVICache(model, max_length=PROMPT + STEPS, **KIVI_FIXED)
+    assert make().is_compileable
+    eager, _ = _teacher_forced(model, make(), model.forward)
+    counters.clear()
+    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[2:] == [graphs[2]] * (STEPS - 2), graphs  # no recompilation after warm-up
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("settings", [KIVI_FIXED, dict(group_size=8, residual=0, bits=2),
+                                      dict(group_size=4, residual=5, key_smoothing=True)])
+def test_kivi_fixed_layout_equals_the_growing_one(settings):
+    """The ring layout quantizes the same blocks at the same steps as the growing layout: same logits (up to the
+    masked empty columns it also attends over), same split of quantized / full-precision tokens."""
+    model = build_model("llama", num_hidden_layers=2)
+    hf_kvcache.enable(model)
+    growing, fixed = hf_kvcache.KIVICache(model, **settings), hf_kvcache.KIVICache(model, max_length=40, **settings)
+    expected, _ = _teacher_forced(model, growing, model.forward, steps=24)
+    got, _ = _teacher_forced(model, fixed, model.forward, steps=24)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for i, (a, b) in enumerate(zip(growing.layers, fixed.layers)):
+        assert (b.store.qlen, b.store.fp_len) == (a.store.qlen, a.store.fp_len) and b.store.qlen > 0
+        keys, values = (t.clone() for t in a.store.read(a.store.length))
+        fixed_keys, fixed_values = b.store.read(b.store.length)
+        torch.testing.assert_close((fixed_keys, fixed_values), (keys, values), atol=1e-4, rtol=1e-4)
+        # layer 0 sees the same inputs in both runs (deeper layers get activations that differ in the last bits):
+        # the very same codes and residual, unless smoothing (the mean is the prompt's here, the first block's there)
+        if i == 0 and not settings.get("key_smoothing"):
+            assert torch.equal(fixed_keys, keys) and torch.equal(fixed_values, values)
+
+
+def test_kivi_generate_with_compile_config():
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False, cache_implementation="kivi",
+                  cache_config={**KIVI_FIXED, "max_length": PROMPT + 16})
+    eager = model.generate(**kwargs)
+    counters.clear()
+    first = model.generate(**kwargs, compile_config=config)
+    graphs = counters["stats"]["unique_graphs"]
+    again = model.generate(**kwargs, compile_config=config)
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+
+
+def test_kivi_max_length_refuses_hqq_and_blockwise_by_name():
+    model = build_model("llama", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="`backend` 'hqq'.*max_length"):
+        hf_kvcache.KIVICache(model, max_length=32, backend="hqq")
+    with pytest.raises(ValueError, match="`attention`='blockwise'.*max_length"):
+        hf_kvcache.KIVICache(model, max_length=32, group_size=4, attention="blockwise")
+    cache = hf_kvcache.KIVICache(model, max_length=10, group_size=4, residual=2)
+    with torch.no_grad():
+        model(input_ids=random_ids(1, 10), past_key_values=cache)
+        with pytest.raises(ValueError, match="max_length"):
+            model(input_ids=random_ids(1, 1), past_key_values=cache)
+
+
 def test_fp8_max_length_is_a_hard_limit_with_a_clear_error():
     model = build_model("llama", num_hidden_layers=1)
     cache = hf_kvcache.QuantizedFP8Cache(model, max_length=10)

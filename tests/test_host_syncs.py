@@ -29,6 +29,7 @@ CACHES = {
     "fp8": lambda m: hf_kvcache.QuantizedFP8Cache(m),
     "fp8_residual": lambda m: hf_kvcache.QuantizedFP8Cache(m, residual=4, granularity="head"),
     "kivi": lambda m: hf_kvcache.KIVICache(m, residual=8, group_size=8),
+    "kivi_max_length": lambda m: hf_kvcache.KIVICache(m, residual=3, group_size=4, max_length=32),
 }
 LAYERS = 3
 

@@ -192,5 +192,7 @@ class FP8Codec(Codec):
             scale, target = self.scale * factor, out
         if bias is None:
             target.mul_(scale)
+        elif torch.compiler.is_compiling():  # (dynamo refuses out= views; inductor fuses this into one pass anyway)
+            target.copy_(torch.addcmul(bias, target, scale))
         else:  # x * scale + bias in one pass
             torch.addcmul(bias, target, scale, out=target)

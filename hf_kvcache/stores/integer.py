@@ -208,7 +208,9 @@ class IntegerCodec(Codec):
             zero = -zero * scale
         if bias is not None and self.spec.granularity == "channel":
             zero, bias = zero + bias.unsqueeze(2), None  # per channel, like the offsets: fold it in (small tensor)
-        if target.dim() == 4 or self.spec.granularity == "channel":
+        if torch.compiler.is_compiling():  # (dynamo refuses out= views; inductor fuses this into one pass anyway)
+            target.copy_(torch.addcmul(zero, target, scale))
+        elif target.dim() == 4 or self.spec.granularity == "channel":
             torch.addcmul(zero, target, scale, out=target)  # one pass (well vectorised for these shapes)
         else:  # scales broadcast within channel groups: in-place ops are much faster than addcmul here
             target.mul_(scale).add_(zero)

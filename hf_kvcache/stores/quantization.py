@@ -321,13 +321,17 @@ class Codec:
         raise NotImplementedError
 
     def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None,
-            rows: slice | None = None, index: torch.Tensor | None = None):
+            rows: slice | None = None, index: torch.Tensor | None = None, block: torch.Tensor | None = None):
         """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots (of the batch
         `rows` only, if given). `index`: slots [start, start + n) as a tensor, for per-slot layouts: compiled code
-        then does not specialise on `start`."""
+        then does not specialise on `start`. `block` ([1] long tensor): the encoded n tokens are block number `block`
+        of n-token blocks (slots [block * n, block * n + n)), written by index: constant shapes for any block."""
         for name, t in encoded.items():
             buf = self.slot[name] if rows is None else self.slot[name][rows]
-            if index is not None and name not in self.per_block:
+            if block is not None:
+                n = t.shape[2]
+                buf.index_copy_(2, block * n + torch.arange(n, device=buf.device), t)
+            elif index is not None and name not in self.per_block:
                 buf.index_copy_(2, index, t)
             elif dest is None:
                 first = self._rows(name, start)
