@@ -21,7 +21,11 @@ token sizes capped by the model's `max_position_embeddings` (L below; 1024 when 
 | `composite` | preset "sinks_heavy_recent", budget 1024 (4 sinks, recent + heavy hitters in FP8 E4M3) | budget max(L, 6) |
 | `fp8` | the class defaults: E4M3, per-token scales, Hadamard-rotated keys, no full-precision window | same |
 | `kivi` | the class defaults: int4, group 32, residual 128, quanto (else hqq); value groups gcd(32, head_dim) when head_dim is not a multiple of 32 | same |
-| `knorm`, `keydiff`, `tova`, `snapkv`, `expected_attention` | budget 0.2 of the prompt, each scorer's own defaults | same |
+| `knorm` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.scorer_caches) | same |
+| `keydiff` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.scorer_caches) | same |
+| `tova` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.scorer_caches) | same |
+| `snapkv` | budget 1024 tokens (a prompt ratio can fall below its 64-token window); window 64, kernel 5 | same |
+| `expected_attention` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.scorer_caches) | same |
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -72,6 +76,7 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "fp8": {},
     "kivi": {},
     **{cls.cache_name: {"budget": 0.2} for cls in SCORER_CACHES},
+    "snapkv": {"budget": 1024},  # a ratio of a short prompt can be smaller than its 64-token observation window
 }
 
 #: a caller's key -> the default keys it replaces (besides itself)

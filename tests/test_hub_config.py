@@ -16,6 +16,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import hf_kvcache
+from hf_kvcache.scorer_caches import SCORER_CACHES
 from conftest import build_model, random_ids
 from hf_kvcache import (
     CompositeCache,
@@ -446,6 +447,8 @@ EXPECTED_DEFAULTS = {
     "composite": (CompositeCache, {"preset": "sinks_heavy_recent", "budget": 1024}),
     "fp8": (QuantizedFP8Cache, {"format": "fp8_e4m3", "granularity": "token", "residual": 0}),
     "kivi": (KIVICache, {"bits": 4, "group_size": 32, "residual": 128}),
+    **{cls.cache_name: (cls, {"budget": 0.2}) for cls in SCORER_CACHES},
+    "snapkv": (SCORER_CACHES[3], {"budget": 1024, "window": 64}),
 }
 
 
