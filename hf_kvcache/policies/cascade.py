@@ -172,8 +172,10 @@ class CascadePolicy(Policy):
         ring_slot = self.bases[0] + t % self.tier_sizes[0] if self.tier_sizes else None
         ring_dest = torch.full_like(sink_dest, ring_slot) if self.tier_sizes else None
         placement = self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
-        # a token can only be a sink while its stream index is below `sinks` (its real index is at most that)
-        placement.regions = self._region_hint(layer, ([0] if t < self.sinks else []) + (
+        # a token can only be a sink while its stream index is below `sinks` (its real index is at most that), or in
+        # a padded stream, where a row's real index lags its stream index (left padding)
+        may_be_sink = t < self.sinks or layer.forward_info.has_padding
+        placement.regions = self._region_hint(layer, ([0] if may_be_sink else []) + (
             [ring_slot] if ring_slot is not None else []))
         return placement
 
@@ -264,6 +266,10 @@ class CascadePolicy(Policy):
         self.n_real = layer.slot_valid[:, 0, : self.sinks].long().sum(-1) + (
             layer.slot_valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
         ).long().sum(-1)
+        # The survivors are younger now: move them to the regions of their new ages, as a chunk of no tokens does
+        # (nothing was evicted, so they all fit). Without this they stayed where their old ages put them.
+        batch, hm = layer.slot_valid.shape[:2]
+        self._place_chunk(layer, layer.slot_valid.new_zeros(batch, 0), new_seen, self.scores.new_zeros(batch, hm, 0))
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("n_real", "stream", "scores"):
