@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from .codes_attention import attend
 from .layer import CompressedLayer
 from .rotation import rotate
+from .scored_attention import scored_attention
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,43 @@ def attention_column_scores(
     return total
 
 
+def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
+    """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) and
+    the policy's column scores from the same pass. `spec` is the layer's (validity, causal tail), or None when the
+    model's mask is plain causal (no mask given: the new tokens are the last columns)."""
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ValueError(
+            f"{type(layer.policy).__name__} scores attention in the hf_kvcache bridge, which has no attention dropout "
+            "(training); call model.eval() or use a cache without attention scores."
+        )
+    q = query.shape[2]
+    valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
+    window = layer.policy.attention_window
+    weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    out, scores = scored_attention(
+        query, key, value, valid, causal_tail, scaling,
+        softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
+        sinks=getattr(module, "sinks", None), query_weight=weight,
+        score_from=q - window if window is not None and q > window else 0,
+    )
+    layer.policy.observe(layer, scores)
+    return out, None
+
+
+def _attention_weights_requested() -> bool:
+    """Whether the running forward collects attention weights (`output_attentions=True`): an eager model then runs
+    its own eager attention, which returns them, and the scores come from a second pass."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - an older layout: treat as not requested
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
 _eager_functions: dict[type, object] = {}
 
 
@@ -147,6 +185,12 @@ def _make_bridge(name: str):
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
                     return out
             spec = layer.attention_validity()
+            if layer.policy.needs_queries:
+                layer.policy.observe_queries(layer, query)
+            if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
+                not sdpa and _attention_weights_requested()
+            ):  # output and column scores from one pass (hf_kvcache.scored_attention)
+                return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
             if spec is not None:
                 mask = build_validity_mask(spec[0], spec[1], query)
                 if name == "hf_kvcache_eager":
@@ -154,14 +198,12 @@ def _make_bridge(name: str):
                         ~mask, torch.finfo(query.dtype).min
                     )
                 attention_mask = mask
-            if layer.policy.needs_queries:
-                layer.policy.observe_queries(layer, query)
-            if layer.policy.needs_attention:
+            if layer.policy.needs_attention:  # the model's own mask (not causal-only): scores in a second pass
                 weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
                 scored_query, scored_mask, window = query, attention_mask, layer.policy.attention_window
                 if window is not None and query.shape[2] > window:  # only the last `window` queries are scored
                     scored_query, weight = query[:, :, -window:], weight[:, -window:]
-                    if scored_mask is not None and scored_mask.shape[2] > 1:
+                    if scored_mask.shape[2] > 1:
                         scored_mask = scored_mask[:, :, -window:]
                 scores = attention_column_scores(
                     scored_query, key, scored_mask, kwargs.get("scaling", module.scaling), weight,

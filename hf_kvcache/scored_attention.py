@@ -1,0 +1,136 @@
+"""Softmax attention that also returns the probability each key column received, from the same pass.
+
+    out, scores = scored_attention(query, key, value, valid, causal_tail, scaling)
+    # out [B, q, Hq, Dv] (query dtype, the layout transformers' attention functions return), scores [B, Hq, kv] float32
+
+The attention bridge uses it for policies that need attention scores (H2O and the other scorers): the output comes
+from the same probabilities that are summed into the scores, so a forward costs one attention, not SDPA plus a
+second pass that recomputes the probabilities.
+
+Contract (equal to eager attention with the layer's validity mask, `hf_kvcache.attention.build_validity_mask`):
+- logits = (query . key) * scaling, in the query dtype as eager attention computes them; `softcap * tanh(logits /
+  softcap)` if `softcap` (Gemma 2); softmax in float32; `sinks` [Hq] are one extra logit per query head in each
+  softmax denominator that no key receives (GPT-OSS);
+- `valid` bool [B, Hkv or 1, kv] (None: every column): False columns are not attended;
+- `causal_tail` (0 or q): the last q columns are the new tokens in order, causal among themselves, and each query
+  always sees its own column (so no row is empty). With `causal_tail` = 0 every valid column is visible (decode);
+- GQA: query head h reads KV head h // (Hq // Hkv);
+- scores: the probability each column received, summed over the queries from `score_from` on, each weighted by
+  `query_weight` [B, q] (e.g. 0 for padding queries); per query head, so a policy aggregates a KV group its way.
+
+Memory and work: queries are processed `chunk` at a time against the key columns they can see (with a causal tail,
+chunk [s, e) sees only the first kv - q + e columns, so the masked upper triangle is never computed); each chunk's
+softmax is exact (it spans every column the chunk sees), so nothing is recomputed. Extra memory is O(B x Hq x chunk
+x kv), never [q, kv] for the whole prompt; the default chunk keeps one chunk's logits near `CHUNK_ELEMENTS` floats.
+Chunk boundaries are Python integers from shapes: no host-device sync, and a decode step (q = 1, one chunk)
+compiles with fullgraph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: default size of one chunk's logits, in elements (B x Hq x chunk x kv): 4 MB of float32 (cache-sized on CPU)
+CHUNK_ELEMENTS = 1 << 20
+
+
+def default_chunk(batch: int, q_heads: int, kv: int) -> int:
+    """Queries per chunk so that one chunk's logits hold about CHUNK_ELEMENTS elements (at least 16 queries)."""
+    return max(16, CHUNK_ELEMENTS // max(1, batch * q_heads * kv))
+
+
+def _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"scored_attention: `query`, `key`, `value` must be 4-D [B, H, tokens, D], got "
+                         f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+    batch, q_heads, q, _ = query.shape
+    kv_heads, kv = key.shape[1], key.shape[2]
+    if q_heads % kv_heads or value.shape[1] != kv_heads or value.shape[2] != kv:
+        raise ValueError(f"scored_attention: query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}), and "
+                         f"values [H, kv] = {list(value.shape[1:3])} must match keys {[kv_heads, kv]}")
+    if causal_tail not in (0, q) or causal_tail > kv:
+        raise ValueError(f"scored_attention: `causal_tail` must be 0 or the query length {q} (<= {kv} columns), got "
+                         f"{causal_tail}")
+    if valid is not None and (valid.dtype != torch.bool or valid.dim() != 3 or valid.shape[0] != batch
+                              or valid.shape[1] not in (1, kv_heads) or valid.shape[2] != kv):
+        raise ValueError(f"scored_attention: `valid` must be bool [B={batch}, Hkv={kv_heads} or 1, kv={kv}], got "
+                         f"{valid.dtype} {list(valid.shape)}")
+    if query_weight is not None and tuple(query_weight.shape) != (batch, q):
+        raise ValueError(f"scored_attention: `query_weight` must be [B, q] = {[batch, q]}, got "
+                         f"{list(query_weight.shape)}")
+    if not 0 <= score_from <= q:
+        raise ValueError(f"scored_attention: `score_from` must be in [0, q={q}], got {score_from}")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"scored_attention: `chunk` must be None or an int >= 1, got {chunk!r}")
+
+
+def _chunk_mask(valid, causal_tail: int, start: int, end: int, cols: int, kv: int, device):
+    """Visibility [B or 1, Hkv or 1, 1, end - start, cols] of the first `cols` columns for queries [start, end),
+    or None when every column is visible."""
+    mask = None if valid is None else valid[:, :, None, None, :cols]
+    if causal_tail:
+        diagonal = torch.arange(start, end, device=device)[:, None] + (kv - causal_tail)  # each query's own column
+        column = torch.arange(cols, device=device)
+        causal = column <= diagonal
+        mask = causal if mask is None else (mask & causal) | (column == diagonal)
+    return mask
+
+
+def scored_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    causal_tail: int,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    query_weight: torch.Tensor | None = None,
+    score_from: int = 0,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, q, Hq, Dv] in the query dtype and column scores [B, Hq, kv] float32 (see the module
+    docstring for the contract)."""
+    _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk)
+    batch, q_heads, q, dim = query.shape
+    kv_heads, kv, value_dim = key.shape[1], key.shape[2], value.shape[-1]
+    groups = q_heads // kv_heads
+    device = query.device
+    if chunk is None:
+        chunk = default_chunk(batch, q_heads, kv)
+    grouped = query.view(batch, kv_heads, groups, q, dim)
+    keys_t = key[:, :, None].transpose(-1, -2)  # [B, Hkv, 1, D, kv]
+    values = value[:, :, None]  # [B, Hkv, 1, kv, Dv]
+    weight = None if query_weight is None else query_weight.to(device=device, dtype=torch.float32)
+    sink = None if sinks is None else sinks.float().view(1, kv_heads, groups, 1, 1)
+    out = torch.empty(batch, q, q_heads, value_dim, dtype=query.dtype, device=device)
+    scores = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
+    for start in range(0, q, chunk):
+        end = min(q, start + chunk)
+        cols = kv - causal_tail + end if causal_tail else kv  # the columns this chunk can see
+        logits = torch.matmul(grouped[:, :, :, start:end], keys_t[..., :cols]).float()  # [B, Hkv, G, c, cols]
+        logits.mul_(scaling)
+        if softcap:
+            logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
+        mask = _chunk_mask(valid, causal_tail, start, end, cols, kv, device)
+        if mask is not None:
+            logits.masked_fill_(~mask, float("-inf"))
+        top = logits.amax(-1, keepdim=True)
+        if sink is not None:
+            top = torch.maximum(top, sink)
+        top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing visible: zero output and scores
+        probs = logits.sub_(top).exp_()
+        total = probs.sum(-1, keepdim=True)
+        if sink is not None:
+            total = total + torch.exp(sink - top)
+        probs.div_(torch.where(total > 0, total, 1.0))
+        rows = torch.matmul(probs.to(value.dtype), values[..., :cols, :])  # [B, Hkv, G, c, Dv]
+        out[:, start:end] = rows.permute(0, 3, 1, 2, 4).reshape(batch, end - start, q_heads, value_dim)
+        if end > score_from:
+            first = max(start, score_from) - start
+            part = probs[:, :, :, first:]
+            if weight is not None:
+                part = part * weight[:, None, None, start + first : end, None]
+            scores[..., :cols] += part.sum(3).view(batch, q_heads, cols)
+    return out, scores
