@@ -108,7 +108,8 @@ class PromptCompressionPolicy(Policy):
         return self._slot(seen) if self.ended else self.inner.used_after(seen)
 
     def has_evicted(self, seen: int) -> bool:
-        return self.inner.has_evicted(min(seen, self.start_seen) if self.ended else seen)
+        # after the prompt nothing is evicted any more: the appended tokens can be cropped (`crop` refuses the prompt)
+        return False if self.ended else self.inner.has_evicted(seen)
 
     def crop(self, layer, new_seen: int) -> None:
         if not self.ended:

@@ -1,0 +1,171 @@
+"""compress="prompt" (hf_kvcache.policies.prompt_mode): the prompt is compressed to the budget by the cache's own
+policy, then every token is appended and nothing is evicted. Exact against a full cache whose attention mask hides
+the evicted prompt tokens; kept set equal to "always" mode's right after the prompt; chunked prefill, end_prompt(),
+padding, generate's cache_config, the harness's budget fractions, decode without host syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import PAD, build_model, left_pad, random_ids
+import hf_kvcache
+from hf_kvcache import CACHE_IMPLEMENTATIONS
+from hf_kvcache.evaluation.cache_spec import check_cache
+from hf_kvcache.evaluation.host_syncs import HostSyncCounter
+
+PROMPT, STEPS, BUDGET = 20, 8, 8
+EVICTING = {
+    "sink": {"sinks": 2, "budget": BUDGET},
+    "sliding": {"window": BUDGET},
+    "h2o": {"budget": BUDGET},
+    "random_eviction": {"budget": BUDGET},
+    "knorm": {"budget": BUDGET},
+    "keydiff": {"budget": BUDGET},
+    "tova": {"budget": BUDGET},
+    "snapkv": {"budget": BUDGET, "window": 3},
+    "expected_attention": {"budget": BUDGET, "future": 16},
+}
+
+
+def _kept(cache, layer=0):
+    """Per (row, meta head): the set of position ids held in valid slots."""
+    layer = cache.layers[layer]
+    valid, pos = layer.slot_valid[..., : layer.used], layer.slot_pos[..., : layer.used]
+    return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
+
+
+def _teacher_forced(model, cache, ids, prompt=PROMPT, chunk=None):
+    logits = []
+    with torch.no_grad():
+        step = chunk or prompt
+        for start in range(0, prompt, step):
+            model(input_ids=ids[:, start : min(prompt, start + step)], past_key_values=cache)
+        for t in range(prompt, ids.shape[1]):
+            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("name,config", [("sliding", {"window": BUDGET}),
+                                         ("sink", {"sinks": 2, "budget": BUDGET, "position_mode": "original"})])
+def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config):
+    model = build_model("llama")
+    ids = random_ids(1, PROMPT + STEPS, seed=7)
+    got = _teacher_forced(model, CACHE_IMPLEMENTATIONS[name](model, **config, compress="prompt"), ids)
+    sinks = config.get("sinks", 0)
+    visible = torch.ones(1, PROMPT + STEPS, dtype=torch.long)
+    visible[0, sinks : PROMPT - (BUDGET - sinks)] = 0  # what the policy evicts at the end of the prompt
+    reference, cache = [], DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        for t in range(PROMPT, PROMPT + STEPS):
+            out = model(input_ids=ids[:, t : t + 1], attention_mask=visible[:, : t + 1],
+                        position_ids=torch.tensor([[t]]), past_key_values=cache)
+            reference.append(out.logits[:, -1])
+    reference = torch.stack(reference, 1)
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    always = _teacher_forced(model, CACHE_IMPLEMENTATIONS[name](model, **config), ids)
+    assert not torch.allclose(always, reference, atol=1e-3)  # decode-time eviction really differs
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("name", sorted(EVICTING))
+def test_keeps_the_policys_prompt_choice_then_appends(name, chunk):
+    model = build_model("llama")
+    ids = random_ids(1, PROMPT + STEPS, seed=8)
+    prompt_cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
+    always = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name])
+    with torch.no_grad():
+        step = chunk or PROMPT
+        for start in range(0, PROMPT, step):
+            model(input_ids=ids[:, start : min(PROMPT, start + step)], past_key_values=always)
+    chosen = _kept(always)
+    _teacher_forced(model, prompt_cache, ids, chunk=chunk)
+    for row_always, row_prompt in zip(chosen, _kept(prompt_cache)):
+        for heads_always, heads_prompt in zip(row_always, row_prompt):
+            assert len(heads_always) == BUDGET
+            assert heads_prompt == heads_always + list(range(PROMPT, PROMPT + STEPS))
+    layer = prompt_cache.layers[0]
+    assert layer.used == BUDGET + STEPS and layer.get_seq_length() == PROMPT + STEPS
+
+
+def test_end_prompt_appends_the_question_uncompressed():
+    model = build_model("llama")
+    ids = random_ids(1, 30, seed=9)
+    cache = hf_kvcache.H2OCache(model, budget=BUDGET, compress="prompt")
+    with torch.no_grad():
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        cache.end_prompt()
+        model(input_ids=ids[:, PROMPT:26], past_key_values=cache)  # the question: a multi-token forward
+        model(input_ids=ids[:, 26:27], past_key_values=cache)
+    kept = _kept(cache)[0]
+    assert all(h[-7:] == list(range(PROMPT, 27)) and len(h) == BUDGET + 7 for h in kept)
+    always = hf_kvcache.H2OCache(model, budget=BUDGET, compress="always")
+    with torch.no_grad():
+        model(input_ids=ids[:, :PROMPT], past_key_values=always)
+        always.end_prompt()  # no effect in "always" mode
+        model(input_ids=ids[:, PROMPT:26], past_key_values=always)
+    assert all(len(h) == BUDGET for h in _kept(always)[0])
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o", "knorm", "tova", "expected_attention"])
+def test_padded_batch_generates_each_row_as_alone(name):
+    model = build_model("llama")
+    rows = [random_ids(1, n, seed=60 + n)[0] for n in (14, 21, 17)]
+    ids, mask = left_pad(rows)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, cache_implementation=name,
+                  cache_config={**EVICTING[name], "compress": "prompt"})
+    batched = model.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kwargs)
+        assert torch.equal(batched[i], alone[0, row.numel() :]), f"row {i}"
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o", "keydiff", "snapkv"])
+def test_generate_cache_config_equals_the_cache_object(name):
+    model = build_model("llama")
+    ids = random_ids(2, PROMPT, seed=10)
+    config = {**EVICTING[name], "compress": "prompt"}
+    by_name = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation=name, cache_config=config,
+                             return_dict_in_generate=True)
+    by_object = model.generate(ids, max_new_tokens=8, do_sample=False,
+                               past_key_values=CACHE_IMPLEMENTATIONS[name](model, **config))
+    assert torch.equal(by_name.sequences, by_object)
+    assert by_name.past_key_values.layers[0].used == BUDGET + 7  # grew by the generated tokens after the prompt
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o", "knorm", "keydiff", "tova", "snapkv", "expected_attention"])
+def test_decode_after_the_prompt_never_syncs(name):
+    model = build_model("llama", num_hidden_layers=3)
+    hf_kvcache.enable(model)
+    ids, mask = left_pad([random_ids(1, 16, seed=11)[0], random_ids(1, 12, seed=12)[0]])
+    cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for _ in range(6):
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
+            with HostSyncCounter() as counter:
+                out = model(input_ids=token, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                            past_key_values=cache)
+            assert counter.syncs == 0, dict(counter.by_name)
+
+
+def test_budget_fractions_in_the_harness_and_bad_modes():
+    assert check_cache("knorm", {"budget": "20%", "compress": "prompt"}, context_len=100) == {
+        "budget": 20, "compress": "prompt"}
+    assert check_cache("h2o", {"budget": 0.1, "compress": "prompt"}, context_len=200)["budget"] == 20
+    with pytest.raises(ValueError, match="compress"):
+        hf_kvcache.SinkCache(build_model("llama").config, budget=8, compress="decode")
+
+
+def test_crop_inside_the_appended_tokens_only():
+    model = build_model("llama")
+    ids = random_ids(1, PROMPT + 4, seed=13)
+    cache = hf_kvcache.SlidingWindowCache(model, window=BUDGET, compress="prompt")
+    _teacher_forced(model, cache, ids)
+    cache.crop(-2)
+    assert cache.get_seq_length() == PROMPT + 2 and _kept(cache)[0][0][-1] == PROMPT + 1
+    with pytest.raises(ValueError, match="compressed"):
+        cache.crop(-3)
