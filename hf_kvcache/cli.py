@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace existing files of the folder")
     export.set_defaults(func=_export_hub)
     from .eval_cli import add_eval_commands
+    from .paged.serve_bench import add_serve_bench_command
 
     add_eval_commands(sub)
+    add_serve_bench_command(sub)
     return parser
 
 
@@ -109,6 +111,8 @@ _EPILOG = """commands:
   speed       prefill time and decode ms/token as ratios to DynamicCache, measured interleaved
   sweep       run a YAML spec (caches x budgets x metrics x context lengths), resumable, CSV/JSON/PNG
   lm-eval     lm-evaluation-harness with --model hf-kvcache and the local probe tasks
+  serve-bench continuous batching under a KV memory budget: model-dtype vs FP8 / INT8 pages (concurrency,
+              tokens/s, TTFT, KL)
 
 Run `hf-kvcache COMMAND --help` for the options of each."""
 

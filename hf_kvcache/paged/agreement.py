@@ -1,6 +1,7 @@
-"""Teacher-forced next-token distributions of a continuous-batching run, per request, on the same positions.
+"""Teacher-forced next-token distributions of a continuous-batching run, per request, on the same positions, and
+what the cache held at each forward.
 
-    with record_logits(model, force=reference_tokens) as rec:     # force: {request_id: tokens} or None
+    with record_logits(model, force=reference_tokens) as rec:     # force: {request_id: {step: token}} or None
         model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=cb)
     rows = rec.logprobs()          # {request_id: float32 [generated tokens, vocab]}, row g predicts token g
 
@@ -9,11 +10,13 @@ and maps its rows to requests the way transformers does (the batch's requests th
 With `force`, the hook then replaces each row by one that makes greedy sampling pick the reference token: the run
 is teacher-forced, every request sees the same tokens as the reference run, and KL / top-1 compare the same
 positions (hf_kvcache.evaluation.divergence.divergence_metrics). Unforced rows are recorded as sampled.
+At every forward the recorder also notes the requests holding pages (`resident`: the full-attention allocator's
+block tables), the requests in the batch (`batch_sizes`) and the KV bytes in use (`bytes_in_use`).
 
 Internals relied on (transformers 5.23, see hf_kvcache.paged.internals for the cache ones): the manager returned
 by `model.init_continuous_batching` (which `generate_batch` calls) has `batch_processor.inputs_and_outputs.
-requests_in_batch` (FutureRequestState: `.state.request_id`, `.state.generated_len()`, `.has_new_token`) for the
-batch being computed, and the model is called with `logits_to_keep` (rows = those requests) or `logits_indices`.
+requests_in_batch` (FutureRequestState: `.state.request_id`, `.state.generated_len()`, `.state.initial_tokens`,
+`.state._true_initial_tokens`, `.has_new_token`) for the batch being computed, and the model is called with `logits_to_keep` (rows = those requests) or `logits_indices`.
 """
 
 from __future__ import annotations
@@ -23,16 +26,46 @@ import contextlib
 import torch
 
 
+def _step(state) -> int:
+    """Index of the generated token this forward predicts. A request evicted without CPU offloading restarts with
+    its generated tokens appended to its prompt (`create_equivalent_initial_request`, which keeps the original
+    prompt length in `_true_initial_tokens`), so count from the original prompt."""
+    prompt = state._true_initial_tokens or len(state.initial_tokens)
+    return len(state.initial_tokens) + state.generated_len() - prompt
+
+
 class LogitsRecorder:
-    def __init__(self, force: dict[str, list[int]] | None = None):
+    def __init__(self, force: dict[str, dict[int, int]] | None = None):
         self.force = force or {}
         self.manager = None
         self.rows: dict[str, dict[int, torch.Tensor]] = {}
+        self.resident: list[int] = []
+        self.batch_sizes: list[int] = []
+        self.bytes_in_use: list[int] = []
+        self.cache_facts: dict = {}
+
+    def _note_cache(self, cache) -> None:
+        allocator = next(iter(cache.cache_allocators.values()))
+        self.resident.append(len(allocator.block_table))
+        total = cache.num_sectors * cache.bytes_per_sector
+        self.bytes_in_use.append(int(total - cache.compute_free_capacity(relative=False)))
+        if not self.cache_facts:
+            self.cache_facts = {
+                "cache_class": type(cache).__name__,
+                "kv_bytes": int(total),
+                "num_blocks": int(cache.num_blocks),
+                "page_size": int(allocator.tokens_per_page),
+                "bytes_per_token_per_layer": allocator.bytes_per_page // allocator.tokens_per_page,
+            }
 
     def hook(self, module, args, kwargs, output):
         if self.manager is None or self.manager.batch_processor is None:
             raise RuntimeError("record_logits: the model ran outside a continuous-batching manager it could see")
-        requests = [f for f in self.manager.batch_processor.inputs_and_outputs.requests_in_batch if f.has_new_token]
+        processor = self.manager.batch_processor
+        batch = processor.inputs_and_outputs.requests_in_batch
+        self._note_cache(processor.cache)
+        self.batch_sizes.append(len(batch))
+        requests = [f for f in batch if f.has_new_token]
         logits = output.logits
         if "logits_to_keep" in kwargs and isinstance(kwargs["logits_to_keep"], torch.Tensor):
             positions = list(range(len(requests)))
@@ -40,13 +73,13 @@ class LogitsRecorder:
             positions = kwargs["logits_indices"][: len(requests)].tolist()
         for future, position in zip(requests, positions):
             state = future.state
-            step = state.generated_len()
+            step = _step(state)
             row = logits[0, position]
             self.rows.setdefault(state.request_id, {})[step] = torch.log_softmax(row.float(), -1).cpu()
-            forced = self.force.get(state.request_id)
-            if forced is not None and step < len(forced):
+            forced = self.force.get(state.request_id, {}).get(step)
+            if forced is not None:
                 row.fill_(float("-inf"))
-                row[forced[step]] = 0.0
+                row[forced] = 0.0
         return output
 
     def logprobs(self) -> dict[str, torch.Tensor]:
@@ -61,7 +94,7 @@ class LogitsRecorder:
 
 
 @contextlib.contextmanager
-def record_logits(model, force: dict[str, list[int]] | None = None):
+def record_logits(model, force: dict[str, dict[int, int]] | None = None):
     """Record (and optionally force) the logits of continuous-batching runs of `model` in this block."""
     recorder = LogitsRecorder(force)
     original = model.init_continuous_batching  # an instance attribute if enable_paged wrapped it

@@ -6,7 +6,10 @@ rows, and a token's physical index addresses a row. We keep that geometry exactl
 indices, block copies for forks and CPU offloading stay valid) and only change what a row holds: a *record* of
 `record_bytes` bytes, the codes of all KV heads followed by their scales (and integer zero points):
 
-    [ codes: heads x code_width uint8 | scale: heads x groups (scale dtype) | zero: ... | padding to 8 bytes ]
+    [ codes: heads x code_width uint8 | scale: heads x groups (scale dtype) | zero: ... | padding ]
+
+Each field starts at a multiple of its element size and the record is padded to the largest one (2 bytes for
+bfloat16 scales), so every field can be viewed in place with its dtype and no byte is wasted beyond that.
 
 `TokenRecord.codec_views(rows)` turns a `[rows, record_bytes]` uint8 view into the slot tensors our codecs
 (hf_kvcache.stores.quantization.Codec) read and write, shaped `[1, heads, rows, ...]` (strided views of the same
@@ -23,9 +26,6 @@ import torch
 from ..stores.quantization import Codec, QuantSpec, make_codec
 from ..stores.workspace import TransientWorkspace
 
-#: records are padded to a multiple of this many bytes (so every scale dtype can be viewed in place)
-RECORD_ALIGN = 8
-
 
 class TokenRecord:
     """Layout of the record of one token (all KV heads) for a codec spec, model dtype and head shape."""
@@ -35,14 +35,15 @@ class TokenRecord:
         probe = make_codec(spec)
         probe.allocate(1, heads, head_dim, 0, dtype, "cpu")  # fixes head_dim / dtype; no memory
         self.fields: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []  # name, trailing shape, dtype, offset
-        offset = 0
+        offset, align = 0, 1
         for name, (shape, dt) in probe._slot_shapes().items():
             size = torch.empty((), dtype=dt).element_size()
+            align = max(align, size)
             offset = -(-offset // size) * size
             self.fields.append((name, shape, dt, offset))
             offset += heads * math.prod(shape) * size
         self.payload_bytes = offset
-        self.record_bytes = -(-offset // RECORD_ALIGN) * RECORD_ALIGN
+        self.record_bytes = -(-offset // align) * align
 
     def new_codec(self, device) -> Codec:
         """A codec for one layer and kind (keys or values) whose slot tensors are set by `codec_views`."""
