@@ -419,19 +419,20 @@ class QuantizedStore:
         codes = self.code_blocks * self.flush
         width = max(used, codes) + 1
         shape = (self.batch, self.heads, width, self.head_dim)
+        workspace = self._read_workspace()
         if self.joint:
-            both = self.workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
+            both = workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
             out_k, out_v = both[: self.batch], both[self.batch :]
         else:
-            out_k = self.workspace.get("keys", shape, self.dtype, self.device)
-            out_v = self.workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+            out_k = workspace.get("keys", shape, self.dtype, self.device)
+            out_v = workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
         if codes:
             bias = self._key_bias()
             if self.joint:
-                self.keys_codec.decode_into(both[:, :, :codes], codes, self.workspace, bias)
+                self.keys_codec.decode_into(both[:, :, :codes], codes, workspace, bias)
             else:
-                self.keys_codec.decode_into(out_k[:, :, :codes], codes, self.workspace, bias)
-                self.values_codec.decode_into(out_v[:, :, :codes], codes, self.workspace)
+                self.keys_codec.decode_into(out_k[:, :, :codes], codes, workspace, bias)
+                self.values_codec.decode_into(out_v[:, :, :codes], codes, workspace)
         out_k[:, :, codes:].zero_()  # columns no code covers: finite (masked) or overwritten from the ring below
         out_v[:, :, codes:].zero_()
         size = self.fp_k.shape[2]
@@ -457,25 +458,32 @@ class QuantizedStore:
             raise RuntimeError(f"{self.where}: read of {used} slots, only {self.length} written")
         return self.qlen
 
+    def _read_workspace(self):
+        """Where reads dequantize to: the shared workspace, or fresh tensors while torch.compile traces (a write into
+        a persistent workspace is a side effect the compiled graph must replay: one more full-buffer pass per layer
+        and step, while a fresh tensor lets inductor fuse dequantization into what attention reads)."""
+        return TransientWorkspace() if torch.compiler.is_compiling() else self.workspace
+
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
         if self.ring:
             return self._read_ring(used)
         quantized = self._quantized_slots(used)
         shape = (self.batch, self.heads, used, self.head_dim)
+        workspace = self._read_workspace()
         if self.joint:
-            both = self.workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
+            both = workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
             out_k, out_v = both[: self.batch], both[self.batch :]
         else:
-            out_k = self.workspace.get("keys", shape, self.dtype, self.device)
-            out_v = self.workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+            out_k = workspace.get("keys", shape, self.dtype, self.device)
+            out_v = workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
         if quantized:
             bias = self._key_bias()
             if self.joint:
-                self.keys_codec.decode_into(both[:, :, :quantized], quantized, self.workspace, bias)
+                self.keys_codec.decode_into(both[:, :, :quantized], quantized, workspace, bias)
             else:
-                self.keys_codec.decode_into(out_k[:, :, :quantized], quantized, self.workspace, bias)
-                self.values_codec.decode_into(out_v[:, :, :quantized], quantized, self.workspace)
+                self.keys_codec.decode_into(out_k[:, :, :quantized], quantized, workspace, bias)
+                self.values_codec.decode_into(out_v[:, :, :quantized], quantized, workspace)
         if used > quantized:
             out_k[:, :, quantized:].copy_(self.fp_k[:, :, : used - quantized])
             out_v[:, :, quantized:].copy_(self.fp_v[:, :, : used - quantized])
