@@ -374,7 +374,7 @@ CASES: list[Case] = [
          lambda: hf_kvcache.SlidingWindowCache(transformers.T5Config(), window=8), ValueError, r"encoder-decoder"),
     # -- generate(cache_implementation=..., cache_config=...) ----------------------------------------------------------
     gen_case("sink", {"windows": 8}, r"Unknown cache_config for cache_implementation='sink' key\(s\) \['windows'\]; "
-             r"valid keys are \['budget', 'layers', 'position_mode', 'sinks', 'window'\]"),
+             r"valid keys are \['budget', 'compress', 'layers', 'position_mode', 'sinks', 'window'\]"),
     gen_case("sink", {"window": 0}, r"`window` must be an integer >= 1"),
     gen_case("sink", {"sinks": 8, "budget": 8}, r"`sinks` \(8\) must be smaller than `budget` \(8\)"),
     gen_case("sliding", {"window": "8"}, r"`window` must be an integer"),
@@ -402,7 +402,7 @@ CASES: list[Case] = [
                 r"its layer types are \['full_attention'\]"),
     layers_case({"0": "drop"}, r"layers\['0'\] must be one of \('keep', 'default'\) or a dict of settings"),
     layers_case([{"windw": 4}, None], r"Unknown layers\[0\] settings for 'sink' key\(s\) \['windw'\]; valid keys"),
-    layers_case({"1": {"cache": "lru"}}, r"layers\[1\]: `cache` must be one of \['composite', 'fp8'"),
+    layers_case({"1": {"cache": "lru"}}, r"layers\[1\]: `cache` must be one of \['composite', 'expected_attention', 'fp8'"),
     layers_case({"0": {"window": 0}}, r"`window` must be an integer >= 1"),
     layers_case([{"cache": "fp8", "format": "x"}, None], r"`format` must be one of"),
     layers_case([{"cache": "fp8", "max_length": 4, "residual": 1}, None], r"`max_length` .* needs residual=0"),
@@ -421,9 +421,9 @@ CASES: list[Case] = [
     file_case("[1, 2]", r"must be a JSON object with fields \['cache', 'config', 'version'\], got list"),
     file_case('{"cache": "sink", "config": {"window": NaN}}', r"NaN is not valid JSON \(JSON has no NaN or Infinity\)"),
     file_case('{"cache": "sink", "cache": "sliding"}', r"key 'cache' appears twice in the same JSON object"),
-    file_case('{"config": {"window": 8}}', r"missing field 'cache' \(the cache name, one of \['composite', 'fp8'"),
-    file_case('{"cache": "lru"}', r"`cache` must be one of \['composite', 'fp8', 'h2o', 'kivi', 'random_eviction', "
-              r"'sink', 'sliding'\], got 'lru'"),
+    file_case('{"config": {"window": 8}}', r"missing field 'cache' \(the cache name, one of \['composite', 'expected_attention', 'fp8'"),
+    file_case('{"cache": "lru"}', r"`cache` must be one of \['composite', 'expected_attention', 'fp8', 'h2o', 'keydiff', "
+              r"'kivi', 'knorm', 'random_eviction', 'sink', 'sliding', 'snapkv', 'tova'\], got 'lru'"),
     file_case('{"cache": "sink", "config": {"window": 8}, "extra": 1}', r"unknown field\(s\) \['extra'\]; valid fields "
               r"are \['cache', 'config', 'version', 'hf_kvcache_version'\]"),
     file_case('{"cache": "sink", "config": {"window": 8}, "version": 99}', r"version.*99"),

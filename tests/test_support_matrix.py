@@ -107,6 +107,10 @@ SPECS: dict[str, Spec] = {
     "fp8": Spec({}, {}, "kl", "grows", 1, "defaults (E4M3 per token, Hadamard keys)"),
     "kivi": Spec({"bits": 4, "group_size": 8, "residual": 0}, {"bits": 4, "group_size": 8, "residual": 0}, "kl",
                  "grows", 0.5, "int4, group 8, residual 0"),
+    **{name: Spec({"budget": 64}, {"budget": BUDGET}, "exact", "bounded", 4, f"budget 64 / {BUDGET}")
+       for name in ("knorm", "keydiff", "tova", "expected_attention")},
+    "snapkv": Spec({"budget": 64}, {"budget": BUDGET, "window": 2}, "exact", "bounded", 4,
+                   f"budget 64 (window 64) / {BUDGET} (window 2)"),
 }
 
 # (arch, cache, check) -> diagnosis, for BROKEN results we know about (fnmatch patterns allowed, e.g. "*").
