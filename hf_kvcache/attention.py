@@ -131,6 +131,8 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
         )
     q = query.shape[2]
     valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
+    if q > 1 and key.shape[2] == q and not layer.forward_info.has_padding:
+        valid = None  # a first prefill without padding (known on the host): every column is a real new token
     window = layer.policy.attention_window
     weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
     scaling = kwargs.get("scaling")

@@ -64,16 +64,21 @@ def _check(query, key, value, valid, causal_tail, query_weight, score_from, chun
         raise ValueError(f"scored_attention: `chunk` must be None or an int >= 1, got {chunk!r}")
 
 
-def _chunk_mask(valid, causal_tail: int, start: int, end: int, cols: int, kv: int, device):
-    """Visibility [B or 1, Hkv or 1, 1, end - start, cols] of the first `cols` columns for queries [start, end),
-    or None when every column is visible."""
-    mask = None if valid is None else valid[:, :, None, None, :cols]
+def _mask_chunk(logits, valid, causal_tail: int, start: int, end: int, kv: int) -> None:
+    """Set the logits [B, Hkv, G, end - start, cols] of hidden columns to -inf in place. Columns before the chunk's
+    diagonal block are hidden only by `valid`; the block [kv - causal_tail + start, cols) is causal among the new
+    tokens (each query also sees its own column); columns after it were never computed."""
+    cols = logits.shape[-1]
+    block = kv - causal_tail + start if causal_tail else cols  # first column of the diagonal block
+    if valid is not None and block > 0:
+        logits[..., :block].masked_fill_(~valid[:, :, None, None, :block], float("-inf"))
     if causal_tail:
-        diagonal = torch.arange(start, end, device=device)[:, None] + (kv - causal_tail)  # each query's own column
-        column = torch.arange(cols, device=device)
-        causal = column <= diagonal
-        mask = causal if mask is None else (mask & causal) | (column == diagonal)
-    return mask
+        rows = torch.arange(end - start, device=logits.device)[:, None]
+        column = torch.arange(cols - block, device=logits.device)
+        visible = column <= rows
+        if valid is not None:
+            visible = (valid[:, :, None, None, block:cols] & visible) | (column == rows)
+        logits[..., block:].masked_fill_(~visible, float("-inf"))
 
 
 def scored_attention(
@@ -100,33 +105,37 @@ def scored_attention(
     if chunk is None:
         chunk = default_chunk(batch, q_heads, kv)
     grouped = query.view(batch, kv_heads, groups, q, dim)
-    keys_t = key[:, :, None].transpose(-1, -2)  # [B, Hkv, 1, D, kv]
-    values = value[:, :, None]  # [B, Hkv, 1, kv, Dv]
+    keys_t = key.transpose(-1, -2)  # [B, Hkv, D, kv]
     weight = None if query_weight is None else query_weight.to(device=device, dtype=torch.float32)
     sink = None if sinks is None else sinks.float().view(1, kv_heads, groups, 1, 1)
     out = torch.empty(batch, q, q_heads, value_dim, dtype=query.dtype, device=device)
     scores = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
     for start in range(0, q, chunk):
         end = min(q, start + chunk)
+        size = end - start
         cols = kv - causal_tail + end if causal_tail else kv  # the columns this chunk can see
-        logits = torch.matmul(grouped[:, :, :, start:end], keys_t[..., :cols]).float()  # [B, Hkv, G, c, cols]
+        # the chunk's queries of a KV group as rows of one matrix: plain batched matmuls, keys never copied
+        rows = grouped[:, :, :, start:end].reshape(batch, kv_heads, groups * size, dim)
+        logits = torch.matmul(rows, keys_t[..., :cols]).float().view(batch, kv_heads, groups, size, cols)
         logits.mul_(scaling)
         if softcap:
             logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
-        mask = _chunk_mask(valid, causal_tail, start, end, cols, kv, device)
-        if mask is not None:
-            logits.masked_fill_(~mask, float("-inf"))
-        top = logits.amax(-1, keepdim=True)
-        if sink is not None:
-            top = torch.maximum(top, sink)
-        top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing visible: zero output and scores
-        probs = logits.sub_(top).exp_()
-        total = probs.sum(-1, keepdim=True)
-        if sink is not None:
-            total = total + torch.exp(sink - top)
-        probs.div_(torch.where(total > 0, total, 1.0))
-        rows = torch.matmul(probs.to(value.dtype), values[..., :cols, :])  # [B, Hkv, G, c, Dv]
-        out[:, start:end] = rows.permute(0, 3, 1, 2, 4).reshape(batch, end - start, q_heads, value_dim)
+        _mask_chunk(logits, valid, causal_tail, start, end, kv)
+        if causal_tail and sink is None:  # every row sees its own column: the fused softmax never meets an empty row
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            top = logits.amax(-1, keepdim=True)
+            if sink is not None:
+                top = torch.maximum(top, sink)
+            top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing visible: zero output and scores
+            probs = logits.sub_(top).exp_()
+            total = probs.sum(-1, keepdim=True)
+            if sink is not None:
+                total = total + torch.exp(sink - top)
+            probs.div_(torch.where(total > 0, total, 1.0))
+        chunk_out = torch.matmul(probs.view(batch, kv_heads, groups * size, cols).to(value.dtype), value[:, :, :cols])
+        out[:, start:end] = chunk_out.view(batch, kv_heads, groups, size, value_dim).permute(0, 3, 1, 2, 4).reshape(
+            batch, size, q_heads, value_dim)
         if end > score_from:
             first = max(start, score_from) - start
             part = probs[:, :, :, first:]
