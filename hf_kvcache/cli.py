@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .eval_cli import _positive_int
+from .eval_cli import _non_negative_int, _positive_int
 
 
 def _demo(args) -> int:
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
     demo.add_argument("--prompt-tokens", type=_positive_int, default=1024, help="prompt length (default 1024)")
     demo.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
-    demo.add_argument("--offset", type=int, default=20000, help="where the prompt starts in the corpus, in tokens")
+    demo.add_argument("--offset", type=_non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens")
     demo.set_defaults(func=_demo)
     export = sub.add_parser(
         "export-hub",

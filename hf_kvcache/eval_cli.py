@@ -22,8 +22,49 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _int_list(text: str) -> list[int]:
-    return [_positive_int(t) for t in text.split(",") if t]
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated positive integers; a ValueError naming `flag` otherwise."""
+    try:
+        return [_positive_int(t) for t in text.split(",") if t]
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"{flag}: comma-separated token counts, {err}.") from None
+
+
+def _positions(text: str) -> list:
+    """--positions: early / middle / late or depths in [0, 1], comma-separated."""
+    from .evaluation.retrieval import POSITIONS
+
+    positions = []
+    for item in text.split(","):
+        try:
+            depth = item if item in POSITIONS else float(item)
+        except ValueError:
+            depth = None
+        if depth is None or (isinstance(depth, float) and not 0.0 <= depth <= 1.0):
+            raise ValueError(f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], "
+                             f"got {item!r}.")
+        positions.append(depth)
+    return positions
 
 
 def _value(text: str):
@@ -128,12 +169,12 @@ def cmd_memory(args) -> int:
     shapes = args.shapes.split(",")
     for s in shapes:
         m.get_shape(s)
-    contexts = _int_list(args.contexts)
+    contexts = _int_list(args.contexts, "--contexts")
     print("Bytes per token = 2 x layers x KV heads x head_dim x bytes per value (+ scales per group)\n")
     print(m.format_rows(m.memory_table(shapes, precisions, contexts),
                         [("model", "model"), ("precision", "precision"), ("bytes_per_token", "per token"),
                          ("tokens", "tokens"), ("bytes", "KV cache")]))
-    budgets = [None] + _int_list(args.budgets) if args.budgets else [None]
+    budgets = [None] + _int_list(args.budgets, "--budgets") if args.budgets else [None]
     rows = m.concurrency_table(shapes[0], args.memory_gb * 1e9, args.weight_bits, precisions, contexts, budgets)
     shape = m.get_shape(shapes[0])
     print(f"\nMax concurrent requests of {shape.name} in {args.memory_gb:g} GB after "
@@ -212,15 +253,15 @@ def cmd_divergence(args) -> int:
 def cmd_retrieval(args) -> int:
     from .evaluation.cache_spec import make_factory
     from .evaluation.memory import format_rows
-    from .evaluation.retrieval import KINDS, POSITIONS, run_retrieval, summarize
+    from .evaluation.retrieval import KINDS, run_retrieval, summarize
 
     _check_model_arg(args.model)
     kinds = args.kinds.split(",")
     for k in kinds:
         if k not in KINDS:
             raise ValueError(f"--kinds: unknown probe {k!r}; valid probes are {list(KINDS)}.")
-    positions = [p if p in POSITIONS else float(p) for p in args.positions.split(",")]
-    lengths = _int_list(args.context_lengths)
+    positions = _positions(args.positions)
+    lengths = _int_list(args.context_lengths, "--context-lengths")
     specs = [(label, name, config) for length in lengths for label, name, config in _caches(args, length)]
     specs = list(dict.fromkeys((label, name, json.dumps(config)) for label, name, config in specs))
     model, tokenizer = _load(args)
@@ -333,7 +374,7 @@ def add_eval_commands(sub) -> None:
         p.add_argument("--model", default="smollm2", help=MODEL_HELP)
         if text:
             p.add_argument("--text", default="pydoc", help=TEXT_HELP)
-            p.add_argument("--offset", type=int, default=20000, help="where the tokens start in the text")
+            p.add_argument("--offset", type=_non_negative_int, default=20000, help="where the tokens start in the text")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
         p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -358,8 +399,8 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--precisions", default="fp16,fp8,int4-g64",
                    help="comma-separated: fp32, fp16, bf16, fp8, int8-g64, int4-g64, int4-g32-asym, int2-g32-asym")
     p.add_argument("--contexts", default="8192,32768,131072", help="context lengths in tokens, comma-separated")
-    p.add_argument("--memory-gb", type=float, default=80.0, help="accelerator memory for the concurrency table")
-    p.add_argument("--weight-bits", type=int, default=16, help="bits per weight for the concurrency table")
+    p.add_argument("--memory-gb", type=_positive_float, default=80.0, help="accelerator memory for the concurrency table")
+    p.add_argument("--weight-bits", type=_positive_int, default=16, help="bits per weight for the concurrency table")
     p.add_argument("--budgets", default="4096,1024", help="token budgets of compressed caches in the concurrency table")
     p.add_argument("--measure", action="store_true", help="also measure bytes held by real caches on --model")
     p.add_argument("--prompt-tokens", type=_positive_int, default=1024, help="tokens fed for --measure")
@@ -429,9 +470,10 @@ def add_eval_commands(sub) -> None:
         "format) not already in <out>/<name>/results.jsonl. The spec is validated before the model is loaded.")
     p.add_argument("spec", help="path to the YAML spec")
     p.add_argument("--out", default="eval/results", help="results root (default eval/results)")
-    p.add_argument("--dry-run", action="store_true", help="list the cells and which are done; load nothing")
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: rewrite results.csv, summary.json and the plots from the cells already done")
+    mode = p.add_mutually_exclusive_group()  # each runs nothing, in its own way: asking for both is a mistake
+    mode.add_argument("--dry-run", action="store_true", help="list the cells and which are done; load nothing")
+    mode.add_argument("--report-only", action="store_true",
+                      help="run nothing: rewrite results.csv, summary.json and the plots from the cells already done")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser(
