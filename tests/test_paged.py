@@ -57,6 +57,16 @@ def _run(model, prompts, cb, force=None, **kwargs):
     return {rid: o.generated_tokens for rid, o in out.items()}, rec
 
 
+@pytest.fixture(scope="module")
+def llama_reference():
+    """The tiny Llama, its prompts, and a model-dtype paged run of them (tokens, recorder): shared by the tests
+    that compare against it (a generate_batch call costs seconds of manager start/stop)."""
+    model = build_model("llama")
+    prompts = _prompts()
+    tokens, rec = _run(model, prompts, _cb())
+    return model, prompts, tokens, rec
+
+
 @pytest.mark.parametrize("kv_dtype, options, reference", [
     ("fp8_e4m3", None, dict(format="fp8_e4m3")),
     ("int8", {"group_size": 8}, dict(key={"format": "int8", "granularity": "token", "group_size": 8,
@@ -64,20 +74,21 @@ def _run(model, prompts, cb, force=None, **kwargs):
                                      value={"format": "int8", "granularity": "token", "group_size": 8,
                                             "scale_dtype": "bfloat16"})),
 ])
-def test_quantized_pages_match_quantized_fp8_cache_one_by_one(kv_dtype, options, reference):
-    model = build_model("llama")
-    prompts = _prompts()
-    ref_tokens, ref_rec = _run(model, prompts, _cb())
+def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, kv_dtype, options, reference):
+    model, prompts, ref_tokens, ref_rec = llama_reference
     force = {rid: dict(enumerate(t)) for rid, t in ref_tokens.items()}
     tokens, rec = _run(model, prompts, _cb(kv_dtype, options), force)
     assert tokens == ref_tokens  # teacher-forced: same positions
     assert rec.cache_facts["cache_class"] == "QuantizedPagedAttentionCache"
     paged, full = rec.logprobs(), ref_rec.logprobs()
     worst, kl_paged = 0.0, []
+    # the same weights in another object: our cache switches its model to the hf_kvcache attention bridge, which
+    # transformers' continuous batching refuses (the shared model must stay on sdpa for the other tests)
+    twin = build_model("llama")
     for i, rid in enumerate(sorted(tokens, key=lambda r: int(r.split("_")[1]))):
         ids = torch.tensor(prompts[i] + tokens[rid])
-        cache = QuantizedFP8Cache(model, key_rotation="none", attention="dequantize", **reference)
-        one_by_one = cache_logprobs(model, ids, cache, len(prompts[i]))[:NEW_TOKENS]
+        cache = QuantizedFP8Cache(twin, key_rotation="none", attention="dequantize", **reference)
+        one_by_one = cache_logprobs(twin, ids, cache, len(prompts[i]))[:NEW_TOKENS]
         worst = max(worst, float((paged[rid] - one_by_one).abs().max()))
         kl_paged.append(divergence_metrics(full[rid], paged[rid])["kl_mean"])
     assert worst < 1e-4, worst
@@ -255,11 +266,10 @@ def test_enable_paged_switches_a_model_and_back():
         model.generate_batch(_prompts()[:2], generation_config=GREEDY, continuous_batching_config=cb, warmup=False)
     assert rec.cache_facts["cache_class"] == "QuantizedPagedAttentionCache"
     fp8_bytes = rec.cache_facts["bytes_per_token_per_layer"]
+    assert fp8_bytes == 2 * (2 * 16 + 2 * 2)  # per token and layer: keys and values, 2 heads of codes + scales
     assert not hasattr(cb, "kv_cache_dtype")  # the caller's config is not modified
-    hf_kvcache.enable_paged(model, kv_dtype=None)
-    with record_logits(model) as rec:
-        model.generate_batch(_prompts()[:2], generation_config=GREEDY, continuous_batching_config=cb, warmup=False)
-    assert rec.cache_facts["bytes_per_token_per_layer"] == 2 * 2 * 16 * 4 > fp8_bytes  # float32 pages again
+    hf_kvcache.enable_paged(model, kv_dtype=None)  # off: transformers' own method again
+    assert "init_continuous_batching" not in vars(model)
 
 
 def test_transformers_internals_relied_on_are_present_and_checked(monkeypatch):
@@ -283,11 +293,11 @@ def test_spec_round_trip_and_defaults():
     assert PagedKVSpec.from_fields(None) is None and PagedKVSpec.from_fields("model") is None
 
 
-def test_reference_runs_agree_with_dynamic_cache():
+def test_reference_runs_agree_with_dynamic_cache(llama_reference):
     # the recorder maps logits rows to requests correctly: model-dtype pages == DynamicCache, teacher-forced
-    model = build_model("llama")
-    prompts = _prompts()
-    tokens, rec = _run(model, prompts, _cb())
+    model, prompts, tokens, rec = llama_reference
+    assert rec.cache_facts["cache_class"] == "QuantizedPagedAttentionCache"  # installed, but transformers' pages
+    assert rec.cache_facts["bytes_per_token_per_layer"] == 2 * 2 * 16 * 4
     rows = rec.logprobs()
     for i, rid in enumerate(sorted(tokens, key=lambda r: int(r.split("_")[1]))):
         ids = torch.tensor(prompts[i] + tokens[rid])

@@ -126,15 +126,19 @@ def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
     `kv_dtype=None` (or "model") turns it off again."""
     spec = PagedKVSpec.from_fields(kv_dtype, options or None)
     install()
-    original = getattr(model, "_hf_kvcache_original_init_cb", None)
+    saved = getattr(model, "_hf_kvcache_original_init_cb", None)  # (instance attribute before us, or None)
     if spec is None:
-        if original is not None:
-            model.init_continuous_batching = original
-            del model._hf_kvcache_original_init_cb
+        if saved is not None:
+            if saved[0] is None:
+                del model.init_continuous_batching  # transformers' method again
+            else:
+                model.init_continuous_batching = saved[0]
+            del model._hf_kvcache_original_init_cb, model._hf_kvcache_paged_spec
         return
-    if original is None:
-        original = model.init_continuous_batching
-        model._hf_kvcache_original_init_cb = original
+    if saved is None:
+        saved = (vars(model).get("init_continuous_batching"),)
+        model._hf_kvcache_original_init_cb = saved
+    original = saved[0] if saved[0] is not None else type(model).init_continuous_batching.__get__(model)
 
     @functools.wraps(original)
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
