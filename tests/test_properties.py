@@ -40,7 +40,7 @@ MAX_BATCH = 4
 ROPE = Rope(CONFIG)
 
 SETTINGS = settings(
-    max_examples=25, stateful_step_count=12, deadline=None, derandomize=True,
+    max_examples=40, stateful_step_count=15, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 
@@ -371,3 +371,10 @@ def test_regression_composite_crop_to_nothing_then_a_new_prompt():
     replay("composite", (0, 2, 3, "full", "heavy", 2, "full", "cache", 7198),
            [("first_forward", 4, [2, 4, 2, 1]), ("crop", 2), ("crop", 2), ("first_forward", [6, 3, 2, 4]),
             ("crop", 1), ("crop", 1)])
+
+
+def test_regression_composite_quantized_region_after_batch_select():
+    """A quantized region read after batch_select_indices: every buffer of the region store follows the rows."""
+    # no sinks, window [0, 1) full, everything older kept in FP8, seed
+    replay("composite", (0, 1, 0, "full", "keep", "fp8_e4m3", "cache", 1),
+           [("first_forward", 2, [3, 3]), ("select", [1]), ("decode",), ("repeat_interleave", 2), ("decode",)])
