@@ -303,3 +303,21 @@ def test_reference_runs_agree_with_dynamic_cache(llama_reference):
         ids = torch.tensor(prompts[i] + tokens[rid])
         ref = cache_logprobs(model, ids, DynamicCache(config=model.config), len(prompts[i]))[:NEW_TOKENS]
         assert float((rows[rid] - ref).abs().max()) < 1e-4
+
+
+def test_serve_bench_settings_and_cli_errors_name_the_option():
+    from hf_kvcache.cli import build_parser, main
+    from hf_kvcache.paged.serve_bench import ServeBenchSettings, parse_format
+
+    args = build_parser().parse_args(["serve-bench", "--requests", "3", "--formats", "model,fp8_e4m3:hadamard"])
+    assert args.requests == 3 and args.formats == "model,fp8_e4m3:hadamard"
+    assert parse_format("fp8_e4m3:hadamard") == ("fp8_e4m3", {"key_rotation": "hadamard"})
+    with pytest.raises(ValueError, match="`formats` must start with 'model'"):
+        ServeBenchSettings(formats=("fp8_e4m3", "model"))
+    with pytest.raises(ValueError, match="page dtype must be one of"):
+        ServeBenchSettings(formats=("model", "fp6"))
+    with pytest.raises(ValueError, match="`budget_scales` must be positive and include 1.0"):
+        ServeBenchSettings(budget_scales=(0.5, 2.0))
+    with pytest.raises(ValueError, match=r"`prompt_min` \(9\) must be <= `prompt_max` \(8\)"):
+        ServeBenchSettings(prompt_min=9, prompt_max=8)
+    assert main(["serve-bench", "--prompt-lengths", "12"]) == 2  # MIN-MAX expected: a clear error, exit code 2
