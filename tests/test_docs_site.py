@@ -18,7 +18,8 @@ import hf_kvcache.hub
 import hf_kvcache.kernels
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE_NAMES = ("sink", "sliding", "h2o", "random_eviction", "composite", "fp8", "kivi")
+CACHE_NAMES = ("sink", "sliding", "h2o", "random_eviction", "composite", "fp8", "kivi", "knorm", "keydiff",
+               "tova", "snapkv", "expected_attention")
 
 
 def _installed(module: str) -> bool:
