@@ -13,6 +13,16 @@ Windows are age ranges (tokens back from the newest) and must tile [0, end) with
 `values` name a precision ("full", the default, or a quantized format of hf_kvcache.stores.quantization).
 The config is plain JSON, so it round-trips through `generate(cache_config={"regions": [...]})`.
 
+Decode cost does not grow with the regions (the fast path, issue 13): regions are laid out by precision, not by
+name. Adjacent windows of the same precision share one ring (a token keeps its slot while it ages through them),
+and heavy hitters at the precision of the last window share one pool of slots with it: a token keeps its slot from
+the moment it enters the window until it is evicted, and the new token takes the evicted one's slot (as H2OCache
+does). So the preset moves no token between regions at all; moves remain only between regions of different
+precision (one token per boundary per step: dequantized and quantized again, which is what a change of precision
+is) and into a kept 'rest' region. Reads write every region into one shared workspace buffer (no concatenation).
+The tokens kept are exactly those of the region-by-region layout; only their slots differ (attention does not
+depend on slot order).
+
 Presets take a token `budget` instead of regions (what budget sweeps need):
 - "sinks_heavy_recent": the classic combination, 4 sinks in full precision, then the rest split evenly between a
   recent window and H2O heavy hitters, both at `precision` (FP8 E4M3 by default).
@@ -29,7 +39,9 @@ from .policies.cascade import CascadePolicy
 from .policies.heavy_hitter import AGGREGATIONS
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
+from .stores.quantization import QuantSpec
 from .stores.regions import RegionStore
+from .stores.workspace import DequantWorkspace
 
 ROLES = ("sinks", "window", "heavy", "rest")
 ROLE_KEYS = {
@@ -41,8 +53,8 @@ ROLE_KEYS = {
 FULL = "full"
 
 
-def make_store(keys: Any, values: Any, where: str):
-    """The store for a region's key and value precisions."""
+def make_store(keys: Any, values: Any, where: str, workspace=None):
+    """The store for a region's key and value precisions (`workspace`: its dequantization scratch)."""
     if keys == FULL and values == FULL:
         return FullPrecisionStore()
     try:
@@ -51,7 +63,7 @@ def make_store(keys: Any, values: Any, where: str):
         raise ValueError(
             f"{where}: precision keys={keys!r}, values={values!r} is not available; use 'full'."
         ) from None
-    return store_for_precisions(keys, values, where)
+    return store_for_precisions(keys, values, where, workspace)
 
 
 def parse_regions(regions: Any) -> dict:
@@ -93,6 +105,23 @@ def parse_regions(regions: Any) -> dict:
             raise ValueError(f"{w['where']}: window starts at {w['start']} but the previous one ends at {expected}: a gap of {w['start'] - expected} tokens.")
         expected = w["end"]
     return {"sinks": sinks, "windows": windows, "final": final}
+
+
+def precision_key(keys: Any, values: Any) -> tuple:
+    """What decides a region's store: two regions with equal keys hold their tokens in the same format."""
+    return tuple(FULL if p == FULL else QuantSpec.from_value(p) for p in (keys, values))
+
+
+def merge_windows(windows: list[dict]) -> list[dict]:
+    """Adjacent windows of the same precision as one window (one ring: no move between them)."""
+    merged = []
+    for w in windows:
+        last = merged[-1] if merged else None
+        if last is not None and precision_key(last["keys"], last["values"]) == precision_key(w["keys"], w["values"]):
+            last["end"] = w["end"]
+        else:
+            merged.append(dict(w))
+    return merged
 
 
 PRESETS = ("sinks_heavy_recent",)
@@ -145,16 +174,22 @@ class CompositeCache(KVCache):
         sink_positions = require_choice("sink_positions", sink_positions, ("cache", "original"))
         self.regions = copy.deepcopy(list(regions))
         self.aggregation, self.sink_positions = aggregation, sink_positions
-        sinks, windows, final = layout["sinks"], layout["windows"], layout["final"]
+        sinks, windows, final = layout["sinks"], merge_windows(layout["windows"]), layout["final"]
         rotators = {}  # built after the base class checked the architecture
         final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
-        parts = ([sinks] if sinks else []) + windows + ([final] if final else [])
+        # heavy hitters at the last window's precision share its slots (one pool, no move from window to heavy)
+        pooled = final_kind == "heavy" and precision_key(final["keys"], final["values"]) == precision_key(
+            windows[-1]["keys"], windows[-1]["values"])
+        parts = ([sinks] if sinks else []) + windows + ([final] if final and not pooled else [])
         sizes = [sinks["tokens"]] if sinks else []
         sizes += [w["end"] - w["start"] for w in windows]
-        if final is not None:
+        if pooled:
+            sizes[-1] += final["tokens"]
+        elif final is not None:
             sizes.append(final["tokens"] if final["role"] == "heavy" else None)
         for part in parts:  # validate precisions before any model runs
             make_store(part["keys"], part["values"], part["where"])
+        self.workspace = DequantWorkspace()  # reads of every layer write into it, one layer at a time
 
         def layer_parts(cfg):
             if sinks is not None and sink_positions == "cache" and "rotator" not in rotators:
@@ -166,9 +201,19 @@ class CompositeCache(KVCache):
                 heavy=final.get("tokens", 0) if final else 0,
                 aggregation=aggregation,
                 rotator=rotators.get("rotator"),
+                pooled=pooled,
             )
-            store = RegionStore(sizes, [make_store(p["keys"], p["values"], p["where"]) for p in parts])
-            return policy, store
+            stores = [make_store(p["keys"], p["values"], p["where"], self.workspace) for p in parts]
+            return policy, RegionStore(sizes, stores, self.workspace)
 
         super().__init__(config_or_model, layer_parts, layers)
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
+
+    def workspace_nbytes(self) -> int:
+        """Bytes of the shared read workspace (one layer's keys and values in the model's dtype, grown by doubling,
+        plus FP8 conversion scratch). Not part of `nbytes()`, which is what the cache stores."""
+        return self.workspace.nbytes()
+
+    def reset(self):
+        super().reset()
+        self.workspace.clear()

@@ -1,5 +1,11 @@
 """One slot space split into regions, each with its own store (precision): slots [base, base + size) of the layer
-go to region i's store. Used by CompositeCache (e.g. sinks in full precision, older tokens in FP8)."""
+go to region i's store. Used by CompositeCache (e.g. sinks in full precision, older tokens in FP8).
+
+Reads (`read`) write every region straight into one output buffer of a dequantization workspace shared by the
+layers of a cache (quantized regions dequantize into their slice of it, full-precision ones are copied): no
+per-region temporaries and no concatenation. The returned tensors are views that the next read overwrites (as the
+quantized caches' reads, hf_kvcache.stores.workspace). Without a shared workspace, each read allocates its own.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +13,26 @@ from typing import Callable
 
 import torch
 
+from .full import FullPrecisionStore
+from .workspace import TransientWorkspace
+
 
 class RegionStore:
-    def __init__(self, sizes: list[int | None], stores: list):
+    def __init__(self, sizes: list[int | None], stores: list, workspace=None):
         """`sizes[i]` slots for region i (the last may be None: it grows). Each sub-store gets one extra slot, its
-        own trash slot, which receives the writes meant for other regions."""
+        own trash slot, which receives the writes meant for other regions. `workspace`: the dequantization workspace
+        reads write into (shared by the layers of a cache; None: fresh tensors per read)."""
         self.sizes, self.stores = list(sizes), stores
         self.bases = [sum(s or 0 for s in self.sizes[:i]) for i in range(len(self.sizes))]
+        self.workspace = workspace if workspace is not None else TransientWorkspace()
 
     @property
     def keys(self):  # for transformers code that inspects `layer.keys` (dtype, device)
         return self.stores[0].keys
 
     def allocate(self, batch, heads, head_dim, slots, dtype, device, value_dim=None) -> None:
+        self.heads, self.head_dim, self.value_dim = heads, head_dim, value_dim or head_dim
+        self.dtype, self.device = dtype, device
         if self.sizes[-1] is None:
             self.sizes[-1] = slots - 1 - self.bases[-1]
         for size, store in zip(self.sizes, self.stores):
@@ -56,17 +69,36 @@ class RegionStore:
             self.stores[i].write(self._local(i, dest)[0], keys, values)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        parts_k, parts_v = [], []
+        """Keys and values [B, H, used, D] of slots [0, used): each region written into its slice of one workspace
+        buffer (views, valid until the next read of any layer sharing the workspace)."""
+        parts = []
         for base, size, store in zip(self.bases, self.sizes, self.stores):
             n = min(size, used - base)
             if n <= 0:
                 break
-            k, v = store.read(n)
-            parts_k.append(k)
-            parts_v.append(v)
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
+            parts.append((base, n, store))
+        if len(parts) == 1 and isinstance(parts[0][2], FullPrecisionStore):
+            return parts[0][2].read(used)  # views of the buffers themselves, no copy
+        batch = self.stores[0].keys.shape[0]  # (the batch may have changed since allocation: beams, row selection)
+        shape = (batch, self.heads, used, self.head_dim)
+        both = None
+        if self.value_dim == self.head_dim:  # keys in rows [0, B), values in [B, 2B): joint codecs fill both at once
+            both = self.workspace.get("regions_kv", (2 * batch,) + shape[1:], self.dtype, self.device)
+            out_k, out_v = both[:batch], both[batch:]
+        else:
+            out_k = self.workspace.get("regions_keys", shape, self.dtype, self.device)
+            out_v = self.workspace.get("regions_values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        for base, n, store in parts:
+            columns = slice(base, base + n)
+            if isinstance(store, FullPrecisionStore):
+                out_k[:, :, columns].copy_(store.keys[:, :, :n])
+                out_v[:, :, columns].copy_(store.values[:, :, :n])
+            elif both is not None and store.joint:  # one dequantization for the region's keys and values
+                store.keys_codec.decode_into(both[:, :, columns], n, self.workspace, store._key_bias())
+            else:
+                store.keys_codec.decode_into(out_k[:, :, columns], n, self.workspace, store._key_bias())
+                store.values_codec.decode_into(out_v[:, :, columns], n, self.workspace)
+        return out_k, out_v
 
     def read_slots(self, slots: torch.Tensor, regions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, H, n, D] of the given slots [B, 1 or H, n] (each in some region; `regions`: see `write`)."""
