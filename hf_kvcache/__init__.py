@@ -8,6 +8,7 @@ from .attention import enable
 from .caches import FullCache, H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
 from .quantized import KIVICache, QuantizedFP8Cache
+from .scorer_caches import ExpectedAttentionCache, KeyDiffCache, KnormCache, SnapKVCache, TOVACache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
     DEFAULT_CACHE_CONFIGS,
@@ -32,15 +33,20 @@ __all__ = [
     "CACHE_IMPLEMENTATIONS",
     "CompositeCache",
     "DEFAULT_CACHE_CONFIGS",
+    "ExpectedAttentionCache",
     "FullCache",
     "H2OCache",
     "KVCache",
     "KIVICache",
     "KVCacheConfig",
+    "KeyDiffCache",
+    "KnormCache",
     "QuantizedFP8Cache",
     "RandomEvictionCache",
     "SinkCache",
     "SlidingWindowCache",
+    "SnapKVCache",
+    "TOVACache",
     "build_cache",
     "default_cache_config",
     "enable",
