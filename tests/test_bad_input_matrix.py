@@ -14,12 +14,17 @@ and compares it with the committed file (only when every case ran in this sessio
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
+import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -179,6 +184,147 @@ def huge(param: str, build: Callable, size=10**12) -> Case:
 
 def _mistral_sliding():
     return build_config("mistral", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+# -- the `hf-kvcache` command -----------------------------------------------------------------------------------------
+class CommandError(Exception):
+    """`hf-kvcache ...` exited with a non-zero status; the message is its status and what it printed on stderr."""
+
+
+def cli_case(argv: list[str], match: str, case_id: str | None = None) -> Case:
+    """The command must exit with status 2 and an error naming the flag, before loading any model (a model load
+    here is a failure of the case: the loaders are replaced by ones that raise AssertionError)."""
+    text = "hf-kvcache " + " ".join(shlex.quote(a) for a in argv)
+
+    def run():
+        from hf_kvcache import cli, eval_cli, models
+
+        def no_model(*args, **kwargs):
+            raise AssertionError(f"{text} went on to load a model instead of refusing its arguments")
+
+        err = io.StringIO()
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.object(eval_cli, "_load", no_model), \
+                mock.patch.object(models, "load_model", no_model), contextlib.redirect_stderr(err), \
+                contextlib.redirect_stdout(io.StringIO()):
+            try:
+                status = cli.main([a.replace("{tmp}", tmp) for a in argv])
+            except SystemExit as exit_:
+                status = exit_.code
+            if status != 0:
+                lines = [line for line in err.getvalue().strip().splitlines() if not line.startswith("usage:")]
+                raise CommandError(f"exit status {status}: " + " ".join(lines).replace(tmp, "<tmp>"))
+        raise AssertionError(f"{text} succeeded")
+
+    return Case(case_id or f"cli-{' '.join(argv)}", "CLI flags", text.replace("{tmp}", "DIR"), run, CommandError,
+                r"exit status 2: .*" + match)
+
+
+# -- sweep specs (eval/specs/*.yaml) ------------------------------------------------------------------------------------
+_SPEC_BASE = {
+    "name": "smoke", "model": "smollm2", "threads": 1, "text": "pydoc", "context_lengths": [1024],
+    "metrics": ["quality", "speed", "retrieval"], "budgets": [0.125, 0.25, 0.5],
+    "caches": ["dynamic", {"name": "sink", "config": {"sinks": 4}, "budget_key": "budget"},
+               {"name": "sliding", "budget_key": "window"}],
+    "speed": {"decode_tokens": 16, "rounds": 2},
+    "retrieval": {"kinds": ["passkey"], "positions": ["early", "late"], "samples": 1, "context_lengths": [1024]},
+}
+
+
+def spec_case(field_path: str, value, match: str, remove: bool = False) -> Case:
+    """eval/specs/smoke.yaml-like spec with one field replaced (`a.b.0.c` paths; `remove`: deleted)."""
+    from hf_kvcache.evaluation.sweep import SpecError
+
+    def run():
+        import copy
+
+        spec = copy.deepcopy(_SPEC_BASE)
+        *parents, last = field_path.split(".")
+        node = spec
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+        key = int(last) if last.isdigit() else last
+        if remove:
+            del node[key]
+        else:
+            node[key] = value
+        from hf_kvcache.evaluation.sweep import load_spec
+
+        load_spec(spec)
+
+    shown = "removed" if remove else f"{value!r}"
+    return Case(f"spec-{field_path}-{shown}", "sweep spec fields", f"spec field {field_path}: {shown}", run,
+                SpecError, match)
+
+
+def spec_file_case(content: str, match: str, what: str) -> Case:
+    from hf_kvcache.evaluation.sweep import SpecError
+
+    def run():
+        from hf_kvcache.evaluation.sweep import load_spec
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "spec.yaml"
+            path.write_text(content)
+            load_spec(path)
+
+    return Case(f"spec-file-{what}", "sweep spec fields", f"hf-kvcache sweep spec.yaml with {what}", run, SpecError,
+                match)
+
+
+# -- cache state files (hf_kvcache.save_cache_state / load_cache_state) -------------------------------------------------
+def _saved_state(tmp: str, make=lambda m: hf_kvcache.SinkCache(m, sinks=2, window=4)) -> Path:
+    m = model()
+    cache = make(m)
+    forward(m, cache, random_ids(1, 6))
+    path = Path(tmp) / "state.safetensors"
+    hf_kvcache.save_cache_state(cache, path)
+    return path
+
+
+def state_case(case_id: str, what: str, damage: Callable[[Path], Any], match: str, error=ValueError,
+               load_kwargs: Callable[[], dict] | None = None) -> Case:
+    """A state file saved from a SinkCache after 6 tokens, then `damage(path)` (returns the path to load)."""
+
+    def run():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = damage(_saved_state(tmp)) or _saved_state(tmp)
+            kwargs = load_kwargs() if load_kwargs else {}
+            config_or_model = kwargs.pop("config_or_model", model())
+            hf_kvcache.load_cache_state(path, config_or_model, **kwargs)
+
+    return Case(f"state-{case_id}", "cache state files", what, run, error, match)
+
+
+def _rewrite_state_header(edit: Callable[[dict], Any]) -> Callable[[Path], Path]:
+    def damage(path: Path) -> Path:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            header = json.loads(f.metadata()["hf_kvcache"])
+        replaced = edit(header)  # edits in place, or returns the raw header text to write instead
+        header = replaced if isinstance(replaced, str) else header
+        save_file(tensors, str(path), metadata={"hf_kvcache": header if isinstance(header, str) else json.dumps(header)})
+        return path
+
+    return damage
+
+
+def _write_bytes(content: bytes | Callable[[bytes], bytes]) -> Callable[[Path], Path]:
+    def damage(path: Path) -> Path:
+        data = content(path.read_bytes()) if callable(content) else content
+        path.write_bytes(data)
+        return path
+
+    return damage
+
+
+def _plain_safetensors(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"keys": torch.zeros(2)}, str(path))
+    return path
 
 
 CASES: list[Case] = [
@@ -495,6 +641,176 @@ CASES: list[Case] = [
     huge("recent", lambda m: hf_kvcache.RandomEvictionCache(m, heavy=4, recent=10**12)),
     huge("max_length", lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=10**12)),
     huge("regions", lambda m: hf_kvcache.CompositeCache(m, regions=[{"role": "window", "start": 0, "end": 10**12}])),
+
+    # -- the hf-kvcache command: exit status 2, the flag named, no model loaded -----------------------------------------
+    cli_case(["ppl", "--cache", "lru"], r"--cache lru: unknown cache 'lru'; valid names are hf_kvcache caches \['composite'"),
+    cli_case(["ppl", "--cache", "sink:windw=8"], r"--cache sink: unknown key\(s\) \['windw'\] for cache 'sink'; "
+             r"valid keys are \['budget'"),
+    cli_case(["ppl", "--cache", "sink:sinks"], r"--cache 'sink:sinks': expected key=value pairs after ':', got 'sinks'"),
+    cli_case(["ppl", "--cache", "sink:{bad json"], r"--cache 'sink:\{bad json': the config is not valid JSON"),
+    cli_case(["ppl", "--cache", "sink:sinks=4,budget=0"], r"--cache sink\.budget: a budget is a number of tokens "
+             r"\(integer >= 1\) or a fraction of the context"),
+    cli_case(["ppl", "--cache", "sink:sinks=4,budget=150%"], r"--cache sink\.budget: a budget fraction must be in "
+             r"\(0, 1\]"),
+    cli_case(["ppl", "--cache", "h2o:aggregation=median,budget=8"], r"--cache h2o: .*`aggregation` must be one of "
+             r"\('sum', 'mean', 'max'\), got 'median'"),
+    cli_case(["ppl", "--cache", "sink:sinks=8,budget=8"], r"`sinks` \(8\) must be smaller than `budget` \(8\)"),
+    cli_case(["ppl", "--tokens", "0"], r"argument --tokens: expected a positive integer, got 0"),
+    cli_case(["ppl", "--tokens", "abc"], r"argument --tokens: expected a positive integer, got 'abc'"),
+    cli_case(["ppl", "--mode", "fast"], r"argument --mode: invalid choice: 'fast' \(choose from 'stream', 'chunked'\)"),
+    cli_case(["ppl", "--dtype", "float64"], r"argument --dtype: invalid choice: 'float64' \(choose from 'float32', "
+             r"'bfloat16', 'float16'\)"),
+    cli_case(["ppl", "--chunk", "-3"], r"argument --chunk: expected a positive integer, got -3"),
+    cli_case(["ppl", "--threads", "0"], r"argument --threads: expected a positive integer, got 0"),
+    cli_case(["ppl", "--offset", "-5"], r"argument --offset: expected an integer >= 0, got -5"),
+    cli_case(["ppl", "--context", "0"], r"argument --context: expected a positive integer, got 0"),
+    cli_case(["ppl", "--model", "./no-such-model"], r"--model './no-such-model': no such model directory"),
+    cli_case(["ppl", "--text", "/no/such/text.txt"], r"--text '/no/such/text\.txt': not 'pydoc', 'hf:DATASET' or an "
+             r"existing text file"),
+    cli_case(["divergence", "--top-k", "0"], r"argument --top-k: expected a positive integer, got 0"),
+    cli_case(["divergence", "--prompt-tokens", "x"], r"argument --prompt-tokens: expected a positive integer, got 'x'"),
+    cli_case(["divergence", "--prefill-chunk", "0"], r"argument --prefill-chunk: expected a positive integer, got 0"),
+    cli_case(["divergence", "--cache", "kivi:bits=3"], r"`bits` must be one of \(2, 4, 8\), got 3"),
+    cli_case(["retrieval", "--kinds", "passkey,needle"], r"--kinds: unknown probe 'needle'; valid probes are "
+             r"\['passkey', 'records'\]"),
+    cli_case(["retrieval", "--positions", "early,top"], r"--positions: each entry must be one of \['early', 'middle', "
+             r"'late'\] or a depth in \[0, 1\], got 'top'"),
+    cli_case(["retrieval", "--positions", "1.5"], r"--positions: .* or a depth in \[0, 1\], got '1\.5'"),
+    cli_case(["retrieval", "--context-lengths", "2048,abc"], r"--context-lengths: comma-separated token counts, "
+             r"expected a positive integer, got 'abc'"),
+    cli_case(["retrieval", "--context-lengths", "0"], r"--context-lengths: .*expected a positive integer, got 0"),
+    cli_case(["retrieval", "--samples", "0"], r"argument --samples: expected a positive integer, got 0"),
+    cli_case(["speed", "--rounds", "0"], r"argument --rounds: expected a positive integer, got 0"),
+    cli_case(["speed", "--decode-tokens", "-1"], r"argument --decode-tokens: expected a positive integer, got -1"),
+    cli_case(["memory", "--shapes", "gpt-9"], r"Unknown model shape 'gpt-9'; known shapes are \['llama-2-13b'"),
+    cli_case(["memory", "--precisions", "int3"], r"Unknown precision 'int3'; known precisions are \['fp32'"),
+    cli_case(["memory", "--contexts", "abc"], r"--contexts: comma-separated token counts, expected a positive "
+             r"integer, got 'abc'"),
+    cli_case(["memory", "--budgets", "x"], r"--budgets: comma-separated token counts"),
+    cli_case(["memory", "--memory-gb", "0"], r"argument --memory-gb: expected a positive number, got '0'"),
+    cli_case(["memory", "--weight-bits", "0"], r"argument --weight-bits: expected a positive integer, got 0"),
+    cli_case(["sweep", "/no/such/spec.yaml"], r"spec: file '/no/such/spec\.yaml' does not exist"),
+    cli_case(["sweep", "eval/specs/smoke.yaml", "--dry-run", "--report-only"],
+             r"argument --report-only: not allowed with argument --dry-run"),
+    cli_case(["export-hub", "{tmp}/out", "--cache", "lru"], r"--cache 'lru': `cache` must be one of \['composite'"),
+    cli_case(["export-hub", "{tmp}/out", "--cache", "sink:window=0"], r"`window` must be an integer >= 1, got 0"),
+    cli_case(["export-hub", "{tmp}/out"], r"the following arguments are required: --cache"),
+    cli_case(["demo", "--prompt-tokens", "0"], r"argument --prompt-tokens: expected a positive integer, got 0"),
+    cli_case(["demo", "--offset", "-1"], r"argument --offset: expected an integer >= 0, got -1"),
+    cli_case(["nope"], r"argument COMMAND: invalid choice: 'nope' \(choose from 'demo', 'export-hub', 'caches'"),
+    cli_case(["caches", "--extra"], r"unrecognized arguments: --extra"),
+    cli_case([], r"the following arguments are required: COMMAND", case_id="cli-no-command"),
+    # -- sweep spec fields (what eval/specs/*.yaml hold), checked before any model is loaded ------------------------------
+    spec_case("name", "a b", r"^name: must be a simple name \(letters, digits, \._-\), got 'a b'"),
+    spec_case("model", None, r"^model: missing \(a Hub id, a local path or 'smollm2'\)", remove=True),
+    spec_case("model", 5, r"^model: must be a Hub id, a local path or 'smollm2', got 5"),
+    spec_case("description", 5, r"^description: must be a string, got 5"),
+    spec_case("dtype", "float64", r"^dtype: must be one of \['float32', 'bfloat16', 'float16'\], got 'float64'"),
+    spec_case("threads", 0, r"^threads: must be an integer >= 1, got 0"),
+    spec_case("threads", True, r"^threads: must be an integer >= 1, got True"),
+    spec_case("text", 3, r"^text: must be a string, got 3"),
+    spec_case("text", "/no/such/text.txt", r"^text: '/no/such/text\.txt' is not 'pydoc', 'random', 'hf:DATASET' or "
+              r"an existing text file"),
+    spec_case("text_offset", -1, r"^text_offset: must be an integer >= 0, got -1"),
+    spec_case("seed", -2, r"^seed: must be an integer >= 0, got -2"),
+    spec_case("context_lengths", [], r"^context_lengths: must be a non-empty list of token counts, got \[\]"),
+    spec_case("context_lengths.0", 1, r"^context_lengths\[0\]: must be an integer >= 2, got 1"),
+    spec_case("scored_tokens", 0, r"^scored_tokens: must be an integer >= 1, got 0"),
+    spec_case("prefill_chunk", 0, r"^prefill_chunk: must be null or an integer >= 1, got 0"),
+    spec_case("metrics", ["bleu"], r"^metrics\[0\]: unknown metric 'bleu'; valid metrics are \['quality', 'ppl', "
+              r"'speed', 'retrieval'\]"),
+    spec_case("budgets", 0.5, r"^budgets: must be a list, got 0\.5"),
+    spec_case("budgets.0", 1.5, r"^budgets\[0\]: a budget fraction must be in \(0, 1\], got 1\.5"),
+    spec_case("budgets.1", "150%", r"^budgets\[1\]: a budget fraction must be in \(0, 1\], got '150%'"),
+    spec_case("budgets.2", 0, r"^budgets\[2\]: a budget is a number of tokens \(int >= 1\) or a fraction"),
+    spec_case("caches", [], r"^caches: must be a non-empty list of \{name, config, budget_key, budgets, label\}"),
+    spec_case("caches.1", 5, r"^caches\[1\]: must be a mapping or a cache name, got 5"),
+    spec_case("caches.1.name", "lru", r"^caches\[1\]: unknown cache 'lru'; valid names are hf_kvcache caches"),
+    spec_case("caches.1.name", None, r"^caches\[1\]\.name: missing", remove=True),
+    spec_case("caches.1.config", {"windw": 4}, r"^caches\[1\]: unknown key\(s\) \['windw'\] for cache 'sink'; valid "
+              r"keys are \['budget'"),
+    spec_case("caches.1.config", {"sinks": -1}, r"^caches\[1\]: invalid config .*`sinks` must be an integer >= 0"),
+    spec_case("caches.1.config", {"sinks": 4, "budget": 64}, r"^caches\[1\]\.config\.budget: is also `budget_key`, "
+              r"which sets it from the budgets; remove it from `config`"),
+    spec_case("caches.1.budget_key", "windw", r"^caches\[1\]\.budget_key: 'windw' is not a config key of cache 'sink'; "
+              r"valid keys are \['budget'"),
+    spec_case("caches.1.budget_key", 3, r"^caches\[1\]\.budget_key: must be a config key name, got 3"),
+    spec_case("caches.1.extra", 1, r"^caches\[1\]: unknown key\(s\) \['extra'\]; valid keys are \['budget_key', "
+              r"'budgets', 'config', 'label', 'name'\]"),
+    spec_case("caches.2.budgets", [], r"^caches\[2\]\.budgets: must be a non-empty list, got \[\]"),
+    spec_case("caches.0", {"name": "dynamic", "budgets": [0.5]}, r"^caches\[0\]\.budgets: needs `budget_key`"),
+    spec_case("caches.2", "dynamic", r"^caches: duplicate cache labels \['dynamic'\]; give each a distinct `label`"),
+    spec_case("speed.rounds", 0, r"^speed\.rounds: must be an integer >= 1, got 0"),
+    spec_case("speed.extra", 1, r"^speed: unknown key\(s\) \['extra'\]; valid keys are \['decode_tokens', 'rounds'\]"),
+    spec_case("retrieval.kinds", ["needle"], r"^retrieval\.kinds\[0\]: unknown probe 'needle'; valid probes are "
+              r"\['passkey', 'records'\]"),
+    spec_case("retrieval.positions", ["top"], r"^retrieval\.positions\[0\]: must be one of \['early', 'middle', "
+              r"'late'\] or a depth in \[0, 1\], got 'top'"),
+    spec_case("retrieval.positions", [2.0], r"^retrieval\.positions\[0\]: .* or a depth in \[0, 1\], got 2\.0"),
+    spec_case("retrieval.samples", 0, r"^retrieval\.samples: must be an integer >= 1, got 0"),
+    spec_case("retrieval.context_lengths", [0], r"^retrieval\.context_lengths\[0\]: must be an integer >= 64, got 0"),
+    spec_case("retrieval.chat", "yes", r"^retrieval\.chat: must be true or false, got 'yes'"),
+    spec_case("ppl", {"mode": "fast"}, r"^ppl\.mode: must be 'stream' or 'chunked', got 'fast'"),
+    spec_case("ppl", {"tokens": 0}, r"^ppl\.tokens: must be a positive integer, got 0"),
+    spec_case("ppl", 5, r"^ppl: must be a mapping, got int"),
+    spec_case("scored", 1, r"^scored: unknown field; valid fields are \['budgets', 'caches'"),
+    spec_file_case("name: smoke\nmodel: [smollm2\n", r"spec: .*spec\.yaml is not valid YAML", "truncated YAML"),
+    spec_file_case("- name: smoke\n- model: smollm2\n", r"spec: the top level must be a mapping", "a list"),
+    spec_file_case("{\"name\": \"smoke\", \"model\": \"smollm2\", \"caches\": [\"lru\"]}",
+                   r"caches\[0\]: unknown cache 'lru'", "JSON (valid YAML) naming an unknown cache"),
+    # -- cache state files -----------------------------------------------------------------------------------------------
+    state_case("not-safetensors", "load_cache_state(path, model): a JSON file",
+               _write_bytes(b'{"cache": "sink"}'), r"is not a readable safetensors file"),
+    state_case("truncated", "load_cache_state(path, model): the file cut in half",
+               _write_bytes(lambda data: data[: len(data) // 2]),
+               r"is not a readable safetensors file|its tensors cannot be read"),
+    state_case("empty", "load_cache_state(path, model): an empty file", _write_bytes(b""),
+               r"is not a readable safetensors file"),
+    state_case("plain-safetensors", "load_cache_state(path, model): a safetensors file from save_file",
+               _plain_safetensors, r"safetensors file without the 'hf_kvcache' header: not written by "
+               r"hf_kvcache\.save_cache_state"),
+    state_case("header-not-json", "load_cache_state(path, model): header 'hf_kvcache' = '{cache: sink'",
+               _rewrite_state_header(lambda h: "{cache: sink"), r"its 'hf_kvcache' header is not valid JSON"),
+    state_case("header-list", "load_cache_state(path, model): header 'hf_kvcache' = '[1]'",
+               _rewrite_state_header(lambda h: "[1]"), r"header must be a JSON object, got list"),
+    state_case("format-version", "load_cache_state(path, model): format_version 99",
+               _rewrite_state_header(lambda h: h.update(format_version=99)),
+               r"field `format_version` is 99 .*reads version 1"),
+    state_case("format", "load_cache_state(path, model): format 'other'",
+               _rewrite_state_header(lambda h: h.update(format="other")),
+               r"field `format` is 'other', expected 'hf_kvcache\.cache_state'"),
+    state_case("missing-state", "load_cache_state(path, model): header without the state field",
+               _rewrite_state_header(lambda h: h.pop("state")), r"field `state` is missing from its header"),
+    state_case("unknown-cache", "load_cache_state(path, model): cache 'lru' in the header",
+               _rewrite_state_header(lambda h: h.update(cache="lru")), r"field `cache` is 'lru', not one of "
+               r"\['composite'"),
+    state_case("other-cache", "load_cache_state(path, model, cache='h2o') of a sink state",
+               lambda path: path, r"field `cache` is 'sink', but 'h2o' was asked for",
+               load_kwargs=lambda: {"cache": "h2o"}),
+    state_case("bad-cache-arg", "load_cache_state(path, model, cache='lru')", lambda path: path,
+               r"`cache` must be one of \['composite'.*got 'lru'", load_kwargs=lambda: {"cache": "lru"}),
+    state_case("other-model", "load_cache_state(path, model with 3 layers) of a 2-layer model's state",
+               lambda path: path, r"field `model\.num_hidden_layers` is 2 in the file, but 3 for the given model",
+               load_kwargs=lambda: {"config_or_model": build_config("llama", num_hidden_layers=3)}),
+    state_case("other-heads", "load_cache_state(path, config with 4 KV heads) of a 2-KV-head model's state",
+               lambda path: path, r"field `model\.num_key_value_heads` is 2 in the file, but 4",
+               load_kwargs=lambda: {"config_or_model": build_config("llama", num_key_value_heads=4)}),
+    state_case("not-a-model", "load_cache_state(path, 'llama')", lambda path: path,
+               r"`config_or_model` must be a transformers model or its config, got str",
+               load_kwargs=lambda: {"config_or_model": "llama"}),
+    state_case("other-layout", "load_cache_state(path, model): layer 0's store recorded as a QuantizedStore",
+               _rewrite_state_header(lambda h: h["state"]["layers"]["list"][0]["fields"]["store"].update(
+                   object="hf_kvcache.stores.quantized.QuantizedStore")),
+               r"field `state\.layers\.0\.store`: the file holds a hf_kvcache\.stores\.quantized\.QuantizedStore here"),
+    state_case("missing-tensor", "load_cache_state(path, model): a tensor the header names is missing",
+               _rewrite_state_header(lambda h: h["state"]["layers"]["list"][0]["fields"].update(
+                   slot_valid={"tensor": "nowhere"})), r"field `state\.layers\.0\.slot_valid`: names tensor 'nowhere', "
+               r"which the file does not hold"),
+    state_case("missing-file", "load_cache_state('missing.safetensors', model)",
+               lambda path: path.with_name("missing.safetensors"), r"does not exist", error=FileNotFoundError),
+    Case("state-save-dynamic", "cache state files", "save_cache_state(DynamicCache(), path)",
+         lambda: hf_kvcache.save_cache_state(transformers.DynamicCache(), "unused.safetensors"), ValueError,
+         r"`cache` must be an hf_kvcache cache \(a KVCache\), got DynamicCache"),
 ]
 
 
@@ -531,7 +847,8 @@ def test_memory_check_allows_what_fits():
 
 # -- docs/bad_inputs.md -----------------------------------------------------------------------------------------------
 def _normalise(message: str) -> str:
-    message = re.sub(r"/[^\s'\"]*?/(kvcache_config\.json|generation_config\.json)", r"<dir>/\1", message)
+    message = re.sub(r"/[^\s'\"]*?/(kvcache_config\.json|generation_config\.json|state\.safetensors|"
+                     r"missing\.safetensors|spec\.yaml)", r"<dir>/\1", message)
     message = re.sub(r"total memory \([\d,]+ bytes\)", "total memory (N bytes)", message)
     message = " ".join(message.split())
     return message if len(message) <= EXCERPT else message[: EXCERPT - 1] + "…"
