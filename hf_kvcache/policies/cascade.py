@@ -7,6 +7,13 @@
 - final: what happens to tokens older than the last tier: "evict" them, "keep" them all (a growing region), or
   keep the `heavy` ones with the highest accumulated attention (H2O), per row and KV head.
 Each region's slots can live in a store of its own precision (see stores/regions.py).
+
+Pooled (`pooled=True`, heavy hitters at the last tier's precision): the last tier's ring and the heavy slots are one
+pool. A token entering the last tier takes the pool slot of the token evicted now (the lowest score among the pool's
+tokens that are past the tier's end, empty slots first, as HeavyHitterPolicy does) and keeps that slot until it is
+evicted: nothing moves from the tier to the heavy region. The tokens kept are those of the unpooled layout (the tier
+holds its ages, the heavy slots the top-`heavy` older tokens, chosen one step at a time); exact ties in scores may be
+broken differently.
 """
 
 from __future__ import annotations
@@ -27,17 +34,23 @@ class CascadePolicy(Policy):
     may_have_holes = True
 
     def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
-                 rotator: KeyRotator | None = None):
+                 rotator: KeyRotator | None = None, pooled: bool = False):
+        if pooled and (final != "heavy" or not tier_sizes):
+            raise ValueError(f"`pooled` needs heavy hitters after at least one tier (final={final!r}, "
+                             f"{len(tier_sizes)} tiers).")
         self.sinks, self.tier_sizes, self.final, self.heavy = sinks, list(tier_sizes), final, heavy
+        self.pooled = pooled
         self.rotator = rotator
         self.ends = [sum(self.tier_sizes[: i + 1]) for i in range(len(self.tier_sizes))]
         self.starts = [0] + self.ends[:-1]
         self.bases = [sinks + start for start in self.starts]
         self.final_base = sinks + (self.ends[-1] if self.ends else 0)
         self.capacity = None if final == "keep" else self.final_base + (heavy if final == "heavy" else 0)
+        self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
         self.per_head = self.deferred = self.needs_attention = final == "heavy"
         self._scoring = HeavyHitterPolicy(heavy, 0, aggregation) if final == "heavy" else None
         self.n_real = self.stream = self.scores = None
+        self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
         self.memory = SinkMemory(sinks, rotator)
 
     # -- state --------------------------------------------------------------------------------------------------
@@ -113,17 +126,20 @@ class CascadePolicy(Policy):
         is_sink = real & (real_index < self.sinks)
         return is_sink, torch.where(is_sink, real_index, -1)
 
-    def _heavy_keep(self, key: torch.Tensor, in_heavy_slot: torch.Tensor, cur_slot: torch.Tensor) -> torch.Tensor:
-        """Targets among heavy candidates [B, Hm, n]: top-`heavy` by key; occupants keep their slot, newcomers take
-        free heavy slots (lowest first); -1 for the rest."""
+    def _heavy_keep(self, key: torch.Tensor, in_heavy_slot: torch.Tensor, cur_slot: torch.Tensor,
+                    base: int | None = None, size: int | None = None) -> torch.Tensor:
+        """Targets among candidates [B, Hm, n] for the `size` slots from `base` (default: the heavy slots): the top
+        `size` by key; occupants keep their slot, newcomers take free slots (lowest first); -1 for the rest."""
         batch, heads, n = key.shape
-        k = min(self.heavy, n)
+        base = self.final_base if base is None else base
+        size = self.heavy if size is None else size
+        k = min(size, n)
         kept = torch.zeros_like(in_heavy_slot).scatter_(-1, key.topk(k, dim=-1).indices, True) & (key > float("-inf"))
         stays = kept & in_heavy_slot
-        occupied = torch.zeros(batch, heads, self.heavy + 1, dtype=torch.bool, device=key.device)
-        occupied.scatter_(-1, torch.where(stays, cur_slot - self.final_base, self.heavy), True)
-        slot_ids = torch.arange(self.heavy, device=key.device) + self.final_base
-        free_sorted = torch.where(occupied[..., : self.heavy], self.final_base + self.heavy + 1, slot_ids).sort(-1).values
+        occupied = torch.zeros(batch, heads, size + 1, dtype=torch.bool, device=key.device)
+        occupied.scatter_(-1, torch.where(stays, cur_slot - base, size), True)
+        slot_ids = torch.arange(size, device=key.device) + base
+        free_sorted = torch.where(occupied[..., :size], base + size + 1, slot_ids).sort(-1).values
         newcomers = kept & ~in_heavy_slot
         rank = (newcomers.long().cumsum(-1) - 1).clamp(min=0)
         target = torch.where(newcomers, free_sorted.gather(-1, rank), -1)
@@ -140,11 +156,14 @@ class CascadePolicy(Policy):
         t = seen
         for tier in reversed(range(len(self.tier_sizes))):
             u = t - self.ends[tier]
-            if u < 0:
+            if u < 0 or tier == self.pool_tier:  # (the pool's oldest stay in their slots, as eviction candidates)
                 continue
             src_slot = self.bases[tier] + u % self.tier_sizes[tier]
             src = torch.full((batch, hm, 1), src_slot, device=device)
-            if tier + 1 < len(self.tier_sizes):
+            if tier + 1 == self.pool_tier:
+                dest_slots = [self.bases[tier + 1]]  # some pool slot
+                dest = self._pool_victim(layer, t)
+            elif tier + 1 < len(self.tier_sizes):
                 dest_slots = [self.bases[tier + 1] + u % self.tier_sizes[tier + 1]]
                 dest = torch.full_like(src, dest_slots[0])
             elif self.final == "keep":
@@ -169,31 +188,55 @@ class CascadePolicy(Policy):
                 dest_slots = []
                 dest = torch.full_like(src, -1)
             self._move(layer, src, dest, [src_slot], dest_slots)
-        is_sink, sink_dest = self._sink_split(real)
-        ring_slot = self.bases[0] + t % self.tier_sizes[0] if self.tier_sizes else None
-        ring_dest = torch.full_like(sink_dest, ring_slot) if self.tier_sizes else None
-        placement = self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
         # a token can only be a sink while its stream index is below `sinks` (its real index is at most that), or in
         # a padded stream, where a row's real index lags its stream index (left padding)
         may_be_sink = t < self.sinks or layer.forward_info.has_padding
+        if self.pool_tier == 0:  # the new token enters the pool: the slot of the token evicted now, per row and head
+            ring_slot, ring_dest = self.bases[0], self._pool_victim(layer, t)
+        elif self.tier_sizes:
+            ring_slot = self.bases[0] + t % self.tier_sizes[0]
+            ring_dest = torch.full((batch, 1, 1), ring_slot, dtype=torch.long, device=device)
+        else:
+            ring_slot = ring_dest = None
+        self._sink_step = may_be_sink
+        if may_be_sink:
+            is_sink, sink_dest = self._sink_split(real)
+            placement = self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
+        else:  # no sink: only the ring (or pool) entry, and the sinks' memory has nothing to record
+            self.n_real += real.sum(-1)
+            placement = Placement(src=torch.zeros(batch, hm, 1, dtype=torch.long, device=device),
+                                  dest=ring_dest.expand(batch, hm, 1).contiguous(), valid=real[:, None].expand(batch, hm, 1))
         placement.regions = self._region_hint(layer, ([0] if may_be_sink else []) + (
             [ring_slot] if ring_slot is not None else []))
         return placement
 
+    def _pool_victim(self, layer, t: int) -> torch.Tensor:
+        """[B, Hm, 1] the pool slot freed for the token entering the pool at step `t`: among the pool's slots whose
+        token is past the pool tier's end after this step (or empty), the lowest score, invalid ones first."""
+        lo, hi = self.bases[self.pool_tier], self.capacity
+        stream = self.stream[..., lo:hi]
+        key = torch.where(layer.slot_valid[..., lo:hi], self.scores[..., lo:hi], float("-inf"))
+        # still in the tier after this step (empty slots, stream -1, never are: the threshold is at least -1)
+        key = torch.where(stream > max(t - self.ends[self.pool_tier], -1), float("inf"), key)
+        return key.argmin(-1, keepdim=True) + lo
+
     def _placement(self, real, is_sink, sink_dest, ring_dest, ring_valid, hm) -> Placement:
+        """Each new token twice: to its sink slot (valid if a sink) and to `ring_dest` [B, 1 or Hm, q] (valid if
+        not)."""
         batch, q = real.shape
         src = torch.arange(q, device=real.device).expand(batch, q)
         if ring_dest is None:
-            ring_dest, ring_valid = torch.full_like(sink_dest, -1), torch.zeros_like(real)
+            ring_dest, ring_valid = torch.full_like(sink_dest, -1)[:, None], torch.zeros_like(real)
         return Placement(
             src=torch.cat((src, src), -1)[:, None].expand(batch, hm, 2 * q),
-            dest=torch.cat((sink_dest, ring_dest), -1)[:, None].expand(batch, hm, 2 * q).contiguous(),
+            dest=torch.cat((sink_dest[:, None].expand(batch, hm, q), ring_dest.expand(batch, hm, q)), -1).contiguous(),
             valid=torch.cat((is_sink, ring_valid), -1)[:, None].expand(batch, hm, 2 * q),
         )
 
     # -- multi-token chunks ---------------------------------------------------------------------------------------
     def _place_chunk(self, layer, real: torch.Tensor, seen: int, new_scores: torch.Tensor | None) -> Placement:
         """Re-place past non-sink tokens and the new chunk by age (vectorised version of one-token steps)."""
+        self._sink_step = True
         batch, q = real.shape
         device = real.device
         hm = layer.slot_valid.shape[1]
@@ -208,10 +251,21 @@ class CascadePolicy(Policy):
         age = seen_after - 1 - cand_u
         target = torch.full_like(cand_u, -1)
         for tier in range(len(self.tier_sizes)):
+            if tier == self.pool_tier:
+                continue
             inside = (age >= self.starts[tier]) & (age < self.ends[tier])
             target = torch.where(inside, self._ring_slot(tier, cand_u), target)
         older = age >= (self.ends[-1] if self.ends else 0)
-        if self.final == "keep":
+        if self.pooled:  # the pool tier's ages all stay (even padding: it holds its ring place), then the top scores
+            entered = age >= self.starts[self.pool_tier]
+            score = torch.cat((self.scores[..., self.sinks : used], new_scores), -1)
+            key = torch.where(older & cand_valid, score, float("-inf"))
+            key = torch.where(entered & ~older, float("inf"), key)
+            lo = self.bases[self.pool_tier]
+            in_pool = (cand_cur >= lo) & (cand_cur < self.capacity)
+            pool_target = self._heavy_keep(key, in_pool, cand_cur, lo, self.capacity - lo)
+            target = torch.where(entered, pool_target, target)
+        elif self.final == "keep":
             target = torch.where(older, self.final_base + cand_u, target)
         elif self.final == "heavy":
             score = torch.cat((self.scores[..., self.sinks : used], new_scores), -1)
@@ -255,7 +309,8 @@ class CascadePolicy(Policy):
         self._ensure_meta(layer)
         self.scores.scatter_(2, dest, 0.0)
         self.stream.scatter_(2, dest, seen_before + placement.src)
-        self.memory.record(placement, keys, dest, positions, seen_before)
+        if self._sink_step:
+            self.memory.record(placement, keys, dest, positions, seen_before)
 
     def before_read(self, layer) -> None:
         self.memory.reposition(layer, layer.used)
@@ -263,6 +318,7 @@ class CascadePolicy(Policy):
     def crop(self, layer, new_seen: int) -> None:
         self._ensure_meta(layer)
         layer.slot_valid &= self.stream < new_seen
+        self.stream = torch.where(self.stream < new_seen, self.stream, -1)  # cropped slots are empty again (pool)
         layer.slot_valid[:, :, : self.sinks] &= self.memory.kept_after_crop(new_seen)[:, None]
         self.n_real = layer.slot_valid[:, 0, : self.sinks].long().sum(-1) + (
             layer.slot_valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
