@@ -26,7 +26,7 @@ register()
 from .hub import KVCacheConfig, publish  # noqa: E402  (needs the registry filled)
 from .paged import enable_paged, install as _install_paged  # noqa: E402
 
-_install_paged()  # continuous batching reads `kv_cache_dtype` from its config (hf_kvcache.paged, docs/serving.md)
+_install_paged(strict=False)  # continuous batching reads `kv_cache_dtype` (hf_kvcache.paged, docs/serving.md)
 from .state import load_cache_state, read_cache_state_header, save_cache_state  # noqa: E402
 
 __all__ = [

@@ -321,3 +321,17 @@ def test_serve_bench_settings_and_cli_errors_name_the_option():
     with pytest.raises(ValueError, match=r"`prompt_min` \(9\) must be <= `prompt_max` \(8\)"):
         ServeBenchSettings(prompt_min=9, prompt_max=8)
     assert main(["serve-bench", "--prompt-lengths", "12"]) == 2  # MIN-MAX expected: a clear error, exit code 2
+
+
+def test_install_on_a_changed_transformers_warns_and_leaves_it_untouched(monkeypatch):
+    from hf_kvcache.paged import cache as paged_cache
+    from transformers.generation.continuous_batching import continuous_api
+
+    monkeypatch.setattr(paged_cache, "_installed", False)
+    monkeypatch.setattr(continuous_api, "PagedAttentionCache", cb_cache.PagedAttentionCache)
+    monkeypatch.setattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR", None)
+    with pytest.warns(UserWarning, match="cache.ATTN_TYPE_TO_ALLOCATOR.*will be ignored"):
+        assert paged_cache.install(strict=False) is False
+    assert continuous_api.PagedAttentionCache is cb_cache.PagedAttentionCache  # untouched
+    with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
+        hf_kvcache.enable_paged(build_model("llama"), kv_dtype="fp8_e4m3")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -35,7 +36,7 @@ from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching import continuous_api
 
 from .allocators import ALLOCATORS
-from .internals import check_internals
+from .internals import UnsupportedTransformersError, check_internals
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
 _BUILD_LOCK = threading.Lock()
@@ -108,15 +109,23 @@ def first_forward_masks(cu_seq_lens_q, cu_seq_lens_k, num_read: int, num_new: in
 _installed = False
 
 
-def install() -> None:
-    """Make transformers' continuous batching build QuantizedPagedAttentionCache (idempotent). Raises
-    `UnsupportedTransformersError` naming the internal if this transformers version lacks one we rely on."""
+def install(strict: bool = True) -> bool:
+    """Make transformers' continuous batching build QuantizedPagedAttentionCache (idempotent). If this transformers
+    version changed an internal we rely on: raise `UnsupportedTransformersError` naming it (strict), or warn and
+    leave transformers untouched (`import hf_kvcache` does that, so the rest of the library still imports)."""
     global _installed
     if _installed:
-        return
-    check_internals()
+        return True
+    try:
+        check_internals()
+    except UnsupportedTransformersError as error:
+        if strict:
+            raise
+        warnings.warn(f"{error} `kv_cache_dtype` in continuous-batching configs will be ignored.", stacklevel=3)
+        return False
     continuous_api.PagedAttentionCache = QuantizedPagedAttentionCache
     _installed = True
+    return True
 
 
 def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
