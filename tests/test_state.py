@@ -37,6 +37,12 @@ CACHES = {
     "fp8_max_length": lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=64),
     "kivi": lambda m: hf_kvcache.KIVICache(m, residual=8, group_size=8),
     "per_layer": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6, layers={1: {"cache": "h2o", "budget": 8}}),
+    # the scorer caches (issue 14): nothing of theirs needed a state method (see hf_kvcache.state)
+    "knorm": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["knorm"](m, budget=8),
+    "keydiff_prompt": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["keydiff"](m, budget=8, compress="prompt"),
+    "tova": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["tova"](m, budget=8),
+    "snapkv": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["snapkv"](m, budget=8, window=4),
+    "expected_attention": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["expected_attention"](m, budget=8),
 }
 STEPS_BEFORE, STEPS_AFTER = 9, 8
 
