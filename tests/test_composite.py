@@ -337,3 +337,18 @@ def test_preset_decode_work_does_not_depend_on_region_sizes():
     large = _decode_ops(lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=48))
     h2o = _decode_ops(lambda m: hf_kvcache.H2OCache(m, budget=48))
     assert small == large and large - h2o <= 2 * 110, (small, large, h2o)  # per layer: ~94 more than H2O (was ~240)
+
+
+def test_moves_between_regions_of_one_format_copy_codes():
+    """A token moving from an FP8 window to an FP8 'rest' keeps its codes (no dequantize + quantize, no second
+    rounding): however long the window, every token holds the codes it got when it arrived, so the logits agree."""
+    model = build_model("llama")
+    ids = random_ids(2, 30, seed=17)
+    fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
+    logits = []
+    for end in (1, 6):
+        cache = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": end, **fp8}, {"role": "rest", **fp8}])
+        with torch.no_grad():
+            logits.append(_stream(model, cache, ids, 8))
+        assert len(cache.layers[0].store.stores) == 2
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

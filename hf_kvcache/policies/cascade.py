@@ -104,14 +104,17 @@ class CascadePolicy(Policy):
         `dest_slots`: the Python slot numbers they can be, when known on the host (decode), so region stores need
         not read the device to know which regions are involved."""
         src_hint, dest_hint = self._region_hint(layer, src_slots), self._region_hint(layer, dest_slots)
-        keys, values = layer.store.read_slots(src, regions=src_hint)
         valid = layer.slot_valid.gather(2, src)
         pos, stream, scores = layer.slot_pos.gather(2, src), self.stream.gather(2, src), self.scores.gather(2, src)
         layer.slot_valid.scatter_(2, src, False)
         self.stream.scatter_(2, src, -1)  # vacated: no stale stream index left to be moved again (after a crop)
         dest = torch.where(dest >= 0, dest, layer.trash_slot)
         valid = valid & (dest != layer.trash_slot)
-        layer.store.write(dest, keys, values, regions=dest_hint)
+        if hasattr(layer.store, "move"):  # a region store: same-format moves copy codes (stores/regions.py)
+            layer.store.move(src, dest, src_hint, dest_hint)
+        else:
+            keys, values = layer.store.read_slots(src)
+            layer.store.write(dest, keys, values)
         layer.slot_valid.scatter_(2, dest, valid)
         layer.slot_pos.scatter_(2, dest, pos)
         self.stream.scatter_(2, dest, stream)

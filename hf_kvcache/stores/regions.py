@@ -111,6 +111,30 @@ class RegionStore:
             out_v = v if out_v is None else torch.where(inside, v, out_v)
         return out_k, out_v
 
+    def move(self, src: torch.Tensor, dest: torch.Tensor, src_regions=None, dest_regions=None) -> None:
+        """Copy the tokens of slots `src` to slots `dest` ([B, 1 or H, n]; the layer's trash slot for none). Between
+        two regions that hold tokens in the same per-token format (the hints name one region each), the codes and
+        their scales are copied as they are: no dequantization, no second rounding. Otherwise (other precisions, or
+        no hints: prefill chunks) the tokens are dequantized and written, i.e. quantized to the destination's
+        format."""
+        src_r, dest_r = self._touched(src_regions), self._touched(dest_regions)
+        if not dest_r:  # every token dropped (evicted): nothing to read
+            return
+        if len(src_r) == 1 and len(dest_r) == 1 and _same_codes(self.stores[src_r[0]], self.stores[dest_r[0]]):
+            local_src = src - self.bases[src_r[0]]  # (the hint: every source is in that region)
+            local_dest = self._local(dest_r[0], dest)[0]
+            source, target = self.stores[src_r[0]], self.stores[dest_r[0]]
+            for from_codec, to_codec in zip(source._codecs(), target._codecs()):
+                rows_src, rows_dest = (torch.cat((i, i), 0) if source.joint else i for i in (local_src, local_dest))
+                codes = {}
+                for name, t in from_codec.slot.items():
+                    index = rows_src.reshape(rows_src.shape + (1,) * (t.dim() - 3))
+                    codes[name] = t.gather(2, index.expand(t.shape[0], t.shape[1], index.shape[2], *t.shape[3:]))
+                to_codec.put(codes, dest=rows_dest)
+            return
+        keys, values = self.read_slots(src, regions=src_regions)
+        self.write(dest, keys, values, regions=dest_regions)
+
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         for base, size, store in zip(self.bases, self.sizes, self.stores):
             if base <= start < base + size:
@@ -141,3 +165,16 @@ class RegionStore:
             keys += k
             values += v
         return keys, values
+
+
+def _same_codes(a, b) -> bool:
+    """Whether tokens can move from store `a` to store `b` as codes: both quantized stores with the same specs and
+    scales that travel with each token (per-token granularity; fixed per-tensor/head scales are each store's own),
+    no key smoothing (each store has its own key mean)."""
+    if type(a).__name__ != "QuantizedStore" or type(b).__name__ != "QuantizedStore":
+        return False
+    if (a.key_spec, a.value_spec, a.joint) != (b.key_spec, b.value_spec, b.joint) or a.key_smoothing or b.key_smoothing:
+        return False
+    return all(spec.granularity == "token" for spec in (a.key_spec, a.value_spec)) and all(
+        codec.block == 1 and not codec.per_block and not getattr(codec, "token_pairs", False)
+        for codec in a._codecs())
