@@ -17,9 +17,10 @@ Decode cost does not grow with the regions (the fast path, issue 13): regions ar
 name. Adjacent windows of the same precision share one ring (a token keeps its slot while it ages through them),
 and heavy hitters at the precision of the last window share one pool of slots with it: a token keeps its slot from
 the moment it enters the window until it is evicted, and the new token takes the evicted one's slot (as H2OCache
-does). So the preset moves no token between regions at all; moves remain only between regions of different
-precision (one token per boundary per step: dequantized and quantized again, which is what a change of precision
-is) and into a kept 'rest' region. Reads write every region into one shared workspace buffer (no concatenation).
+does). So the preset moves no token between regions at all. Other moves are one token per region boundary per
+step: into a region of the same per-token format (e.g. a window into a 'rest' of its precision) the codes and scales
+are copied as they are; into another precision the token is dequantized and quantized again (what a change of
+precision is). Reads write every region into one shared workspace buffer (no concatenation).
 The tokens kept are exactly those of the region-by-region layout; only their slots differ (attention does not
 depend on slot order).
 
