@@ -447,8 +447,8 @@ class QuantizedPrefix:
         self.count = min(self.count, seen)
 
     def splits_block(self, seen: int) -> bool:
-        """A crop to `seen` tokens would cut a quantized block: the caches then refuse the next forward
-        (NotImplementedError "cannot crop to ..."): the crop itself is accepted (see tests/test_quantized_cache.py)."""
+        """A crop to `seen` tokens would cut a quantized block: the caches refuse it (NotImplementedError "cannot
+        crop to ..."), leaving everything as it was."""
         return seen < self.count and seen % self.flush != 0
 
     def reset(self) -> None:

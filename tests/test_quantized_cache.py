@@ -286,9 +286,11 @@ def test_crop_for_assisted_decoding(llama):
             llama(input_ids=ids[:, :40], past_key_values=kivi)  # 32 tokens quantized in blocks of 8
             kivi.crop(-4)  # to 36: inside the full-precision part (tokens 32..39): fine
             llama(input_ids=ids[:, 36:37], past_key_values=kivi)
-            kivi.crop(-9)  # to 28: inside the quantized block [24, 32)
             with pytest.raises(NotImplementedError, match=r"cannot crop to 28 tokens.*Keep `residual` at least"):
-                llama(input_ids=ids[:, 28:29], past_key_values=kivi)
+                kivi.crop(-9)  # to 28: inside the quantized block [24, 32): refused by the crop itself
+            assert kivi.get_seq_length() == 37  # unchanged, and still usable
+            llama(input_ids=ids[:, 37:38], past_key_values=kivi)
+            assert kivi.get_seq_length() == 38
 
 
 @needs_packer

@@ -41,4 +41,7 @@ class KeepAllPolicy(Policy):
         return False
 
     def crop(self, layer, new_seen: int) -> None:
+        check = getattr(layer.store, "check_crop", None)
+        if check is not None:  # quantized stores refuse a crop they cannot apply now, not at the next forward
+            check(new_seen)
         layer.slot_valid[..., new_seen:] = False

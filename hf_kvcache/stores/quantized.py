@@ -324,11 +324,28 @@ class QuantizedStore:
         """Forget tokens from `length` on (the layer cropped them, e.g. assisted decoding)."""
         if length > self.length:
             raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
+        self.check_crop(length)
         if length >= self.qlen:
             self.fp_len = length - self.qlen
-        elif length % self.flush == 0:
-            self.qlen, self.fp_len = length, 0
         else:
+            self.qlen, self.fp_len = length, 0
+
+    def check_crop(self, length: int) -> None:
+        """Raise, before anything changes, when the content cannot be cut to `length` tokens: the append-only layout
+        cannot split a quantized block, and the ring layout cannot bring back to full precision tokens its ring no
+        longer holds. Called by the layer's crop (so a refused crop leaves the cache usable) and by the truncation
+        that applies a crop."""
+        if not self.append_only or length >= self.length:
+            return
+        if self.ring:
+            settled = self._settled(length)
+            if settled < self.length - self.fp_k.shape[2]:
+                raise NotImplementedError(
+                    f"{self.where}: cannot crop {self.length} tokens to {length}: tokens from {settled} on would be "
+                    f"full precision again, but the ring keeps only the last {self.fp_k.shape[2]}. Keep `residual` at "
+                    "least as large as the number of tokens a crop may remove."
+                )
+        elif length < self.qlen and length % self.flush:
             raise NotImplementedError(
                 f"{self.where}: cannot crop to {length} tokens: tokens before {self.qlen} are quantized in blocks of "
                 f"{self.flush} and cannot be split. Keep `residual` at least as large as the number of tokens a crop "
@@ -401,13 +418,8 @@ class QuantizedStore:
         still in the ring."""
         if length > self.length:
             raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
+        self.check_crop(length)
         settled = self._settled(length)
-        if settled < self.length - self.fp_k.shape[2]:
-            raise NotImplementedError(
-                f"{self.where}: cannot crop {self.length} tokens to {length}: tokens from {settled} on would be full "
-                f"precision again, but the ring keeps only the last {self.fp_k.shape[2]}. Keep `residual` at least as "
-                "large as the number of tokens a crop may remove."
-            )
         self.qlen, self.fp_len = settled, length - settled
         self.filled.fill_(length)
 
