@@ -368,3 +368,11 @@ def test_regression_composite_quantized_region_after_batch_select():
     # no sinks, window [0, 1) full, everything older kept in FP8, seed
     replay("composite", (0, 1, 0, "full", "keep", "fp8_e4m3", "cache", 1),
            [("first_forward", 2, [3, 3]), ("select", [1]), ("decode",), ("repeat_interleave", 2), ("decode",)])
+
+
+def test_regression_kivi_crop_into_a_quantized_block_is_refused_and_the_cache_stays_usable():
+    """A crop into a quantized block was accepted, and every later forward raised: now the crop itself refuses."""
+    # KIVI 4-bit, key blocks of 4 tokens, no residual, seed
+    replay("kivi", (4, 0, 1),
+           [("first_forward", 4, [2, 6, 6, 4]), ("select", [3, 2, 0]), ("chunk", 4), ("select", [2]), ("chunk", 2),
+            ("chunk", 4), ("crop", 3), ("decode",), ("crop", 1), ("decode",)])
