@@ -34,7 +34,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .agreement import record_logits
+from ..rotation import ROTATIONS
 from .spec import KV_DTYPES, PagedKVSpec
+
+SCALE_DTYPE_NAMES = ("bfloat16", "float16", "float32", "e8m0")
 
 DEFAULT_FORMATS = ("model", "fp8_e4m3", "int8")
 
@@ -82,14 +85,23 @@ class ServeBenchSettings:
 
 
 def parse_format(name: str) -> tuple[str, dict]:
-    """"model", "fp8_e4m3", "int8", "fp8_e4m3:hadamard" (key rotation), ... -> (kv_dtype, options)."""
-    kv_dtype, _, rotation = name.partition(":")
+    """"model", "fp8_e4m3", "int8", "fp8_e4m3:hadamard" (key rotation), "fp8_e4m3:e8m0" (scale dtype),
+    "fp8_e4m3:hadamard:e8m0" ... -> (kv_dtype, options)."""
+    kv_dtype, *extras = name.split(":")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"format {name!r}: the page dtype must be one of {KV_DTYPES}.")
-    options = {"key_rotation": rotation} if rotation else {}
+    options = {}
+    for extra in extras:
+        if extra in ROTATIONS:
+            options["key_rotation"] = extra
+        elif extra in SCALE_DTYPE_NAMES:
+            options["scale_dtype"] = extra
+        else:
+            raise ValueError(f"format {name!r}: {extra!r} is neither a key rotation {ROTATIONS} nor a scale dtype "
+                             f"{SCALE_DTYPE_NAMES}.")
     if kv_dtype == "model":
         if options:
-            raise ValueError(f"format {name!r}: model-dtype pages take no key rotation.")
+            raise ValueError(f"format {name!r}: model-dtype pages take no options.")
         return kv_dtype, {}
     PagedKVSpec(kv_dtype=kv_dtype, **options)
     return kv_dtype, options
@@ -155,14 +167,23 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
     }
 
 
-def _agreement(reference: dict[str, torch.Tensor], test: dict[str, torch.Tensor]) -> dict:
+def _agreement(reference: dict[str, torch.Tensor], test: dict[str, torch.Tensor], same_text: int) -> dict:
+    """KL / top-1 over all requests, and KL over the first `same_text` requests (the text QuantizedFP8Cache is
+    scored on)."""
     from ..evaluation.divergence import divergence_metrics
 
-    ref = torch.cat([reference[rid] for rid in sorted(reference)])
-    got = torch.cat([test[rid] for rid in sorted(reference)])
+    ids = sorted(reference, key=lambda r: int(r.split("_")[-1]))
+    ref = torch.cat([reference[rid] for rid in ids])
+    got = torch.cat([test[rid] for rid in ids])
     metrics = divergence_metrics(ref, got)
-    return {"kl_mean": metrics["kl_mean"], "kl_p99": metrics["kl_p99"], "top1_agreement": metrics["top1_agreement"],
-            "positions": metrics["positions"]}
+    out = {"kl_mean": metrics["kl_mean"], "kl_p99": metrics["kl_p99"], "top1_agreement": metrics["top1_agreement"],
+           "positions": metrics["positions"]}
+    if same_text:
+        subset = divergence_metrics(torch.cat([reference[r] for r in ids[:same_text]]),
+                                    torch.cat([test[r] for r in ids[:same_text]]))
+        out["kl_mean_same_text"] = subset["kl_mean"]
+        out["top1_same_text"] = subset["top1_agreement"]
+    return out
 
 
 def quantized_cache_kl(model, prompts, tokens: dict[str, list[int]], count: int,
@@ -243,11 +264,13 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
                        "format": fmt}
                 row.update({k: v for k, v in result.items() if k not in ("tokens", "logprobs")})
                 if not first:  # model-dtype runs at other budgets batch differently: their KL is the noise floor
-                    row.update(_agreement(reference_logprobs, result["logprobs"]))
+                    row.update(_agreement(reference_logprobs, result["logprobs"], settings.kl_requests))
                 runs.append(row)
                 progress(f"round {round_index} budget x{scale} {fmt}: peak concurrent {row['peak_concurrent_requests']}"
                          f", {row['tokens_per_s']:.1f} tok/s, ttft {row['ttft_mean_s']:.2f}s"
-                         + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else ""))
+                         + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else "")
+                         + (f", KL first {settings.kl_requests} {row['kl_mean_same_text']:.2e}"
+                            if "kl_mean_same_text" in row else ""))
     baseline = None
     if settings.kl_requests:
         progress(f"QuantizedFP8Cache KL on the same text ({settings.kl_requests} requests)...")
