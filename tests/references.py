@@ -141,9 +141,10 @@ class Reference:
     def target_positions(self, b: int, h: int, kept: list[Token]) -> list[int]:
         return self.rule.positions(self, self.rows[b], h, kept)
 
-    def expected(self, b: int, h: int):
+    def expected(self, b: int, h: int, key_rotation: torch.Tensor | None = None):
         """(kept tokens, positions of their keys, keys rotated there [n, D], values [n, D], key tolerance [n, D],
-        value tolerance [n, D])."""
+        value tolerance [n, D]). `key_rotation` [D, D]: the cache stores keys @ key_rotation (quantized caches'
+        outlier rotation): the keys and their tolerances are given in that basis."""
         kept = self.kept(b, h)
         pos = self.target_positions(b, h, kept)
         if not kept:
@@ -151,6 +152,8 @@ class Reference:
             return kept, pos, empty, empty, empty, empty
         raw = torch.stack([t.raw_key[h] for t in kept])
         keys = self.rope.rotate(raw, torch.tensor(pos))
+        if key_rotation is not None:
+            keys = keys @ key_rotation
         values = torch.stack([t.value[h] for t in kept])
         key_tol, value_tol = self.rule.tolerances(self, self.rows[b], h, kept, keys, values)
         return kept, pos, keys, values, key_tol, value_tol

@@ -97,7 +97,8 @@ def composite_pair(draw):
 
 def fp8_pair(draw):
     residual = draw(st.sampled_from([0, 0, 3]))
-    cache = QuantizedFP8Cache(CONFIG, residual=residual, key_rotation="none", attention="dequantize")
+    rotation = draw(st.sampled_from(["none", "hadamard"]))
+    cache = QuantizedFP8Cache(CONFIG, residual=residual, key_rotation=rotation, attention="dequantize")
     return cache, KeepAllRule(FP8TokenPrecision(residual))
 
 
@@ -169,6 +170,7 @@ class CacheMachine(RuleBasedStateMachine):
         table = torch.rand(batch, HEADS, int(positions.max()) + 1, generator=self.generator)
         real = new_mask.bool()
         self.cache.begin_forward(q, batch, torch.device("cpu"), attention_mask=mask, position_ids=positions)
+        self.cache.forward_info.attention_bridged = True  # this driver plays the bridge (keys may be stored rotated)
         for layer in self.cache.compressed_layers:
             layer.update(keys, values)
             if layer.policy.needs_attention:
@@ -282,7 +284,7 @@ class CacheMachine(RuleBasedStateMachine):
                     got = [by_stream[int(c)].position for c in cols]
                 else:
                     got = layer.slot_pos[b, hm, cols].tolist()
-                kept, pos, want_k, want_v, key_tol, value_tol = self.ref.expected(b, h)
+                kept, pos, want_k, want_v, key_tol, value_tol = self.ref.expected(b, h, layer.key_rotation)
                 want = [t.position for t in kept]
                 assert sorted(got) == want, f"row {b} head {h}: kept positions {sorted(got)}, reference {want}"
                 order = torch.tensor(sorted(range(len(got)), key=lambda i: got[i]), dtype=torch.long)
