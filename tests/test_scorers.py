@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from conftest import PAD, build_model, left_pad, random_ids
-import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS
 from hf_kvcache.policies.scored import group_mean
 

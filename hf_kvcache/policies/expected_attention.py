@@ -112,7 +112,8 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         used = layer.used
         if used:
             stored_k, stored_v = layer.store.read(used)
-            keys, values = torch.cat((stored_k, keys.to(stored_k.dtype)), 2), torch.cat((stored_v, values.to(stored_v.dtype)), 2)
+            keys = torch.cat((stored_k, keys.to(stored_k.dtype)), 2)
+            values = torch.cat((stored_v, values.to(stored_v.dtype)), 2)
         heads = keys.shape[1]
         logits = expected_logits(keys, self.mean, self.cov)
         value_norm = values.float().norm(dim=-1) if self.use_value_norm else None

@@ -73,7 +73,8 @@ class ScoredPolicy(HeavyHitterPolicy):
 
     def arrival_scores(self, layer, keys: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """Scores [B, H, n] of tokens written outside a chunk selection (decode); keys [B, H, n, D] as written,
-        src [B, H or 1, n] their index in the forward's tokens. Default 0 (the next `refresh` or `observe` sets them)."""
+        src [B, H or 1, n] their index in the forward's tokens. Default 0 (the next `refresh` or `observe` sets
+        them)."""
         return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
 
     def refresh(self, layer) -> None:

@@ -42,6 +42,7 @@ class SnapKVPolicy(ScoredPolicy):
         self.window, self.kernel = window, kernel
         self.attention_window = window
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
+        self._seed: torch.Tensor | None = None  # a chunk's window votes, put in the ring after the chunk is placed
 
     def _pool(self, layer, scores, stream, valid, newest: int) -> torch.Tensor:
         """Pool the tokens before the observation window (stream index <= newest - window) only, as kvpress does;
@@ -72,7 +73,7 @@ class SnapKVPolicy(ScoredPolicy):
             self.rows = self.scores.new_zeros(self.scores.shape[:2] + (self.window, self.scores.shape[-1]))
         # a slot's new token starts with no votes from earlier queries
         self.rows.scatter_(3, dest[:, :, None, :].expand(-1, -1, self.window, -1), 0.0)
-        seed = getattr(self, "_seed", None)
+        seed = self._seed
         if new_scores is not None and seed is not None:  # after a chunk: its window's votes in ring row 0
             used_before = seed.shape[-1] - placement.src.shape[-1]
             row = torch.zeros_like(self.scores)
