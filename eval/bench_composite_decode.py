@@ -3,6 +3,7 @@ recent window + FP8 heavy hitters) against H2OCache at the same token budget, an
 SmolLM2-135M (float32, CPU, one thread), in one interleaved run.
 
     python eval/bench_composite_decode.py [--prompt 2048] [--budgets 256 1024] [--rounds 8] [--steps 12]
+    python eval/bench_composite_decode.py --clock cpu --out eval/results/composite_decode_cpu.json  # thread CPU time
 
 Method (as eval/bench_decode_cost.py):
 - Each configuration (cache x budget) prefills the same `--prompt` tokens of the pydoc corpus once, then every round
@@ -45,12 +46,12 @@ CACHES = {
 }
 
 
-def decode_times(model, cache, ids, pos: int, n: int) -> list[float]:
+def decode_times(model, cache, ids, pos: int, n: int, clock=time.perf_counter) -> list[float]:
     times = []
     for i in range(n):
-        t0 = time.perf_counter()
+        t0 = clock()
         model(input_ids=ids[:, pos + i : pos + i + 1], past_key_values=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
@@ -66,8 +67,14 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
+                             "less disturbed by other processes on a shared machine; needs --threads 1)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "composite_decode.json")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     budgets = sorted(args.budgets)
     if any(b >= args.prompt for b in budgets):
         parser.error(f"--budgets {budgets} must be below --prompt {args.prompt} (the caches must evict)")
@@ -101,7 +108,7 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 c = configs[label]
-                times = decode_times(model, c["cache"], ids, c["pos"], per_round)
+                times = decode_times(model, c["cache"], ids, c["pos"], per_round, clock)
                 c["pos"] += per_round
                 c["rounds"].append(statistics.median(times[args.warmup:]))
             print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -129,7 +136,7 @@ def main(argv=None) -> None:
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
         "rows": rows,
         "method": {"prompt": args.prompt, "budgets": budgets, "rounds": args.rounds, "steps": args.steps,
-                   "warmup": args.warmup, "threads": args.threads, "interleaved": True},
+                   "warmup": args.warmup, "threads": args.threads, "clock": args.clock, "interleaved": True},
         "load_average_at_end": list(os.getloadavg()),
         "environment": environment(),
     }
