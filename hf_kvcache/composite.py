@@ -21,8 +21,10 @@ does). So the preset moves no token between regions at all. Other moves are one 
 step: into a region of the same per-token format (e.g. a window into a 'rest' of its precision) the codes and scales
 are copied as they are; into another precision the token is dequantized and quantized again (what a change of
 precision is). Reads write every region into one shared workspace buffer (no concatenation).
-The tokens kept are exactly those of the region-by-region layout; only their slots differ (attention does not
-depend on slot order).
+The tokens kept are those of the region-by-region layout (exact ties in heavy-hitter scores aside); only their slots
+differ (attention does not depend on slot order). Outputs differ from that layout only where it rounded twice: a
+token moving into a region of its own format used to be dequantized and quantized again (FP8: a second rounding of
+up to one unit in the last place), now it keeps the codes it got on arrival.
 
 Presets take a token `budget` instead of regions (what budget sweeps need):
 - "sinks_heavy_recent": the classic combination, 4 sinks in full precision, then the rest split evenly between a
