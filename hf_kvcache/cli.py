@@ -9,27 +9,36 @@ from .eval_cli import _non_negative_int, _positive_int
 
 
 def _demo(args) -> int:
+    import time
+
     import torch
-    from tqdm.auto import tqdm
 
     from .demo import format_table, run_demo
+    from .demo_report import write_demo_report
     from .models import load_model
     from .text import load_tokens
 
+    start = time.perf_counter()
     torch.manual_seed(0)
     print(f"Loading {args.model} ...", flush=True)
     model, tokenizer = load_model(args.model)
     ids = load_tokens(tokenizer, args.text, max_tokens=args.offset + args.prompt_tokens)[:, args.offset :]
-    print(f"Prompt: {ids.shape[1]} tokens of {args.text!r}; generating {args.new_tokens} tokens per cache.", flush=True)
-    rows = run_demo(model, tokenizer, ids, new_tokens=args.new_tokens, progress=lambda it: tqdm(it, desc="caches"))
+    print(f"Prompt: {ids.shape[1]} tokens of {args.text!r}; {args.new_tokens} new tokens per cache (a bar per row "
+          "counts its forwards: prefill, generation, teacher-forced pass).", flush=True)
+    rows = run_demo(model, tokenizer, ids, new_tokens=args.new_tokens, progress=True)
+    settings = {"model": args.model, "text": args.text, "offset": args.offset, "prompt_tokens": ids.shape[1],
+                "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(),
+                "total_seconds": time.perf_counter() - start}
+    paths = write_demo_report(rows, args.out, settings)
     print()
     print(format_table(rows))
     print(
-        "\nbytes held: what the cache allocated (buffers, scales, metadata); decode tok/s: one-token forwards through "
-        "the cache (noisy on a shared machine);\ngen agree: positions where the greedy "
+        "\nbytes held: what the cache allocated (buffers, scales, metadata); decode tok/s: generate's one-token "
+        "forwards through the cache (noisy on a shared machine);\ngen agree: positions where the greedy "
         "output equals the full cache's;\ntop-1: next-token argmax equal to the full cache's, teacher-forced on the "
-        "full cache's continuation."
+        "full cache's continuation; row s: wall time of the row."
     )
+    print(f"\nTable and plot: {', '.join(str(p) for p in paths)} ({time.perf_counter() - start:.0f} s in all)")
     return 0
 
 
@@ -68,13 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="generate with each cache on a model and print bytes held, speed and agreement with the full cache",
-        description="A small budget sweep: one greedy generate per cache and budget (1/8, 1/4, 1/2 of the prompt).",
+        description="A small budget sweep: per cache and budget (1/8, 1/4, 1/2 of the prompt), one prefill, a greedy "
+        "generate and a teacher-forced pass; writes demo.csv, demo.json and demo.png (quality vs bytes) to --out.",
     )
     demo.add_argument("--model", default="smollm2", help="Hub id, local path, or 'smollm2' (offline; default)")
     demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
-    demo.add_argument("--prompt-tokens", type=_positive_int, default=1024, help="prompt length (default 1024)")
-    demo.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
+    demo.add_argument("--prompt-tokens", type=_positive_int, default=512, help="prompt length (default 512)")
+    demo.add_argument("--new-tokens", type=_positive_int, default=32, help="tokens to generate (default 32)")
     demo.add_argument("--offset", type=_non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens")
+    demo.add_argument("--out", default="demo_results", help="directory for demo.csv / .json / .png (default "
+                      "demo_results)")
     demo.set_defaults(func=_demo)
     export = sub.add_parser(
         "export-hub",
