@@ -378,3 +378,11 @@ def test_regression_kivi_crop_into_a_quantized_block_is_refused_and_the_cache_st
     replay("kivi", (4, 0, 1),
            [("first_forward", 4, [2, 6, 6, 4]), ("select", [3, 2, 0]), ("chunk", 4), ("select", [2]), ("chunk", 2),
             ("chunk", 4), ("crop", 3), ("decode",), ("crop", 1), ("decode",)])
+
+
+def test_regression_composite_new_prompt_after_cropping_everything():
+    """Sinks re-positioned ("cache") after a crop to no tokens: the next prompt's read had no columns after the sinks
+    to find the oldest other token in (an IndexError from amin over nothing)."""
+    # sinks 1, window [0, 2) full + [2, 4) full, heavy 3 in FP8, sink_positions "cache", seed
+    replay("composite", (1, 2, 2, "full", "heavy", 3, "fp8_e4m3", "cache", 4548),
+           [("first_forward", 2, [6, 6]), ("crop", 3), ("crop", 2), ("crop", 3), ("first_forward", [1, 6])])

@@ -76,8 +76,9 @@ class SinkMemory:
         policies such as a composite with heavy hitters keep different tokens in each KV head)."""
         if self.rotator is None or self.sinks == 0 or self.keys is None:
             return
-        valid = layer.slot_valid[:, :, self.sinks : used]  # [B, Hm, n]
-        positions = layer.slot_pos[:, :, self.sinks : used]
+        end = max(used, self.sinks + 1)  # at least one column: after a crop to nothing `used` is 0 (all invalid)
+        valid = layer.slot_valid[:, :, self.sinks : end]  # [B, Hm, n]
+        positions = layer.slot_pos[:, :, self.sinks : end]
         oldest = torch.where(valid, positions.long(), torch.iinfo(torch.long).max).amin(-1)  # [B, Hm]
         self.reposition_before(layer, oldest, valid.any(-1))
 
