@@ -314,7 +314,7 @@ def write_results(result: dict, out: str) -> list[str]:
 
     base = Path(out)
     base.parent.mkdir(parents=True, exist_ok=True)
-    paths = [base.with_suffix(".json"), base.with_suffix(".csv"), base.with_suffix(".png")]
+    paths = [base.parent / f"{base.name}.{suffix}" for suffix in ("json", "csv", "png")]  # keeps dots in the name
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
     runs = result["runs"]
     columns = sorted({k for r in runs for k in r}, key=lambda k: list(runs[0]).index(k) if k in runs[0] else 99)
