@@ -22,6 +22,11 @@ CPU (the committed results in eval/results/gpu_bench_cpu/; a few minutes each):
     .venv/bin/python eval/bench_gpu.py --tiny --out eval/results/gpu_bench_cpu --name tiny_inductor
     # SmolLM2-135M, eager only: memory, host syncs and aten ops per step of the real model, eager throughput
     .venv/bin/python eval/bench_gpu.py --modes eager --out eval/results/gpu_bench_cpu --name smollm2_eager
+    # SmolLM2-135M compiled, the fixed-capacity caches vs compiled StaticCache (fp8 and kivi need `max_length`)
+    .venv/bin/python eval/bench_gpu.py --modes compiled --prompt-tokens 512 --new-tokens 32 --rounds 3 \
+        --cache sink:budget=256 --cache sliding:window=256 --cache fp8:max_length=640 \
+        --cache fp8:max_length=640,granularity=head --cache kivi:max_length=640,group_size=32,residual=32 \
+        --out eval/results/gpu_bench_cpu --name smollm2_compiled
 
 What is measured, per cache (default: every name in `hf_kvcache.CACHE_IMPLEMENTATIONS` with a default config, or
 `--cache NAME:key=value,...` as the other eval scripts parse it) and per mode (`eager`, `compiled`):
