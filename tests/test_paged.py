@@ -1,7 +1,8 @@
 """Quantized pages for transformers' continuous batching (hf_kvcache.paged, issue 15).
 
 - generate_batch with FP8 / INT8 pages equals the same requests run one by one through QuantizedFP8Cache with the
-  same quantizer, teacher-forced on the same tokens (float32 tiny model: within float rounding);
+  same quantizer and key rotation (Hadamard by default for FP8, none), teacher-forced on the same tokens (float32
+  tiny model: within float rounding);
 - a request's first forward attends its own tokens unquantized, later reads see the codes (cache.update directly);
 - hybrid models (sliding + full layers) run with quantized sliding and full pages;
 - page accounting: every page is free again after each batch of a persistent manager, pages are reused;
@@ -25,6 +26,7 @@ from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError, check_internals
 from hf_kvcache.paged.agreement import record_logits
 from hf_kvcache.paged.cache import first_forward_masks
+from hf_kvcache.paged.spec import DEFAULT_KEY_ROTATION
 from hf_kvcache.stores.quantization import QuantSpec, make_codec
 from hf_kvcache.stores.workspace import TransientWorkspace
 
@@ -68,11 +70,15 @@ def llama_reference():
 
 
 @pytest.mark.parametrize("kv_dtype, options, reference", [
+    # like with like: default FP8 pages (Hadamard keys) vs QuantizedFP8Cache's default (Hadamard keys), ...
     ("fp8_e4m3", None, dict(format="fp8_e4m3")),
+    # ... unrotated pages vs the unrotated cache
+    ("fp8_e4m3", {"key_rotation": "none"}, dict(format="fp8_e4m3", key_rotation="none")),
     ("int8", {"group_size": 8}, dict(key={"format": "int8", "granularity": "token", "group_size": 8,
                                           "scale_dtype": "bfloat16"},
                                      value={"format": "int8", "granularity": "token", "group_size": 8,
-                                            "scale_dtype": "bfloat16"})),
+                                            "scale_dtype": "bfloat16"},
+                                     key_rotation=DEFAULT_KEY_ROTATION["int8"])),
 ])
 def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, kv_dtype, options, reference):
     model, prompts, ref_tokens, ref_rec = llama_reference
@@ -87,7 +93,7 @@ def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, k
     twin = build_model("llama")
     for i, rid in enumerate(sorted(tokens, key=lambda r: int(r.split("_")[1]))):
         ids = torch.tensor(prompts[i] + tokens[rid])
-        cache = QuantizedFP8Cache(twin, key_rotation="none", attention="dequantize", **reference)
+        cache = QuantizedFP8Cache(twin, attention="dequantize", **reference)
         one_by_one = cache_logprobs(twin, ids, cache, len(prompts[i]))[:NEW_TOKENS]
         worst = max(worst, float((paged[rid] - one_by_one).abs().max()))
         kl_paged.append(divergence_metrics(full[rid], paged[rid])["kl_mean"])
@@ -97,8 +103,8 @@ def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, k
 
 def test_first_forward_attends_unquantized_then_reads_codes():
     config = build_config("llama")
-    cache = QuantizedPagedAttentionCache(config, _cb("fp8_e4m3", num_blocks=8, page_size=4),
-                                         "cpu", DistributedHelper(None, None), torch.float32)
+    cb = _cb("fp8_e4m3", {"key_rotation": "none"}, num_blocks=8, page_size=4)  # compared with the codec alone
+    cache = QuantizedPagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), torch.float32)
     allocator = cache.cache_allocators["full_attention"]
     heads, dim = 2, 16
     gen = torch.Generator().manual_seed(0)
@@ -291,6 +297,16 @@ def test_spec_round_trip_and_defaults():
     assert PagedKVSpec.from_fields(**{"kv_dtype": spec.kv_dtype, "options": {
         k: v for k, v in spec.to_dict().items() if k != "kv_dtype"}}) == spec
     assert PagedKVSpec.from_fields(None) is None and PagedKVSpec.from_fields("model") is None
+    # key rotation defaults: Hadamard for FP8 (as QuantizedFP8Cache) and INT4, none for INT8 (measured, spec.py)
+    assert [PagedKVSpec.from_fields(d).key_rotation for d in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")] == [
+        "hadamard", "hadamard", "none", "hadamard"]
+    assert PagedKVSpec.from_fields("fp8_e4m3", {"key_rotation": "none"}).key_rotation == "none"
+    allocator = QuantizedPagedAttentionCache(build_config("llama"), _cb("fp8_e4m3"), "cpu",
+                                             DistributedHelper(None, None), torch.float32).cache_allocators[
+                                                 "full_attention"]
+    eye = torch.eye(allocator.key_rotation.shape[0])
+    assert torch.allclose(allocator.key_rotation @ allocator.key_rotation.T, eye, atol=1e-6)  # orthogonal...
+    assert not torch.allclose(allocator.key_rotation, eye)  # ...and not the identity: keys really are rotated
 
 
 def test_reference_runs_agree_with_dynamic_cache(llama_reference):

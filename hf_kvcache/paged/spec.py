@@ -13,8 +13,11 @@
   value groups) when it divides head_dim, else the whole head.
 - scale_dtype: how scales (and integer zero points) are stored: "bfloat16" (default), "float16", "float32"
   (FP8 also "e8m0": a power of two in one byte).
-- key_rotation: "none" (default) or "hadamard" / "random": keys are rotated by an orthogonal matrix before they
-  are quantized and rotated back when read (hf_kvcache.rotation): outlier channels are spread over the head.
+- key_rotation: "hadamard", "random" or "none"; default (None): the format's entry in DEFAULT_KEY_ROTATION,
+  "hadamard" for FP8 as QuantizedFP8Cache does by default. Keys are rotated by an orthogonal matrix before they
+  are quantized and rotated back when read (hf_kvcache.rotation): q . k is unchanged up to float rounding and
+  outlier channels are spread over the head before rounding. DEFAULT_KEY_ROTATION_MEASURED says how the
+  defaults were chosen.
 
 Errors name the field (`kv_cache_dtype`, `kv_cache_quantization.group_size`, ...) and the allowed values.
 """
@@ -34,6 +37,15 @@ OPTION_KEYS = ("granularity", "group_size", "scale_dtype", "key_rotation")
 GRANULARITIES = ("token",)
 #: integer formats: channels per scale when no group_size is given
 DEFAULT_INT_GROUP = 32
+#: key rotation when `kv_cache_quantization.key_rotation` is not given, per format
+DEFAULT_KEY_ROTATION = {"fp8_e4m3": "hadamard", "fp8_e5m2": "hadamard", "int8": "none", "int4": "hadamard"}
+DEFAULT_KEY_ROTATION_MEASURED = (
+    "SmolLM2-135M bf16, 48 requests (prompts 8-24, 4-12 new tokens), KL vs model-dtype pages (hf-kvcache serve-bench "
+    "--threads 1 --formats model,int8:none,int8:hadamard,int4:none,int4:hadamard,fp8_e4m3:none,fp8_e4m3:hadamard "
+    "--budget-scales 1.0 --requests 48 --prompt-lengths 8-24 --new-tokens 4-12 --budget-tokens 1536): "
+    "FP8 E4M3 none 4.1e-3, hadamard 3.9e-3; INT8 g32 none 1.70e-3, hadamard 1.69e-3 (no measurable gain, so no "
+    "rotation: it costs two matmuls per layer and step); INT4 g32 none 3.2e-2, hadamard 2.5e-2."
+)
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,13 @@ class PagedKVSpec:
     granularity: str = "token"
     group_size: int | None = None
     scale_dtype: str = "bfloat16"
-    key_rotation: str = "none"
+    key_rotation: str | None = None  # None: DEFAULT_KEY_ROTATION[kv_dtype]
 
     def __post_init__(self):
         if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES[1:]:
             raise ValueError(f"`{DTYPE_FIELD}` must be one of {KV_DTYPES} (or None), got {self.kv_dtype!r}.")
+        if self.key_rotation is None:
+            object.__setattr__(self, "key_rotation", DEFAULT_KEY_ROTATION[self.kv_dtype])
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"`{OPTIONS_FIELD}.granularity` must be one of {GRANULARITIES} for paged caches (a page is shared "
