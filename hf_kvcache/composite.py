@@ -6,7 +6,8 @@
         {"role": "window", "start": 128, "end": 8192, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
         {"role": "rest", "keys": "fp8_e4m3", "values": "int4"},              # everything older, kept
     ]
-    # or, instead of "rest": {"role": "heavy", "tokens": 64, "keys": ..., "values": ...}  (H2O heavy hitters);
+    # or, instead of "rest": {"role": "heavy", "tokens": 64, "keys": ..., "values": ...}  (H2O heavy hitters;
+    #   "scorer": "tova" / "knorm" / "keydiff" ranks them like those caches, see policies/cascade.py);
     # with neither, tokens older than the last window are evicted.
 
 Windows are age ranges (tokens back from the newest) and must tile [0, end) without overlap or gap. `keys` and
@@ -38,7 +39,7 @@ from typing import Any
 
 from .caches import KVCache
 from .config import check_keys, require_choice, require_int
-from .policies.cascade import CascadePolicy
+from .policies.cascade import HEAVY_SCORERS, CascadePolicy
 from .policies.heavy_hitter import AGGREGATIONS
 from .rope import KeyRotator
 from .stores import FullPrecisionStore
@@ -50,7 +51,7 @@ ROLES = ("sinks", "window", "heavy", "rest")
 ROLE_KEYS = {
     "sinks": ("role", "tokens", "keys", "values"),
     "window": ("role", "start", "end", "keys", "values"),
-    "heavy": ("role", "tokens", "keys", "values"),
+    "heavy": ("role", "tokens", "keys", "values", "scorer"),
     "rest": ("role", "keys", "values"),
 }
 FULL = "full"
@@ -97,6 +98,7 @@ def parse_regions(regions: Any) -> dict:
             final = {**entry, "role": role}
             if role == "heavy":
                 final["tokens"] = require_int(f"{where}.tokens", region.get("tokens"), 1)
+                final["scorer"] = require_choice(f"{where}.scorer", region.get("scorer", "h2o"), HEAVY_SCORERS)
     if not windows:
         raise ValueError("`regions` needs at least one 'window' region (the most recent tokens, start 0).")
     windows.sort(key=lambda w: w["start"])
@@ -205,6 +207,7 @@ class CompositeCache(KVCache):
                 aggregation=aggregation,
                 rotator=rotators.get("rotator"),
                 pooled=pooled,
+                scorer=final.get("scorer", "h2o") if final else "h2o",
             )
             stores = [make_store(p["keys"], p["values"], p["where"], self.workspace) for p in parts]
             return policy, RegionStore(sizes, stores, self.workspace)

@@ -352,3 +352,73 @@ def test_moves_between_regions_of_one_format_copy_codes():
             logits.append(_stream(model, cache, ids, 8))
         assert len(cache.layers[0].store.stores) == 2
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+# -- the heavy region's scorer (issue 14) -------------------------------------------------------------------------
+SCORER_CACHES = {
+    "knorm": lambda m, budget, recent: hf_kvcache.KnormCache(m, budget=budget, recent=recent),
+    "keydiff": lambda m, budget, recent: hf_kvcache.KeyDiffCache(m, budget=budget, recent=recent),
+    "tova": lambda m, budget, recent: hf_kvcache.TOVACache(m, budget=budget, recent=recent),
+}
+
+
+def _kept_positions(cache) -> list[list[list[list[int]]]]:
+    """Per layer, row and KV head: the sorted position ids of the valid slots (trash slot excluded)."""
+    return [[[sorted(layer.slot_pos[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
+              for h in range(layer.slot_valid.shape[1])] for b in range(layer.slot_valid.shape[0])]
+            for layer in cache.layers]
+
+
+def _scored_composite(model, scorer, budget, recent):
+    return hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": recent},
+                                                     {"role": "heavy", "tokens": budget - recent, "scorer": scorer}])
+
+
+@pytest.mark.parametrize("scorer", sorted(SCORER_CACHES))
+def test_heavy_scorer_keeps_the_tokens_of_the_standalone_scorer_cache(scorer):
+    """A recent window + heavy hitters ranked by `scorer` = the scorer cache with the same budget and window: same
+    logits and same kept tokens after a prefill in two chunks and at every decode step."""
+    model = build_model("llama")
+    ids = random_ids(2, 40, seed=5)
+    composite, standalone = _scored_composite(model, scorer, 11, 3), SCORER_CACHES[scorer](model, 11, 3)
+    with torch.no_grad():
+        outs = []
+        for cache in (composite, standalone):
+            outs.append([model(input_ids=ids[:, :9], past_key_values=cache, use_cache=True).logits,
+                         model(input_ids=ids[:, 9:20], past_key_values=cache, use_cache=True).logits])
+        assert _kept_positions(composite) == _kept_positions(standalone), "after the chunks"
+        for i in range(20, ids.shape[1]):
+            for cache, out in zip((composite, standalone), outs):
+                out.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+            assert _kept_positions(composite) == _kept_positions(standalone), f"step {i}"
+    torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scorer", sorted(SCORER_CACHES))
+def test_heavy_scorer_with_left_padding_matches_the_standalone_cache(scorer):
+    model = build_model("qwen2")
+    ids, mask = left_pad([random_ids(1, 26, seed=6)[0], random_ids(1, 13, seed=7)[0]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    composite, standalone = _scored_composite(model, scorer, 9, 2), SCORER_CACHES[scorer](model, 9, 2)
+    with torch.no_grad():
+        got = model.generate(ids, past_key_values=composite, **kwargs)
+        want = model.generate(ids, past_key_values=standalone, **kwargs)
+    assert got.tolist() == want.tolist()
+    assert _kept_positions(composite) == _kept_positions(standalone)
+
+
+def test_key_scorers_compute_no_attention_and_a_bad_scorer_names_the_field():
+    model = build_model("llama", num_hidden_layers=1)
+    for scorer, needs in (("knorm", False), ("keydiff", False), ("tova", True), ("h2o", True)):
+        policy = _scored_composite(model, scorer, 8, 2).layers[0].policy
+        assert (policy.needs_attention, policy.deferred) == (needs, needs), scorer
+    with pytest.raises(ValueError, match=r"regions\[1\]\.scorer.*'h2o'.*'keydiff'.*got 'snapkv'"):
+        _scored_composite(model, "snapkv", 8, 2)
+
+
+@pytest.mark.parametrize("scorer", sorted(SCORER_CACHES))
+def test_heavy_scorer_decode_never_syncs(scorer):
+    from test_host_syncs import _decode_syncs
+
+    _, per_step = _decode_syncs(lambda m: _scored_composite(m, scorer, 8, 2), padded=True)
+    assert all(syncs == 0 for syncs, _ in per_step), per_step

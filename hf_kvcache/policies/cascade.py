@@ -5,7 +5,12 @@
   token's stream index, so a token keeps its slot while it stays in a tier and moves only when it ages into the
   next one (one move per tier boundary per decode step);
 - final: what happens to tokens older than the last tier: "evict" them, "keep" them all (a growing region), or
-  keep the `heavy` ones with the highest accumulated attention (H2O), per row and KV head.
+  keep the `heavy` ones with the highest scores, per row and KV head. The `scorer` ranks them: "h2o" (accumulated
+  attention, the default), "tova" (the last query's attention, replaced at every forward), "knorm" (minus the key
+  norm, fixed at arrival) or "keydiff" (key diversity, re-scored over the stored keys and the new ones before each
+  selection). The scorer functions are those of the standalone scorer policies (knorm.py, keydiff.py, tova.py), so
+  a composite of one recent window and heavy hitters keeps the tokens the standalone cache keeps; knorm and keydiff
+  need no attention, and none is computed for them. "snapkv" and "expected_attention" are not available here.
 Each region's slots can live in a store of its own precision (see stores/regions.py).
 
 Pooled (`pooled=True`, heavy hitters at the last tier's precision): the last tier's ring and the heavy slots are one
@@ -22,19 +27,25 @@ from typing import Callable
 
 import torch
 
+from ..config import require_choice
 from ..rope import KeyRotator
 from .base import Placement, Policy
 from .heavy_hitter import HeavyHitterPolicy
+from .keydiff import keydiff_scores
+from .knorm import knorm_scores
 from .sinks import SinkMemory
+from .tova import tova_scores
 
 FINAL_KINDS = ("evict", "keep", "heavy")
+HEAVY_SCORERS = ("h2o", "tova", "knorm", "keydiff")  # which scores rank the heavy hitters
+ATTENTION_SCORERS = ("h2o", "tova")  # the others read keys only: no attention is computed for them
 
 
 class CascadePolicy(Policy):
     may_have_holes = True
 
     def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
-                 rotator: KeyRotator | None = None, pooled: bool = False):
+                 rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o"):
         if pooled and (final != "heavy" or not tier_sizes):
             raise ValueError(f"`pooled` needs heavy hitters after at least one tier (final={final!r}, "
                              f"{len(tier_sizes)} tiers).")
@@ -47,7 +58,11 @@ class CascadePolicy(Policy):
         self.final_base = sinks + (self.ends[-1] if self.ends else 0)
         self.capacity = None if final == "keep" else self.final_base + (heavy if final == "heavy" else 0)
         self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
-        self.per_head = self.deferred = self.needs_attention = final == "heavy"
+        self.scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
+        self.per_head = final == "heavy"
+        self.deferred = self.needs_attention = final == "heavy" and scorer in ATTENTION_SCORERS
+        self.attention_window = 1 if scorer == "tova" else None  # TOVA: the last query's attention only
+        self._chunk_scores = None  # keydiff: the new tokens' scores of a chunk, until they are written
         self._scoring = HeavyHitterPolicy(heavy, 0, aggregation) if final == "heavy" else None
         self.n_real = self.stream = self.scores = None
         self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
@@ -153,10 +168,12 @@ class CascadePolicy(Policy):
         self._ensure_meta(layer)
         batch, q = real.shape
         device = real.device
-        if q > 1:
-            return self._place_chunk(layer, real, seen, None)
+        if q > 1:  # (deferred scorers place chunks in observe)
+            return self._place_chunk(layer, real, seen, self._key_scores(layer, real) if self.per_head else None)
         hm = layer.slot_valid.shape[1]
         t = seen
+        if self.scorer == "keydiff" and self.per_head and t >= self.capacity - self.sinks:  # a selection is due
+            self.scores[..., : self.capacity] = self._keydiff(layer, real, self.capacity)[..., : self.capacity]
         for tier in reversed(range(len(self.tier_sizes))):
             u = t - self.ends[tier]
             if u < 0 or tier == self.pool_tier:  # (the pool's oldest stay in their slots, as eviction candidates)
@@ -212,6 +229,25 @@ class CascadePolicy(Policy):
         placement.regions = self._region_hint(layer, ([0] if may_be_sink else []) + (
             [ring_slot] if ring_slot is not None else []))
         return placement
+
+    def _keydiff(self, layer, real: torch.Tensor, n_stored: int) -> torch.Tensor:
+        """KeyDiff scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens, the anchor
+        taken over the valid ones (as KeyDiffPolicy does)."""
+        keys = layer.incoming[0]
+        stored = layer.store.read(n_stored)[0] if n_stored else keys[:, :, :0]
+        candidates = torch.cat((stored, keys.to(stored.dtype)), 2)
+        valid = torch.cat((layer.slot_valid[..., :n_stored], real[:, None].expand(-1, keys.shape[1], -1)), -1)
+        return keydiff_scores(candidates, valid)
+
+    def _key_scores(self, layer, real: torch.Tensor) -> torch.Tensor:
+        """Scores [B, Hm, q] of a chunk's new tokens for the key scorers; keydiff re-scores the stored ones too."""
+        if self.scorer == "knorm":
+            return knorm_scores(layer.incoming[0])
+        used = layer.used
+        scores = self._keydiff(layer, real, used)
+        self.scores[..., :used] = scores[..., :used]
+        self._chunk_scores = scores[..., used:]
+        return self._chunk_scores
 
     def _pool_victim(self, layer, t: int) -> torch.Tensor:
         """[B, Hm, 1] the pool slot freed for the token entering the pool at step `t`: among the pool's slots whose
@@ -293,12 +329,21 @@ class CascadePolicy(Policy):
 
     def observe(self, layer, column_scores: torch.Tensor) -> None:
         self._ensure_meta(layer)
-        scores = self._scoring.aggregate(column_scores, layer.slot_valid.shape[1])
-        if layer._pending is None:
-            self.scores[..., : scores.shape[-1]] += scores
-            return
-        used = layer.used
-        self.scores[..., :used] += scores[..., :used]
+        hm = layer.slot_valid.shape[1]
+        if self.scorer == "tova":  # the scores are replaced by the last query's attention
+            scores = tova_scores(column_scores, hm)
+            if layer._pending is None:
+                self.scores[..., : scores.shape[-1]] = scores
+                return
+            used = layer.used
+            self.scores[..., :used] = scores[..., :used]
+        else:
+            scores = self._scoring.aggregate(column_scores, hm)
+            if layer._pending is None:
+                self.scores[..., : scores.shape[-1]] += scores
+                return
+            used = layer.used
+            self.scores[..., :used] += scores[..., :used]
         _, _, real, _, seen_before = layer._pending
         placement = self._place_chunk(layer, real, seen_before, scores[..., used:])
         layer.commit(placement)
@@ -310,7 +355,13 @@ class CascadePolicy(Policy):
 
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self._ensure_meta(layer)
-        self.scores.scatter_(2, dest, 0.0)
+        if self.scorer == "knorm" and self.per_head:  # fixed at arrival
+            self.scores.scatter_(2, dest, knorm_scores(keys))
+        elif self._chunk_scores is not None:  # keydiff's chunk scores
+            self.scores.scatter_(2, dest, self._chunk_scores.gather(2, placement.src.expand(dest.shape)))
+            self._chunk_scores = None
+        else:  # attention scorers: set by observe; keydiff in decode: by the next selection
+            self.scores.scatter_(2, dest, 0.0)
         self.stream.scatter_(2, dest, seen_before + placement.src)
         if self._sink_step:
             self.memory.record(placement, keys, dest, positions, seen_before)
@@ -339,7 +390,7 @@ class CascadePolicy(Policy):
         self.memory.map_batch(fn)
 
     def reset(self) -> None:
-        self.n_real = self.stream = self.scores = None
+        self.n_real = self.stream = self.scores = self._chunk_scores = None
         self.memory.reset()
 
     def nbytes(self) -> int:
