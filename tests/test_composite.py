@@ -266,18 +266,19 @@ def _kept(cache) -> list[list[list[list[int]]]]:
     return out
 
 
+@pytest.mark.parametrize("scorer", ["h2o", "tova", "knorm", "keydiff"])
 @pytest.mark.parametrize("windows", [[(0, 4)], [(0, 2), (2, 5)]], ids=["one_window", "two_windows"])
-def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(windows):
+def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(windows, scorer):
     """Heavy hitters at the last window's precision share its slots (no move between them); with that precision
     spelled differently ('full' vs the quantized store's exact 'none') the same regions keep a region of their own.
-    Both hold exact values, so logits and kept tokens must agree step by step."""
+    Both hold exact values, so logits and kept tokens must agree step by step, with every heavy scorer."""
     model = build_model("llama")
     ids = random_ids(2, 45, seed=31)
     first = [{"role": "sinks", "tokens": 2}] + ([{**W, "start": 0, "end": windows[0][1]}] if len(windows) == 2 else [])
     last = {**W, "start": windows[-1][0], "end": windows[-1][1], "keys": "none", "values": "none"}
-    pooled = hf_kvcache.CompositeCache(model, regions=first + [last, {"role": "heavy", "tokens": 5, "keys": "none",
-                                                                       "values": "none"}])
-    separate = hf_kvcache.CompositeCache(model, regions=first + [last, {"role": "heavy", "tokens": 5}])
+    heavy = {"role": "heavy", "tokens": 5, "scorer": scorer}
+    pooled = hf_kvcache.CompositeCache(model, regions=first + [last, {**heavy, "keys": "none", "values": "none"}])
+    separate = hf_kvcache.CompositeCache(model, regions=first + [last, heavy])
     with torch.no_grad():
         outs = []
         for cache in (pooled, separate):
