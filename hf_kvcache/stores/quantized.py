@@ -430,21 +430,7 @@ class QuantizedStore:
             self._truncate_ring(used)
         codes = self.code_blocks * self.flush
         width = max(used, codes) + 1
-        shape = (self.batch, self.heads, width, self.head_dim)
-        workspace = self._read_workspace()
-        if self.joint:
-            both = workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
-            out_k, out_v = both[: self.batch], both[self.batch :]
-        else:
-            out_k = workspace.get("keys", shape, self.dtype, self.device)
-            out_v = workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
-        if codes:
-            bias = self._key_bias()
-            if self.joint:
-                self.keys_codec.decode_into(both[:, :, :codes], codes, workspace, bias)
-            else:
-                self.keys_codec.decode_into(out_k[:, :, :codes], codes, workspace, bias)
-                self.values_codec.decode_into(out_v[:, :, :codes], codes, workspace)
+        out_k, out_v = self._decode_codes(width, codes)
         out_k[:, :, codes:].zero_()  # columns no code covers: finite (masked) or overwritten from the ring below
         out_v[:, :, codes:].zero_()
         size = self.fp_k.shape[2]
@@ -476,12 +462,10 @@ class QuantizedStore:
         and step, while a fresh tensor lets inductor fuse dequantization into what attention reads)."""
         return TransientWorkspace() if torch.compiler.is_compiling() else self.workspace
 
-    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
-        if self.ring:
-            return self._read_ring(used)
-        quantized = self._quantized_slots(used)
-        shape = (self.batch, self.heads, used, self.head_dim)
+    def _decode_codes(self, width: int, codes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, width, D] from the read workspace, slots [0, codes) dequantized from the codes (the
+        caller fills the rest). Shared by `read` and the ring layout's `_read_ring`."""
+        shape = (self.batch, self.heads, width, self.head_dim)
         workspace = self._read_workspace()
         if self.joint:
             both = workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
@@ -489,13 +473,21 @@ class QuantizedStore:
         else:
             out_k = workspace.get("keys", shape, self.dtype, self.device)
             out_v = workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
-        if quantized:
+        if codes:
             bias = self._key_bias()
             if self.joint:
-                self.keys_codec.decode_into(both[:, :, :quantized], quantized, workspace, bias)
+                self.keys_codec.decode_into(both[:, :, :codes], codes, workspace, bias)
             else:
-                self.keys_codec.decode_into(out_k[:, :, :quantized], quantized, workspace, bias)
-                self.values_codec.decode_into(out_v[:, :, :quantized], quantized, workspace)
+                self.keys_codec.decode_into(out_k[:, :, :codes], codes, workspace, bias)
+                self.values_codec.decode_into(out_v[:, :, :codes], codes, workspace)
+        return out_k, out_v
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, used, D] in the model's dtype (views of the workspace: valid until the next read)."""
+        if self.ring:
+            return self._read_ring(used)
+        quantized = self._quantized_slots(used)
+        out_k, out_v = self._decode_codes(used, quantized)
         if used > quantized:
             out_k[:, :, quantized:].copy_(self.fp_k[:, :, : used - quantized])
             out_v[:, :, quantized:].copy_(self.fp_v[:, :, : used - quantized])
