@@ -457,10 +457,11 @@ class QuantizedStore:
         return self.qlen
 
     def _read_workspace(self):
-        """Where reads dequantize to: the shared workspace, or fresh tensors while torch.compile traces (a write into
-        a persistent workspace is a side effect the compiled graph must replay: one more full-buffer pass per layer
-        and step, while a fresh tensor lets inductor fuse dequantization into what attention reads)."""
-        return TransientWorkspace() if torch.compiler.is_compiling() else self.workspace
+        """Where reads dequantize to: the shared workspace, eager and compiled. Measured (SmolLM2, compiled decode vs
+        compiled StaticCache, one idle interleaved run each): FP8 per-token 0.84x with the workspace vs 0.65x with
+        fresh tensors per read, which let inductor fuse dequantization into the GQA expansion (done once per query
+        head instead of once per KV head); per-head FP8 0.96x either way."""
+        return self.workspace
 
     def _decode_codes(self, width: int, codes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, width, D] from the read workspace, slots [0, codes) dequantized from the codes (the
