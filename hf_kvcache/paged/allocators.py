@@ -40,6 +40,15 @@ class _QuantizedPagesMixin:
     kv_spec: PagedKVSpec
     supports_block_table = False
 
+    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
+                 allow_block_sharing, kv_spec: PagedKVSpec):
+        """transformers' allocator arguments plus our `kv_spec`; the record geometry is set before the transformers
+        __init__ runs, since it sizes pages with `get_bytes_per_page`."""
+        self._init_quantized(kv_spec, config, num_key_value_heads, cache_dtype, page_size)
+        super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads,
+                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=layer_indices,
+                         allow_block_sharing=allow_block_sharing)
+
     def _init_quantized(self, kv_spec: PagedKVSpec, config, num_key_value_heads: int, cache_dtype, page_size: int):
         head_dim = find_head_dim(config)
         kv_spec.check_head_dim(head_dim)
@@ -104,13 +113,6 @@ class _QuantizedPagesMixin:
 class QuantizedFullAttentionCacheAllocator(_QuantizedPagesMixin, FullAttentionCacheAllocator):
     """Full-attention layers, quantized pages. Built by QuantizedPagedAttentionCache with its `kv_spec`."""
 
-    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
-                 allow_block_sharing, kv_spec: PagedKVSpec):
-        self._init_quantized(kv_spec, config, num_key_value_heads, cache_dtype, page_size)
-        super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads,
-                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=layer_indices,
-                         allow_block_sharing=allow_block_sharing)
-
     #: set by QuantizedPagedAttentionCache.update before each layer's update: (read positions, new-token
     #: positions) of the requests whose first forward this is (boolean masks), or None
     first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -134,13 +136,6 @@ class QuantizedFullAttentionCacheAllocator(_QuantizedPagesMixin, FullAttentionCa
 
 class QuantizedSlidingAttentionCacheAllocator(_QuantizedPagesMixin, SlidingAttentionCacheAllocator):
     """Sliding-window layers (ring buffer of `sliding_window` tokens), quantized pages."""
-
-    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
-                 allow_block_sharing, kv_spec: PagedKVSpec):
-        self._init_quantized(kv_spec, config, num_key_value_heads, cache_dtype, page_size)
-        super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads,
-                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=layer_indices,
-                         allow_block_sharing=allow_block_sharing)
 
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """Read the kept window first (the new tokens may overwrite it), put the new tokens at the sentinel slots
