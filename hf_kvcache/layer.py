@@ -168,10 +168,7 @@ class CompressedLayer(CacheLayerMixin):
             if slot is not None:
                 return self._decode_in_slot(slot, key_states, value_states, positions, real)
         if q == 1 and self.seen > 0:
-            self.incoming = (key_states, value_states, positions)
-            placement = self.policy.place(self, real, self.seen)
-            self._write(placement, key_states, value_states, positions, self.seen)
-            self.incoming = None
+            self._place_and_write(key_states, value_states, real, positions)
             self.seen += 1
             self.used = self.policy.used_after(self.seen)
             return self._decode_read()
@@ -193,13 +190,20 @@ class CompressedLayer(CacheLayerMixin):
             # The policy needs this forward's attention scores to choose survivors: it calls `commit` from the bridge.
             self._pending = (key_states, value_states, real, positions, self.seen)
         else:
-            self.incoming = (key_states, value_states, positions)
-            placement = self.policy.place(self, real, self.seen)
-            self._write(placement, key_states, value_states, positions, self.seen)
-            self.incoming = None
+            self._place_and_write(key_states, value_states, real, positions)
             self.used = self.policy.used_after(self.seen + q)
         self.seen += q
         return keys, values
+
+    def _place_and_write(self, key_states, value_states, real, positions) -> None:
+        """Let the policy place the new tokens and write them; during both, `incoming` holds (keys, values, position
+        ids) of those tokens for policies that score them (key scorers), cleared afterwards even if either raises."""
+        self.incoming = (key_states, value_states, positions)
+        try:
+            placement = self.policy.place(self, real, self.seen)
+            self._write(placement, key_states, value_states, positions, self.seen)
+        finally:
+            self.incoming = None
 
     def _decode_in_slot(self, slot: int, key_states, value_states, positions, real):
         """Fast path for a one-token step (no padding so far) whose slot the policy knows without looking at data.
