@@ -5,12 +5,9 @@
   token's stream index, so a token keeps its slot while it stays in a tier and moves only when it ages into the
   next one (one move per tier boundary per decode step);
 - final: what happens to tokens older than the last tier: "evict" them, "keep" them all (a growing region), or
-  keep the `heavy` ones with the highest scores, per row and KV head. The `scorer` ranks them: "h2o" (accumulated
-  attention, the default), "tova" (the last query's attention, replaced at every forward), "knorm" (minus the key
-  norm, fixed at arrival) or "keydiff" (key diversity, re-scored over the stored keys and the new ones before each
-  selection). The scorer functions are those of the standalone scorer policies (knorm.py, keydiff.py, tova.py), so
-  a composite of one recent window and heavy hitters keeps the tokens the standalone cache keeps; knorm and keydiff
-  need no attention, and none is computed for them. "snapkv" and "expected_attention" are not available here.
+  keep the `heavy` ones with the highest scores, per row and KV head. The `scorer` ranks them ("h2o", accumulated
+  attention, by default; the others and what they read: cascade_scorers.py); this policy keeps the per-slot scores
+  and moves them with their tokens.
 Each region's slots can live in a store of its own precision (see stores/regions.py).
 
 Pooled (`pooled=True`, heavy hitters at the last tier's precision): the last tier's ring and the heavy slots are one
@@ -30,15 +27,10 @@ import torch
 from ..config import require_choice
 from ..rope import KeyRotator
 from .base import Placement, Policy
-from .heavy_hitter import HeavyHitterPolicy
-from .keydiff import keydiff_scores
-from .knorm import knorm_scores
+from .cascade_scorers import HEAVY_SCORERS, make_heavy_scorer
 from .sinks import SinkMemory
-from .tova import tova_scores
 
 FINAL_KINDS = ("evict", "keep", "heavy")
-HEAVY_SCORERS = ("h2o", "tova", "knorm", "keydiff")  # which scores rank the heavy hitters
-ATTENTION_SCORERS = ("h2o", "tova")  # the others read keys only: no attention is computed for them
 
 
 class CascadePolicy(Policy):
@@ -60,10 +52,9 @@ class CascadePolicy(Policy):
         self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
         self.scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
         self.per_head = final == "heavy"
-        self.deferred = self.needs_attention = final == "heavy" and scorer in ATTENTION_SCORERS
-        self.attention_window = 1 if scorer == "tova" else None  # TOVA: the last query's attention only
-        self._chunk_scores = None  # keydiff: the new tokens' scores of a chunk, until they are written
-        self._scoring = HeavyHitterPolicy(heavy, 0, aggregation) if final == "heavy" else None
+        self.heavy_scorer = make_heavy_scorer(scorer if final == "heavy" else None, aggregation)
+        self.deferred, self.needs_attention = self.heavy_scorer.deferred, self.heavy_scorer.needs_attention
+        self.needs_queries, self.attention_window = self.heavy_scorer.needs_queries, self.heavy_scorer.attention_window
         self.n_real = self.stream = self.scores = None
         self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
         self.memory = SinkMemory(sinks, rotator)
@@ -134,6 +125,7 @@ class CascadePolicy(Policy):
         layer.slot_pos.scatter_(2, dest, pos)
         self.stream.scatter_(2, dest, stream)
         self.scores.scatter_(2, dest, scores)
+        self.heavy_scorer.move(src, dest)
 
     def _ring_slot(self, tier: int, u: torch.Tensor) -> torch.Tensor:
         return self.bases[tier] + u.remainder(self.tier_sizes[tier])
@@ -169,11 +161,11 @@ class CascadePolicy(Policy):
         batch, q = real.shape
         device = real.device
         if q > 1:  # (deferred scorers place chunks in observe)
-            return self._place_chunk(layer, real, seen, self._key_scores(layer, real) if self.per_head else None)
+            return self._place_chunk(layer, real, seen, self.heavy_scorer.chunk_scores(self, layer, real))
         hm = layer.slot_valid.shape[1]
         t = seen
-        if self.scorer == "keydiff" and self.per_head and t >= self.capacity - self.sinks:  # a selection is due
-            self.scores[..., : self.capacity] = self._keydiff(layer, real, self.capacity)[..., : self.capacity]
+        if self.per_head and t >= self.capacity - self.sinks:  # a selection is due
+            self.heavy_scorer.before_selection(self, layer, real)
         for tier in reversed(range(len(self.tier_sizes))):
             u = t - self.ends[tier]
             if u < 0 or tier == self.pool_tier:  # (the pool's oldest stay in their slots, as eviction candidates)
@@ -229,25 +221,6 @@ class CascadePolicy(Policy):
         placement.regions = self._region_hint(layer, ([0] if may_be_sink else []) + (
             [ring_slot] if ring_slot is not None else []))
         return placement
-
-    def _keydiff(self, layer, real: torch.Tensor, n_stored: int) -> torch.Tensor:
-        """KeyDiff scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens, the anchor
-        taken over the valid ones (as KeyDiffPolicy does)."""
-        keys = layer.incoming[0]
-        stored = layer.store.read(n_stored)[0] if n_stored else keys[:, :, :0]
-        candidates = torch.cat((stored, keys.to(stored.dtype)), 2)
-        valid = torch.cat((layer.slot_valid[..., :n_stored], real[:, None].expand(-1, keys.shape[1], -1)), -1)
-        return keydiff_scores(candidates, valid)
-
-    def _key_scores(self, layer, real: torch.Tensor) -> torch.Tensor:
-        """Scores [B, Hm, q] of a chunk's new tokens for the key scorers; keydiff re-scores the stored ones too."""
-        if self.scorer == "knorm":
-            return knorm_scores(layer.incoming[0])
-        used = layer.used
-        scores = self._keydiff(layer, real, used)
-        self.scores[..., :used] = scores[..., :used]
-        self._chunk_scores = scores[..., used:]
-        return self._chunk_scores
 
     def _pool_victim(self, layer, t: int) -> torch.Tensor:
         """[B, Hm, 1] the pool slot freed for the token entering the pool at step `t`: among the pool's slots whose
@@ -329,21 +302,18 @@ class CascadePolicy(Policy):
 
     def observe(self, layer, column_scores: torch.Tensor) -> None:
         self._ensure_meta(layer)
-        hm = layer.slot_valid.shape[1]
-        if self.scorer == "tova":  # the scores are replaced by the last query's attention
-            scores = tova_scores(column_scores, hm)
-            if layer._pending is None:
-                self.scores[..., : scores.shape[-1]] = scores
-                return
-            used = layer.used
-            self.scores[..., :used] = scores[..., :used]
-        else:
-            scores = self._scoring.aggregate(column_scores, hm)
-            if layer._pending is None:
-                self.scores[..., : scores.shape[-1]] += scores
-                return
-            used = layer.used
-            self.scores[..., :used] += scores[..., :used]
+        self._place_pending(layer, self.heavy_scorer.observe(self, layer, column_scores))
+
+    def observe_queries(self, layer, query: torch.Tensor) -> None:
+        self._ensure_meta(layer)
+        self._place_pending(layer, self.heavy_scorer.observe_queries(self, layer, query))
+
+    def _place_pending(self, layer, scores: torch.Tensor | None) -> None:
+        """Place the pending chunk, given the scorer's scores [B, Hm, used + q] of the stored and new tokens (None:
+        decode, nothing pending)."""
+        if scores is None:
+            return
+        used = layer.used
         _, _, real, _, seen_before = layer._pending
         placement = self._place_chunk(layer, real, seen_before, scores[..., used:])
         layer.commit(placement)
@@ -355,13 +325,11 @@ class CascadePolicy(Policy):
 
     def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self._ensure_meta(layer)
-        if self.scorer == "knorm" and self.per_head:  # fixed at arrival
-            self.scores.scatter_(2, dest, knorm_scores(keys))
-        elif self._chunk_scores is not None:  # keydiff's chunk scores
-            self.scores.scatter_(2, dest, self._chunk_scores.gather(2, placement.src.expand(dest.shape)))
-            self._chunk_scores = None
-        else:  # attention scorers: set by observe; keydiff in decode: by the next selection
+        scores = self.heavy_scorer.arrival(self, layer, placement, keys, dest)
+        if scores is None:  # set later: by observe (attention scorers) or the next selection
             self.scores.scatter_(2, dest, 0.0)
+        else:
+            self.scores.scatter_(2, dest, scores)
         self.stream.scatter_(2, dest, seen_before + placement.src)
         if self._sink_step:
             self.memory.record(placement, keys, dest, positions, seen_before)
@@ -388,11 +356,13 @@ class CascadePolicy(Policy):
             if value is not None:
                 setattr(self, name, fn(value))
         self.memory.map_batch(fn)
+        self.heavy_scorer.map_batch(fn)
 
     def reset(self) -> None:
-        self.n_real = self.stream = self.scores = self._chunk_scores = None
+        self.n_real = self.stream = self.scores = None
         self.memory.reset()
+        self.heavy_scorer.reset()
 
     def nbytes(self) -> int:
         tensors = (self.n_real, self.stream, self.scores)
-        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes()
+        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes() + self.heavy_scorer.nbytes()
