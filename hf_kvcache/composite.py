@@ -7,7 +7,8 @@
         {"role": "rest", "keys": "fp8_e4m3", "values": "int4"},              # everything older, kept
     ]
     # or, instead of "rest": {"role": "heavy", "tokens": 64, "keys": ..., "values": ...}  (H2O heavy hitters;
-    #   "scorer": "tova" / "knorm" / "keydiff" ranks them like those caches, see policies/cascade.py);
+    #   "scorer": "tova" / "knorm" / "keydiff" / "snapkv" / "expected_attention" ranks them like those caches, see
+    #   policies/cascade_scorers.py; snapkv also takes "window" (observation window, 64) and "kernel" (5));
     # with neither, tokens older than the last window are evicted.
 
 Windows are age ranges (tokens back from the newest) and must tile [0, end) without overlap or gap. `keys` and
@@ -27,6 +28,12 @@ differ (attention does not depend on slot order). Outputs differ from that layou
 token moving into a region of its own format used to be dequantized and quantized again (FP8: a second rounding of
 up to one unit in the last place), now it keeps the codes it got on arrival.
 
+`compress="prompt"` (as the other evicting caches, hf_kvcache.policies.prompt_mode): the regions are filled by
+the policy through the prompt as in "always" mode (chunked prefill included); at the end of the prompt that
+selection is kept as it is (nothing moves between regions any more: a token in an FP8 window stays there) and the
+later tokens are appended to a growing tail region at the precision of the first window (the newest tokens', as
+they would arrive in "always" mode), nothing evicted. Refused with a 'rest' region (it evicts nothing already).
+
 Presets take a token `budget` instead of regions (what budget sweeps need):
 - "sinks_heavy_recent": the classic combination, 4 sinks in full precision, then the rest split evenly between a
   recent window and H2O heavy hitters, both at `precision` (FP8 E4M3 by default).
@@ -37,11 +44,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from transformers import PreTrainedModel
+
 from .caches import KVCache
 from .config import check_keys, require_choice, require_int
 from .policies.cascade import HEAVY_SCORERS, CascadePolicy
+from .policies.cascade_scorers import SNAPKV_KERNEL, SNAPKV_WINDOW
 from .policies.heavy_hitter import AGGREGATIONS
-from .rope import KeyRotator
+from .policies.prompt_mode import COMPRESS_MODES
+from .rope import KeyRotator, check_rotator_once
 from .stores import FullPrecisionStore
 from .stores.quantization import QuantSpec
 from .stores.regions import RegionStore
@@ -51,7 +62,7 @@ ROLES = ("sinks", "window", "heavy", "rest")
 ROLE_KEYS = {
     "sinks": ("role", "tokens", "keys", "values"),
     "window": ("role", "start", "end", "keys", "values"),
-    "heavy": ("role", "tokens", "keys", "values", "scorer"),
+    "heavy": ("role", "tokens", "keys", "values", "scorer", "window", "kernel"),
     "rest": ("role", "keys", "values"),
 }
 FULL = "full"
@@ -99,6 +110,7 @@ def parse_regions(regions: Any) -> dict:
             if role == "heavy":
                 final["tokens"] = require_int(f"{where}.tokens", region.get("tokens"), 1)
                 final["scorer"] = require_choice(f"{where}.scorer", region.get("scorer", "h2o"), HEAVY_SCORERS)
+                final["options"] = _scorer_options(where, final["scorer"], region)
     if not windows:
         raise ValueError("`regions` needs at least one 'window' region (the most recent tokens, start 0).")
     windows.sort(key=lambda w: w["start"])
@@ -109,7 +121,27 @@ def parse_regions(regions: Any) -> dict:
         if w["start"] > expected:
             raise ValueError(f"{w['where']}: window starts at {w['start']} but the previous one ends at {expected}: a gap of {w['start'] - expected} tokens.")
         expected = w["end"]
+    if final is not None and "window" in final.get("options", {}) and final["options"]["window"] > expected:
+        raise ValueError(
+            f"{final['where']}.window ({final['options']['window']}) must not exceed the window regions' span "
+            f"({expected} tokens): the observation window's tokens are kept by the windows, not ranked."
+        )
     return {"sinks": sinks, "windows": windows, "final": final}
+
+
+def _scorer_options(where: str, scorer: str, region: dict) -> dict:
+    """SnapKV's `window` and `kernel` (defaults: SnapKVCache's); refused for the other scorers."""
+    given = [key for key in ("window", "kernel") if key in region]
+    if scorer != "snapkv":
+        if given:
+            raise ValueError(f"{where}.{given[0]} is an option of scorer 'snapkv' only (this region's scorer is "
+                             f"{scorer!r}).")
+        return {}
+    window = require_int(f"{where}.window", region.get("window", SNAPKV_WINDOW), 1)
+    kernel = require_int(f"{where}.kernel", region.get("kernel", SNAPKV_KERNEL), 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"`{where}.kernel` must be odd (pooling keeps the sequence length), got {kernel}.")
+    return {"window": window, "kernel": kernel}
 
 
 def precision_key(keys: Any, values: Any) -> tuple:
@@ -163,6 +195,7 @@ class CompositeCache(KVCache):
         preset: str | None = None,
         budget: int | None = None,
         precision: Any = "fp8_e4m3",
+        compress: str = "always",
         layers: dict | list | None = None,
     ):
         if (regions is None) == (preset is None):
@@ -179,7 +212,12 @@ class CompositeCache(KVCache):
         sink_positions = require_choice("sink_positions", sink_positions, ("cache", "original"))
         self.regions = copy.deepcopy(list(regions))
         self.aggregation, self.sink_positions = aggregation, sink_positions
+        self.compress = require_choice("compress", compress, COMPRESS_MODES)  # KVCache wraps the policies for "prompt"
         sinks, windows, final = layout["sinks"], merge_windows(layout["windows"]), layout["final"]
+        if compress == "prompt" and final is not None and final["role"] == "rest":
+            raise ValueError(f"compress='prompt': {final['where']} ('rest') keeps every token already, there is "
+                             "nothing to compress; use compress='always' or a 'heavy' region / no final region.")
+        scorer = final.get("scorer", "h2o") if final else "h2o"
         rotators = {}  # built after the base class checked the architecture
         final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
         # heavy hitters at the last window's precision share its slots (one pool, no move from window to heavy)
@@ -192,6 +230,9 @@ class CompositeCache(KVCache):
             sizes[-1] += final["tokens"]
         elif final is not None:
             sizes.append(final["tokens"] if final["role"] == "heavy" else None)
+        if compress == "prompt":  # the appended tokens' tail grows, at the newest window's precision
+            parts.append({"keys": windows[0]["keys"], "values": windows[0]["values"], "where": windows[0]["where"]})
+            sizes.append(None)
         for part in parts:  # validate precisions before any model runs
             make_store(part["keys"], part["values"], part["where"])
         self.workspace = DequantWorkspace()  # reads of every layer write into it, one layer at a time
@@ -199,6 +240,11 @@ class CompositeCache(KVCache):
         def layer_parts(cfg):
             if sinks is not None and sink_positions == "cache" and "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg, parameter="sink_positions")
+            options = dict(final.get("options", {})) if final else {}
+            if scorer == "expected_attention":  # un-rotates queries and rotates their statistics with the RoPE
+                if "queries" not in rotators:
+                    rotators["queries"] = KeyRotator(cfg, parameter="expected_attention")
+                options["rotator"] = rotators["queries"]
             policy = CascadePolicy(
                 sinks=sinks["tokens"] if sinks else 0,
                 tier_sizes=[w["end"] - w["start"] for w in windows],
@@ -207,13 +253,16 @@ class CompositeCache(KVCache):
                 aggregation=aggregation,
                 rotator=rotators.get("rotator"),
                 pooled=pooled,
-                scorer=final.get("scorer", "h2o") if final else "h2o",
+                scorer=scorer,
+                scorer_options=options,
             )
             stores = [make_store(p["keys"], p["values"], p["where"], self.workspace) for p in parts]
             return policy, RegionStore(sizes, stores, self.workspace)
 
         super().__init__(config_or_model, layer_parts, layers)
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
+        if isinstance(config_or_model, PreTrainedModel) and "queries" in rotators:
+            check_rotator_once(config_or_model, rotators["queries"], [layer.layer_idx for layer in self.compressed_layers])
 
     def workspace_nbytes(self) -> int:
         """Bytes of the shared read workspace (one layer's keys and values in the model's dtype, grown by doubling,

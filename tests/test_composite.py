@@ -266,7 +266,7 @@ def _kept(cache) -> list[list[list[list[int]]]]:
     return out
 
 
-@pytest.mark.parametrize("scorer", ["h2o", "tova", "knorm", "keydiff"])
+@pytest.mark.parametrize("scorer", ["h2o", "tova", "knorm", "keydiff", "snapkv", "expected_attention"])
 @pytest.mark.parametrize("windows", [[(0, 4)], [(0, 2), (2, 5)]], ids=["one_window", "two_windows"])
 def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(windows, scorer):
     """Heavy hitters at the last window's precision share its slots (no move between them); with that precision
@@ -276,7 +276,7 @@ def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(win
     ids = random_ids(2, 45, seed=31)
     first = [{"role": "sinks", "tokens": 2}] + ([{**W, "start": 0, "end": windows[0][1]}] if len(windows) == 2 else [])
     last = {**W, "start": windows[-1][0], "end": windows[-1][1], "keys": "none", "values": "none"}
-    heavy = {"role": "heavy", "tokens": 5, "scorer": scorer}
+    heavy = {"role": "heavy", "tokens": 5, "scorer": scorer, **({"window": 2} if scorer == "snapkv" else {})}
     pooled = hf_kvcache.CompositeCache(model, regions=first + [last, {**heavy, "keys": "none", "values": "none"}])
     separate = hf_kvcache.CompositeCache(model, regions=first + [last, heavy])
     with torch.no_grad():
@@ -360,6 +360,10 @@ SCORER_CACHES = {
     "knorm": lambda m, budget, recent: hf_kvcache.KnormCache(m, budget=budget, recent=recent),
     "keydiff": lambda m, budget, recent: hf_kvcache.KeyDiffCache(m, budget=budget, recent=recent),
     "tova": lambda m, budget, recent: hf_kvcache.TOVACache(m, budget=budget, recent=recent),
+    "snapkv": lambda m, budget, recent: hf_kvcache.SnapKVCache(m, budget=budget, window=recent),
+    # (no sinks region in the composite: the scorer's sinks are 0 there)
+    "expected_attention": lambda m, budget, recent: hf_kvcache.ExpectedAttentionCache(m, budget=budget, recent=recent,
+                                                                                     sinks=0),
 }
 
 
@@ -370,9 +374,11 @@ def _kept_positions(cache) -> list[list[list[list[int]]]]:
             for layer in cache.layers]
 
 
-def _scored_composite(model, scorer, budget, recent):
-    return hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": recent},
-                                                     {"role": "heavy", "tokens": budget - recent, "scorer": scorer}])
+def _scored_composite(model, scorer, budget, recent, **kwargs):
+    heavy = {"role": "heavy", "tokens": budget - recent, "scorer": scorer}
+    if scorer == "snapkv":  # SnapKVCache keeps its observation window: the composite's window
+        heavy["window"] = recent
+    return hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": recent}, heavy], **kwargs)
 
 
 @pytest.mark.parametrize("scorer", sorted(SCORER_CACHES))
@@ -410,11 +416,13 @@ def test_heavy_scorer_with_left_padding_matches_the_standalone_cache(scorer):
 
 def test_key_scorers_compute_no_attention_and_a_bad_scorer_names_the_field():
     model = build_model("llama", num_hidden_layers=1)
-    for scorer, needs in (("knorm", False), ("keydiff", False), ("tova", True), ("h2o", True)):
+    for scorer, needs in (("knorm", False), ("keydiff", False), ("tova", True), ("h2o", True), ("snapkv", True),
+                          ("expected_attention", False)):
         policy = _scored_composite(model, scorer, 8, 2).layers[0].policy
-        assert (policy.needs_attention, policy.deferred) == (needs, needs), scorer
-    with pytest.raises(ValueError, match=r"regions\[1\]\.scorer.*'h2o'.*'keydiff'.*got 'snapkv'"):
-        _scored_composite(model, "snapkv", 8, 2)
+        assert (policy.needs_attention, policy.deferred) == (needs, needs or scorer == "expected_attention"), scorer
+    assert _scored_composite(model, "expected_attention", 8, 2).layers[0].policy.needs_queries
+    with pytest.raises(ValueError, match=r"regions\[1\]\.scorer.*'h2o'.*'expected_attention'.*got 'pyramidkv'"):
+        _scored_composite(model, "pyramidkv", 8, 2)
 
 
 @pytest.mark.parametrize("scorer", sorted(SCORER_CACHES))
@@ -423,3 +431,36 @@ def test_heavy_scorer_decode_never_syncs(scorer):
 
     _, per_step = _decode_syncs(lambda m: _scored_composite(m, scorer, 8, 2), padded=True)
     assert all(syncs == 0 for syncs, _ in per_step), per_step
+
+
+def test_expected_attention_with_a_sinks_region_keeps_the_tokens_of_the_standalone_cache():
+    """kvpress's protocol: 4 sinks left out of the query statistics and never evicted. In the composite they are the
+    sinks region (at their original positions), in ExpectedAttentionCache position ids below `sinks`."""
+    model = build_model("llama")
+    ids = random_ids(2, 40, seed=8)
+    composite = hf_kvcache.CompositeCache(model, sink_positions="original", regions=[
+        {"role": "sinks", "tokens": 4}, {**W, "start": 0, "end": 3},
+        {"role": "heavy", "tokens": 6, "scorer": "expected_attention"}])
+    standalone = hf_kvcache.ExpectedAttentionCache(model, budget=13, recent=3, sinks=4)
+    with torch.no_grad():
+        outs = [[model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True).logits]
+                for cache in (composite, standalone)]
+        for i in range(20, ids.shape[1]):
+            for cache, out in zip((composite, standalone), outs):
+                out.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+            assert _kept_positions(composite) == _kept_positions(standalone), f"step {i}"
+    torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=2e-5, rtol=1e-5)
+
+
+def test_snapkv_options_are_validated_naming_the_field():
+    model = build_model("llama", num_hidden_layers=1)
+    window = {**W, "start": 0, "end": 4}
+    cases = [
+        ({"scorer": "snapkv", "window": 5}, r"regions\[1\]\.window \(5\) must not exceed the window regions' span \(4"),
+        ({"scorer": "snapkv", "kernel": 4}, r"regions\[1\]\.kernel` must be odd"),
+        ({"scorer": "snapkv", "window": 0}, r"regions\[1\]\.window` must be an integer >= 1"),
+        ({"scorer": "h2o", "kernel": 3}, r"regions\[1\]\.kernel is an option of scorer 'snapkv' only"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            hf_kvcache.CompositeCache(model, regions=[window, {"role": "heavy", "tokens": 4, **options}])

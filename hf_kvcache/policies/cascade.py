@@ -37,7 +37,8 @@ class CascadePolicy(Policy):
     may_have_holes = True
 
     def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
-                 rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o"):
+                 rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o",
+                 scorer_options: dict | None = None):
         if pooled and (final != "heavy" or not tier_sizes):
             raise ValueError(f"`pooled` needs heavy hitters after at least one tier (final={final!r}, "
                              f"{len(tier_sizes)} tiers).")
@@ -52,7 +53,10 @@ class CascadePolicy(Policy):
         self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
         self.scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
         self.per_head = final == "heavy"
-        self.heavy_scorer = make_heavy_scorer(scorer if final == "heavy" else None, aggregation)
+        # scorer_options: make_heavy_scorer's window / kernel (snapkv) or rotator (expected_attention: its sinks are
+        # this policy's sinks)
+        self.heavy_scorer = make_heavy_scorer(scorer if final == "heavy" else None, aggregation, sinks=sinks,
+                                              **(scorer_options or {}))
         self.deferred, self.needs_attention = self.heavy_scorer.deferred, self.heavy_scorer.needs_attention
         self.needs_queries, self.attention_window = self.heavy_scorer.needs_queries, self.heavy_scorer.attention_window
         self.n_real = self.stream = self.scores = None

@@ -22,7 +22,17 @@ hitters keeps the tokens the standalone cache keeps:
 - "tova" (tova.py): the last query's attention, layer-wide mean, replaced at every forward (`attention_window` 1);
 - "knorm" (knorm.py): minus the key norm, fixed at arrival; no attention is computed;
 - "keydiff" (keydiff.py): key diversity, re-scored over the stored keys and the new ones before each selection; no
-  attention is computed.
+  attention is computed;
+- "snapkv" (snapkv.py): the attention of an observation window of the last `window` queries (default 64, at most
+  the composite's window regions' span, which keep those tokens), pooled along the stream with `kernel` (5); a
+  chunk's last `window` queries score it, in decode a ring of the last `window` decode queries' attention rows
+  (each slot's column, moved with its token) is pooled again before each selection;
+- "expected_attention" (expected_attention.py): expected attention of future queries from the prompt's query
+  statistics (RoPE-rotated to the next 512 positions, covariance and value norms on, kvpress's protocol); the
+  composite's `sinks` region plays the scorer's sinks (left out of the statistics and of the softmax: give a sinks
+  region of 4 tokens for kvpress's protocol). Each token's expected logits (per query head) and value norm are kept
+  per slot, moved with the token; each selection takes the softmax over the stored tokens. No attention
+  probabilities are computed.
 """
 
 from __future__ import annotations
@@ -31,9 +41,13 @@ from typing import Callable
 
 import torch
 
+from ..rope import KeyRotator
+from .expected_attention import accumulate_queries, expected_attention_scores, expected_logits, future_statistics
 from .heavy_hitter import HeavyHitterPolicy
 from .keydiff import keydiff_scores
 from .knorm import knorm_scores
+from .scored import group_mean
+from .snapkv import pool_in_order
 from .tova import tova_scores
 
 
@@ -151,13 +165,200 @@ class KeyDiffScorer(HeavyScorer):
         self._chunk_scores = None
 
 
-HEAVY_SCORERS = ("h2o", "tova", "knorm", "keydiff")  # which scores rank the heavy hitters
+class _SlotState(HeavyScorer):
+    """A scorer with per-slot state: tensors [B, Hm, X, slots + 1] whose last dim follows the tokens' slots."""
+
+    slot_state: tuple[str, ...] = ()
+
+    def _slot_tensor(self, policy, width: int, fill: float = 0.0) -> torch.Tensor:
+        batch, heads, slots = policy.scores.shape
+        return policy.scores.new_full((batch, heads, width, slots), fill)
+
+    def move(self, src: torch.Tensor, dest: torch.Tensor) -> None:
+        for name in self.slot_state:
+            state = getattr(self, name)
+            if state is None:
+                continue
+            index = src[:, :, None].expand(-1, -1, state.shape[2], -1)
+            moved = state.gather(3, index)  # all read before any is written (moves can be permutations)
+            state.scatter_(3, dest[:, :, None].expand(-1, -1, state.shape[2], -1), moved)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self._tensors():
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reset(self) -> None:
+        for name in self._tensors():
+            setattr(self, name, None)
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name in self._tensors() if getattr(self, name) is not None)
+
+    def _tensors(self) -> tuple[str, ...]:
+        return self.slot_state
 
 
-def make_heavy_scorer(name: str | None, aggregation: str = "sum") -> HeavyScorer:
-    """The scorer called `name` (one of HEAVY_SCORERS), or no scorer (None: no heavy region)."""
+class SnapKVScorer(_SlotState):
+    needs_attention = True
+    slot_state = ("rows",)
+
+    def __init__(self, window: int, kernel: int):
+        self.window, self.kernel = window, kernel
+        self.attention_window = window
+        self.rows: torch.Tensor | None = None  # [B, Hm, window, slots + 1] attention rows of the last decode queries
+        self._seed: torch.Tensor | None = None  # a chunk's window votes of its new tokens, until they are written
+
+    def _pool(self, scores, stream, valid, newest: int) -> torch.Tensor:
+        """Pool the tokens before the observation window (stream index <= newest - window) only, as SnapKVPolicy;
+        the window's own tokens and invalid slots score 0."""
+        before_window = valid & (stream <= newest - self.window)
+        return torch.where(before_window, pool_in_order(scores, stream, before_window, self.kernel), 0.0)
+
+    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
+        heads = layer.slot_valid.shape[1]
+        if self.rows is None:
+            self.rows = self._slot_tensor(policy, self.window)
+        if layer._pending is None:  # decode: one query, the columns are the slots; a row of the ring
+            row = group_mean(column_scores.float(), heads)
+            index = torch.full((1,), layer.seen % self.window, dtype=torch.long, device=row.device)
+            full = torch.zeros_like(policy.scores)
+            full[..., : row.shape[-1]] = row
+            self.rows.index_copy_(2, index, full[:, :, None])
+            return None
+        _, _, real, _, seen_before = layer._pending
+        count = real[:, -self.window :].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
+        scores = group_mean(column_scores.float(), heads) / count
+        used, q = layer.used, real.shape[1]
+        new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
+        stream = torch.cat((policy.stream[..., :used], new_stream), -1)
+        valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
+        pooled = self._pool(scores, stream, valid, seen_before + q - 1)
+        policy.scores[..., :used] = pooled[..., :used]
+        # the window's votes become ring row 0: the stored tokens' now (the chunk's moves carry them), the new
+        # tokens' when they are written
+        self.rows.zero_()
+        self.rows[:, :, 0, :used] = scores[..., :used] * layer.slot_valid[..., :used]
+        self._seed = scores[..., used:]
+        return pooled
+
+    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
+        if self.rows is None:
+            self.rows = self._slot_tensor(policy, self.window)
+        self.rows.scatter_(3, dest[:, :, None].expand(-1, -1, self.window, -1), 0.0)  # no votes from earlier queries
+        if self._seed is not None:
+            row = self.rows[:, :, 0]
+            row.scatter_(2, dest, self._seed.gather(2, placement.src.expand(dest.shape)))
+            self._seed = None
+        return None
+
+    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+        c = policy.capacity
+        scores = self.rows[..., :c].sum(2) / self.window
+        policy.scores[..., :c] = self._pool(scores, policy.stream[..., :c], layer.slot_valid[..., :c], layer.seen)
+
+    def _tensors(self) -> tuple[str, ...]:
+        return ("rows", "_seed")
+
+
+class ExpectedAttentionScorer(_SlotState):
+    needs_queries = True
+    slot_state = ("logits", "value_norm")
+    FUTURE, EPSILON = 512, 0.0  # kvpress's defaults (ExpectedAttentionPress), as ExpectedAttentionCache's
+
+    def __init__(self, sinks: int, rotator: KeyRotator | None):
+        self.sinks, self.rotator = sinks, rotator
+        self.count = self.total = self.outer = None  # running query statistics
+        self.mean = self.cov = None  # rotated to the future positions
+        self.logits: torch.Tensor | None = None  # [B, Hm, groups, slots + 1] expected logits per query head
+        self.value_norm: torch.Tensor | None = None  # [B, Hm, 1, slots + 1]
+        self._chunk: tuple | None = None  # a chunk's new tokens' (logits, value norms), until they are written
+
+    def _valid(self, policy, layer, n: int) -> torch.Tensor:
+        """Candidates of the softmax among the first n slots: valid, outside the sinks region and its positions."""
+        outside = torch.arange(n, device=layer.slot_valid.device) >= policy.sinks
+        return layer.slot_valid[..., :n] & outside & (layer.slot_pos[..., :n] >= self.sinks)
+
+    def observe_queries(self, policy, layer, query: torch.Tensor) -> torch.Tensor | None:
+        if layer._pending is None:  # decode: the statistics stay those of the prompt
+            return None
+        keys, values, real, positions, seen_before = layer._pending
+        running = None if self.count is None else (self.count, self.total, self.outer)
+        self.count, self.total, self.outer = accumulate_queries(
+            running, query, real, positions, self.sinks, self.rotator, layer.layer_idx, True)
+        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.rotator, layer.layer_idx,
+                                                positions.max(-1).values + 1, self.FUTURE)
+        used = layer.used
+        if used:
+            stored_k, stored_v = layer.store.read(used)
+            keys = torch.cat((stored_k, keys.to(stored_k.dtype)), 2)
+            values = torch.cat((stored_v, values.to(stored_v.dtype)), 2)
+        batch, heads, n = keys.shape[:3]
+        logits = expected_logits(keys, self.mean, self.cov)  # [B, Hq, n]
+        value_norm = values.float().norm(dim=-1)
+        new_valid = real[:, None].expand(-1, heads, -1) & (positions[:, None] >= self.sinks)
+        valid = torch.cat((self._valid(policy, layer, used), new_valid), -1)
+        scores = expected_attention_scores(logits, valid, value_norm, heads, self.EPSILON)
+        if self.logits is None:
+            self.logits = self._slot_tensor(policy, logits.shape[1] // heads)
+            self.value_norm = self._slot_tensor(policy, 1, 1.0)
+        logits = logits.view(batch, heads, -1, n)
+        self.logits[..., :used] = logits[..., :used]
+        self.value_norm[..., 0, :used] = value_norm[..., :used]
+        self._chunk = (logits[..., used:], value_norm[..., used:])
+        policy.scores[..., :used] = scores[..., :used]
+        return scores
+
+    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
+        src = placement.src.expand(dest.shape)
+        groups = self.logits.shape[2]
+        if self._chunk is not None:
+            logits, value_norm = self._chunk
+            logits = logits.gather(3, src[:, :, None].expand(-1, -1, groups, -1))
+            self._chunk = None
+        else:  # decode: the new token, with the statistics of the prompt
+            logits = expected_logits(keys, self.mean, self.cov).view(dest.shape[0], dest.shape[1], groups, -1)
+            value_norm = layer.incoming[1].float().norm(dim=-1)
+        self.logits.scatter_(3, dest[:, :, None].expand(-1, -1, groups, -1), logits)
+        self.value_norm[:, :, 0].scatter_(2, dest, value_norm.gather(2, src))
+        return None
+
+    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+        c = policy.capacity
+        heads = layer.slot_valid.shape[1]
+        logits = self.logits[..., :c].flatten(1, 2)  # [B, Hq, c] (query head h * groups + g)
+        policy.scores[..., :c] = expected_attention_scores(logits, self._valid(policy, layer, c),
+                                                           self.value_norm[:, :, 0, :c], heads, self.EPSILON)
+
+    def _tensors(self) -> tuple[str, ...]:
+        return ("count", "total", "outer", "mean", "cov", "logits", "value_norm", "_chunk")
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self._chunk is not None:  # (only between a chunk's scores and its write: not a place to reorder)
+            self._chunk = tuple(fn(t) for t in self._chunk)
+        for name in self._tensors()[:-1]:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name in self._tensors()[:-1] if getattr(self, name) is not None)
+
+
+HEAVY_SCORERS = ("h2o", "tova", "knorm", "keydiff", "snapkv", "expected_attention")  # what ranks the heavy hitters
+SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5  # SnapKVCache's (kvpress's) defaults
+
+
+def make_heavy_scorer(name: str | None, aggregation: str = "sum", window: int = SNAPKV_WINDOW,
+                      kernel: int = SNAPKV_KERNEL, sinks: int = 0, rotator: KeyRotator | None = None) -> HeavyScorer:
+    """The scorer called `name` (one of HEAVY_SCORERS), or no scorer (None: no heavy region). `window`, `kernel`:
+    SnapKV's observation window and pooling kernel; `sinks`, `rotator`: expected attention's sinks (the composite's
+    sinks region) and the model's RoPE (None: a model without RoPE)."""
     if name is None:
         return HeavyScorer()
     if name == "h2o":
         return H2OScorer(aggregation)
+    if name == "snapkv":
+        return SnapKVScorer(window, kernel)
+    if name == "expected_attention":
+        return ExpectedAttentionScorer(sinks, rotator)
     return {"tova": TOVAScorer, "knorm": KnormScorer, "keydiff": KeyDiffScorer}[name]()

@@ -66,6 +66,36 @@ def expected_attention_scores(logits: torch.Tensor, valid: torch.Tensor, value_n
     return scores
 
 
+def accumulate_queries(running: tuple | None, query: torch.Tensor, real, positions, sinks: int,
+                       rotator: KeyRotator | None, layer_idx: int, use_covariance: bool) -> tuple:
+    """(count [B, 1, 1], sum [B, Hq, D], sum of outer products [B, Hq, D, D] or None) of the queries so far:
+    `running` (None at first) plus this forward's queries [B, Hq, q, D], un-rotated with the model's RoPE at their
+    position ids, padding and position ids below `sinks` left out."""
+    q = query.float()
+    if rotator is not None:
+        q = rotator.rotate(q, -positions.to(q.device), layer_idx)
+    weight = (real & (positions >= sinks)).float()[:, None, :, None]  # [B, 1, q, 1]
+    count, total = weight.sum(2), (q * weight).sum(2)
+    outer = (q * weight).transpose(-1, -2) @ q if use_covariance else None
+    if running is None:
+        return count, total, outer
+    return running[0] + count, running[1] + total, None if outer is None else running[2] + outer
+
+
+def future_statistics(count, total, outer, rotator: KeyRotator | None, layer_idx: int, start: torch.Tensor,
+                      future: int) -> tuple:
+    """(mean [B, Hq, D], covariance [B, Hq, D, D] or None) of the accumulated queries, rotated to the mean RoPE
+    rotation of positions start .. start + future - 1 (start [B])."""
+    n = count.clamp_min(1.0)  # [B, 1, 1]
+    mean = total / n
+    m = future_rotation(rotator, layer_idx, start, future, total.shape[-1])[:, None]
+    rotated_mean = (mean[:, :, None] @ m)[:, :, 0]
+    if outer is None:
+        return rotated_mean, None
+    cov = outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
+    return rotated_mean, m.transpose(-1, -2) @ cov @ m
+
+
 class ExpectedAttentionPolicy(ScoredPolicy):
     deferred = True
     needs_queries = True
@@ -82,27 +112,11 @@ class ExpectedAttentionPolicy(ScoredPolicy):
 
     def _statistics(self, layer, query: torch.Tensor, real, positions) -> None:
         """Accumulate the forward's queries (un-rotated, sinks and padding out); rotate the statistics forward."""
-        q = query.float()
-        if self.query_rotator is not None:
-            q = self.query_rotator.rotate(q, -positions.to(q.device), layer.layer_idx)
-        weight = (real & (positions >= self.sinks)).float()[:, None, :, None]  # [B, 1, q, 1]
-        count, total = weight.sum(2), (q * weight).sum(2)
-        outer = (q * weight).transpose(-1, -2) @ q if self.use_covariance else None
-        if self.count is None:
-            self.count, self.total, self.outer = count, total, outer
-        else:
-            self.count, self.total = self.count + count, self.total + total
-            self.outer = None if outer is None else self.outer + outer
-        n = self.count.clamp_min(1.0)  # [B, 1, 1]
-        mean = self.total / n
-        start = positions.max(-1).values + 1
-        m = future_rotation(self.query_rotator, layer.layer_idx, start, self.future, q.shape[-1])[:, None]
-        self.mean = (mean[:, :, None] @ m)[:, :, 0]
-        if self.use_covariance:
-            cov = self.outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
-            self.cov = m.transpose(-1, -2) @ cov @ m
-        else:
-            self.cov = None
+        running = None if self.count is None else (self.count, self.total, self.outer)
+        self.count, self.total, self.outer = accumulate_queries(
+            running, query, real, positions, self.sinks, self.query_rotator, layer.layer_idx, self.use_covariance)
+        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.query_rotator,
+                                                layer.layer_idx, positions.max(-1).values + 1, self.future)
 
     def observe_queries(self, layer, query: torch.Tensor) -> None:
         if layer._pending is None:  # decode: statistics stay those of the prompt

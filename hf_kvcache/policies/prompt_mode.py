@@ -80,8 +80,11 @@ class PromptCompressionPolicy(Policy):
         hm = layer.slot_valid.shape[1]
         start = self._slot(seen)
         src = torch.arange(q, device=real.device).expand(batch, hm, q)
+        regions = None  # region stores (CompositeCache): a one-token step touches the region of its slot only
+        if q == 1 and hasattr(layer.store, "region_of"):
+            regions = (layer.store.region_of(start),)
         return Placement(src=src, dest=(start + src).contiguous(), valid=real[:, None, :].expand(batch, hm, q),
-                         start=start)
+                         start=start, regions=regions)
 
     def observe(self, layer, column_scores: torch.Tensor) -> None:
         self.inner.observe(layer, column_scores)
@@ -90,7 +93,9 @@ class PromptCompressionPolicy(Policy):
         self.inner.observe_queries(layer, query)
 
     def decode_slot(self, layer, seen: int) -> int | None:
-        return self._slot(seen) if self.ended else self.inner.decode_slot(layer, seen)
+        if not self.ended:
+            return self.inner.decode_slot(layer, seen)
+        return self._slot(seen) if hasattr(layer.store, "write_slot") else None  # (region stores: `place`)
 
     def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         if not self.ended:
