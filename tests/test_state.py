@@ -43,6 +43,14 @@ CACHES = {
     "tova": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["tova"](m, budget=8),
     "snapkv": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["snapkv"](m, budget=8, window=4),
     "expected_attention": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["expected_attention"](m, budget=8),
+    "composite_prompt": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12,
+                                                            compress="prompt"),
+    "composite_snapkv": lambda m: hf_kvcache.CompositeCache(m, regions=[
+        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
+        {"role": "heavy", "tokens": 4, "scorer": "snapkv", "window": 3}]),
+    "composite_expected_attention_prompt": lambda m: hf_kvcache.CompositeCache(m, compress="prompt", regions=[
+        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
+        {"role": "heavy", "tokens": 4, "scorer": "expected_attention", "keys": "fp8_e4m3", "values": "int8"}]),
 }
 STEPS_BEFORE, STEPS_AFTER = 9, 8
 
