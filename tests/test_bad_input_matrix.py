@@ -429,6 +429,21 @@ CASES: list[Case] = [
                 r"regions\[0\]\.values: granularity 'channel' needs the append-only"),
     region_case([{"role": "window", "start": 0, "end": 8, "keys": {"format": "int8", "bits": 8}}],
                 r"Unknown regions\[0\]\.keys key\(s\) \['bits'\]"),
+    # the heavy region's scorer and prompt mode (issue 14)
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "scorer": "pyramidkv"}],
+                r"`regions\[1\]\.scorer` must be one of \('h2o', 'tova', 'knorm', 'keydiff', 'snapkv', "
+                r"'expected_attention'\), got 'pyramidkv'"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "scorer": "snapkv"}],
+                r"regions\[1\]\.window \(64\) must not exceed the window regions' span \(8 tokens\)"),
+    region_case([{"role": "window", "start": 0, "end": 8},
+                 {"role": "heavy", "tokens": 4, "scorer": "snapkv", "window": 8, "kernel": 4}],
+                r"`regions\[1\]\.kernel` must be odd"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "window": 4}],
+                r"regions\[1\]\.window is an option of scorer 'snapkv' only"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4}],
+                r"`compress` must be one of \('always', 'prompt'\), got 'decode'", compress="decode"),
+    region_case([{"role": "window", "start": 0, "end": 8}, {"role": "rest"}],
+                r"compress='prompt': regions\[1\] \('rest'\) keeps every token already", compress="prompt"),
     # -- QuantizedFP8Cache ---------------------------------------------------------------------------------------------
     ctor("QuantizedFP8Cache", match=r"`format` must be one of \('fp8_e4m3', 'fp8_e5m2', 'int8'", format="fp16"),
     ctor("QuantizedFP8Cache", match=r"`granularity` must be one of \('tensor', 'head', 'token', 'channel'\)",
