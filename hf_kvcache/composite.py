@@ -36,7 +36,8 @@ they would arrive in "always" mode), nothing evicted. Refused with a 'rest' regi
 
 Presets take a token `budget` instead of regions (what budget sweeps need):
 - "sinks_heavy_recent": the classic combination, 4 sinks in full precision, then the rest split evenly between a
-  recent window and H2O heavy hitters, both at `precision` (FP8 E4M3 by default).
+  recent window and H2O heavy hitters, both at `precision` (FP8 E4M3 by default); `scorer` ranks the heavy hitters
+  by another scorer (SnapKV's 64-token observation window must fit in the recent window: budget >= 132).
 """
 
 from __future__ import annotations
@@ -165,15 +166,21 @@ PRESETS = ("sinks_heavy_recent",)
 PRESET_SINKS = 4
 
 
-def preset_regions(preset: str, budget: int, precision: Any) -> list[dict]:
+def preset_regions(preset: str, budget: int, precision: Any, scorer: str = "h2o") -> list[dict]:
     preset = require_choice("preset", preset, PRESETS)
     budget = require_int("budget", budget, PRESET_SINKS + 2)
     make_store(precision, precision, "`precision`")  # the error names the argument, not the region it fills
+    scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
     recent = (budget - PRESET_SINKS) // 2
+    if scorer == "snapkv" and recent < SNAPKV_WINDOW:  # SnapKV's observation window lies in the recent window
+        raise ValueError(f"`preset` {preset!r} with scorer 'snapkv' needs `budget` >= "
+                         f"{PRESET_SINKS + 2 * SNAPKV_WINDOW} (a recent window of at least SnapKV's "
+                         f"{SNAPKV_WINDOW}-token observation window), got {budget}.")
+    heavy = {"role": "heavy", "tokens": budget - PRESET_SINKS - recent, "keys": precision, "values": precision}
     return [
         {"role": "sinks", "tokens": PRESET_SINKS},
         {"role": "window", "start": 0, "end": recent, "keys": precision, "values": precision},
-        {"role": "heavy", "tokens": budget - PRESET_SINKS - recent, "keys": precision, "values": precision},
+        heavy if scorer == "h2o" else {**heavy, "scorer": scorer},
     ]
 
 
@@ -196,6 +203,7 @@ class CompositeCache(KVCache):
         budget: int | None = None,
         precision: Any = "fp8_e4m3",
         compress: str = "always",
+        scorer: str | None = None,
         layers: dict | list | None = None,
     ):
         if (regions is None) == (preset is None):
@@ -203,10 +211,13 @@ class CompositeCache(KVCache):
         if preset is not None:
             if budget is None:
                 raise ValueError(f"`preset` {preset!r} needs a token `budget`.")
-            regions = preset_regions(preset, budget, precision)
+            regions = preset_regions(preset, budget, precision, "h2o" if scorer is None else scorer)
         elif budget is not None:
             raise ValueError("`budget` is for presets; with `regions`, sizes are given per region.")
-        self.preset, self.budget, self.precision = preset, budget, precision
+        elif scorer is not None:
+            raise ValueError("`scorer` is for presets; with `regions`, give it in the heavy region "
+                             '({"role": "heavy", ..., "scorer": ...}).')
+        self.preset, self.budget, self.precision, self.scorer = preset, budget, precision, scorer
         layout = parse_regions(regions)
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
         sink_positions = require_choice("sink_positions", sink_positions, ("cache", "original"))

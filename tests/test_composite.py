@@ -464,3 +464,18 @@ def test_snapkv_options_are_validated_naming_the_field():
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
             hf_kvcache.CompositeCache(model, regions=[window, {"role": "heavy", "tokens": 4, **options}])
+
+
+def test_preset_takes_a_heavy_scorer():
+    model = build_model("llama", num_hidden_layers=1)
+    cache = hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=140, scorer="snapkv")
+    assert cache.regions[2] == {"role": "heavy", "tokens": 68, "keys": "fp8_e4m3", "values": "fp8_e4m3",
+                                "scorer": "snapkv"}
+    assert cache.layers[0].policy.heavy_scorer.window == 64
+    assert "scorer" not in hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=140).regions[2]
+    with pytest.raises(ValueError, match=r"scorer 'snapkv' needs `budget` >= 132 .*got 100"):
+        hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=100, scorer="snapkv")
+    with pytest.raises(ValueError, match=r"`scorer` must be one of \('h2o', .*'expected_attention'\), got 'lru'"):
+        hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=100, scorer="lru")
+    with pytest.raises(ValueError, match=r"`scorer` is for presets; with `regions`, give it in the heavy region"):
+        hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": 4}], scorer="tova")
