@@ -392,6 +392,12 @@ CASES: list[Case] = [
          regions=[{"role": "window", "start": 0, "end": 8}], aggregation="avg"),
     ctor("CompositeCache", match=r"`sink_positions` must be one of \('cache', 'original'\)",
          regions=[{"role": "window", "start": 0, "end": 8}], sink_positions="absolute"),
+    ctor("CompositeCache", match=r"`scorer` must be one of \('h2o', 'tova', 'knorm', 'keydiff', 'snapkv', "
+         r"'expected_attention'\), got 'pyramidkv'", preset="sinks_heavy_recent", budget=64, scorer="pyramidkv"),
+    ctor("CompositeCache", match=r"scorer 'snapkv' needs `budget` >= 132 .*got 64", preset="sinks_heavy_recent",
+         budget=64, scorer="snapkv"),
+    ctor("CompositeCache", match=r"`scorer` is for presets; with `regions`, give it in the heavy region",
+         regions=[{"role": "window", "start": 0, "end": 8}], scorer="tova"),
     # -- CompositeCache: regions and their fields ---------------------------------------------------------------------
     region_case([], r"`regions` must be a non-empty list"),
     region_case("window", r"`regions` must be a non-empty list"),
