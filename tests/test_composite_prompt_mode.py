@@ -169,3 +169,23 @@ def test_bad_compress_values_are_refused_naming_the_parameter():
         hf_kvcache.CompositeCache(config, preset="sinks_heavy_recent", budget=10, compress="decode")
     with pytest.raises(ValueError, match=r"compress='prompt': regions\[1\] \('rest'\) keeps every token already"):
         hf_kvcache.CompositeCache(config, compress="prompt", regions=[{**W, "start": 0, "end": 4}, {"role": "rest"}])
+
+
+def test_end_prompt_appends_a_question_uncompressed_and_crop_stays_in_the_appended_tokens():
+    model = build_model("llama")
+    ids = random_ids(1, 30, seed=27)
+    regions = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+               {"role": "heavy", "tokens": 3, "scorer": "keydiff"}]
+    cache = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt")
+    always = hf_kvcache.CompositeCache(model, regions=regions)
+    with torch.no_grad():
+        model(input_ids=ids[:, :PROMPT], past_key_values=always)
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        cache.end_prompt()
+        model(input_ids=ids[:, PROMPT:26], past_key_values=cache)  # the question: one multi-token forward
+        model(input_ids=ids[:, 26:27], past_key_values=cache)
+    assert _kept(cache) == [[h + list(range(PROMPT, 27)) for h in row] for row in _kept(always)]
+    cache.crop(-2)
+    assert cache.get_seq_length() == 25 and all(h[-1] == 24 for h in _kept(cache)[0])
+    with pytest.raises(ValueError, match="compressed"):
+        cache.crop(-6)  # 25 - 6 = 19 < the 20-token prompt
