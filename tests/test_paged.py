@@ -5,7 +5,9 @@
   tiny model: within float rounding);
 - a request's first forward attends its own tokens unquantized, later reads see the codes (cache.update directly);
 - hybrid models (sliding + full layers) run with quantized sliding and full pages;
-- page accounting: every page is free again after each batch of a persistent manager, pages are reused;
+- page accounting: every page is free again after each batch of a persistent manager, pages are reused, a request
+  holds only the pages of its tokens; the benchmark's per-forward records (admission limit, memory-bound steady
+  state: hf_kvcache.paged.concurrency);
 - the memory budget holds more tokens with quantized pages (byte ratio), the block-table path is off with a clear
   error, bad configs name their field, and a changed transformers internal is reported by name.
 """
@@ -26,6 +28,7 @@ from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError, check_internals
 from hf_kvcache.paged.agreement import record_logits
 from hf_kvcache.paged.cache import first_forward_masks
+from hf_kvcache.paged.concurrency import ADMISSION_LIMITS, ForwardRecord, admission_limit, steady_state
 from hf_kvcache.paged.spec import DEFAULT_KEY_ROTATION
 from hf_kvcache.stores.quantization import QuantSpec, make_codec
 from hf_kvcache.stores.workspace import TransientWorkspace
@@ -215,6 +218,92 @@ def test_pages_in_use_return_to_zero_after_every_batch_and_are_reused():
     assert caches[0] is caches[1]  # the second batch reused the same pages
     assert min(peaks) > 0
     assert max(rec.resident) < len(prompts)  # the budget was binding: pages were freed and reused within a batch
+
+
+def test_requests_hold_only_the_pages_of_their_tokens_and_memory_limits_admission():
+    """No page reserved ahead, none kept by a finished request: at every forward each request of the batch holds
+    ceil(tokens stored after the forward / page size) pages, the recorder's pages in use are the block tables', and
+    with a tight budget the recorder sees memory refuse waiting requests; every page is free at the end."""
+    model = build_model("llama")
+    prompts = _prompts()
+    cb = _cb("fp8_e4m3", num_blocks=2)  # 8 FP8 pages of 8 tokens: requests wait for pages
+    checked, mismatches, caches = [], [], set()
+
+    def check_pages(module, args, output):
+        processor = rec.manager.batch_processor
+        caches.add(processor.cache)
+        allocator = processor.cache.cache_allocators["full_attention"]
+        for future in processor.inputs_and_outputs.requests_in_batch:
+            state = future.state
+            stored = state.position_offset  # already past + this forward's query when the model runs
+            held = len(allocator.block_table[state.request_id])
+            checked.append(state.request_id)
+            if held != -(-stored // allocator.tokens_per_page):
+                mismatches.append((state.request_id, stored, held))
+        assert sum(len(b) for b in allocator.block_table.values()) == rec.steps[-1].pages_in_use
+
+    with record_logits(model) as rec:
+        handle = model.register_forward_hook(check_pages)
+        try:
+            out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb,
+                                       warmup=False)
+        finally:
+            handle.remove()
+    (cache,) = caches
+    assert all(o.error is None and len(o.generated_tokens) == NEW_TOKENS for o in out.values())
+    assert set(checked) == set(out) and not mismatches, mismatches
+    assert len(rec.steps) == len(rec.batch_sizes) > 0
+    assert {s.admission_limit for s in rec.steps} <= set(ADMISSION_LIMITS)
+    assert "memory" in {s.admission_limit for s in rec.steps}  # the tight budget refused waiting requests
+    assert max(s.pages_in_use for s in rec.steps) <= cache.num_blocks
+    assert cache.compute_free_capacity() == 1.0 and cache.cache_allocators["full_attention"].block_table == {}
+
+
+@pytest.mark.parametrize("waiting, tokens, requests, expected", [
+    (0, 10, 2, "no waiting request"),
+    (3, 64, 5, "batch tokens"),
+    (3, 20, 8, "requests per batch"),
+    (3, 20, 5, "memory"),
+])
+def test_admission_limit_names_what_stopped_admission(waiting, tokens, requests, expected):
+    assert admission_limit(waiting, tokens, 64, requests, 8) == expected
+
+
+def _forward(resident, waiting, limit, pages_each=2):
+    return ForwardRecord(resident=frozenset(resident), pages_in_use=pages_each * len(resident),
+                         waiting_requests=waiting, batch_requests=len(resident), batch_tokens=len(resident),
+                         admission_limit=limit)
+
+
+def test_steady_state_starts_when_the_fill_has_left_and_ends_with_the_queue():
+    fill = _forward("abc", 5, "memory")  # first refusal: a, b, c resident (the fill)
+    records = [
+        _forward("ab", 7, "batch tokens"),
+        fill,
+        _forward("bcd", 4, "memory"),  # c and b of the fill still resident: warm-up
+        _forward("cde", 4, "memory"),
+        _forward("def", 3, "memory", pages_each=3),  # the fill has left: steady state from here
+        _forward("efgh", 1, "batch tokens"),
+        _forward("fgh", 1, "memory", pages_each=3),
+        _forward("gh", 0, "no waiting request"),  # queue empty: the drain
+    ]
+    steady = steady_state(records)
+    assert steady["measured"] and steady["reason"] is None
+    assert (steady["first_memory_bound_forward"], steady["start_forward"], steady["end_forward"]) == (1, 4, 6)
+    assert steady["forwards"] == 3 and steady["memory_bound_forwards"] == 2
+    assert steady["memory_bound_share"] == pytest.approx(2 / 3)
+    assert steady["mean_concurrent_requests"] == 3 and steady["peak_concurrent_requests"] == 3
+    assert steady["pages_per_request"] == 3
+
+
+def test_steady_state_is_not_measured_when_the_queue_runs_dry_or_memory_never_refuses():
+    dry = [_forward("abc", 2, "memory"), _forward("bcd", 0, "no waiting request"), _forward("d", 0,
+                                                                                            "no waiting request")]
+    steady = steady_state(dry)
+    assert not steady["measured"] and "queue ran dry" in steady["reason"]
+    token_bound = [_forward("ab", 3, "batch tokens"), _forward("c", 0, "no waiting request")]
+    steady = steady_state(token_bound)
+    assert not steady["measured"] and "memory never refused" in steady["reason"]
 
 
 def test_memory_budget_holds_more_tokens_with_quantized_pages():

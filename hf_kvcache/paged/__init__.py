@@ -3,8 +3,9 @@
 One module per job: `spec` (what a page holds, read from the continuous-batching config), `records` (byte layout
 of a token and the codec views over it), `allocators` (transformers' cache allocators with quantized pages),
 `cache` (the PagedAttentionCache subclass, `install`, `enable_paged`), `internals` (the transformers internals
-relied on, checked), `agreement` (teacher-forced logits of continuous-batching runs, for the benchmark),
-`serve_bench` (`hf-kvcache serve-bench`).
+relied on, checked), `agreement` (teacher-forced logits of continuous-batching runs and what the cache and the
+scheduler did at each forward, for the benchmark), `concurrency` (requests held at once in a run's memory-bound
+steady state), `serve_bench` (`hf-kvcache serve-bench`).
 """
 
 from .cache import QuantizedPagedAttentionCache, enable_paged, install

@@ -11,12 +11,19 @@ With `force`, the hook then replaces each row by one that makes greedy sampling 
 is teacher-forced, every request sees the same tokens as the reference run, and KL / top-1 compare the same
 positions (hf_kvcache.evaluation.divergence.divergence_metrics). Unforced rows are recorded as sampled.
 At every forward the recorder also notes the requests holding pages (`resident`: the full-attention allocator's
-block tables), the requests in the batch (`batch_sizes`) and the KV bytes in use (`bytes_in_use`).
+block tables), the requests in the batch (`batch_sizes`), the KV bytes in use (`bytes_in_use`) and, in `steps`,
+one `ForwardRecord` per forward (hf_kvcache.paged.concurrency): the resident requests and the pages they hold,
+the requests still waiting, the query tokens of the batch and the limit that stopped admission at that forward.
 
 Internals relied on (transformers 5.23, see hf_kvcache.paged.internals for the cache ones): the manager returned
 by `model.init_continuous_batching` (which `generate_batch` calls) has `batch_processor.inputs_and_outputs.
 requests_in_batch` (FutureRequestState: `.state.request_id`, `.state.generated_len()`, `.state.initial_tokens`,
-`.state._true_initial_tokens`, `.has_new_token`) for the batch being computed, and the model is called with `logits_to_keep` (rows = those requests) or `logits_indices`.
+`.state._true_initial_tokens`, `.has_new_token`, `.query_length`) for the batch being computed, and the model is
+called with `logits_to_keep` (rows = those requests) or `logits_indices`; `batch_processor.scheduler.
+waiting_requests` holds the requests not admitted yet and `.max_requests_per_batch` its per-batch request limit;
+`batch_processor.max_batch_tokens` is the token budget of a forward (transformers' FIFO scheduler admits waiting
+requests, after the decoding ones, until that budget, the request limit or the cache runs out: its safety margin
+or a failed page allocation).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .concurrency import ForwardRecord, admission_limit
 
 
 def _step(state) -> int:
@@ -42,6 +51,7 @@ class LogitsRecorder:
         self.resident: list[int] = []
         self.batch_sizes: list[int] = []
         self.bytes_in_use: list[int] = []
+        self.steps: list[ForwardRecord] = []
         self.cache_facts: dict = {}
 
     def _note_cache(self, cache) -> None:
@@ -58,6 +68,19 @@ class LogitsRecorder:
                 "bytes_per_token_per_layer": allocator.bytes_per_page // allocator.tokens_per_page,
             }
 
+    def _note_step(self, processor, batch) -> None:
+        allocator = next(iter(processor.cache.cache_allocators.values()))
+        scheduler = processor.scheduler
+        waiting = len(scheduler.waiting_requests)
+        tokens = sum(f.query_length for f in batch)
+        self.steps.append(ForwardRecord(
+            resident=frozenset(allocator.block_table),
+            pages_in_use=sum(len(blocks) for blocks in allocator.block_table.values()),
+            waiting_requests=waiting, batch_requests=len(batch), batch_tokens=tokens,
+            admission_limit=admission_limit(waiting, tokens, processor.max_batch_tokens, len(batch),
+                                            scheduler.max_requests_per_batch),
+        ))
+
     def hook(self, module, args, kwargs, output):
         if self.manager is None or self.manager.batch_processor is None:
             raise RuntimeError("record_logits: the model ran outside a continuous-batching manager it could see")
@@ -65,6 +88,7 @@ class LogitsRecorder:
         batch = processor.inputs_and_outputs.requests_in_batch
         self._note_cache(processor.cache)
         self.batch_sizes.append(len(batch))
+        self._note_step(processor, batch)
         requests = [f for f in batch if f.has_new_token]
         logits = output.logits
         if "logits_to_keep" in kwargs and isinstance(kwargs["logits_to_keep"], torch.Tensor):

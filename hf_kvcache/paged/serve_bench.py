@@ -12,15 +12,27 @@ end-of-sequence token forced at each request's generation length; the quantized 
 reference tokens (hf_kvcache.paged.agreement), so every format processes the same tokens and KL / top-1 compare
 the same positions.
 
-Measured per run: peak concurrent requests (requests holding pages at a forward; also the largest batch), output
-tokens/s (wall time of generate_batch), time to first token (first token timestamp - request creation: includes
-queueing, as a server sees it), and for quantized formats KL(model-dtype pages || quantized pages) and top-1
-agreement over all generated positions (model-dtype runs at the other budgets batch the requests differently:
-their KL against the reference run is the noise floor of batching in the model's dtype). On the same text (the first `kl_requests` requests, prompt + reference
-tokens), our QuantizedFP8Cache (token scales, no rotation, and its default Hadamard key rotation) is scored
+Concurrency (hf_kvcache.paged.concurrency): the requests holding pages at the forwards where the cache refused a
+waiting request, in the run's memory-bound steady state (after every request of the initial fill has left, while
+requests still wait): their mean (the benchmark's measure), their peak, and the pages each holds; the share of the
+steady state's forwards at which memory (not the token budget) stopped admission says whether the run measured
+memory-bound concurrency. The whole run's peak (requests holding pages at any forward; it is reached while the
+empty cache fills, at `max_batch_tokens` per forward, and so depends on the fill speed as well as the memory) is
+reported with the limit that stopped admission there and the requests still waiting. The default workload keeps
+requests waiting for a steady state of dozens of forwards at every budget, and its token budget (1024 per
+forward) refills the largest pool without being the limit (with 256 per forward, 320 requests and 8-24 new
+tokens, FP8 pages at 28 MiB were stopped by the token budget at 24 of the 70 forwards after their fill with
+requests waiting: their concurrency measured the scheduler as much as the memory).
+
+Measured per run, too: output tokens/s (wall time of generate_batch), time to first token (first token timestamp -
+request creation: includes queueing, as a server sees it), and for quantized formats KL(model-dtype pages ||
+quantized pages) and top-1 agreement over all generated positions (model-dtype runs at the other budgets batch the
+requests differently: their KL against the reference run is the noise floor of batching in the model's dtype). On
+the same text (the first `kl_requests` requests, prompt + reference tokens), our QuantizedFP8Cache (token scales, no rotation, and its default Hadamard key rotation) is scored
 against DynamicCache with the teacher-forced protocol of hf_kvcache.evaluation.divergence, for comparison.
 
-Results: JSON (everything), CSV (one row per run) and a PNG (peak concurrency vs budget), `out` + suffixes.
+Results: JSON (everything, with the per-forward trace of every run), CSV (one row per run) and a PNG (concurrency
+vs budget), `out` + suffixes.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from pathlib import Path
 import torch
 
 from .agreement import record_logits
+from .concurrency import steady_state
 from ..rotation import ROTATIONS
 from .spec import KV_DTYPES, PagedKVSpec
 
@@ -47,16 +60,17 @@ DEFAULT_FORMATS = ("model", "fp8_e4m3", "int8")
 class ServeBenchSettings:
     model: str = "smollm2"
     dtype: str = "bfloat16"
-    # default sweep: model-dtype pages hold ~20-35 requests, quantized pages fewer than `requests` (none capped)
-    requests: int = 96
+    # default sweep: memory-bound at every budget, with requests waiting for a steady state of dozens of forwards
+    # (model-dtype pages hold ~20-35 requests, FP8 pages ~40-65)
+    requests: int = 384
     prompt_min: int = 8
     prompt_max: int = 32
-    new_min: int = 4
-    new_max: int = 16
+    new_min: int = 8
+    new_max: int = 24
     budget_tokens: int = 1024
     budget_scales: tuple[float, ...] = (0.75, 1.0, 1.25)
     page_size: int = 16
-    max_batch_tokens: int = 256
+    max_batch_tokens: int = 1024
     formats: tuple[str, ...] = DEFAULT_FORMATS
     kl_requests: int = 8
     rounds: int = 1
@@ -151,10 +165,22 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
     tokens = {rid: list(o.generated_tokens) for rid, o in outputs.items()}
     ttft = [o.timestamps[0] - o.created_time for o in outputs.values() if o.timestamps]
     generated = sum(len(t) for t in tokens.values())
+    steady = steady_state(rec.steps)
+    peak = max(range(len(rec.steps)), key=lambda i: rec.steps[i].resident_requests)  # first forward at the peak
+    at_peak = rec.steps[peak]
     return {
         "tokens": tokens,
         "logprobs": rec.logprobs(),
-        "peak_concurrent_requests": max(rec.resident),
+        "trace": [r.as_row() for r in rec.steps],
+        # concurrency in the memory-bound steady state (hf_kvcache.paged.concurrency): the benchmark's measure
+        **{f"steady_{k}": v for k, v in steady.items()},
+        # the whole run's peak, and what limited admission there
+        "peak_concurrent_requests": at_peak.resident_requests,
+        "peak_forward": peak,
+        "peak_admission_limit": at_peak.admission_limit,
+        "peak_waiting_requests": at_peak.waiting_requests,
+        "peak_pages_per_request": at_peak.pages_in_use / at_peak.resident_requests,
+        "queue_empty_forward": next((i for i, r in enumerate(rec.steps) if r.waiting_requests == 0), None),
         "mean_resident_requests": statistics.fmean(rec.resident),
         "peak_batch_requests": max(rec.batch_sizes),
         "forwards": len(rec.batch_sizes),
@@ -268,7 +294,8 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
                 if not first:  # model-dtype runs at other budgets batch differently: their KL is the noise floor
                     row.update(_agreement(reference_logprobs, result["logprobs"], settings.kl_requests))
                 runs.append(row)
-                progress(f"round {round_index} budget x{scale} {fmt}: peak concurrent {row['peak_concurrent_requests']}"
+                progress(f"round {round_index} budget x{scale} {fmt}: {_steady_text(row)}; whole-run peak "
+                         f"{row['peak_concurrent_requests']} ({row['peak_admission_limit']} at the peak)"
                          f", {row['tokens_per_s']:.1f} tok/s, ttft {row['ttft_mean_s']:.2f}s"
                          + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else "")
                          + (f", KL first {settings.kl_requests} {row['kl_mean_same_text']:.2e}"
@@ -284,27 +311,39 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
             "runs": runs, "summary": summarize(runs, settings), "quantized_fp8_cache_kl_same_text": baseline}
 
 
+def _steady_text(row: dict) -> str:
+    if not row["steady_measured"]:
+        return f"no memory-bound steady state ({row['steady_reason']})"
+    return (f"steady state {row['steady_mean_concurrent_requests']:.1f} concurrent requests (peak "
+            f"{row['steady_peak_concurrent_requests']}, {row['steady_pages_per_request']:.2f} pages each, "
+            f"{row['steady_memory_bound_share']:.0%} of {row['steady_forwards']} forwards memory-bound)")
+
+
 def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
-    """Ratios to model-dtype pages at the same budget and round, then medians over rounds."""
+    """Ratios to model-dtype pages at the same budget and round, then medians over rounds. The concurrency ratio is
+    that of the mean requests resident at the memory-bound forwards of the steady state (None unless both runs
+    reached one in every round: `memory_bound`); the steady state's peak and the whole run's peak are given too."""
     by_key = {(r["round"], r["budget_scale"], r["format"]): r for r in runs}
     summary = {}
     for fmt in settings.formats[1:]:
         for scale in settings.budget_scales:
-            ratios = {"concurrency": [], "tokens_per_s": [], "ttft_mean": [], "kl_mean": []}
-            for round_index in range(settings.rounds):
-                base, run = by_key[(round_index, scale, "model")], by_key[(round_index, scale, fmt)]
-                ratios["concurrency"].append(run["peak_concurrent_requests"] / base["peak_concurrent_requests"])
-                ratios["tokens_per_s"].append(run["tokens_per_s"] / base["tokens_per_s"])
-                ratios["ttft_mean"].append(run["ttft_mean_s"] / base["ttft_mean_s"])
-                ratios["kl_mean"].append(run["kl_mean"])
+            pairs = [(by_key[(i, scale, "model")], by_key[(i, scale, fmt)]) for i in range(settings.rounds)]
+            memory_bound = all(base["steady_measured"] and run["steady_measured"] for base, run in pairs)
+
+            def ratio(key, require_steady=False):
+                if require_steady and not memory_bound:
+                    return None
+                return statistics.median(run[key] / base[key] for base, run in pairs)
+
             summary[f"{fmt}@x{scale}"] = {
-                "concurrency_ratio": statistics.median(ratios["concurrency"]),
-                # every request resident at once in some round: the ratio is capped by the workload, not memory
-                "capped_by_requests": any(by_key[(r, scale, fmt)]["peak_concurrent_requests"] == settings.requests
-                                          for r in range(settings.rounds)),
-                "tokens_per_s_ratio": statistics.median(ratios["tokens_per_s"]),
-                "ttft_mean_ratio": statistics.median(ratios["ttft_mean"]),
-                "kl_mean": statistics.median(ratios["kl_mean"]),
+                "memory_bound": memory_bound,
+                "concurrency_ratio": ratio("steady_mean_concurrent_requests", True),
+                "steady_peak_ratio": ratio("steady_peak_concurrent_requests", True),
+                "whole_run_peak_ratio": ratio("peak_concurrent_requests"),
+                "pages_ratio": ratio("num_blocks"),
+                "tokens_per_s_ratio": ratio("tokens_per_s"),
+                "ttft_mean_ratio": ratio("ttft_mean_s"),
+                "kl_mean": statistics.median(run["kl_mean"] for _, run in pairs),
             }
     return summary
 
@@ -321,23 +360,25 @@ def write_results(result: dict, out: str) -> list[str]:
     base.parent.mkdir(parents=True, exist_ok=True)
     paths = [base.parent / f"{base.name}.{suffix}" for suffix in ("json", "csv", "png")]  # keeps dots in the name
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    runs = result["runs"]
+    runs = [{k: v for k, v in r.items() if k != "trace"} for r in result["runs"]]  # the trace: JSON only
     columns = sorted({k for r in runs for k in r}, key=lambda k: list(runs[0]).index(k) if k in runs[0] else 99)
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(runs)
     settings = result["settings"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for fmt in settings["formats"]:
-        points = sorted((r["kv_bytes"] / 2**20, r["peak_concurrent_requests"]) for r in runs
-                        if r["format"] == fmt and r["round"] == 0)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{fmt} pages")
-    ax.axhline(settings["requests"], color="grey", lw=0.8, ls=":", label="requests submitted")
+        rows = sorted((r for r in runs if r["format"] == fmt and r["round"] == 0), key=lambda r: r["kv_bytes"])
+        mib = [r["kv_bytes"] / 2**20 for r in rows]
+        line, = ax.plot(mib, [r["steady_mean_concurrent_requests"] for r in rows], marker="o",
+                        label=f"{fmt} pages, memory-bound steady state (mean)")
+        ax.plot(mib, [r["peak_concurrent_requests"] for r in rows], marker="x", ls="--", lw=0.8,
+                color=line.get_color(), label=f"{fmt} pages, whole-run peak")
     ax.set_xlabel("KV memory budget (MiB)")
-    ax.set_ylabel("peak concurrent requests")
+    ax.set_ylabel("concurrent requests")
     ax.set_title(f"Continuous batching, {settings['model']} ({settings['dtype']}), page {settings['page_size']}")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(paths[2], dpi=120)
@@ -405,8 +446,13 @@ def _serve_bench_cli(args) -> int:
     for path in write_results(result, settings.out):
         print(f"wrote {path}")
     for key, row in result["summary"].items():
-        capped = " (capped: all requests resident)" if row["capped_by_requests"] else ""
-        print(f"{key}: concurrency x{row['concurrency_ratio']:.2f}{capped}, tokens/s x{row['tokens_per_s_ratio']:.2f}, "
+        if row["memory_bound"]:
+            concurrency = (f"steady-state concurrency x{row['concurrency_ratio']:.2f} (its peak "
+                           f"x{row['steady_peak_ratio']:.2f})")
+        else:
+            concurrency = "no memory-bound steady state in every run (see the JSON)"
+        print(f"{key}: {concurrency}, whole-run peak x{row['whole_run_peak_ratio']:.2f}, pages "
+              f"x{row['pages_ratio']:.2f}, tokens/s x{row['tokens_per_s_ratio']:.2f}, "
               f"TTFT x{row['ttft_mean_ratio']:.2f}, KL {row['kl_mean']:.2e}")
     for name, row in (result["quantized_fp8_cache_kl_same_text"] or {}).items():
         print(f"{name}, same text: KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}")
