@@ -4,6 +4,12 @@ Sinks are each row's first real tokens. We remember, per sink slot, the key as i
 id and its stream index; with a rotator ("positions inside the cache", StreamingLLM), the sink keys are re-rotated
 before each read, from the arrived copy (exact), to sit just before the oldest other kept token, with the layer's
 own RoPE (none on NoPE layers, e.g. SmolLM3's or Cohere2's full-attention layers: the sinks then stay as stored).
+
+When the store offers a writable full-precision view of the sink slots (`key_slots`, e.g. a CompositeCache's
+full-precision sinks region), the rotation is written straight into it: the arrived keys' rotary pairs x = (x1 | x2)
+and angles (-a | a) give x * cos + flip(x) * sin = (x1 cos a - x2 sin a | x2 cos a + x1 sin a), one multiply-add and
+one strided copy. The same rotation as `KeyRotator.rotate` (float32 arithmetic, one rounding to the store's dtype)
+in about a third of the operations; a decode step runs it in every layer.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class SinkMemory:
         self.keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] keys as they arrived (+1 trash)
         self.pos: torch.Tensor | None = None  # [B, sinks + 1] original position ids
         self.index: torch.Tensor | None = None  # [B, sinks + 1] stream indices (for crop)
+        self._fast_constants: tuple | None = None  # `_rotate_into`'s RoPE constants
 
     def allocate(self, batch: int, device) -> None:
         self.pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
@@ -64,12 +71,39 @@ class SinkMemory:
         if oldest.dim() == 1:
             oldest = oldest[:, None]
             has_other = None if has_other is None else has_other[:, None]
+        key_slots = getattr(layer.store, "key_slots", None)
+        view = key_slots(0, s) if key_slots is not None else None
+        if view is not None:
+            self._rotate_into(view, layer.layer_idx, oldest, has_other)
+            return
         original = self.pos[:, None, :s]  # [B, 1, s]
         target = oldest[..., None] - s + torch.arange(s, device=oldest.device)  # [B, Hm, s]
         if has_other is not None:
             target = torch.where(has_other[..., None], target, original)
         delta = target - original  # [B, Hm, s]: rotate broadcasts Hm = 1 over the KV heads
         layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], delta, layer.layer_idx))
+
+    def _constants(self, plan, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets [s] = i - s, signed frequencies [2, r/2] = (-inv_freq | inv_freq)) on `device`: constants of this
+        layer's RoPE, made once (not stream state)."""
+        if self._fast_constants is None or self._fast_constants[0].device != torch.device(device):
+            freq = plan.inv_freq.to(device)
+            self._fast_constants = (torch.arange(self.sinks, device=device) - self.sinks, torch.stack((-freq, freq)))
+        return self._fast_constants
+
+    def _rotate_into(self, view: torch.Tensor, layer_idx: int, oldest: torch.Tensor, has_other) -> None:
+        """`reposition_before` writing into `view` [B, H, s, D], the store's sink key slots (full precision). With x
+        the rotary pairs (x1 | x2) of the arrived keys and angles (-a | a): x * cos + flip(x) * sin is
+        (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
+        plan = self.rotator.plan(layer_idx)
+        s, r = self.sinks, plan.rotary_dim
+        offsets, signed_freq = self._constants(plan, oldest.device)
+        delta = oldest[..., None] + offsets - self.pos[:, None, :s]  # [B, Hm, s]: sink i to just before `oldest`
+        if has_other is not None:  # no other token kept: the sinks keep their original positions (delta 0)
+            delta = torch.where(has_other[..., None], delta, 0)
+        angle = delta[..., None, None] * signed_freq  # [B, Hm, s, 2, r/2] float32 (Hm = 1 broadcasts over heads)
+        x = _rotary_pairs(self.keys[:, :, :s, :r], plan.convention).float()
+        _rotary_pairs(view[..., :r], plan.convention).copy_(torch.addcmul(x * angle.cos(), x.flip(-2), angle.sin()))
 
     def reposition(self, layer, used: int) -> None:
         """General case: find the oldest valid token among slots [sinks, used) per row and meta head (per-head
@@ -79,7 +113,7 @@ class SinkMemory:
         end = max(used, self.sinks + 1)  # at least one column: after a crop to nothing `used` is 0 (all invalid)
         valid = layer.slot_valid[:, :, self.sinks : end]  # [B, Hm, n]
         positions = layer.slot_pos[:, :, self.sinks : end]
-        oldest = torch.where(valid, positions.long(), torch.iinfo(torch.long).max).amin(-1)  # [B, Hm]
+        oldest = torch.where(valid, positions, torch.iinfo(positions.dtype).max).amin(-1)  # [B, Hm]
         self.reposition_before(layer, oldest, valid.any(-1))
 
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:
@@ -97,3 +131,11 @@ class SinkMemory:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.keys, self.pos, self.index) if t is not None)
+
+
+def _rotary_pairs(keys: torch.Tensor, convention: str) -> torch.Tensor:
+    """The rotary dims of keys [..., r] as a view [..., 2, r/2]: (x1 | x2) of each pair, for RoPE's "half"
+    convention (pairs j, j + r/2) or "interleaved" (pairs 2j, 2j + 1)."""
+    if convention == "interleaved":
+        return keys.unflatten(-1, (keys.shape[-1] // 2, 2)).transpose(-1, -2)
+    return keys.unflatten(-1, (2, keys.shape[-1] // 2))

@@ -235,6 +235,10 @@ class QuantizedStore:
               regions=None) -> None:
         """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]. The append-only layout
         needs the policy's host-side `start` (dest is start, start + 1, ...): nothing is read back from the device."""
+        if not self.append_only and self.joint and not self.key_smoothing:  # keys and values in one op per step
+            both = self._joint_checked(keys, values)
+            self.keys_codec.put(self.keys_codec.encode(both), dest=torch.cat((dest, dest), 0))
+            return
         check_finite(keys, values, self.where)
         if not self.append_only:
             self._encode_put(keys, values, dest=dest)
@@ -257,12 +261,7 @@ class QuantizedStore:
             return
         if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
             # decode step with keys and values quantized together right away: as few ops as possible
-            both = torch.cat((keys, values), 0)
-            try:
-                check_finite(both, None, self.where)
-            except NonFiniteError:  # (raised on the host: count keys and values apart for the message)
-                check_finite(keys, values, self.where)
-                raise
+            both = self._joint_checked(keys, values)
             if self.append_only and self.fixed_slots:
                 # the slot is the token's index: nothing grows, nothing to truncate after a crop (later slots are
                 # overwritten, and reads mask what is not valid); no comparison of host counters either, which
@@ -283,6 +282,17 @@ class QuantizedStore:
             self._append(slot, keys, values)
         else:
             self._encode_put(keys, values, start=slot)
+
+    def _joint_checked(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Keys and values [B, H, n, D] as one [2B, H, n, D] tensor (the joint codec's rows), checked finite in one
+        pass; on a failure the message counts keys and values apart."""
+        both = torch.cat((keys, values), 0)
+        try:
+            check_finite(both, None, self.where)
+        except NonFiniteError:  # (raised on the host: count keys and values apart for the message)
+            check_finite(keys, values, self.where)
+            raise
+        return both
 
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         """Overwrite keys of slots [start, start + n) (re-rotated sinks); slot layout only."""

@@ -65,8 +65,15 @@ class RegionStore:
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start=None, regions=None) -> None:
         """Each region stores the tokens whose slot it holds; regions none of them lands in are skipped (most decode
         writes touch one region). Tokens meant for other regions go to each visited region's trash slot."""
-        for i in self._touched(regions):
-            self.stores[i].write(self._local(i, dest)[0], keys, values)
+        touched = self._touched(regions)
+        for i in touched:
+            if regions is not None and touched == [len(self.stores) - 1]:
+                # one hinted region, the last: every token lands in it or in the layer's trash slot, which is the
+                # slot right after it, i.e. its own trash slot (a decode step: one op instead of five)
+                local = dest - self.bases[i]
+            else:
+                local = self._local(i, dest)[0]
+            self.stores[i].write(local, keys, values)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, used, D] of slots [0, used): each region written into its slice of one workspace
@@ -134,6 +141,16 @@ class RegionStore:
             return
         keys, values = self.read_slots(src, regions=src_regions)
         self.write(dest, keys, values, regions=dest_regions)
+
+    def key_slots(self, start: int, n: int) -> torch.Tensor | None:
+        """A writable view [B, H, n, D] of the keys of slots [start, start + n) when one full-precision region holds
+        them all (the composite's sinks: re-rotated in place, policies/sinks.py), else None."""
+        for base, size, store in zip(self.bases, self.sizes, self.stores):
+            if base <= start < base + size:
+                if start + n > base + size or not isinstance(store, FullPrecisionStore) or store.keys is None:
+                    return None
+                return store.keys[:, :, start - base : start - base + n]
+        return None
 
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         for base, size, store in zip(self.bases, self.sizes, self.stores):
