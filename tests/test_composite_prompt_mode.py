@@ -189,3 +189,33 @@ def test_end_prompt_appends_a_question_uncompressed_and_crop_stays_in_the_append
     assert cache.get_seq_length() == 25 and all(h[-1] == 24 for h in _kept(cache)[0])
     with pytest.raises(ValueError, match="compressed"):
         cache.crop(-6)  # 25 - 6 = 19 < the 20-token prompt
+
+
+@pytest.mark.parametrize("prompt", [1, 5, 9])
+def test_a_prompt_within_the_budget_is_never_evicted_equal_to_dynamic_cache(prompt):
+    """Nothing is evicted from a prompt that fits: appended after the regions' used slots (holes in a ring not yet
+    full included), every token is kept and the logits are DynamicCache's."""
+    from transformers import DynamicCache
+
+    model = build_model("llama")
+    ids = random_ids(2, 24, seed=28)
+    layouts = [
+        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 4}, {"role": "heavy", "tokens": 6}],  # pooled
+        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 2},
+         {**W, "start": 2, "end": 5, "keys": "none", "values": "none"},
+         {"role": "heavy", "tokens": 6, "scorer": "expected_attention"}],
+        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3}, {**W, "start": 3, "end": 9, "keys": "none",
+                                                                          "values": "none"}],
+    ]
+
+    def run(cache):
+        with torch.no_grad():
+            model(input_ids=ids[:, :prompt], past_key_values=cache)
+            return torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits
+                              for t in range(prompt, ids.shape[1])], 1)
+
+    want = run(DynamicCache(config=model.config))
+    for regions in layouts:
+        cache = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt", sink_positions="original")
+        torch.testing.assert_close(run(cache), want, atol=1e-4, rtol=1e-4)
+        assert all(h == list(range(ids.shape[1])) for row in _kept(cache) for h in row)
