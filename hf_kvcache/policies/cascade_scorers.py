@@ -90,9 +90,26 @@ class HeavyScorer:
         return 0
 
 
-class H2OScorer(HeavyScorer):
+class _AttentionScorer(HeavyScorer):
+    """Scores from the attention column scores the bridge hands over: `_scores` maps them to [B, Hm, n], `_update`
+    folds them into the stored tokens' scores."""
+
     needs_attention = True
 
+    def _scores(self, column_scores: torch.Tensor, heads: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _update(self, stored: torch.Tensor, scores: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
+        scores = self._scores(column_scores, layer.slot_valid.shape[1])
+        n = scores.shape[-1] if layer._pending is None else layer.used
+        self._update(policy.scores[..., :n], scores[..., :n])
+        return None if layer._pending is None else scores
+
+
+class H2OScorer(_AttentionScorer):
     def __init__(self, aggregation: str):
         self.aggregation = HeavyHitterPolicy(0, 0, aggregation)  # its `aggregate` over each KV group's query heads
 
@@ -102,18 +119,9 @@ class H2OScorer(HeavyScorer):
     def _update(self, stored: torch.Tensor, scores: torch.Tensor) -> None:
         stored += scores  # accumulated
 
-    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
-        scores = self._scores(column_scores, layer.slot_valid.shape[1])
-        n = scores.shape[-1] if layer._pending is None else layer.used
-        self._update(policy.scores[..., :n], scores[..., :n])
-        return None if layer._pending is None else scores
 
-
-class TOVAScorer(H2OScorer):
+class TOVAScorer(_AttentionScorer):
     attention_window = 1  # the last query's attention only
-
-    def __init__(self):
-        pass
 
     def _scores(self, column_scores: torch.Tensor, heads: int) -> torch.Tensor:
         return tova_scores(column_scores, heads)
