@@ -11,9 +11,16 @@ Wraps an evicting policy (sinks + window, H2O, random eviction, the scorers). De
   tokens, as kvpress's decoding presses do, is not offered).
 
 The wrapped policy's last decision stands: at the end of the prompt its `before_read` runs once (sinks or compacted
-positions are placed for good) and its scores are no longer needed (no attention probabilities are computed in the
-appended phase). Appended slots are a contiguous range, so decode writes one known slot (no host sync). Buffers grow
-by 1/8 at a time (the layer's growing path). Crop works within the appended tokens only.
+positions are placed for good), and then it is reset. Its choice is in the layer's slots, validity and positions, and
+nothing it holds is read again (no attention probabilities or queries are handed over in the appended phase; crop,
+reorder and batch selection touch the layer only), so its state is freed rather than kept dead: scores and stream
+indices (H2O, random eviction, the scorers), SnapKV's observation ring, expected attention's query statistics and
+per-slot expected logits and value norms, arrived copies of sink or compacted keys, the composite's heavy region
+scorer. `nbytes()` after the prompt counts the layer's stores, positions and validity alone, and a state file saved
+after the prompt holds no policy tensors.
+
+Appended slots are a contiguous range, so decode writes one known slot (no host sync). Buffers grow by 1/8 at a time
+(the layer's growing path). Crop works within the appended tokens only.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class PromptCompressionPolicy(Policy):
         self.base = self.inner.used_after(layer.seen)
         self.start_seen = layer.seen
         layer.slot_valid[..., self.base :] = False  # empty slots and the old trash slot are free from here on
+        self.inner.reset()  # its state is never read again (see the module docstring): free it
 
     # -- placement ----------------------------------------------------------------------------------------------
     def _slot(self, seen: int) -> int:
@@ -127,7 +135,8 @@ class PromptCompressionPolicy(Policy):
         layer.slot_valid[..., self._slot(new_seen) :] = False
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.inner.map_batch(fn)
+        if not self.ended:  # (after the prompt the wrapped policy holds nothing: the layer's tensors are all there is)
+            self.inner.map_batch(fn)
 
     def reset(self) -> None:
         self.inner.reset()
