@@ -100,7 +100,7 @@ class SinkMemory:
         offsets, signed_freq = self._constants(plan, oldest.device)
         delta = oldest[..., None] + offsets - self.pos[:, None, :s]  # [B, Hm, s]: sink i to just before `oldest`
         if has_other is not None:  # no other token kept: the sinks keep their original positions (delta 0)
-            delta = torch.where(has_other[..., None], delta, 0)
+            delta = delta * has_other[..., None]
         angle = delta[..., None, None] * signed_freq  # [B, Hm, s, 2, r/2] float32 (Hm = 1 broadcasts over heads)
         x = _rotary_pairs(self.keys[:, :, :s, :r], plan.convention).float()
         _rotary_pairs(view[..., :r], plan.convention).copy_(torch.addcmul(x * angle.cos(), x.flip(-2), angle.sin()))
@@ -113,8 +113,9 @@ class SinkMemory:
         end = max(used, self.sinks + 1)  # at least one column: after a crop to nothing `used` is 0 (all invalid)
         valid = layer.slot_valid[:, :, self.sinks : end]  # [B, Hm, n]
         positions = layer.slot_pos[:, :, self.sinks : end]
-        oldest = torch.where(valid, positions, torch.iinfo(positions.dtype).max).amin(-1)  # [B, Hm]
-        self.reposition_before(layer, oldest, valid.any(-1))
+        none = torch.iinfo(positions.dtype).max  # (no valid token: a row or head holding only sinks)
+        oldest = torch.where(valid, positions, none).amin(-1)  # [B, Hm]
+        self.reposition_before(layer, oldest, oldest != none)
 
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:
         """[B, sinks] whether each sink slot's token survives a crop to `new_seen` tokens."""
