@@ -337,7 +337,8 @@ def test_preset_decode_work_does_not_depend_on_region_sizes():
     small = _decode_ops(lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12))
     large = _decode_ops(lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=48))
     h2o = _decode_ops(lambda m: hf_kvcache.H2OCache(m, budget=48))
-    assert small == large and large - h2o <= 2 * 110, (small, large, h2o)  # per layer: ~94 more than H2O (was ~240)
+    # per layer: 75 more than H2O (94 before the sinks were re-rotated in place, ~240 before the fast path)
+    assert small == large and large - h2o <= 2 * 80, (small, large, h2o)
 
 
 def test_moves_between_regions_of_one_format_copy_codes():
