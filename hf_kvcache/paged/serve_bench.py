@@ -28,8 +28,9 @@ Measured per run, too: output tokens/s (wall time of generate_batch), time to fi
 request creation: includes queueing, as a server sees it), and for quantized formats KL(model-dtype pages ||
 quantized pages) and top-1 agreement over all generated positions (model-dtype runs at the other budgets batch the
 requests differently: their KL against the reference run is the noise floor of batching in the model's dtype). On
-the same text (the first `kl_requests` requests, prompt + reference tokens), our QuantizedFP8Cache (token scales, no rotation, and its default Hadamard key rotation) is scored
-against DynamicCache with the teacher-forced protocol of hf_kvcache.evaluation.divergence, for comparison.
+the same text (the first `kl_requests` requests, prompt + reference tokens), our QuantizedFP8Cache (token scales,
+no rotation, and its default Hadamard key rotation) is scored against DynamicCache and the model-dtype paged run
+with the teacher-forced protocol of hf_kvcache.evaluation.divergence, for comparison.
 
 Results: JSON (everything, with the per-forward trace of every run), CSV (one row per run) and a PNG (concurrency
 vs budget), `out` + suffixes.
