@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
+from .opaque_widen import scales_to_float32
 from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec
 
 EXP_MIN, EXP_MAX = -126, 119  # 2^(e + 8) stays a normal float32
@@ -107,7 +108,7 @@ class FP8Codec(Codec):
     def _stored_scale(self, stored: torch.Tensor, factor: float) -> torch.Tensor:
         if self.pow2:
             return torch.exp2(stored.float() + math.log2(factor))
-        return stored.float() * factor
+        return scales_to_float32(stored) * factor
 
     def set_scale(self, scale) -> None:
         """Fix the scale (tensor/head granularity): a float, or one float per KV head."""
