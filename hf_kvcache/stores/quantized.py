@@ -13,15 +13,8 @@ Two layouts:
     reading the whole cache at every decode step.
 - fixed slots (`fixed_slots=True`, a cache's `max_length`): every buffer is allocated once for the maximum length and
   a decode step has the same shapes and ops at every position (torch.compile, no host syncs). Without a residual and
-  with per-token blocks, slot i simply holds token i. With a residual or blocks of tokens (KIVI), the "ring" layout:
-  codes for the blocks that can ever leave the residual, plus one trash block; the full-precision tokens in a ring of
-  `residual + flush` slots (token p in ring slot p % size). Each decode step writes its token into the ring and
-  quantizes the one block that may have just completed, read from the ring, into its block of codes, or into the
-  trash block when none did (a masked write: same ops either way). Reads dequantize all code blocks, then copy the
-  ring's tokens not yet quantized over their columns (the others into a trash column). Positions come from a device
-  counter, so nothing in decode depends on the stream length on the host. Tokens, codes and reads equal the growing
-  layout's (dynamic key means and warm-up FP8 scales are taken from the first write, the whole prompt, instead of the
-  first quantized block).
+  with per-token blocks, slot i simply holds token i. With a residual or blocks of tokens (KIVI), the "ring" layout
+  (`RingLayout`, hf_kvcache.stores.ring_layout, which this class inherits).
 
 Reads dequantize into a workspace (`DequantWorkspace`, shared by the layers of a cache) and return views of it.
 Optional key smoothing subtracts a per-channel key mean before quantizing and adds it back after dequantizing; the
@@ -37,12 +30,13 @@ from typing import Callable
 import torch
 
 from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
+from .ring_layout import RingLayout
 from .workspace import TransientWorkspace
 
 GROWTH = 1 / 256
 
 
-class QuantizedStore:
+class QuantizedStore(RingLayout):
     def __init__(
         self,
         key: QuantSpec | dict | str,
@@ -141,9 +135,9 @@ class QuantizedStore:
                 self.values_codec.set_scale(self.static_value_scale)
         self.slots = slots
         capacity = 0 if self.append_only and not self.fixed_slots else slots
-        if self.ring:  # the blocks that can leave the residual within `slots - 1` tokens (the layer's capacity), + trash
-            self.code_blocks = max(0, slots - 1 - self.residual) // self.flush
-            capacity = (self.code_blocks + 1) * self.flush
+        fp_slots = self.residual + self.flush - 1 if self.append_only else 0
+        if self.ring:
+            capacity, fp_slots = self._allocate_ring(slots, device)
         # Under tensor parallelism (set by the cache: hf_kvcache.tensor_parallel) this layer holds a shard of the
         # model's KV heads: calibrated per-head scales and key means, given for all heads, are sliced to it.
         tp = getattr(self, "tensor_parallel", None)
@@ -153,10 +147,6 @@ class QuantizedStore:
             if self.append_only and hasattr(codec, "set_pack_block"):
                 codec.set_pack_block(self.flush)  # whole blocks of `flush` tokens are quantized at once
             codec.allocate(batch * (2 if self.joint else 1), heads, dim, capacity, dtype, device)
-        fp_slots = self.residual + self.flush - 1 if self.append_only else 0
-        if self.ring:  # one more: the ring still holds a completed block's first token when the new token arrives
-            fp_slots += 1
-            self.filled = torch.zeros(1, dtype=torch.long, device=device)
         if fp_slots:
             self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
             self.fp_v = torch.zeros(batch, heads, fp_slots, self.value_dim, dtype=dtype, device=device)
@@ -348,110 +338,13 @@ class QuantizedStore:
         if not self.append_only or length >= self.length:
             return
         if self.ring:
-            settled = self._settled(length)
-            if settled < self.length - self.fp_k.shape[2]:
-                raise NotImplementedError(
-                    f"{self.where}: cannot crop {self.length} tokens to {length}: tokens from {settled} on would be "
-                    f"full precision again, but the ring keeps only the last {self.fp_k.shape[2]}. Keep `residual` at "
-                    "least as large as the number of tokens a crop may remove."
-                )
+            self._check_ring_crop(length)
         elif length < self.qlen and length % self.flush:
             raise NotImplementedError(
                 f"{self.where}: cannot crop to {length} tokens: tokens before {self.qlen} are quantized in blocks of "
                 f"{self.flush} and cannot be split. Keep `residual` at least as large as the number of tokens a crop "
                 "may remove."
             )
-
-    # -- the ring layout: fixed slots with a residual or blocks of tokens (module docstring) -----------------------
-    def _settled(self, length):
-        """Tokens quantized once `length` tokens are written (host ints; SymInts under torch.compile, no guard)."""
-        return torch.sym_max(0, length - self.residual) // self.flush * self.flush
-
-    def _append_ring(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Tokens at positions [start, start + n) known on the host (prefill, chunks): the blocks they complete are
-        quantized (older tokens from the ring), the last of them go into the ring."""
-        if start != self.length:
-            self._truncate_ring(start)
-        n, end = keys.shape[2], start + keys.shape[2]
-        if end > self.slots - 1:
-            raise ValueError(f"{self.where}: {end} tokens do not fit the fixed maximum length of {self.slots - 1}.")
-        if self.length == 0:
-            self._warm_up(keys, values)
-        size = self.fp_k.shape[2]
-        settled = self._settled(end)
-        if settled > self.qlen:  # qlen <= start: the tokens before `start` come from the ring, the rest are new
-            old = torch.arange(self.qlen, min(settled, start), device=keys.device) % size
-            new = max(0, settled - start)
-            src_k = torch.cat((self.fp_k.index_select(2, old), keys[:, :, :new]), 2)
-            src_v = torch.cat((self.fp_v.index_select(2, old), values[:, :, :new]), 2)
-            self._encode_put(src_k, src_v, start=self.qlen)
-        tail = min(n, size)
-        ring = torch.arange(end - tail, end, device=keys.device) % size
-        self.fp_k.index_copy_(2, ring, keys[:, :, n - tail :].to(self.fp_k.dtype))
-        self.fp_v.index_copy_(2, ring, values[:, :, n - tail :].to(self.fp_v.dtype))
-        self.qlen, self.fp_len = settled, end - settled
-        self.filled.fill_(end)
-
-    def _warm_up(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Parameters the growing layout takes from its first quantized block (a dynamic key mean, warm-up FP8
-        tensor/head scales) come from the first write here: decode steps quantize a block at every step, the trash
-        block included, and must find them set."""
-        keys = self._smooth(keys)
-        for codec, x in zip(self._codecs(), (keys, values)):
-            if getattr(codec, "scale", True) is None and codec.spec.granularity in ("tensor", "head"):
-                codec.encode(x)
-
-    def _write_ring_token(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None) -> None:
-        """A decode step: the token into the ring, then the block that completed now (if any) quantized into its
-        codes, else the same work into the trash block. `index` ([1] long, = slot) carries the position on the
-        device; `slot` is only used on the host outside torch.compile (to notice a crop)."""
-        check_finite(keys, values, self.where)
-        if index is None:
-            index = torch.full((1,), slot, dtype=torch.long, device=self.device)
-        if not torch.compiler.is_compiling() and slot != self.length:
-            self._truncate_ring(slot)  # (compiled decode never crops: no host comparison to guard on)
-        size, block_tokens = self.fp_k.shape[2], self.flush
-        ring = index % size
-        self.fp_k.index_copy_(2, ring, keys.to(self.fp_k.dtype))
-        self.fp_v.index_copy_(2, ring, values.to(self.fp_v.dtype))
-        end = index + 1 - self.residual  # the block that may have completed ends here (exclusive)
-        complete = (end >= block_tokens) & (end % block_tokens == 0)
-        block = torch.where(complete, end // block_tokens - 1, self.code_blocks)
-        members = (end - block_tokens + torch.arange(block_tokens, device=index.device)) % size
-        self._encode_put(self.fp_k.index_select(2, members), self.fp_v.index_select(2, members), block=block)
-        self.filled.copy_(index + 1)
-        self.qlen = self._settled(slot + 1)
-        self.fp_len = slot + 1 - self.qlen
-
-    def _truncate_ring(self, length: int) -> None:
-        """Forget tokens from `length` on (a crop): possible while the tokens that become full precision again are
-        still in the ring."""
-        if length > self.length:
-            raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
-        self.check_crop(length)
-        settled = self._settled(length)
-        self.qlen, self.fp_len = settled, length - settled
-        self.filled.fill_(length)
-
-    def _read_ring(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read` of the ring layout: every code block dequantized, then the ring's tokens that are not quantized yet
-        copied over their columns (the others into a trash column past `used`). Same ops at every decode step."""
-        if not torch.compiler.is_compiling() and used < self.length:
-            self._truncate_ring(used)
-        codes = self.code_blocks * self.flush
-        width = max(used, codes) + 1
-        out_k, out_v = self._decode_codes(width, codes)
-        out_k[:, :, codes:].zero_()  # columns no code covers: finite (masked) or overwritten from the ring below
-        out_v[:, :, codes:].zero_()
-        size = self.fp_k.shape[2]
-        last = self.filled - 1
-        position = last - (last - torch.arange(size, device=self.device)) % size  # the token in each ring slot
-        settled = (self.filled - self.residual).clamp(min=0) // self.flush * self.flush
-        fresh = (position >= settled) & (position >= 0) & (position < used)
-        target = torch.where(fresh, position, width - 1)
-        out_k.index_copy_(2, target, self.fp_k)
-        out_v.index_copy_(2, target, self.fp_v)
-        return out_k[:, :, :used], out_v[:, :, :used]
 
     # -- reads ------------------------------------------------------------------------------------------------
     def _quantized_slots(self, used: int) -> int:
