@@ -8,9 +8,8 @@ Two layouts:
   * per-channel key blocks (KIVI): a block of `group_size` tokens is quantized once, when all its tokens are written
     and it has left the residual. Already-quantized tokens are never dequantized and quantized again, so an append
     costs O(new tokens);
-  * physical buffers that grow by a small factor (1/256) at block granularity, so the bytes held stay within 0.4%
-    (+ one block) of the content. Amortised, a growth copies 256 tokens' worth per appended token: small next to
-    reading the whole cache at every decode step.
+  * physical buffers that grow with the content (`GrowingLayout`, hf_kvcache.stores.growing_layout, which this
+    class inherits, with the appends and crops of this layout).
 - fixed slots (`fixed_slots=True`, a cache's `max_length`): every buffer is allocated once for the maximum length and
   a decode step has the same shapes and ops at every position (torch.compile, no host syncs). Without a residual and
   with per-token blocks, slot i simply holds token i. With a residual or blocks of tokens (KIVI), the "ring" layout
@@ -30,13 +29,12 @@ from typing import Callable
 import torch
 
 from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
+from .growing_layout import GROWTH, GrowingLayout
 from .ring_layout import RingLayout
 from .workspace import TransientWorkspace
 
-GROWTH = 1 / 256
 
-
-class QuantizedStore(RingLayout):
+class QuantizedStore(GrowingLayout, RingLayout):
     def __init__(
         self,
         key: QuantSpec | dict | str,
@@ -178,19 +176,6 @@ class QuantizedStore(RingLayout):
     def _codecs(self):
         return (self.keys_codec,) if self.joint else (self.keys_codec, self.values_codec)
 
-    def _reserve(self, tokens: int) -> None:
-        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/256 (amortised)."""
-        cap = self.keys_codec.capacity
-        if tokens <= cap:
-            return
-        if self.fixed_slots:
-            raise ValueError(f"{self.where}: {tokens} tokens do not fit the fixed maximum length of {cap - 1}.")
-        if cap:
-            tokens = max(tokens, cap + max(self.flush, math.ceil(cap * self.growth)))
-        tokens = -(-tokens // self.flush) * self.flush
-        for codec in self._codecs():
-            codec.resize(tokens)
-
     @property
     def length(self) -> int:
         return self.qlen + self.fp_len
@@ -291,44 +276,6 @@ class QuantizedStore(RingLayout):
         check_finite(keys, None, self.where)
         rows = slice(0, self.batch) if self.joint else None
         self.keys_codec.put(self.keys_codec.encode(self._smooth(keys)), start, rows=rows)
-
-    def _append(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if start != self.length:
-            self._truncate(start)
-        n = keys.shape[2]
-        total = self.fp_len + n
-        m = max(0, total - self.residual) // self.flush * self.flush  # tokens leaving full precision now
-        a = min(m, self.fp_len)  # of which from the full-precision region (the oldest), then from the new tokens
-        if m:
-            if a and m - a:
-                src_k = torch.cat((self.fp_k[:, :, :a], keys[:, :, : m - a]), 2)
-                src_v = torch.cat((self.fp_v[:, :, :a], values[:, :, : m - a]), 2)
-            elif a:
-                src_k, src_v = self.fp_k[:, :, :a], self.fp_v[:, :, :a]
-            else:
-                src_k, src_v = keys[:, :, :m], values[:, :, :m]
-            self._reserve(self.qlen + m)
-            self._encode_put(src_k, src_v, start=self.qlen)
-            self.qlen += m
-        rest = self.fp_len - a
-        if a and rest:
-            self.fp_k[:, :, :rest] = self.fp_k[:, :, a : self.fp_len].clone()
-            self.fp_v[:, :, :rest] = self.fp_v[:, :, a : self.fp_len].clone()
-        keep = n - (m - a)
-        if keep:
-            self.fp_k[:, :, rest : rest + keep] = keys[:, :, m - a :]
-            self.fp_v[:, :, rest : rest + keep] = values[:, :, m - a :]
-        self.fp_len = rest + keep
-
-    def _truncate(self, length: int) -> None:
-        """Forget tokens from `length` on (the layer cropped them, e.g. assisted decoding)."""
-        if length > self.length:
-            raise RuntimeError(f"{self.where}: write at slot {length} leaves a gap after {self.length} tokens")
-        self.check_crop(length)
-        if length >= self.qlen:
-            self.fp_len = length - self.qlen
-        else:
-            self.qlen, self.fp_len = length, 0
 
     def check_crop(self, length: int) -> None:
         """Raise, before anything changes, when the content cannot be cut to `length` tokens: the append-only layout
