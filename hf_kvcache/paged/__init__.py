@@ -5,7 +5,9 @@ of a token and the codec views over it), `allocators` (transformers' cache alloc
 `cache` (the PagedAttentionCache subclass, `install`, `enable_paged`), `internals` (the transformers internals
 relied on, checked), `agreement` (teacher-forced logits of continuous-batching runs and what the cache and the
 scheduler did at each forward, for the benchmark), `concurrency` (requests held at once in a run's memory-bound
-steady state), `serve_bench` (`hf-kvcache serve-bench`).
+steady state), `serve_bench` (`hf-kvcache serve-bench`: the command) with `serve_workload` (its settings and
+requests), `serve_runner` (the interleaved runs), `serve_kl` (KL of quantized pages) and `serve_report` (summary,
+files).
 """
 
 from .cache import QuantizedPagedAttentionCache, enable_paged, install
