@@ -96,7 +96,8 @@ def write_results(result: dict, out: str) -> list[str]:
     paths = [base.parent / f"{base.name}.{suffix}" for suffix in ("json", "csv", "png")]  # keeps dots in the name
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
     runs = [{k: v for k, v in r.items() if k != "trace"} for r in result["runs"]]  # the trace: JSON only
-    columns = sorted({k for r in runs for k in r}, key=lambda k: list(runs[0]).index(k) if k in runs[0] else 99)
+    # the first run's columns, then the others (the agreement metrics of later runs) in order of first appearance
+    columns = list(dict.fromkeys(k for r in runs for k in r))
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
