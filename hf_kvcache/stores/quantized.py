@@ -15,7 +15,8 @@ Two layouts:
   with per-token blocks, slot i simply holds token i. With a residual or blocks of tokens (KIVI), the "ring" layout
   (`RingLayout`, hf_kvcache.stores.ring_layout, which this class inherits).
 
-Reads dequantize into a workspace (`DequantWorkspace`, shared by the layers of a cache) and return views of it.
+Reads dequantize into a workspace (`DequantWorkspace`, shared by the layers of a cache) and return views of it;
+attention straight from the codes reads them as segments instead (`CodeSegments`, hf_kvcache.stores.code_segments).
 Optional key smoothing subtracts a per-channel key mean before quantizing and adds it back after dequantizing; the
 mean is calibrated (static) or taken from the first write. Non-finite keys/values raise `NonFiniteError` before any
 state changes.
@@ -28,13 +29,14 @@ from typing import Callable
 
 import torch
 
-from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
+from .code_segments import CodeSegments
 from .growing_layout import GROWTH, GrowingLayout
+from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
 from .ring_layout import RingLayout
 from .workspace import TransientWorkspace
 
 
-class QuantizedStore(GrowingLayout, RingLayout):
+class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
     def __init__(
         self,
         key: QuantSpec | dict | str,
@@ -409,41 +411,3 @@ class QuantizedStore(GrowingLayout, RingLayout):
 
     def reset(self) -> None:
         self._init_state()
-
-    # -- attention straight from the codes (hf_kvcache.kernels) ----------------------------------------------------
-    def segments(self, used: int, stable: bool = False):
-        """(key segments, value segments) of slots [0, used) as `hf_kvcache.kernels.QuantizedKV` runs, in slot order:
-        the quantized slots, then (append-only layout) the full-precision residual. Views of the codes, no
-        dequantization and no workspace; valid until the next write. `stable=True`: the segments survive the write of
-        new tokens (a prefill chunk attends to the past as it was): the append-only layout copies only its residual
-        (which writes shift in place; at most residual + flush tokens), the slot layout copies everything. Mirrors
-        `read`."""
-        from ..kernels.codes import QuantizedKV, from_codec
-
-        if self.ring:
-            raise NotImplementedError(
-                f"{self.where}: attention from the codes does not read the fixed-length ring layout (a residual or "
-                "blocks of tokens with `max_length`): its full-precision tokens sit in a ring, not after the codes; "
-                "use attention='dequantize' (what 'auto' picks for it)."
-            )
-        quantized = self._quantized_slots(used)
-        bias = None
-        if self.key_smoothing and self.key_mean is not None:
-            bias = self.key_mean.to(self.dtype).float()
-        keys, values = [], []
-        if quantized:
-            if self.joint:
-                keys.append(from_codec(self.keys_codec, quantized, slice(0, self.batch), bias))
-                values.append(from_codec(self.keys_codec, quantized, slice(self.batch, 2 * self.batch)))
-            else:
-                keys.append(from_codec(self.keys_codec, quantized, None, bias))
-                values.append(from_codec(self.values_codec, quantized))
-            if stable and not self.append_only:  # slot layout: writes overwrite slots in place
-                keys, values = [s.clone() for s in keys], [s.clone() for s in values]
-        if used > quantized:
-            rest_k, rest_v = self.fp_k[:, :, : used - quantized], self.fp_v[:, :, : used - quantized]
-            if stable:
-                rest_k, rest_v = rest_k.clone(), rest_v.clone()
-            keys.append(QuantizedKV(rest_k, "none"))
-            values.append(QuantizedKV(rest_v, "none"))
-        return keys, values
