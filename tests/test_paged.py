@@ -423,6 +423,10 @@ def test_serve_bench_settings_and_cli_errors_name_the_option():
         ServeBenchSettings(formats=("model", "fp6"))
     with pytest.raises(ValueError, match="`budget_scales` must be positive and include 1.0"):
         ServeBenchSettings(budget_scales=(0.5, 2.0))
+    with pytest.raises(ValueError, match=r"whole multiples of `page_size` \(16\) tokens: 100 x 1.0 = 100"):
+        ServeBenchSettings(budget_tokens=100, budget_scales=(1.0,))
+    with pytest.raises(ValueError, match=r"whole multiples of `page_size` \(16\) tokens: 64 x 0.1 = 6.4"):
+        ServeBenchSettings(budget_tokens=64, budget_scales=(0.1, 1.0))
     with pytest.raises(ValueError, match=r"`prompt_min` \(9\) must be <= `prompt_max` \(8\)"):
         ServeBenchSettings(prompt_min=9, prompt_max=8)
     assert main(["serve-bench", "--prompt-lengths", "12"]) == 2  # MIN-MAX expected: a clear error, exit code 2

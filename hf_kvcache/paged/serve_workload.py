@@ -64,6 +64,13 @@ class ServeBenchSettings:
             parse_format(fmt)
         if not self.budget_scales or any(not s > 0 for s in self.budget_scales) or 1.0 not in self.budget_scales:
             raise ValueError(f"`budget_scales` must be positive and include 1.0, got {self.budget_scales!r}.")
+        for scale in self.budget_scales:  # whole pages only: a budget is never rounded to fit
+            tokens = self.budget_tokens * scale
+            if tokens != int(tokens) or int(tokens) % self.page_size:
+                raise ValueError(
+                    f"`budget_tokens` x `budget_scales` must be whole multiples of `page_size` ({self.page_size}) "
+                    f"tokens: {self.budget_tokens} x {scale} = {tokens:g}."
+                )
         if self.kl_requests < 0 or self.kl_requests > self.requests:
             raise ValueError(f"`kl_requests` must be in [0, requests={self.requests}], got {self.kl_requests}.")
 
@@ -112,7 +119,7 @@ def continuous_batching_config(settings: ServeBenchSettings, budget_tokens: int,
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(
-        num_blocks=max(1, budget_tokens // settings.page_size), page_size=settings.page_size,
+        num_blocks=budget_tokens // settings.page_size, page_size=settings.page_size,
         max_batch_tokens=settings.max_batch_tokens, allow_block_sharing=False, use_async_batching=False,
         max_blocks_per_request=0,
     )
