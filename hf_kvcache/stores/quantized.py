@@ -1,6 +1,6 @@
 """A slot store holding keys and values quantized, each with its own QuantSpec (e.g. keys INT8, values FP8).
 
-Two layouts:
+Three layouts:
 - slot layout (`append_only=False`): any write pattern (eviction policies overwrite slots, H2O writes per head).
   Every token is quantized when written, with a per-token scale or a fixed (tensor/head) scale.
 - append-only layout (`append_only=True`, the keep-all policy): slots are filled in order. This enables
