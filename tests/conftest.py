@@ -115,6 +115,24 @@ def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, to
     return ids, mask
 
 
+def greedy_decode_syncs(model, cache, ids, mask, steps: int) -> list[dict]:
+    """Prefill `ids` (left-padded, `mask`) into `cache`, then `steps` greedy one-token forwards; per decode step, the
+    host-device syncs counted (`{op: count}`; empty when none)."""
+    from hf_kvcache.evaluation.host_syncs import HostSyncCounter
+
+    counts = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
+            with HostSyncCounter() as counter:
+                out = model(input_ids=token, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                            past_key_values=cache)
+            counts.append(dict(counter.by_name) if counter.syncs else {})
+    return counts
+
+
 @pytest.fixture
 def ids_factory():
     return random_ids

@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import PAD, build_model, left_pad, random_ids
+from conftest import PAD, build_model, left_pad, random_ids, greedy_decode_syncs
 import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS
 from hf_kvcache.evaluation.cache_spec import check_cache
-from hf_kvcache.evaluation.host_syncs import HostSyncCounter
 
 PROMPT, STEPS, BUDGET = 20, 8, 8
 EVICTING = {
@@ -141,15 +140,7 @@ def test_decode_after_the_prompt_never_syncs(name):
     hf_kvcache.enable(model)
     ids, mask = left_pad([random_ids(1, 16, seed=11)[0], random_ids(1, 12, seed=12)[0]])
     cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-        for _ in range(6):
-            token = out.logits[:, -1:].argmax(-1)
-            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
-            with HostSyncCounter() as counter:
-                out = model(input_ids=token, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                            past_key_values=cache)
-            assert counter.syncs == 0, dict(counter.by_name)
+    assert greedy_decode_syncs(model, cache, ids, mask, steps=6) == [{}] * 6
 
 
 def test_budget_fractions_in_the_harness_and_bad_modes():
