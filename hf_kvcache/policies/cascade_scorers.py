@@ -47,7 +47,7 @@ from .heavy_hitter import HeavyHitterPolicy
 from .keydiff import keydiff_scores
 from .knorm import knorm_scores
 from .scored import group_mean
-from .snapkv import pool_in_order
+from .snapkv import chunk_votes, pool_before_window, record_decode_row
 from .tova import tova_scores
 
 
@@ -217,31 +217,15 @@ class SnapKVScorer(_SlotState):
         self.rows: torch.Tensor | None = None  # [B, Hm, window, slots + 1] attention rows of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes of its new tokens, until they are written
 
-    def _pool(self, scores, stream, valid, newest: int) -> torch.Tensor:
-        """Pool the tokens before the observation window (stream index <= newest - window) only, as SnapKVPolicy;
-        the window's own tokens and invalid slots score 0."""
-        before_window = valid & (stream <= newest - self.window)
-        return torch.where(before_window, pool_in_order(scores, stream, before_window, self.kernel), 0.0)
-
     def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
         heads = layer.slot_valid.shape[1]
         if self.rows is None:
             self.rows = self._slot_tensor(policy, self.window)
         if layer._pending is None:  # decode: one query, the columns are the slots; a row of the ring
-            row = group_mean(column_scores.float(), heads)
-            index = torch.full((1,), layer.seen % self.window, dtype=torch.long, device=row.device)
-            full = torch.zeros_like(policy.scores)
-            full[..., : row.shape[-1]] = row
-            self.rows.index_copy_(2, index, full[:, :, None])
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), layer.seen, self.window)
             return None
-        _, _, real, _, seen_before = layer._pending
-        count = real[:, -self.window :].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
-        scores = group_mean(column_scores.float(), heads) / count
-        used, q = layer.used, real.shape[1]
-        new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
-        stream = torch.cat((policy.stream[..., :used], new_stream), -1)
-        valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
-        pooled = self._pool(scores, stream, valid, seen_before + q - 1)
+        used = layer.used
+        scores, pooled = chunk_votes(layer, column_scores, heads, policy.stream, self.window, self.kernel)
         policy.scores[..., :used] = pooled[..., :used]
         # the window's votes become ring row 0: the stored tokens' now (the chunk's moves carry them), the new
         # tokens' when they are written
@@ -263,7 +247,8 @@ class SnapKVScorer(_SlotState):
     def before_selection(self, policy, layer, real: torch.Tensor) -> None:
         c = policy.capacity
         scores = self.rows[..., :c].sum(2) / self.window
-        policy.scores[..., :c] = self._pool(scores, policy.stream[..., :c], layer.slot_valid[..., :c], layer.seen)
+        policy.scores[..., :c] = pool_before_window(scores, policy.stream[..., :c], layer.slot_valid[..., :c],
+                                                    layer.seen, self.window, self.kernel)
 
     def _tensors(self) -> tuple[str, ...]:
         return ("rows", "_seed")

@@ -33,6 +33,36 @@ def pool_in_order(scores: torch.Tensor, stream: torch.Tensor, valid: torch.Tenso
     return torch.empty_like(ordered).scatter_(-1, order, pooled.reshape(batch, heads, n))
 
 
+def pool_before_window(scores, stream, valid, newest: int, window: int, kernel: int) -> torch.Tensor:
+    """Pool the tokens before the observation window (stream index <= newest - window) only, as kvpress does; the
+    window's own tokens (kept by a recent window) and invalid slots score 0."""
+    before_window = valid & (stream <= newest - window)
+    return torch.where(before_window, pool_in_order(scores, stream, before_window, kernel), 0.0)
+
+
+def chunk_votes(layer, column_scores: torch.Tensor, heads: int, stored_stream: torch.Tensor, window: int,
+                kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pending chunk's window votes [B, heads, used + q] (column scores over the real queries of the observation
+    window: its mean attention) for the stored tokens then the chunk's, and the same votes pooled."""
+    _, _, real, _, seen_before = layer._pending
+    count = real[:, -window:].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
+    scores = group_mean(column_scores.float(), heads) / count
+    used, q = layer.used, real.shape[1]
+    new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
+    stream = torch.cat((stored_stream[..., :used], new_stream), -1)
+    valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
+    return scores, pool_before_window(scores, stream, valid, seen_before + q - 1, window, kernel)
+
+
+def record_decode_row(rows: torch.Tensor, row: torch.Tensor, seen: int, window: int) -> None:
+    """A decode query's attention `row` [B, H, n] (n <= slots; the other slots get 0) into ring row `seen % window`
+    of `rows` [B, H, window, slots] (by index: the same ops at every step)."""
+    index = torch.full((1,), seen % window, dtype=torch.long, device=row.device)
+    full = row.new_zeros(rows.shape[:2] + rows.shape[3:])
+    full[..., : row.shape[-1]] = row
+    rows.index_copy_(2, index, full[:, :, None])
+
+
 class SnapKVPolicy(ScoredPolicy):
     deferred = True
     needs_attention = True
@@ -44,25 +74,14 @@ class SnapKVPolicy(ScoredPolicy):
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes, put in the ring after the chunk is placed
 
-    def _pool(self, layer, scores, stream, valid, newest: int) -> torch.Tensor:
-        """Pool the tokens before the observation window (stream index <= newest - window) only, as kvpress does;
-        the window's own tokens (kept by the recent window) and invalid slots score 0."""
-        before_window = valid & (stream <= newest - self.window)
-        return torch.where(before_window, pool_in_order(scores, stream, before_window, self.kernel), 0.0)
-
     def observe(self, layer, column_scores: torch.Tensor) -> None:
         heads = self.scores.shape[1]
         if layer._pending is None:  # decode: one query, the columns are the slots
-            self._record_row(layer, group_mean(column_scores.float(), heads))
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), layer.seen, self.window)
             return
         _, _, real, positions, seen_before = layer._pending
-        count = real[:, -self.window :].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
-        scores = group_mean(column_scores.float(), heads) / count
-        used, q = layer.used, real.shape[1]
-        new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
-        stream = torch.cat((self.stream[..., :used], new_stream), -1)
-        valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
-        pooled = self._pool(layer, scores, stream, valid, seen_before + q - 1)
+        used = layer.used
+        scores, pooled = chunk_votes(layer, column_scores, heads, self.stream, self.window, self.kernel)
         self._seed = scores  # the prompt's window as one ring row, re-slotted after the commit
         layer.commit(self.select_chunk(layer, real, seen_before, positions, pooled[..., :used], pooled[..., used:]))
 
@@ -83,17 +102,11 @@ class SnapKVPolicy(ScoredPolicy):
             self.rows[:, :, 0] = row
             self._seed = None
 
-    def _record_row(self, layer, row: torch.Tensor) -> None:
-        index = torch.full((1,), layer.seen % self.window, dtype=torch.long, device=row.device)
-        full = torch.zeros_like(self.scores)
-        full[..., : row.shape[-1]] = row
-        self.rows.index_copy_(2, index, full[:, :, None])
-
     def refresh(self, layer) -> None:
         c = self.capacity
         scores = self.rows[..., :c].sum(2) / self.window
         valid, stream = layer.slot_valid[..., :c], self.stream[..., :c]
-        pooled = self._pool(layer, scores, stream, valid, layer.seen)
+        pooled = pool_before_window(scores, stream, valid, layer.seen, self.window, self.kernel)
         self.scores[..., :c] = self.protect(pooled, layer.slot_pos[..., :c])
 
     def map_batch(self, fn) -> None:
