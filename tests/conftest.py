@@ -115,6 +115,19 @@ def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, to
     return ids, mask
 
 
+def teacher_forced_logits(model, cache, ids, prompt: int, chunk: int | None = None) -> torch.Tensor:
+    """Prefill `ids[:, :prompt]` into `cache` (in `chunk`-token forwards if given), then feed the rest one token per
+    forward; the last-position logits of those one-token forwards, [B, len - prompt, vocab]."""
+    logits = []
+    with torch.no_grad():
+        step = chunk or prompt
+        for start in range(0, prompt, step):
+            model(input_ids=ids[:, start : min(prompt, start + step)], past_key_values=cache)
+        for t in range(prompt, ids.shape[1]):
+            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
 def greedy_decode_syncs(model, cache, ids, mask, steps: int) -> list[dict]:
     """Prefill `ids` (left-padded, `mask`) into `cache`, then `steps` greedy one-token forwards; per decode step, the
     host-device syncs counted (`{op: count}`; empty when none)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_kvcache
-from conftest import PAD, build_model, left_pad, random_ids, greedy_decode_syncs
+from conftest import PAD, build_model, greedy_decode_syncs, left_pad, random_ids, teacher_forced_logits
 
 PROMPT, STEPS = 20, 8
 W = {"role": "window"}
@@ -20,17 +20,6 @@ def _kept(cache, layer=0):
     layer = cache.layers[layer]
     valid, pos = layer.slot_valid[..., :-1], layer.slot_pos[..., :-1]
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
-
-
-def _teacher_forced(model, cache, ids, chunk=None):
-    logits = []
-    with torch.no_grad():
-        step = chunk or PROMPT
-        for start in range(0, PROMPT, step):
-            model(input_ids=ids[:, start : min(PROMPT, start + step)], past_key_values=cache)
-        for t in range(PROMPT, ids.shape[1]):
-            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
-    return torch.stack(logits, 1)
 
 
 STANDALONE = {  # composite regions, and the standalone cache with the same budget that keeps the same tokens
@@ -61,11 +50,11 @@ def test_prompt_mode_equals_the_standalone_cache_in_prompt_mode(name, chunk):
     model = build_model("llama")
     ids = random_ids(2, PROMPT + STEPS, seed=21)
     composite = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt")
-    want = _teacher_forced(model, standalone(model), ids, chunk)
-    got = _teacher_forced(model, composite, ids, chunk)
+    want = teacher_forced_logits(model, standalone(model), ids, PROMPT, chunk=chunk)
+    got = teacher_forced_logits(model, composite, ids, PROMPT, chunk=chunk)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     standalone_cache = standalone(model)
-    _teacher_forced(model, standalone_cache, ids, chunk)
+    teacher_forced_logits(model, standalone_cache, ids, PROMPT, chunk=chunk)
     kept = _kept(composite)
     assert kept == [[sorted(h) for h in row] for row in _kept(standalone_cache)]
     assert all(len(h) == 8 + STEPS and h[-STEPS:] == list(range(PROMPT, PROMPT + STEPS)) for row in kept for h in row)
@@ -109,7 +98,7 @@ def test_preset_in_prompt_mode_grows_an_fp8_tail():
     model = build_model("llama")
     ids = random_ids(1, PROMPT + STEPS, seed=23)
     cache = hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12, compress="prompt")
-    _teacher_forced(model, cache, ids)
+    teacher_forced_logits(model, cache, ids, PROMPT)
     store = cache.layers[0].store
     tail, window = store.stores[-1], store.stores[1]
     assert type(tail) is type(window) and not isinstance(tail, hf_kvcache.stores.FullPrecisionStore)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import PAD, build_model, left_pad, random_ids, greedy_decode_syncs
+from conftest import PAD, build_model, greedy_decode_syncs, left_pad, random_ids, teacher_forced_logits
 import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS
 from hf_kvcache.evaluation.cache_spec import check_cache
@@ -35,23 +35,12 @@ def _kept(cache, layer=0):
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
 
 
-def _teacher_forced(model, cache, ids, prompt=PROMPT, chunk=None):
-    logits = []
-    with torch.no_grad():
-        step = chunk or prompt
-        for start in range(0, prompt, step):
-            model(input_ids=ids[:, start : min(prompt, start + step)], past_key_values=cache)
-        for t in range(prompt, ids.shape[1]):
-            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
-    return torch.stack(logits, 1)
-
-
 @pytest.mark.parametrize("name,config", [("sliding", {"window": BUDGET}),
                                          ("sink", {"sinks": 2, "budget": BUDGET, "position_mode": "original"})])
 def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config):
     model = build_model("llama")
     ids = random_ids(1, PROMPT + STEPS, seed=7)
-    got = _teacher_forced(model, CACHE_IMPLEMENTATIONS[name](model, **config, compress="prompt"), ids)
+    got = teacher_forced_logits(model, CACHE_IMPLEMENTATIONS[name](model, **config, compress="prompt"), ids, PROMPT)
     sinks = config.get("sinks", 0)
     visible = torch.ones(1, PROMPT + STEPS, dtype=torch.long)
     visible[0, sinks : PROMPT - (BUDGET - sinks)] = 0  # what the policy evicts at the end of the prompt
@@ -64,7 +53,7 @@ def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config)
             reference.append(out.logits[:, -1])
     reference = torch.stack(reference, 1)
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
-    always = _teacher_forced(model, CACHE_IMPLEMENTATIONS[name](model, **config), ids)
+    always = teacher_forced_logits(model, CACHE_IMPLEMENTATIONS[name](model, **config), ids, PROMPT)
     assert not torch.allclose(always, reference, atol=1e-3)  # decode-time eviction really differs
 
 
@@ -80,7 +69,7 @@ def test_keeps_the_policys_prompt_choice_then_appends(name, chunk):
         for start in range(0, PROMPT, step):
             model(input_ids=ids[:, start : min(PROMPT, start + step)], past_key_values=always)
     chosen = _kept(always)
-    _teacher_forced(model, prompt_cache, ids, chunk=chunk)
+    teacher_forced_logits(model, prompt_cache, ids, PROMPT, chunk=chunk)
     for row_always, row_prompt in zip(chosen, _kept(prompt_cache)):
         for heads_always, heads_prompt in zip(row_always, row_prompt):
             assert len(heads_always) == BUDGET
@@ -155,7 +144,7 @@ def test_crop_inside_the_appended_tokens_only():
     model = build_model("llama")
     ids = random_ids(1, PROMPT + 4, seed=13)
     cache = hf_kvcache.SlidingWindowCache(model, window=BUDGET, compress="prompt")
-    _teacher_forced(model, cache, ids)
+    teacher_forced_logits(model, cache, ids, PROMPT)
     cache.crop(-2)
     assert cache.get_seq_length() == PROMPT + 2 and _kept(cache)[0][0][-1] == PROMPT + 1
     with pytest.raises(ValueError, match="compressed"):
