@@ -194,9 +194,14 @@ def _make_bridge(name: str):
                 not sdpa and _attention_weights_requested()
             ):  # output and column scores from one pass (hf_kvcache.scored_attention)
                 return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
-            packed_mask = attention_mask
+            if sdpa and query.shape[2] == 1 and not layer.policy.needs_attention:
+                # one decode token: each KV head read once, not once per query head (hf_kvcache.gqa_decode); the
+                # layer's validity [B, Hm, kv] is the whole mask of a decode step
+                mask = attention_mask if spec is None else spec[0][:, :, None, :]
+                packed = packed_decode_attention(module, query, key, value, mask, kwargs)
+                if packed is not None:
+                    return packed
             if spec is not None:
-                packed_mask = spec[0][:, :, None, :] if spec[1] == 0 else None
                 mask = build_validity_mask(spec[0], spec[1], query)
                 if name == "hf_kvcache_eager":
                     mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -216,11 +221,6 @@ def _make_bridge(name: str):
                     sinks=getattr(module, "sinks", None),
                 )
                 layer.policy.observe(layer, scores)
-            if sdpa and query.shape[2] == 1 and (spec is None or packed_mask is not None):
-                # one decode token: each KV head read once, not once per query head (hf_kvcache.gqa_decode)
-                packed = packed_decode_attention(module, query, key, value, packed_mask, kwargs)
-                if packed is not None:
-                    return packed
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     hf_kvcache_attention.__name__ = name
