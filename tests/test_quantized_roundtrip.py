@@ -31,6 +31,23 @@ def roundtrip(key: QuantSpec, x: torch.Tensor, append_only: bool = False) -> tup
     return keys.clone(), store
 
 
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_bit_conversion_equals_the_native_one_for_every_code(fmt):
+    """The CPU read path's integer route to float16 (stores/fp8.fp8_as_half) times its factor gives exactly torch's
+    own FP8 -> float32 conversion for all 256 codes: signs, zeros, subnormals, the largest values, E5M2's infinities (NaN codes aside)."""
+    from hf_kvcache.stores.fp8 import fp8_as_half
+
+    dtype = FP8[fmt][0]
+    codes = torch.arange(256, dtype=torch.uint8).view(1, 1, 4, 64)
+    native = codes.view(dtype).float()
+    half, factor = fp8_as_half(codes, dtype, torch.full(codes.shape, 12345, dtype=torch.int16))
+    converted = half.float() * factor
+    number = ~native.isnan()  # (E5M2's infinities included)
+    assert number.sum() == {"fp8_e4m3": 254, "fp8_e5m2": 250}[fmt]
+    assert torch.equal(converted[number], native[number])
+    assert torch.equal(converted[number].signbit(), native[number].signbit())  # -0.0 stays negative zero
+
+
 @st.composite
 def tensors(draw, dims=(16, 32, 64), max_tokens=12, token_multiple=1):
     b = draw(st.integers(1, 2))

@@ -34,24 +34,17 @@ def pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
     return e.clamp_(EXP_MIN, EXP_MAX).to(torch.int8)
 
 
-_I16_128: dict = {}
-
-
-def _i16_128(device) -> torch.Tensor:
-    # a 1-element int16 tensor (not a 0-dim one) so that type promotion computes int8 * 128 in int16
-    factor = _I16_128.get(device)
-    if factor is None:
-        factor = _I16_128[device] = torch.tensor([128], dtype=torch.int16, device=device)
-    return factor
-
-
 def fp8_as_half(data: torch.Tensor, fp8_dtype: torch.dtype, scratch: torch.Tensor) -> tuple[torch.Tensor, float]:
     """FP8 `data` as float16 values in `scratch` (int16, same shape) and the factor they are off by:
     E4M3 -> float16 bits (sign << 15 | exponent-mantissa << 7) is the value times 2^-8 (exponent bias 7 vs 15),
-    subnormals included; E5M2 is the upper byte of float16, exact."""
+    subnormals included; E5M2 is the upper byte of float16, exact.
+
+    Every step works in place on `scratch` (a workspace buffer): a mixed-dtype op (int8 * int16) would first copy
+    its int8 input into a fresh int16 temporary on CPU, one more pass over the region and a new allocation."""
     if fp8_dtype == torch.float8_e4m3fn:
-        # int8 (sign-extended) * 128 as int16: the sign lands in bits 15 and 14, exponent-mantissa in 13..7
-        torch.mul(data.view(torch.int8), _i16_128(scratch.device), out=scratch)
+        # int8 sign-extended to int16, times 128: the sign lands in bits 15 and 14, exponent-mantissa in 13..7
+        scratch.copy_(data.view(torch.int8))
+        scratch.mul_(128)
         scratch.bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
         return scratch.view(torch.float16), 256.0
     scratch.copy_(data.view(torch.uint8))
