@@ -183,13 +183,13 @@ def _make_bridge(name: str):
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
                 query = rotate(query, layer.key_rotation)
+            spec = layer.attention_validity()
+            if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
+                layer.policy.observe_queries(layer, query)
             if layer.attention_from_codes:  # attention straight from the store's codes (hf_kvcache.codes_attention)
-                out = attend(module, layer, query, key, value, kwargs)
+                out = attend(module, layer, query, key, value, spec, kwargs)
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
                     return out
-            spec = layer.attention_validity()
-            if layer.policy.needs_queries:
-                layer.policy.observe_queries(layer, query)
             if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
                 not sdpa and _attention_weights_requested()
             ):  # output and column scores from one pass (hf_kvcache.scored_attention)

@@ -1,4 +1,5 @@
-"""Attention straight from a layer's quantized codes (the quantized caches' `attention="blockwise"` option).
+"""Attention straight from a layer's quantized codes (the `attention="blockwise"` option of the quantized caches and
+CompositeCache).
 
 By default a quantized layer dequantizes its whole store into the shared workspace at every read and the attention
 bridge calls SDPA / eager on that copy. A layer with `attention_from_codes` set never dequantizes its store:
@@ -19,9 +20,13 @@ clear error naming the attention class and pointing to attention="dequantize".
 
 Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel),
 dequantize elsewhere (on CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md);
-resolved per layer at its first update, from the keys' device. Only stores with `segments` and an append-only
-(keep-all) layout attend from codes: a slot store overwritten by an evicting policy in prefill would need a copy of
-the whole past (the composite cache stays on the dequantize path).
+resolved per layer at its first update, from the keys' device. Any store with `segments` attends from codes except
+the quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot
+stores, including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
+segments in slot order). Decode writes the new token, then reads views of the codes; a prefill chunk attends to the
+past as it was before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place,
+copies its codes, a quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last
+`attention_window` queries) come from the same pass.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import require_choice, require_int
 from .kernels import QuantizedKV, blockwise_attention
 
 ATTENTION_MODES = ("auto", "blockwise", "dequantize")
@@ -48,17 +54,34 @@ class CodesRead:
     value: torch.Tensor
 
 
+def attention_option(attention: str, attention_block: int | None, latent: bool) -> tuple[str, int | None]:
+    """A cache's validated (`attention`, `attention_block`) options as its layers take them: "auto" is "dequantize"
+    for latent attention (the model expands the cached latent before attention, so nothing can read its codes;
+    "blockwise" is refused there at the first forward)."""
+    attention = require_choice("attention", attention, ATTENTION_MODES)
+    block = None if attention_block is None else require_int("attention_block", attention_block, 1)
+    return ("dequantize" if attention == "auto" and latent else attention), block
+
+
+def reads_codes(store) -> bool:
+    """Whether attention can read `store` as code segments: a quantized store outside the fixed-length ring layout,
+    a full-precision store, or a region store (CompositeCache) made of those."""
+    regions = getattr(store, "stores", None)
+    if regions is not None:
+        return all(reads_codes(s) for s in regions)
+    return hasattr(store, "segments") and not getattr(store, "ring", False)
+
+
 def resolve_attention(layer, device) -> bool:
     """Whether `layer` attends from its codes, from its `attention` mode and the device of its keys."""
     mode = getattr(layer, "attention", "dequantize")
     if mode == "dequantize":
         return False
-    store = layer.store
-    if not (getattr(store, "append_only", False) and hasattr(store, "segments")):
+    if not reads_codes(layer.store):
         if mode == "blockwise":
             raise ValueError(
-                f"Layer {layer.layer_idx}: attention='blockwise' needs an append-only quantized store (keep-all), "
-                f"this layer has {type(store).__name__}; use attention='dequantize' or 'auto'."
+                f"Layer {layer.layer_idx}: attention='blockwise' cannot read {type(layer.store).__name__} as code "
+                "segments (the fixed-length ring layout); use attention='dequantize' or 'auto'."
             )
         return False
     return mode == "blockwise" or torch.device(device).type == "cuda"
@@ -109,10 +132,11 @@ def block_size(layer, segments) -> int:
     return block
 
 
-def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict):
+def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict):
     """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) of
     the (already rotated) `query` over the segments the layer's last update recorded; None when that update had
-    nothing stored (the first prefill: the caller attends to the new tokens as usual)."""
+    nothing stored (the first prefill: the caller attends to the new tokens as usual). `spec`: the layer's
+    `attention_validity()` for that update."""
     read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
     if read is None or key is not read.key or value is not read.value:
         config = getattr(module, "config", None)
@@ -127,13 +151,17 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if module.training and kwargs.get("dropout", 0.0):
         raise ValueError("attention='blockwise' has no attention dropout (training); use attention='dequantize'.")
     q = query.shape[2]
-    spec = layer.attention_validity()
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
     needs_scores = layer.policy.needs_attention
-    weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32) if needs_scores else None
+    weight = None
+    if needs_scores:
+        weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+        window = layer.policy.attention_window
+        if window is not None and q > window:  # column scores from the last `window` queries only (SnapKV, TOVA)
+            weight = torch.cat((torch.zeros_like(weight[:, : q - window]), weight[:, q - window :]), 1)
     result = blockwise_attention(
         query, read.keys, read.values, None if spec is None else spec[0], float(scaling),
         block=block_size(layer, read.keys + read.values), causal_tail=q if q > 1 else 0, softcap=softcap or None,

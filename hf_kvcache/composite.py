@@ -22,7 +22,12 @@ the moment it enters the window until it is evicted, and the new token takes the
 does). So the preset moves no token between regions at all. Other moves are one token per region boundary per
 step: into a region of the same per-token format (e.g. a window into a 'rest' of its precision) the codes and scales
 are copied as they are; into another precision the token is dequantized and quantized again (what a change of
-precision is). Reads write every region into one shared workspace buffer (no concatenation).
+precision is). Reads write every region into one shared workspace buffer (no concatenation); with
+`attention="blockwise"` (what the default "auto" picks when the keys are on CUDA: the Triton kernel) there is no such
+read at all: attention reads each region's codes and the sinks' full-precision keys where they are
+(hf_kvcache.codes_attention), so a decode step's work outside attention itself no longer grows with the regions.
+`attention_block`: tokens dequantized at a time by the torch block path (CPU; "blockwise" there is slower than the
+default dequantize-then-SDPA, docs/blockwise_attention.md).
 The tokens kept are those of the region-by-region layout (exact ties in heavy-hitter scores aside); only their slots
 differ (attention does not depend on slot order). Outputs differ from that layout only where it rounded twice: a
 token moving into a region of its own format used to be dequantized and quantized again (FP8: a second rounding of
@@ -47,7 +52,9 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from .architecture import is_latent_attention
 from .caches import KVCache
+from .codes_attention import ATTENTION_MODES, attention_option
 from .config import check_keys, require_choice, require_int
 from .policies.cascade import HEAVY_SCORERS, CascadePolicy
 from .policies.cascade_scorers import SNAPKV_KERNEL, SNAPKV_WINDOW
@@ -204,6 +211,8 @@ class CompositeCache(KVCache):
         precision: Any = "fp8_e4m3",
         compress: str = "always",
         scorer: str | None = None,
+        attention: str = "auto",
+        attention_block: int | None = None,
         layers: dict | list | None = None,
     ):
         if (regions is None) == (preset is None):
@@ -271,6 +280,11 @@ class CompositeCache(KVCache):
             return policy, RegionStore(sizes, stores, self.workspace)
 
         super().__init__(config_or_model, layer_parts, layers)
+        self.attention = require_choice("attention", attention, ATTENTION_MODES)
+        mode, self.attention_block = attention_option(attention, attention_block, is_latent_attention(self.config))
+        for layer in self.compressed_layers:  # (layers from per-layer settings have their own cache's options)
+            if isinstance(layer.store, RegionStore) and layer.store.workspace is self.workspace:
+                layer.attention, layer.attention_block = mode, self.attention_block
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
         if isinstance(config_or_model, PreTrainedModel) and "queries" in rotators:
             check_rotator_once(config_or_model, rotators["queries"], [layer.layer_idx for layer in self.compressed_layers])

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .architecture import attention_head_dim, is_latent_attention, refuse_latent
 from .caches import KVCache
-from .codes_attention import ATTENTION_MODES
+from .codes_attention import ATTENTION_MODES, attention_option
 from .config import check_keys, require_choice, require_int
 from .policies import KeepAllPolicy
 from .rotation import ROTATIONS, rotation_matrix
@@ -114,9 +114,8 @@ class _QuantizedKeepAllCache(KVCache):
         whose model expands the cached latent before attention: "blockwise" is refused there at the first forward).
         `attention_block`: tokens dequantized at a time by the torch path (None: DEFAULT_BLOCK)."""
         self.attention = require_choice("attention", attention, ATTENTION_MODES)
-        self.attention_block = None if attention_block is None else require_int("attention_block", attention_block, 1)
-        if attention == "auto" and is_latent_attention(_text_config(config_or_model)):
-            attention = "dequantize"
+        attention, self.attention_block = attention_option(
+            attention, attention_block, is_latent_attention(_text_config(config_or_model)))
         if getattr(self, "fixed_ring", False):  # max_length with a residual / token blocks (KIVI): see the store
             if attention == "blockwise":
                 raise ValueError(

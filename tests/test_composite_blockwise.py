@@ -1,0 +1,151 @@
+"""CompositeCache's `attention` option: attention straight from the regions' codes (hf_kvcache.codes_attention)
+gives, at every layer and forward (chunked prefill, decode, left padding), the output and the column scores that
+softmax attention over the dequantized regions gives, for every heavy-hitter scorer; it makes no host sync in decode
+and never fills the dequantization workspace; "auto" keeps CPU on the dequantize path.
+
+Whole-model runs of the two paths are not compared token by token over many steps: float32 summation order differs
+(~1e-6), and an evicting policy turns such a difference into another eviction whenever two scores are that close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_kvcache
+import hf_kvcache.attention as bridge
+from conftest import build_model, greedy_decode_syncs, left_pad, random_ids
+from hf_kvcache import CompositeCache
+from hf_kvcache.kernels import dequantize
+from hf_kvcache.scored_attention import scored_attention
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # initializer_range 0.1 as tests/test_blockwise_integration.py: float32 noise stays ~1e-6 per layer
+    return build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+
+
+def regions(scorer: str, **options) -> list[dict]:
+    """4 full-precision sinks, an 8-token FP8 window, 8 FP8 heavy hitters ranked by `scorer`: evicting by token 21."""
+    return [
+        {"role": "sinks", "tokens": 4},
+        {"role": "window", "start": 0, "end": 8, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        {"role": "heavy", "tokens": 8, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": scorer, **options},
+    ]
+
+
+class AttendChecker:
+    """Wraps the bridge's `attend`: before each call, the reference (scored_attention over the dequantized segments
+    of the same read, with the layer's validity and the scores of the policy's `attention_window`); after it, the
+    output and the column scores handed to the policy must match."""
+
+    def __init__(self, monkeypatch):
+        self.calls = {"decode": 0, "chunk": 0}
+        self.worst = {"output": 0.0, "scores": 0.0}
+        original = bridge.attend
+
+        def checked(module, layer, query, key, value, spec, kwargs):
+            read = layer.codes_read
+            if read is None or read.keys is None:  # the first prefill: attention as usual
+                return original(module, layer, query, key, value, spec, kwargs)
+            keys = torch.cat([dequantize(s) for s in read.keys], 2).to(query.dtype)
+            values = torch.cat([dequantize(s) for s in read.values], 2).to(query.dtype)
+            q = query.shape[2]
+            window = layer.policy.attention_window
+            reference, reference_scores = scored_attention(
+                query, keys, values, None if spec is None else spec[0], spec[1] if spec is not None else q if q > 1
+                else 0, module.scaling, query_weight=layer.forward_info.real.float(),
+                score_from=q - window if window is not None and q > window else 0)
+            seen = []
+            observe = layer.policy.observe
+            layer.policy.observe = lambda lay, scores: (seen.append(scores.clone()), observe(lay, scores))[1]
+            try:
+                out, _ = original(module, layer, query, key, value, spec, kwargs)
+            finally:
+                del layer.policy.observe
+            self.calls["decode" if q == 1 else "chunk"] += 1
+            self.worst["output"] = max(self.worst["output"], (out - reference).abs().max().item())
+            assert len(seen) == int(layer.policy.needs_attention)
+            if seen:
+                self.worst["scores"] = max(self.worst["scores"], (seen[0] - reference_scores).abs().max().item())
+            return out, None
+
+        monkeypatch.setattr(bridge, "attend", checked)
+
+
+def forwards(model, cache, ids, mask=None, chunks=(12, 10, 9), steps=8):
+    """Prefill `ids` in `chunks`, then `steps` greedy tokens (left padding: `mask`)."""
+    hf_kvcache.enable(model)
+    mask = torch.ones_like(ids) if mask is None else mask
+    t = 0
+    with torch.no_grad():
+        for c in chunks:
+            m = mask[:, : t + c]
+            out = model(input_ids=ids[:, t : t + c], attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0)[:, t:],
+                        past_key_values=cache)
+            t += c
+        for _ in range(steps):
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
+                        position_ids=(mask.cumsum(-1) - 1)[:, -1:], past_key_values=cache)
+    return out
+
+
+@pytest.mark.parametrize("scorer, options", [
+    ("h2o", {}), ("tova", {}), ("snapkv", {"window": 4, "kernel": 3}), ("expected_attention", {}), ("keydiff", {}),
+])
+def test_codes_attention_equals_dequantized_softmax(llama, monkeypatch, scorer, options):
+    checker = AttendChecker(monkeypatch)
+    cache = CompositeCache(llama, regions=regions(scorer, **options), attention="blockwise")
+    forwards(llama, cache, random_ids(1, 31, seed=3))
+    layers = llama.config.num_hidden_layers
+    assert checker.calls == {"chunk": 2 * layers, "decode": 8 * layers}
+    assert checker.worst["output"] < 1e-5 and checker.worst["scores"] < 1e-5, checker.worst
+    assert all(layer.attention_from_codes for layer in cache.compressed_layers)
+    assert cache.compressed_layers[0].policy.has_evicted(cache.compressed_layers[0].seen)
+    if scorer not in ("expected_attention", "keydiff"):  # (these scorers read the stored keys themselves)
+        assert cache.workspace_nbytes() == 0
+
+
+def test_left_padding_and_prompt_mode(llama, monkeypatch):
+    checker = AttendChecker(monkeypatch)
+    ids, mask = left_pad([random_ids(1, 31, seed=4)[0], random_ids(1, 24, seed=5)[0]])
+    for compress in ("always", "prompt"):
+        cache = CompositeCache(llama, regions=regions("h2o"), compress=compress, attention="blockwise")
+        forwards(llama, cache, ids, mask)
+    assert checker.calls["decode"] == 2 * 8 * llama.config.num_hidden_layers
+    assert checker.worst["output"] < 1e-5 and checker.worst["scores"] < 1e-5, checker.worst
+
+
+def test_chunk_logits_and_preset(llama):
+    """The second chunk (the first that reads stored codes, before any eviction decision) gives the same logits on
+    both paths; the preset takes the option too."""
+    ids = random_ids(1, 40, seed=6)
+    logits = {}
+    for attention in ("dequantize", "blockwise"):
+        cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention=attention)
+        hf_kvcache.enable(llama)
+        with torch.no_grad():
+            llama(input_ids=ids[:, :24], past_key_values=cache)
+            logits[attention] = llama(input_ids=ids[:, 24:], past_key_values=cache).logits
+        assert all(layer.attention_from_codes == (attention == "blockwise") for layer in cache.compressed_layers)
+    torch.testing.assert_close(logits["blockwise"], logits["dequantize"], atol=1e-4, rtol=0)
+
+
+def test_decode_from_codes_makes_no_host_sync(llama):
+    ids, mask = left_pad([random_ids(1, 30, seed=7)[0], random_ids(1, 22, seed=8)[0]])
+    cache = CompositeCache(llama, regions=regions("h2o"), attention="blockwise")
+    hf_kvcache.enable(llama)
+    assert greedy_decode_syncs(llama, cache, ids, mask, steps=6) == [{}] * 6
+    assert all(layer.attention_from_codes for layer in cache.compressed_layers)
+
+
+def test_auto_keeps_cpu_on_the_dequantize_path_and_bad_options_are_named(llama):
+    cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20)
+    forwards(llama, cache, random_ids(1, 26, seed=9), chunks=(26,), steps=1)
+    assert cache.attention == "auto"
+    assert not any(layer.attention_from_codes for layer in cache.compressed_layers)
+    with pytest.raises(ValueError, match=r"`attention` must be one of \('auto', 'blockwise', 'dequantize'\)"):
+        CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention="codes")
+    with pytest.raises(ValueError, match="`attention_block`"):
+        CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention_block=0)
