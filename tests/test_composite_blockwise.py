@@ -149,3 +149,53 @@ def test_auto_keeps_cpu_on_the_dequantize_path_and_bad_options_are_named(llama):
         CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention="codes")
     with pytest.raises(ValueError, match="`attention_block`"):
         CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention_block=0)
+
+
+TRITON_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+import hf_kvcache
+from conftest import build_model, left_pad, random_ids
+import test_composite_blockwise as t
+from hf_kvcache.kernels import blockwise_attention
+
+model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+ids, mask = left_pad([random_ids(1, 31, seed=4)[0], random_ids(1, 10, seed=5)[0]])  # the short row: empty slots
+cache = hf_kvcache.CompositeCache(model, regions=t.regions("h2o"), attention="blockwise")
+t.forwards(model, cache, ids, mask, steps=3)
+errors = []
+for layer in cache.compressed_layers:
+    width = layer.policy.capacity
+    keys, values = layer.store.segments(width)
+    valid = layer.slot_valid[..., :width]
+    query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(layer.layer_idx))
+    args = (query, keys, values, valid, 0.2)
+    ref, ref_scores = blockwise_attention(*args, return_column_scores=True, backend="torch")
+    out, scores = blockwise_attention(*args, return_column_scores=True, backend="triton")
+    errors.append([[s.format for s in keys], float((out - ref).abs().max()), float((scores - ref_scores).abs().max()),
+                   int((~valid).sum())])
+print(json.dumps(errors))
+"""
+
+
+def test_triton_kernel_reads_composite_segments_under_the_interpreter():
+    """The CUDA path ("auto" there) on a composite layer's real segments (full-precision sinks + FP8 ring/pool, per-head
+    validity with padding holes): Triton's CPU interpreter against the torch block path."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    tests = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT.format(tests=tests)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(tests))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errors) == 2
+    for formats, out_err, score_err, holes in errors:
+        assert formats == ["none", "fp8_e4m3"]
+        assert holes > 0  # the short row's empty slots
+        assert out_err < 2e-5 and score_err < 2e-6, (out_err, score_err)
