@@ -4,6 +4,7 @@ SmolLM2-135M (float32, CPU, one thread), in one interleaved run.
 
     python eval/bench_composite_decode.py [--prompt 2048] [--budgets 256 1024] [--rounds 8] [--steps 12]
     python eval/bench_composite_decode.py --clock cpu --out eval/results/composite_decode_cpu.json  # thread CPU time
+    python eval/bench_composite_decode.py --attention blockwise --out eval/results/composite_decode_blockwise.json
 
 Method (as eval/bench_decode_cost.py):
 - Each configuration (cache x budget) prefills the same `--prompt` tokens of the pydoc corpus once, then every round
@@ -41,8 +42,9 @@ from stream_ppl import environment  # noqa: E402
 RATIO_TARGET = 1.2
 GROWTH_TARGET = 1.10
 CACHES = {
-    "h2o": lambda model, budget: hf_kvcache.H2OCache(model, budget=budget),
-    "composite": lambda model, budget: hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=budget),
+    "h2o": lambda model, budget, attention: hf_kvcache.H2OCache(model, budget=budget),
+    "composite": lambda model, budget, attention: hf_kvcache.CompositeCache(
+        model, preset="sinks_heavy_recent", budget=budget, attention=attention),
 }
 
 
@@ -70,6 +72,9 @@ def main(argv=None) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
                              "less disturbed by other processes on a shared machine; needs --threads 1)")
+    parser.add_argument("--attention", choices=("auto", "dequantize", "blockwise"), default="auto",
+                        help="the composite's `attention` option (auto: dequantize on CPU; blockwise: attention from "
+                             "the codes by the torch block path, what CUDA does with the Triton kernel)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "composite_decode.json")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
@@ -96,7 +101,7 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         for budget in budgets:
             for name, make in CACHES.items():
-                cache = make(model, budget)
+                cache = make(model, budget, args.attention)
                 model(input_ids=ids[:, : args.prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 pos = args.prompt + args.warmup  # a decode step after `warmup` others: what each step dispatches
                 decode_times(model, cache, ids, args.prompt, args.warmup)
@@ -126,7 +131,8 @@ def main(argv=None) -> None:
         "bytes_held": c["cache"].nbytes(),
     } for label, c in configs.items()]
     result = {
-        "what": "CompositeCache(preset='sinks_heavy_recent': 4 sinks full precision + FP8 E4M3 recent + FP8 heavy) vs "
+        "what": f"CompositeCache(preset='sinks_heavy_recent': 4 sinks full precision + FP8 E4M3 recent + FP8 heavy, "
+                f"attention={args.attention!r}) vs "
                 f"H2OCache(budget) at the same budget, SmolLM2-135M float32 CPU, {args.prompt}-token prompt, "
                 "teacher-forced decode",
         "targets": {"composite_over_h2o": f"<= {RATIO_TARGET} at every budget",
@@ -137,7 +143,8 @@ def main(argv=None) -> None:
         "pass": {"ratio": all(v <= RATIO_TARGET for v in ratios.values()), "growth": growth < GROWTH_TARGET},
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
         "rows": rows,
-        "method": {"prompt": args.prompt, "budgets": budgets, "rounds": args.rounds, "steps": args.steps,
+        "method": {"attention": args.attention, "prompt": args.prompt, "budgets": budgets, "rounds": args.rounds,
+                   "steps": args.steps,
                    "warmup": args.warmup, "threads": args.threads, "clock": args.clock, "interleaved": True},
         "load_average_at_end": list(os.getloadavg()),
         "environment": environment(),

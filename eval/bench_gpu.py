@@ -15,6 +15,10 @@ GPU command lines (nothing here was run on a GPU yet):
     # any Hub model (downloads it), chosen caches and budgets, eager only
     .venv/bin/python eval/bench_gpu.py --device cuda --model meta-llama/Llama-3.1-8B --modes eager \\
         --cache sink:sinks=4,budget=0.25 --cache h2o:budget=0.25 --cache fp8 --prompt-tokens 8192 --batch 4
+    # the composite attending from its FP8 codes (what "auto" does on CUDA) against its dequantize path and H2O
+    .venv/bin/python eval/bench_gpu.py --device cuda --modes eager --prompt-tokens 8192 --batch 4 \
+        --cache composite:preset=sinks_heavy_recent,budget=0.25,attention=blockwise \
+        --cache composite:preset=sinks_heavy_recent,budget=0.25,attention=dequantize --cache h2o:budget=0.25
 CPU (the committed results in eval/results/gpu_bench_cpu/; a few minutes each):
 
     # every cache eager and compiled with inductor, on the random 2-layer Llama (inductor needs 10-90 s per cache
