@@ -54,9 +54,10 @@ class AttendChecker:
             values = torch.cat([dequantize(s).float() for s in read.values], 2)
             q = query.shape[2]
             window = layer.policy.attention_window
+            valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
             reference, reference_scores = scored_attention(
-                query.float(), keys, values, None if spec is None else spec[0], spec[1] if spec is not None else q if q > 1
-                else 0, kwargs.get("scaling") or module.scaling, query_weight=layer.forward_info.real.float(),
+                query.float(), keys, values, valid, causal_tail, kwargs.get("scaling") or module.scaling,
+                query_weight=layer.forward_info.real.float(),
                 softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
                 sinks=getattr(module, "sinks", None), score_from=q - window if window is not None and q > window else 0)
             seen = []
@@ -85,8 +86,8 @@ def forwards(model, cache, ids, mask=None, chunks=(12, 10, 9), steps=8):
     with torch.no_grad():
         for c in chunks:
             m = mask[:, : t + c]
-            out = model(input_ids=ids[:, t : t + c], attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0)[:, t:],
-                        past_key_values=cache)
+            positions = (m.cumsum(-1) - 1).clamp(min=0)[:, t:]
+            out = model(input_ids=ids[:, t : t + c], attention_mask=m, position_ids=positions, past_key_values=cache)
             t += c
         for _ in range(steps):
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
