@@ -125,15 +125,11 @@ def scored_attention(
             probs = torch.softmax(logits, dim=-1)
             if not causal_tail:  # a row with nothing visible is NaN there: zero output and scores (with a causal
                 probs.nan_to_num_(0.0)  # tail every row sees its own column)
-        else:
-            top = logits.amax(-1, keepdim=True)
-            if sink is not None:
-                top = torch.maximum(top, sink)
+        else:  # attention sinks: one more logit per head in the denominator, attached to no value
+            top = torch.maximum(logits.amax(-1, keepdim=True), sink)
             top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing visible: zero output and scores
             probs = logits.sub_(top).exp_()
-            total = probs.sum(-1, keepdim=True)
-            if sink is not None:
-                total = total + torch.exp(sink - top)
+            total = probs.sum(-1, keepdim=True) + torch.exp(sink - top)
             probs.div_(torch.where(total > 0, total, 1.0))
         chunk_out = torch.matmul(probs.view(batch, kv_heads, groups * size, cols).to(value.dtype), value[:, :, :cols])
         out[:, start:end] = chunk_out.view(batch, kv_heads, groups, size, value_dim).permute(0, 3, 1, 2, 4).reshape(
