@@ -72,10 +72,19 @@ def reads_codes(store) -> bool:
     return hasattr(store, "segments") and not getattr(store, "ring", False)
 
 
+def holds_codes(store) -> bool:
+    """Whether `store` holds any quantized tokens (a region store of full-precision regions holds none)."""
+    regions = getattr(store, "stores", None)
+    if regions is not None:
+        return any(holds_codes(s) for s in regions)
+    return hasattr(store, "keys_codec")
+
+
 def resolve_attention(layer, device) -> bool:
-    """Whether `layer` attends from its codes, from its `attention` mode and the device of its keys."""
+    """Whether `layer` attends from its codes, from its `attention` mode and the device of its keys ("auto" also
+    needs something quantized to read: over full-precision regions only, SDPA does better than the block walk)."""
     mode = getattr(layer, "attention", "dequantize")
-    if mode == "dequantize":
+    if mode == "dequantize" or (mode == "auto" and not holds_codes(layer.store)):
         return False
     if not reads_codes(layer.store):
         if mode == "blockwise":

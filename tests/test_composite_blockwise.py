@@ -16,6 +16,7 @@ import hf_kvcache
 import hf_kvcache.attention as bridge
 from conftest import build_model, greedy_decode_syncs, left_pad, random_ids
 from hf_kvcache import CompositeCache
+from hf_kvcache.codes_attention import resolve_attention
 from hf_kvcache.kernels import dequantize
 from hf_kvcache.scored_attention import scored_attention
 
@@ -187,11 +188,18 @@ def test_decode_from_codes_makes_no_host_sync(llama):
     assert all(layer.attention_from_codes for layer in cache.compressed_layers)
 
 
-def test_auto_keeps_cpu_on_the_dequantize_path_and_bad_options_are_named(llama):
+def test_auto_reads_codes_on_cuda_only_with_quantized_regions_and_bad_options_are_named(llama):
     cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20)
     forwards(llama, cache, random_ids(1, 26, seed=9), chunks=(26,), steps=1)
     assert cache.attention == "auto"
     assert not any(layer.attention_from_codes for layer in cache.compressed_layers)
+    layer = cache.compressed_layers[0]
+    assert resolve_attention(layer, torch.device("cuda")) is True  # where "auto" reads the codes
+    full = CompositeCache(llama, preset="sinks_heavy_recent", budget=20, precision="full")
+    forwards(llama, full, random_ids(1, 26, seed=9), chunks=(26,), steps=1)
+    assert resolve_attention(full.compressed_layers[0], torch.device("cuda")) is False  # nothing quantized: SDPA
+    full.compressed_layers[0].attention = "blockwise"  # (asked for: the block walk over full-precision segments)
+    assert resolve_attention(full.compressed_layers[0], torch.device("cuda")) is True
     with pytest.raises(ValueError, match=r"`attention` must be one of \('auto', 'blockwise', 'dequantize'\)"):
         CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention="codes")
     with pytest.raises(ValueError, match="`attention_block`"):
