@@ -18,8 +18,8 @@ The bridge checks that the keys / values it receives are exactly the stand-ins: 
 keys before attention (DeepSeek MLA expands its latent with `expand_kv`) would otherwise attend to zeros, so it is a
 clear error naming the attention class and pointing to attention="dequantize".
 
-Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel),
-dequantize elsewhere (on CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md);
+Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel)
+and the layer holds quantized tokens (a composite of full-precision regions keeps SDPA), dequantize elsewhere (on CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md);
 resolved per layer at its first update, from the keys' device. Any store with `segments` attends from codes except
 the quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot
 stores, including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
