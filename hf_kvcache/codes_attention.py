@@ -19,14 +19,15 @@ keys before attention (DeepSeek MLA expands its latent with `expand_kv`) would o
 clear error naming the attention class and pointing to attention="dequantize".
 
 Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel)
-and the layer holds quantized tokens (a composite of full-precision regions keeps SDPA), dequantize elsewhere (on CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md);
-resolved per layer at its first update, from the keys' device. Any store with `segments` attends from codes except
-the quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot
-stores, including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
-segments in slot order). Decode writes the new token, then reads views of the codes; a prefill chunk attends to the
-past as it was before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place,
-copies its codes, a quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last
-`attention_window` queries) come from the same pass.
+and the layer holds quantized tokens (a composite of full-precision regions keeps SDPA), dequantize elsewhere (on
+CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md); resolved per layer at
+its first update, from the keys' device. Any store with `segments` attends from codes except the quantized ring
+layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores, including
+CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's segments in slot
+order). Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
+before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place, copies its codes, a
+quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last `attention_window`
+queries) come from the same pass.
 """
 
 from __future__ import annotations
