@@ -1,10 +1,13 @@
 """Composite decode speed (issue 13): CompositeCache(preset="sinks_heavy_recent", 4 sinks in full precision + FP8
 recent window + FP8 heavy hitters) against H2OCache at the same token budget, and against itself across budgets, on
-SmolLM2-135M (float32, CPU, one thread), in one interleaved run.
+SmolLM2-135M (by default float32, CPU, one thread; `--device cuda` runs bfloat16 on a GPU), in one interleaved run.
 
     python eval/bench_composite_decode.py [--prompt 2048] [--budgets 256 1024] [--rounds 8] [--steps 12]
     python eval/bench_composite_decode.py --clock cpu --out eval/results/composite_decode_cpu.json  # thread CPU time
     python eval/bench_composite_decode.py --attention blockwise --out eval/results/composite_decode_blockwise.json
+    # on a GPU (not run here: no GPU was available): bfloat16, the composite attending from its codes ("auto")
+    python eval/bench_composite_decode.py --device cuda --prompt 8192 --budgets 1024 4096 \
+        --out eval/results/composite_decode_cuda.json
 
 Method (as eval/bench_decode_cost.py):
 - Each configuration (cache x budget) prefills the same `--prompt` tokens of the pydoc corpus once, then every round
@@ -48,11 +51,14 @@ CACHES = {
 }
 
 
-def decode_times(model, cache, ids, pos: int, n: int, clock=time.perf_counter) -> list[float]:
+def decode_times(model, cache, ids, pos: int, n: int, clock=time.perf_counter, sync=lambda: None) -> list[float]:
+    """Seconds of each of `n` one-token forwards (`sync`: waits for the device, CUDA, around each)."""
     times = []
     for i in range(n):
+        sync()
         t0 = clock()
         model(input_ids=ids[:, pos + i : pos + i + 1], past_key_values=cache, use_cache=True)
+        sync()
         times.append(clock() - t0)
     return times
 
@@ -68,6 +74,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--model", default="smollm2", help="Hub id, local path, or smollm2 (offline, the default)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda, where attention='auto' makes the composite attend from its codes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
@@ -77,9 +88,11 @@ def main(argv=None) -> None:
                              "the codes by the torch block path, what CUDA does with the Triton kernel)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "composite_decode.json")
     args = parser.parse_args(argv)
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--clock cpu measures the calling thread only: use it with --threads 1 on --device cpu")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     budgets = sorted(args.budgets)
     if any(b >= args.prompt for b in budgets):
         parser.error(f"--budgets {budgets} must be below --prompt {args.prompt} (the caches must evict)")
@@ -91,10 +104,11 @@ def main(argv=None) -> None:
     from hf_kvcache.models import load_model
     from hf_kvcache.text import load_tokens
 
-    model, tokenizer = load_model("smollm2")
+    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     hf_kvcache.enable(model)
     per_round = args.warmup + args.steps
     ids = load_tokens(tokenizer, "pydoc", max_tokens=args.prompt + args.warmup + 1 + args.rounds * per_round + 2)
+    ids = ids.to(args.device)
 
     configs = {}
     t0 = time.perf_counter()
@@ -104,7 +118,7 @@ def main(argv=None) -> None:
                 cache = make(model, budget, args.attention)
                 model(input_ids=ids[:, : args.prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 pos = args.prompt + args.warmup  # a decode step after `warmup` others: what each step dispatches
-                decode_times(model, cache, ids, args.prompt, args.warmup)
+                decode_times(model, cache, ids, args.prompt, args.warmup, sync=sync)
                 with HostSyncCounter() as counter:
                     model(input_ids=ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
                 configs[f"{name}@{budget}"] = dict(cache=cache, pos=pos + 1, name=name, budget=budget,
@@ -115,7 +129,7 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 c = configs[label]
-                times = decode_times(model, c["cache"], ids, c["pos"], per_round, clock)
+                times = decode_times(model, c["cache"], ids, c["pos"], per_round, clock, sync)
                 c["pos"] += per_round
                 c["rounds"].append(statistics.median(times[args.warmup:]))
             print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -132,9 +146,8 @@ def main(argv=None) -> None:
     } for label, c in configs.items()]
     result = {
         "what": f"CompositeCache(preset='sinks_heavy_recent': 4 sinks full precision + FP8 E4M3 recent + FP8 heavy, "
-                f"attention={args.attention!r}) vs "
-                f"H2OCache(budget) at the same budget, SmolLM2-135M float32 CPU, {args.prompt}-token prompt, "
-                "teacher-forced decode",
+                f"attention={args.attention!r}) vs H2OCache(budget) at the same budget, {args.model} "
+                f"{str(dtype).removeprefix('torch.')} {args.device}, {args.prompt}-token prompt, teacher-forced decode",
         "targets": {"composite_over_h2o": f"<= {RATIO_TARGET} at every budget",
                     "composite_growth": f"< {GROWTH_TARGET} from budget {low} to {high}"},
         "composite_over_h2o": ratios,
@@ -143,7 +156,8 @@ def main(argv=None) -> None:
         "pass": {"ratio": all(v <= RATIO_TARGET for v in ratios.values()), "growth": growth < GROWTH_TARGET},
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
         "rows": rows,
-        "method": {"attention": args.attention, "prompt": args.prompt, "budgets": budgets, "rounds": args.rounds,
+        "method": {"model": args.model, "device": args.device, "dtype": str(dtype).removeprefix("torch."),
+                   "attention": args.attention, "prompt": args.prompt, "budgets": budgets, "rounds": args.rounds,
                    "steps": args.steps,
                    "warmup": args.warmup, "threads": args.threads, "clock": args.clock, "interleaved": True},
         "load_average_at_end": list(os.getloadavg()),
