@@ -2,6 +2,8 @@
 
 transformers 5.x validates `cache_implementation` against a fixed tuple and hard-codes the name-to-class mapping in
 `GenerationMixin._prepare_cache_for_generation`; we extend both, idempotently, and only on a tested version range.
+`GenerationMixin.init_continuous_batching` is extended too: it hands a model our caches switched to the attention
+bridge back to its own attention implementation, the only kind continuous batching accepts.
 
 Published configs. A model's `generation_config.json` may carry `"hf_kvcache": {"cache": NAME, "config": {...},
 "version": 1}` (see hf_kvcache.hub): transformers keeps that key and ignores it, so the model loads and generates
@@ -252,13 +254,27 @@ def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
         CACHE_IMPLEMENTATIONS[name] = cls
     known = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = known + tuple(n for n in CACHE_IMPLEMENTATIONS if n not in known)
-    current = GenerationMixin._prepare_cache_for_generation
-    if getattr(current, "__name__", "") != "_prepare_cache_for_generation" or not hasattr(current, "original"):
-        _prepare_cache_for_generation.original = current
-        GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    for method, ours in (("_prepare_cache_for_generation", _prepare_cache_for_generation),
+                         ("init_continuous_batching", init_continuous_batching)):
+        current = getattr(GenerationMixin, method, None)
+        if current is not None and not (getattr(current, "__name__", "") == method and hasattr(current, "original")):
+            ours.original = current
+            setattr(GenerationMixin, method, ours)
     from .attention import register_attention_functions
 
     register_attention_functions()
+
+
+def init_continuous_batching(self, *args, **kwargs):
+    """transformers' continuous batching (`generate_batch`, `init_continuous_batching`) on a model one of our caches
+    switched to the attention bridge: continuous batching accepts only its own attention implementations and never
+    runs our caches, so the model goes back to its own implementation first (`hf_kvcache.disable`); the next
+    `generate` with one of our caches switches it again."""
+    from .attention import disable, is_enabled
+
+    if is_enabled(self):
+        disable(self)
+    return init_continuous_batching.original(self, *args, **kwargs)
 
 
 def build_cache(name: str, config_or_model, cache_config: dict[str, Any] | None = None) -> KVCache:

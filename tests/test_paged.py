@@ -91,8 +91,8 @@ def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, k
     assert rec.cache_facts["cache_class"] == "QuantizedPagedAttentionCache"
     paged, full = rec.logprobs(), ref_rec.logprobs()
     worst, kl_paged = 0.0, []
-    # the same weights in another object: our cache switches its model to the hf_kvcache attention bridge, which
-    # transformers' continuous batching refuses (the shared model must stay on sdpa for the other tests)
+    # the same weights in another object: our cache switches its model to the hf_kvcache attention bridge (the shared
+    # model stays on sdpa for the other tests)
     twin = build_model("llama")
     for i, rid in enumerate(sorted(tokens, key=lambda r: int(r.split("_")[1]))):
         ids = torch.tensor(prompts[i] + tokens[rid])
@@ -444,3 +444,23 @@ def test_install_on_a_changed_transformers_warns_and_leaves_it_untouched(monkeyp
     assert continuous_api.PagedAttentionCache is cb_cache.PagedAttentionCache  # untouched
     with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
         hf_kvcache.enable_paged(build_model("llama"), kv_dtype="fp8_e4m3")
+
+
+def test_continuous_batching_after_our_caches_switched_the_model_to_the_bridge():
+    """generate with one of our caches switches the model to the attention bridge; continuous batching accepts only
+    its own implementations, so `generate_batch` hands the model back to sdpa first (same tokens as a model that
+    never ran our caches), and the next generate with our cache switches it again."""
+    prompts = _prompts()
+    reference, _ = _run(build_model("llama"), prompts, _cb())
+    model = build_model("llama")
+    ids = torch.tensor([prompts[1]])
+    first = model.generate(ids, past_key_values=hf_kvcache.SinkCache(model, sinks=2, window=8), max_new_tokens=4,
+                           do_sample=False)
+    assert model.config._attn_implementation == "hf_kvcache_sdpa"
+    tokens, _ = _run(model, prompts, _cb())
+    assert tokens == reference
+    assert model.config._attn_implementation == "sdpa"
+    again = model.generate(ids, past_key_values=hf_kvcache.SinkCache(model, sinks=2, window=8), max_new_tokens=4,
+                           do_sample=False)
+    assert model.config._attn_implementation == "hf_kvcache_sdpa"
+    assert torch.equal(again, first)
