@@ -1,8 +1,9 @@
 """CompositeCache's `attention` option: attention straight from the regions' codes (hf_kvcache.codes_attention)
 gives, at every layer and forward (chunked prefill, decode, left padding), the output and the column scores that
-softmax attention over the dequantized regions gives, for every heavy-hitter scorer and on the model zoo's softcap,
-attention sinks, QK-norm and partial rotary; it makes no host sync in decode
-and never fills the dequantization workspace; "auto" keeps CPU on the dequantize path.
+softmax attention over the dequantized regions gives, for every heavy-hitter scorer, in bfloat16, and on the model
+zoo's softcap, attention sinks, QK-norm and partial rotary; it makes no host sync in decode and never fills the
+dequantization workspace; "auto" keeps CPU on the dequantize path, and on CUDA reads codes only where there are some.
+The Triton kernel (CUDA's path) reads a composite layer's segments as the torch path does, under the interpreter.
 
 Whole-model runs of the two paths are not compared token by token over many steps: float32 summation order differs
 (~1e-6), and an evicting policy turns such a difference into another eviction whenever two scores are that close."""
