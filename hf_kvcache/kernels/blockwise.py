@@ -24,8 +24,8 @@ the logits block by block against the final log-sum-exp (keys are dequantized tw
 
 Backends: "torch" (any device; no host-device sync: blocks come from Python ints; compiles with
 `torch.compile(fullgraph=True)`), "triton" (`triton_blockwise`, decode: Hq / Hkv x q <= 128 query rows per KV
-head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "auto" (triton for CUDA tensors when it can run,
-else torch; never the interpreter).
+head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "auto" (triton for CUDA tensors when it can run and
+the code is not being compiled, else torch; never the interpreter).
 """
 
 from __future__ import annotations
@@ -218,7 +218,9 @@ def blockwise_attention(
     if query_weight is not None and tuple(query_weight.shape) != (query.shape[0], query.shape[2]):
         raise ValueError(f"blockwise_attention: `query_weight` must be [B, q] = {[query.shape[0], query.shape[2]]}, "
                          f"got {list(query_weight.shape)}")
-    if backend == "triton" or (backend == "auto" and query.device.type == "cuda"):  # the interpreter: asked only
+    # "auto": Triton for CUDA tensors in eager code only; under torch.compile the torch path is traced whole and
+    # inductor writes its kernels (our Triton launcher is not written for dynamo); the interpreter: asked only
+    if backend == "triton" or (backend == "auto" and query.device.type == "cuda" and not torch.compiler.is_compiling()):
         reason = _triton_reason(query, ks, vs)
         if reason is None:
             from .triton_blockwise import triton_blockwise_attention

@@ -35,6 +35,10 @@ FINAL_KINDS = ("evict", "keep", "heavy")
 
 class CascadePolicy(Policy):
     may_have_holes = True
+    # decode: slots and region hints are Python ints of the stream position (symbolic under torch.compile after the
+    # warm-up, with guards that stay true once the cache is full), every tensor keeps its shape; a growing final
+    # region ('rest', prompt mode) has no capacity, so such a layer is not compileable (CompressedLayer)
+    compileable = True
 
     def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
                  rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o",

@@ -173,7 +173,9 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
 
     @property
     def compileable(self) -> bool:
-        return self.fixed_slots
+        """Buffers allocated once: fixed slots, or the slot layout (its `grow` serves only growing regions, whose
+        layers have no capacity and are not compiled)."""
+        return self.fixed_slots or not self.append_only
 
     def _codecs(self):
         return (self.keys_codec,) if self.joint else (self.keys_codec, self.values_codec)

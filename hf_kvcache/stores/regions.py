@@ -30,6 +30,10 @@ class RegionStore:
     def keys(self):  # for transformers code that inspects `layer.keys` (dtype, device)
         return self.stores[0].keys
 
+    @property
+    def compileable(self) -> bool:
+        return all(getattr(store, "compileable", False) for store in self.stores)
+
     def allocate(self, batch, heads, head_dim, slots, dtype, device, value_dim=None) -> None:
         self.heads, self.head_dim, self.value_dim = heads, head_dim, value_dim or head_dim
         self.dtype, self.device = dtype, device
