@@ -5,6 +5,7 @@ SmolLM2-135M (by default float32, CPU, one thread; `--device cuda` runs bfloat16
     python eval/bench_composite_decode.py [--prompt 2048] [--budgets 256 1024] [--rounds 8] [--steps 12]
     python eval/bench_composite_decode.py --clock cpu --out eval/results/composite_decode_cpu.json  # thread CPU time
     python eval/bench_composite_decode.py --attention blockwise --out eval/results/composite_decode_blockwise.json
+    python eval/bench_composite_decode.py --compile --rounds 3 --out eval/results/composite_decode_compiled.json
     # on a GPU (not run here: no GPU was available): bfloat16, the composite attending from its codes ("auto")
     python eval/bench_composite_decode.py --device cuda --prompt 8192 --budgets 1024 4096 \
         --out eval/results/composite_decode_cuda.json
@@ -51,13 +52,14 @@ CACHES = {
 }
 
 
-def decode_times(model, cache, ids, pos: int, n: int, clock=time.perf_counter, sync=lambda: None) -> list[float]:
-    """Seconds of each of `n` one-token forwards (`sync`: waits for the device, CUDA, around each)."""
+def decode_times(forward, cache, ids, pos: int, n: int, clock=time.perf_counter, sync=lambda: None) -> list[float]:
+    """Seconds of each of `n` one-token forwards (`forward`: the model, or its compiled forward; `sync`: waits for
+    the device, CUDA, around each)."""
     times = []
     for i in range(n):
         sync()
         t0 = clock()
-        model(input_ids=ids[:, pos + i : pos + i + 1], past_key_values=cache, use_cache=True)
+        forward(input_ids=ids[:, pos + i : pos + i + 1], past_key_values=cache, use_cache=True)
         sync()
         times.append(clock() - t0)
     return times
@@ -79,6 +81,9 @@ def main(argv=None) -> None:
                         help="cpu (default) or cuda, where attention='auto' makes the composite attend from its codes")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="default: float32 on CPU, bfloat16 elsewhere")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode through torch.compile(model.forward, fullgraph=True) (prefill eager, as generate "
+                             "does); compiling SmolLM2 takes minutes per cache on CPU")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
@@ -110,6 +115,11 @@ def main(argv=None) -> None:
     ids = load_tokens(tokenizer, "pydoc", max_tokens=args.prompt + args.warmup + 1 + args.rounds * per_round + 2)
     ids = ids.to(args.device)
 
+    if args.compile:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a graph per cache
+    forward = torch.compile(model.forward, fullgraph=True) if args.compile else model
     configs = {}
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -118,8 +128,8 @@ def main(argv=None) -> None:
                 cache = make(model, budget, args.attention)
                 model(input_ids=ids[:, : args.prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 pos = args.prompt + args.warmup  # a decode step after `warmup` others: what each step dispatches
-                decode_times(model, cache, ids, args.prompt, args.warmup, sync=sync)
-                with HostSyncCounter() as counter:
+                decode_times(forward, cache, ids, args.prompt, args.warmup, sync=sync)
+                with HostSyncCounter() as counter:  # (eager: a dispatch mode would change what dynamo traces)
                     model(input_ids=ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
                 configs[f"{name}@{budget}"] = dict(cache=cache, pos=pos + 1, name=name, budget=budget,
                                                    ops=counter.ops, syncs=counter.syncs, rounds=[])
@@ -129,7 +139,7 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 c = configs[label]
-                times = decode_times(model, c["cache"], ids, c["pos"], per_round, clock, sync)
+                times = decode_times(forward, c["cache"], ids, c["pos"], per_round, clock, sync)
                 c["pos"] += per_round
                 c["rounds"].append(statistics.median(times[args.warmup:]))
             print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -147,7 +157,8 @@ def main(argv=None) -> None:
     result = {
         "what": f"CompositeCache(preset='sinks_heavy_recent': 4 sinks full precision + FP8 E4M3 recent + FP8 heavy, "
                 f"attention={args.attention!r}) vs H2OCache(budget) at the same budget, {args.model} "
-                f"{str(dtype).removeprefix('torch.')} {args.device}, {args.prompt}-token prompt, teacher-forced decode",
+                f"{str(dtype).removeprefix('torch.')} {args.device}, {args.prompt}-token prompt, teacher-forced decode"
+                + (", compiled (inductor, fullgraph)" if args.compile else ""),
         "targets": {"composite_over_h2o": f"<= {RATIO_TARGET} at every budget",
                     "composite_growth": f"< {GROWTH_TARGET} from budget {low} to {high}"},
         "composite_over_h2o": ratios,
@@ -156,10 +167,10 @@ def main(argv=None) -> None:
         "pass": {"ratio": all(v <= RATIO_TARGET for v in ratios.values()), "growth": growth < GROWTH_TARGET},
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
         "rows": rows,
-        "method": {"model": args.model, "device": args.device, "dtype": str(dtype).removeprefix("torch."),
-                   "attention": args.attention, "prompt": args.prompt, "budgets": budgets, "rounds": args.rounds,
-                   "steps": args.steps,
-                   "warmup": args.warmup, "threads": args.threads, "clock": args.clock, "interleaved": True},
+        "method": {"compiled": args.compile, "model": args.model, "device": args.device,
+                   "dtype": str(dtype).removeprefix("torch."), "attention": args.attention, "prompt": args.prompt,
+                   "budgets": budgets, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+                   "threads": args.threads, "clock": args.clock, "interleaved": True},
         "load_average_at_end": list(os.getloadavg()),
         "environment": environment(),
     }
