@@ -116,9 +116,9 @@ def main(argv=None) -> None:
     ids = ids.to(args.device)
 
     if args.compile:
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a graph per cache
+        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)  # graphs per cache and budget
     forward = torch.compile(model.forward, fullgraph=True) if args.compile else model
     configs = {}
     t0 = time.perf_counter()
