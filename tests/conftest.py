@@ -146,6 +146,22 @@ def greedy_decode_syncs(model, cache, ids, mask, steps: int) -> list[dict]:
     return counts
 
 
+def masked_step(model, cache, ids, mask):
+    """A forward of `ids` [B, q] after the tokens of `mask`, position ids from the mask: (last logits, new mask)."""
+    mask = torch.cat((mask, torch.ones_like(ids)), 1)
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    return out.logits[:, -1], mask
+
+
+def policy_free_nbytes(cache) -> int:
+    """Bytes of every compressed layer's store, slot positions and validity: all a prompt-mode cache may hold once its
+    prompt is compressed (no scores, stream indices, observation ring, query statistics, scorer state or key copies)."""
+    return sum(layer.store.nbytes() + layer.slot_valid.nbytes + (0 if layer.slot_pos is None else layer.slot_pos.nbytes)
+               for layer in cache.compressed_layers)
+
+
 @pytest.fixture
 def ids_factory():
     return random_ids

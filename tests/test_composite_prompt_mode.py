@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hf_kvcache
-from conftest import PAD, build_model, greedy_decode_syncs, left_pad, random_ids, teacher_forced_logits
+from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
+                      teacher_forced_logits)
 
 PROMPT, STEPS = 20, 8
 W = {"role": "window"}
@@ -201,20 +202,6 @@ def test_a_prompt_within_the_budget_is_never_evicted_equal_to_dynamic_cache(prom
         assert all(h == list(range(ids.shape[1])) for row in _kept(cache) for h in row)
 
 
-def _without_policy_state(cache) -> int:
-    """Bytes of every layer's region stores, slot positions and validity: all a prompt-mode composite may hold once
-    the prompt is compressed (no heavy region scores, scorer state, stream indices or sink key copies)."""
-    return sum(layer.store.nbytes() + layer.slot_valid.nbytes + layer.slot_pos.nbytes for layer in cache.layers)
-
-
-def _step(model, cache, ids, mask):
-    mask = torch.cat((mask, torch.ones_like(ids)), 1)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:],
-                    past_key_values=cache)
-    return out.logits[:, -1], mask
-
-
 @pytest.mark.parametrize("scorer", ["h2o", "tova", "knorm", "keydiff", "snapkv", "expected_attention"])
 def test_the_end_of_the_prompt_frees_the_heavy_scorers_state(scorer):
     """The heavy region's scorer state (and the policy's scores, stream indices, sink key copies) is held through the
@@ -228,15 +215,15 @@ def test_the_end_of_the_prompt_frees_the_heavy_scorers_state(scorer):
     caches = [hf_kvcache.CompositeCache(model, regions=regions, compress="prompt") for _ in range(2)]
     tokens = random_ids(2, 4, seed=31)
     for cache in caches:
-        _, m = _step(model, cache, ids, mask[:, :0].long())
-        assert cache.nbytes() > _without_policy_state(cache)
+        _, m = masked_step(model, cache, ids, mask[:, :0].long())
+        assert cache.nbytes() > policy_free_nbytes(cache)
         for t in range(3):
-            _, m = _step(model, cache, tokens[:, t : t + 1], m)
-            assert cache.nbytes() == _without_policy_state(cache)
-    want, _ = _step(model, caches[0], tokens[:, 3:], m)
+            _, m = masked_step(model, cache, tokens[:, t : t + 1], m)
+            assert cache.nbytes() == policy_free_nbytes(cache)
+    want, _ = masked_step(model, caches[0], tokens[:, 3:], m)
     swap = torch.tensor([1, 0])
     caches[1].reorder_cache(swap)
-    got, _ = _step(model, caches[1], tokens[swap, 3:], m[swap])
+    got, _ = masked_step(model, caches[1], tokens[swap, 3:], m[swap])
     torch.testing.assert_close(got, want[swap], atol=1e-5, rtol=1e-5)
     caches[1].batch_select_indices(torch.tensor([1]))
-    assert caches[1].nbytes() == _without_policy_state(caches[1])
+    assert caches[1].nbytes() == policy_free_nbytes(caches[1])

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import PAD, build_model, greedy_decode_syncs, left_pad, random_ids, teacher_forced_logits
+from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
+                      teacher_forced_logits)
 import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS
 from hf_kvcache.evaluation.cache_spec import check_cache
@@ -151,22 +152,6 @@ def test_crop_inside_the_appended_tokens_only():
         cache.crop(-3)
 
 
-def _without_policy_state(cache) -> int:
-    """Bytes of every layer's store, slot positions and validity: all a prompt-mode cache may hold once its prompt is
-    compressed (no scores, stream indices, observation ring, query statistics or arrived key copies)."""
-    return sum(layer.store.nbytes() + layer.slot_valid.nbytes + (0 if layer.slot_pos is None else layer.slot_pos.nbytes)
-               for layer in cache.compressed_layers)
-
-
-def _step(model, cache, ids, mask):
-    """A forward of `ids` [B, q] after the tokens of `mask`, position ids from the mask: (last logits, new mask)."""
-    mask = torch.cat((mask, torch.ones_like(ids)), 1)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:],
-                    past_key_values=cache)
-    return out.logits[:, -1], mask
-
-
 def _padded_prompt():
     return left_pad([random_ids(1, PROMPT, seed=14)[0], random_ids(1, PROMPT - 5, seed=15)[0]])
 
@@ -179,14 +164,14 @@ def test_the_end_of_the_prompt_frees_the_policys_state(name, end):
     model = build_model("llama")
     ids, mask = _padded_prompt()
     cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
-    logits, mask = _step(model, cache, ids, mask[:, :0].long())
-    assert cache.nbytes() > _without_policy_state(cache)  # the policy's state, needed to choose the prompt's tokens
+    logits, mask = masked_step(model, cache, ids, mask[:, :0].long())
+    assert cache.nbytes() > policy_free_nbytes(cache)  # the policy's state, needed to choose the prompt's tokens
     if end == "end_prompt":
         cache.end_prompt()
-        logits, mask = _step(model, cache, random_ids(2, 3, seed=16), mask)
+        logits, mask = masked_step(model, cache, random_ids(2, 3, seed=16), mask)
     for _ in range(3):
-        logits, mask = _step(model, cache, logits.argmax(-1, keepdim=True), mask)
-        assert cache.nbytes() == _without_policy_state(cache)
+        logits, mask = masked_step(model, cache, logits.argmax(-1, keepdim=True), mask)
+        assert cache.nbytes() == policy_free_nbytes(cache)
     assert all(layer.policy.inner.nbytes() == 0 for layer in cache.compressed_layers)
 
 
@@ -200,23 +185,23 @@ def test_reorder_select_and_crop_after_the_prompt(name):
     tokens = random_ids(2, 4, seed=17)
     masks = []
     for cache in caches:
-        _, m = _step(model, cache, ids, mask[:, :0].long())
+        _, m = masked_step(model, cache, ids, mask[:, :0].long())
         for t in range(3):
-            _, m = _step(model, cache, tokens[:, t : t + 1], m)
+            _, m = masked_step(model, cache, tokens[:, t : t + 1], m)
         masks.append(m)
-    want, _ = _step(model, caches[0], tokens[:, 3:], masks[0])
+    want, _ = masked_step(model, caches[0], tokens[:, 3:], masks[0])
     swap = torch.tensor([1, 0])
     caches[1].reorder_cache(swap)
-    got, _ = _step(model, caches[1], tokens[swap, 3:], masks[1][swap])
+    got, _ = masked_step(model, caches[1], tokens[swap, 3:], masks[1][swap])
     torch.testing.assert_close(got, want[swap], atol=1e-5, rtol=1e-5)
     caches[2].batch_select_indices(torch.tensor([1]))
-    got, _ = _step(model, caches[2], tokens[1:, 3:], masks[2][1:])
+    got, _ = masked_step(model, caches[2], tokens[1:, 3:], masks[2][1:])
     torch.testing.assert_close(got, want[1:], atol=1e-5, rtol=1e-5)
     caches[0].crop(-2)  # the last two appended tokens
-    _, m = _step(model, caches[0], tokens[:, 2:3], masks[0][:, :-1])
-    again, _ = _step(model, caches[0], tokens[:, 3:], m)
+    _, m = masked_step(model, caches[0], tokens[:, 2:3], masks[0][:, :-1])
+    again, _ = masked_step(model, caches[0], tokens[:, 3:], m)
     torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
-    assert caches[0].nbytes() == _without_policy_state(caches[0])
+    assert caches[0].nbytes() == policy_free_nbytes(caches[0])
 
 
 @pytest.mark.parametrize("name", ["h2o", "snapkv", "expected_attention", "sink"])
@@ -228,8 +213,8 @@ def test_a_state_file_saved_after_the_prompt_has_no_policy_tensors_and_resumes(n
     model = build_model("llama")
     ids, mask = _padded_prompt()
     cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
-    logits, mask = _step(model, cache, ids, mask[:, :0].long())
-    logits, mask = _step(model, cache, logits.argmax(-1, keepdim=True), mask)
+    logits, mask = masked_step(model, cache, ids, mask[:, :0].long())
+    logits, mask = masked_step(model, cache, logits.argmax(-1, keepdim=True), mask)
     path = tmp_path / "state.safetensors"
     save_cache_state(cache, path)
     with safe_open(str(path), "pt") as f:
@@ -238,7 +223,7 @@ def test_a_state_file_saved_after_the_prompt_has_no_policy_tensors_and_resumes(n
     loaded = load_cache_state(path, model)
     token = logits.argmax(-1, keepdim=True)
     for _ in range(2):
-        want, next_mask = _step(model, cache, token, mask)
-        got, _ = _step(model, loaded, token, mask)
+        want, next_mask = masked_step(model, cache, token, mask)
+        got, _ = masked_step(model, loaded, token, mask)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         token, mask = want.argmax(-1, keepdim=True), next_mask
