@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .codes_attention import read_codes, resolve_attention
+from .compile_static import fixed_shape
 from .policies.base import Policy
 from .rotation import rotate
 
@@ -72,10 +73,13 @@ class CompressedLayer(CacheLayerMixin):
         if self.policy.needs_positions:
             self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
         self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
+        fixed_shape(self.slot_valid, getattr(self, "slot_pos", None))
         self.policy.allocate(batch, heads, self.device)
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device)
         self.attention_from_codes = resolve_attention(self, self.device)
+        if not self.attention_from_codes and hasattr(self.store, "reserve_reads"):
+            self.store.reserve_reads()  # allocated eagerly, so compiled decode sees them with fixed shapes
         self.is_initialized = True
 
     def _check_budget_fits(self, batch: int, heads: int, meta_heads: int, slots: int, dtype, device) -> None:

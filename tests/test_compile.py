@@ -256,3 +256,40 @@ def test_compiling_a_growing_cache_is_a_clear_error():
         model(input_ids=random_ids(1, 6), past_key_values=cache)
         with pytest.raises(Exception, match="not compileable"):
             torch.compile(model.forward, fullgraph=True)(input_ids=random_ids(1, 1), past_key_values=cache)
+
+
+SIZED = {  # two configurations of each compileable cache kind, decoded through one compiled forward
+    "h2o": lambda m, n: hf_kvcache.H2OCache(m, heavy=n, recent=n),
+    "sink": lambda m, n: hf_kvcache.SinkCache(m, sinks=2, window=2 * n),
+    "fp8_max_length": lambda m, n: hf_kvcache.QuantizedFP8Cache(m, max_length=PROMPT + STEPS + n),
+    "composite": lambda m, n: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=4 * n),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZED))
+def test_a_second_budget_compiles_with_static_shapes(name, composite_compileable):
+    """A cache of another size through the same compiled forward (generate keeps its compiled forward on the model)
+    gets graphs specialised to its sizes: every tensor the graph takes has a static shape (hf_kvcache.compile_static;
+    dynamo would otherwise turn the budget and the buffers it sizes symbolic, and inductor's kernels over symbolic
+    sizes measured 20x slower), and those graphs compute eager's logits."""
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    hf_kvcache.enable(model)
+    graphs = []
+
+    def record(gm, example_inputs):  # dynamo's graphs and their inputs as traced (sizes maybe symbolic); no inductor
+        values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        graphs.append([v for v in values if isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    forward = torch.compile(model.forward, backend=record, fullgraph=True)
+    _teacher_forced(model, SIZED[name](model, 3), forward)
+    first = len(graphs)
+    compiled, _ = _teacher_forced(model, SIZED[name](model, 5), forward)
+    eager, _ = _teacher_forced(model, SIZED[name](model, 5), model.forward)
+    assert len(graphs) > first  # the new sizes compiled graphs of their own...
+    symbolic = [tuple(t.shape) for graph in graphs[first:] for t in graph
+                if not all(isinstance(d, int) for d in t.shape)]
+    assert symbolic == []  # ...with no symbolic tensor size
+    assert len(graphs) - first <= 3
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)

@@ -311,7 +311,7 @@ def test_preset_decode_moves_no_token_and_adjacent_windows_share_a_ring(monkeypa
                                                                                              **fp8}])
     with torch.no_grad():
         model(input_ids=ids[:, :10], past_key_values=tiers, use_cache=True)
-    assert tiers.layers[0].policy.tier_sizes == [8] and len(tiers.layers[0].store.stores) == 1
+    assert tiers.layers[0].policy.tier_sizes == (8,) and len(tiers.layers[0].store.stores) == 1
 
 
 def _decode_ops(make) -> int:

@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt
+
 
 @dataclass
 class Placement:
@@ -25,7 +27,7 @@ class Placement:
 class Policy:
     """Base class. `capacity` is the fixed number of slots, or None for a growing cache."""
 
-    capacity: int | None = None
+    capacity: int | None = StaticInt()  # fixed for the cache's life: torch.compile specialises on it
     per_head = False  # True when each KV head keeps its own token set
     deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`

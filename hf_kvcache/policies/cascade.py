@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt, fixed_shape
 from ..config import require_choice
 from ..rope import KeyRotator
 from .base import Placement, Policy
@@ -35,6 +36,9 @@ FINAL_KINDS = ("evict", "keep", "heavy")
 
 class CascadePolicy(Policy):
     may_have_holes = True
+    # sizes fixed for the cache's life: torch.compile specialises on them (hf_kvcache.compile_static)
+    sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
+    tier_sizes, ends, starts, bases = StaticInt(), StaticInt(), StaticInt(), StaticInt()
     # Decode traces whole (slots and region hints are Python ints of the stream position, symbolic under torch.compile
     # after the warm-up; every tensor keeps its shape) and compiled equals eager with no recompilation
     # (tests/test_compile.py switches this on). It stays off: on SmolLM2 (CPU, inductor) the compiled preset decodes
@@ -51,10 +55,10 @@ class CascadePolicy(Policy):
         self.sinks, self.tier_sizes, self.final, self.heavy = sinks, list(tier_sizes), final, heavy
         self.pooled = pooled
         self.rotator = rotator
-        self.ends = [sum(self.tier_sizes[: i + 1]) for i in range(len(self.tier_sizes))]
-        self.starts = [0] + self.ends[:-1]
+        ends = [sum(tier_sizes[: i + 1]) for i in range(len(tier_sizes))]
+        self.ends, self.starts = ends, [0] + ends[:-1]
         self.bases = [sinks + start for start in self.starts]
-        self.final_base = sinks + (self.ends[-1] if self.ends else 0)
+        self.final_base = sinks + (ends[-1] if ends else 0)
         self.capacity = None if final == "keep" else self.final_base + (heavy if final == "heavy" else 0)
         self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
         self.scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
@@ -84,6 +88,7 @@ class CascadePolicy(Policy):
             self.stream = torch.nn.functional.pad(stream, (0, pad), value=-1)
             scores = self.scores if self.scores is not None else base.float()
             self.scores = torch.nn.functional.pad(scores, (0, pad))
+            fixed_shape(self.stream, self.scores)
 
     def used_after(self, seen: int) -> int:
         if seen == 0:

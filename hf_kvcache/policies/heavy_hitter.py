@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt, fixed_shape
 from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .base import Placement, Policy
 
@@ -39,6 +40,7 @@ class HeavyHitterPolicy(Policy):
     compileable = True
     per_head = True
     may_have_holes = True
+    heavy, recent = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
     deferred = True
     needs_attention = True
 
@@ -62,6 +64,7 @@ class HeavyHitterPolicy(Policy):
     def allocate(self, batch: int, heads: int, device) -> None:
         self.scores = torch.zeros(batch, heads, self.capacity + 1, dtype=torch.float32, device=device)
         self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
+        fixed_shape(self.scores, self.stream)
 
     # -- decode: choose the victim before attention ---------------------------------------------------------------
     def place(self, layer, real: torch.Tensor, seen: int) -> Placement:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt
 from ..rope import KeyRotator
 from .base import Placement, Policy
 from .sinks import SinkMemory
@@ -22,6 +23,8 @@ from .sinks import SinkMemory
 
 class SinkWindowPolicy(Policy):
     compileable = True
+    sinks, window = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
+
     def __init__(self, sinks: int, window: int, rotator: KeyRotator | None = None):
         self.sinks, self.window, self.rotator = sinks, window, rotator
         self.capacity = sinks + window

@@ -18,10 +18,13 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt
 from ..rope import KeyRotator
 
 
 class SinkMemory:
+    sinks = StaticInt()  # torch.compile specialises on it (hf_kvcache.compile_static)
+
     def __init__(self, sinks: int, rotator: KeyRotator | None):
         self.sinks, self.rotator = sinks, rotator
         self.keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] keys as they arrived (+1 trash)

@@ -130,6 +130,10 @@ class FP8Codec(Codec):
             self.scale = self.scale.to(device)
             self.shared = {"scale": self.scale}
 
+    def reserve_scratch(self, workspace) -> None:
+        if torch.device(self.device).type == "cpu":  # (decode_into's bit route: CPU only)
+            workspace.reserve("fp8_scratch", tuple(self.slot["data"].shape), torch.int16, self.device)
+
     # -- quantize ---------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         x = x.float()

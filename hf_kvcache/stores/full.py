@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import fixed_shape
+
 
 class FullPrecisionStore:
     """Slot buffers [batch, kv_heads, slots, head_dim]; writes scatter into slots, reads are views (no copy)."""
@@ -20,6 +22,7 @@ class FullPrecisionStore:
                  value_dim: int | None = None) -> None:
         self.keys = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, slots, value_dim or head_dim, dtype=dtype, device=device)
+        fixed_shape(self.keys, self.values)
 
     @property
     def slots(self) -> int:

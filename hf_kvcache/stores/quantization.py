@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..compile_static import fixed_shape
 from ..config import check_keys, require_choice, require_int
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "none")
@@ -295,7 +296,11 @@ class Codec:
             name: torch.zeros(batch, heads, self._rows(name, capacity), *shape, dtype=dt, device=device)
             for name, (shape, dt) in self._slot_shapes().items()
         }
+        fixed_shape(*self.slot.values())
         self.capacity = capacity
+
+    def reserve_scratch(self, workspace) -> None:
+        """Allocate the workspace scratch a full-capacity `decode_into` needs, eagerly (DequantWorkspace.reserve)."""
 
     def _per_block(self) -> tuple[str, ...]:
         """Slot tensors with one row per block of `block` slots (the others have one row per slot)."""
@@ -314,6 +319,7 @@ class Codec:
             rows = self._rows(name, keep)
             new[:, :, :rows] = t[:, :, :rows]
             self.slot[name] = new
+            fixed_shape(new)
         self.capacity = capacity
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

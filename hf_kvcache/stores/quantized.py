@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import fixed_shape
+
 from .code_segments import CodeSegments
 from .growing_layout import GROWTH, GrowingLayout
 from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
@@ -150,6 +152,7 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
         if fp_slots:
             self.fp_k = torch.zeros(batch, heads, fp_slots, head_dim, dtype=dtype, device=device)
             self.fp_v = torch.zeros(batch, heads, fp_slots, self.value_dim, dtype=dtype, device=device)
+            fixed_shape(self.fp_k, self.fp_v)
         if self.key_mean is not None:
             if tp is not None and self.key_mean.shape[1] == tp.kv_heads != heads and tp.sharded(heads):
                 offset = tp.head_offset(heads)
@@ -162,6 +165,26 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
             self.key_mean = self.key_mean.to(device)
             self._key_mean_cast = None
         self.allocated = True
+
+    def reserve_reads(self) -> None:
+        """With fixed slots, allocate the workspace buffers of the largest read (the ring's: every slot and a trash
+        column) now, eagerly (DequantWorkspace.reserve; the layer calls it when attention reads dequantized keys
+        and values rather than codes). Growing layouts size them as they grow."""
+        if not self.fixed_slots:
+            return
+        workspace = self._read_workspace()
+        shape = (self.batch, self.heads, self.slots + 1, self.head_dim)
+        if self.joint:
+            workspace.reserve("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
+        else:
+            workspace.reserve("keys", shape, self.dtype, self.device)
+            workspace.reserve("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        self.reserve_scratch(workspace)
+
+    def reserve_scratch(self, workspace) -> None:
+        """The codecs' scratch for reading every slot, allocated now (DequantWorkspace.reserve)."""
+        for codec in self._codecs():
+            codec.reserve_scratch(workspace)
 
     def grow(self, slots: int) -> None:
         """The layer's slot count grew. Slot layout: grow the buffers. Append-only: physical buffers follow the

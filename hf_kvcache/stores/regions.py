@@ -13,11 +13,14 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt
 from .full import FullPrecisionStore
 from .workspace import TransientWorkspace
 
 
 class RegionStore:
+    sizes, bases = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
+
     def __init__(self, sizes: list[int | None], stores: list, workspace=None):
         """`sizes[i]` slots for region i (the last may be None: it grows). Each sub-store gets one extra slot, its
         own trash slot, which receives the writes meant for other regions. `workspace`: the dequantization workspace
@@ -38,12 +41,25 @@ class RegionStore:
         self.heads, self.head_dim, self.value_dim = heads, head_dim, value_dim or head_dim
         self.dtype, self.device = dtype, device
         if self.sizes[-1] is None:
-            self.sizes[-1] = slots - 1 - self.bases[-1]
+            self.sizes = self.sizes[:-1] + (slots - 1 - self.bases[-1],)
         for size, store in zip(self.sizes, self.stores):
             store.allocate(batch, heads, head_dim, size + 1, dtype, device, value_dim)
 
+    def reserve_reads(self) -> None:
+        """Allocate the workspace buffers of a read of every slot now, eagerly (DequantWorkspace.reserve; the layer
+        calls it when attention reads dequantized keys and values rather than codes)."""
+        batch = self.stores[0].keys.shape[0]
+        shape = (batch, self.heads, sum(self.sizes), self.head_dim)
+        if self.value_dim == self.head_dim:
+            self.workspace.reserve("regions_kv", (2 * batch,) + shape[1:], self.dtype, self.device)
+        else:
+            self.workspace.reserve("regions_keys", shape, self.dtype, self.device)
+            self.workspace.reserve("regions_values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        for store in self.stores:
+            getattr(store, "reserve_scratch", lambda workspace: None)(self.workspace)
+
     def grow(self, slots: int) -> None:
-        self.sizes[-1] = slots - 1 - self.bases[-1]
+        self.sizes = self.sizes[:-1] + (slots - 1 - self.bases[-1],)
         self.stores[-1].grow(self.sizes[-1] + 1)
 
     def _local(self, i: int, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

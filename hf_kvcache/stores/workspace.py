@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ..compile_static import fixed_shape
+
 
 class DequantWorkspace:
     """Flat buffers per (role, dtype, device), grown by doubling (amortised) and viewed at the shape asked for."""
@@ -29,7 +31,14 @@ class DequantWorkspace:
         if buf is None or buf.numel() < numel:
             size = numel if buf is None else max(numel, 2 * buf.numel())
             buf = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
+            fixed_shape(buf)
         return buf[:numel].view(shape)
+
+    def reserve(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        """Allocate `role` for reads up to `shape` now, eagerly: a buffer first allocated inside a compiled decode step
+        escapes `fixed_shape`, and its size turns symbolic once a cache of another size runs through the same compiled
+        code (hf_kvcache.compile_static)."""
+        self.get(role, shape, dtype, device)
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
@@ -43,6 +52,9 @@ class TransientWorkspace:
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def reserve(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        pass
 
     def nbytes(self) -> int:
         return 0
