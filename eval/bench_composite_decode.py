@@ -5,7 +5,7 @@ SmolLM2-135M (by default float32, CPU, one thread; `--device cuda` runs bfloat16
     python eval/bench_composite_decode.py [--prompt 2048] [--budgets 256 1024] [--rounds 8] [--steps 12]
     python eval/bench_composite_decode.py --clock cpu --out eval/results/composite_decode_cpu.json  # thread CPU time
     python eval/bench_composite_decode.py --attention blockwise --out eval/results/composite_decode_blockwise.json
-    python eval/bench_composite_decode.py --compile --rounds 3 --out /tmp/composite_decode_compiled.json  # see --help
+    python eval/bench_composite_decode.py --compile --rounds 4 --out eval/results/composite_decode_compiled.json
     # on a GPU (not run here: no GPU was available): bfloat16, the composite attending from its codes ("auto")
     python eval/bench_composite_decode.py --device cuda --prompt 8192 --budgets 1024 4096 \
         --out eval/results/composite_decode_cuda.json
@@ -83,8 +83,7 @@ def main(argv=None) -> None:
                         help="default: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--compile", action="store_true",
                         help="decode through torch.compile(model.forward, fullgraph=True) (prefill eager, as generate "
-                             "does), with the composite's compile flag switched on (off in the library: its compiled "
-                             "step was found slow at budget 1024, policies/cascade.py); minutes per cache on CPU")
+                             "does); minutes per cache on CPU")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
@@ -119,10 +118,7 @@ def main(argv=None) -> None:
     if args.compile:
         from torch import _dynamo
 
-        from hf_kvcache.policies.cascade import CascadePolicy
-
         _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)  # graphs per cache and budget
-        CascadePolicy.compileable = True  # (for this measurement; see policies/cascade.py)
     forward = torch.compile(model.forward, fullgraph=True) if args.compile else model
     configs = {}
     t0 = time.perf_counter()

@@ -40,11 +40,10 @@ class CascadePolicy(Policy):
     sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
     tier_sizes, ends, starts, bases = StaticInt(), StaticInt(), StaticInt(), StaticInt()
     # Decode traces whole (slots and region hints are Python ints of the stream position, symbolic under torch.compile
-    # after the warm-up; every tensor keeps its shape) and compiled equals eager with no recompilation
-    # (tests/test_compile.py switches this on). It stays off: on SmolLM2 (CPU, inductor) the compiled preset decodes
-    # at 1.06x compiled H2O at budget 256 but takes 1.2 s per token at 1024 (18x), not yet explained, and transformers'
-    # generate compiles every compileable cache on CUDA by itself.
-    compileable = False
+    # after the warm-up; sizes and buffers are constants, hf_kvcache.compile_static) and compiled equals eager with no
+    # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.06x / 1.10x compiled H2O at
+    # budgets 256 / 1024 (eval/results/composite_decode_compiled.json).
+    compileable = True
 
     def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
                  rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o",
