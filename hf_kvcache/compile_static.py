@@ -52,6 +52,12 @@ class StaticInt:
         holder.__dict__[self.name] = tuple(value) if isinstance(value, list) else value
 
 
+def static_values(obj) -> dict:
+    """The StaticInt values `obj` holds, by attribute name (for code that walks objects' attributes: state files)."""
+    holder = vars(obj).get("_static_values")
+    return {} if holder is None else {k: v for k, v in vars(holder).items() if not k.startswith("_") and k != "training"}
+
+
 def fixed_shape(*tensors: torch.Tensor) -> None:
     """Mark buffers that keep their shape for the cache's life as static in every dim (eager code only: the
     marks are read when dynamo meets the buffers as inputs of a compiled step)."""

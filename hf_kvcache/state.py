@@ -37,6 +37,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .architecture import attention_head_dim, layer_plan
 from .caches import KVCache
+from .compile_static import static_values
 from .forward_info import ForwardInfo
 
 FORMAT = "hf_kvcache.cache_state"
@@ -106,8 +107,8 @@ class _Encoder:
                 return {"alias": self._objects[id(value)]}
             self._objects[id(value)] = path
             fields = {}
-            for name, field in vars(value).items():
-                if name in _TRANSIENT or isinstance(field, self._skip) or _is_code(field):
+            for name, field in {**vars(value), **static_values(value)}.items():
+                if name in _TRANSIENT or name == "_static_values" or isinstance(field, self._skip) or _is_code(field):
                     continue
                 if name == "_pending" and field is not None:
                     raise ValueError(
@@ -174,7 +175,7 @@ class _Decoder:
 
     def fill(self, obj, fields: dict, path: str) -> None:
         for name, enc in fields.items():
-            current = vars(obj).get(name)
+            current = vars(obj).get(name, static_values(obj).get(name))
             setattr(obj, name, self.value(enc, current, f"{path}.{name}"))
 
 

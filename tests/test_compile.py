@@ -255,6 +255,13 @@ SIZED = {  # two configurations of each compileable cache kind, decoded through 
     "sink": lambda m, n: hf_kvcache.SinkCache(m, sinks=2, window=2 * n),
     "fp8_max_length": lambda m, n: hf_kvcache.QuantizedFP8Cache(m, max_length=PROMPT + STEPS + n),
     "composite": lambda m, n: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=4 * n),
+    "sliding": lambda m, n: hf_kvcache.SlidingWindowCache(m, window=2 * n),
+    "random": lambda m, n: hf_kvcache.RandomEvictionCache(m, heavy=n, recent=n),
+    "kivi_max_length": lambda m, n: hf_kvcache.KIVICache(m, max_length=PROMPT + STEPS + 4 * n, **KIVI_FIXED),
+    "composite_snapkv": lambda m, n: hf_kvcache.CompositeCache(
+        m, regions=composite_regions("fp8_e4m3", "snapkv", window=n)[:2] + [
+            {"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "snapkv",
+             "window": n}]),
 }
 
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_static import StaticInt, fixed_shape
 from ..rope import KeyRotator
 from .expected_attention import accumulate_queries, expected_attention_scores, expected_logits, future_statistics
 from .heavy_hitter import HeavyHitterPolicy
@@ -56,7 +57,7 @@ class HeavyScorer:
 
     needs_attention = False
     needs_queries = False
-    attention_window: int | None = None
+    attention_window: int | None = StaticInt()  # sizes: torch.compile specialises on them (hf_kvcache.compile_static)
 
     @property
     def deferred(self) -> bool:  # chunks are placed after the bridge hands over what the scores need
@@ -180,7 +181,9 @@ class _SlotState(HeavyScorer):
 
     def _slot_tensor(self, policy, width: int, fill: float = 0.0) -> torch.Tensor:
         batch, heads, slots = policy.scores.shape
-        return policy.scores.new_full((batch, heads, width, slots), fill)
+        state = policy.scores.new_full((batch, heads, width, slots), fill)
+        fixed_shape(state)
+        return state
 
     def move(self, src: torch.Tensor, dest: torch.Tensor) -> None:
         for name in self.slot_state:
@@ -210,6 +213,7 @@ class _SlotState(HeavyScorer):
 class SnapKVScorer(_SlotState):
     needs_attention = True
     slot_state = ("rows",)
+    window, kernel = StaticInt(), StaticInt()
 
     def __init__(self, window: int, kernel: int):
         self.window, self.kernel = window, kernel
@@ -258,6 +262,7 @@ class ExpectedAttentionScorer(_SlotState):
     needs_queries = True
     slot_state = ("logits", "value_norm")
     FUTURE, EPSILON = 512, 0.0  # kvpress's defaults (ExpectedAttentionPress), as ExpectedAttentionCache's
+    sinks = StaticInt()
 
     def __init__(self, sinks: int, rotator: KeyRotator | None):
         self.sinks, self.rotator = sinks, rotator
