@@ -55,7 +55,9 @@ class StaticInt:
 def static_values(obj) -> dict:
     """The StaticInt values `obj` holds, by attribute name (for code that walks objects' attributes: state files)."""
     holder = vars(obj).get("_static_values")
-    return {} if holder is None else {k: v for k, v in vars(holder).items() if not k.startswith("_") and k != "training"}
+    if holder is None:
+        return {}
+    return {k: v for k, v in vars(holder).items() if not k.startswith("_") and k != "training"}  # (module internals)
 
 
 def fixed_shape(*tensors: torch.Tensor) -> None:

@@ -239,6 +239,24 @@ def test_composite_with_per_token_fp8_compiles():
     assert kl.mean() < 3e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
 
 
+def test_composite_generate_with_compile_config():
+    """generate compiles a compileable cache by itself on accelerators (here forced on the CPU): the preset's greedy
+    tokens equal eager generate's, and a second generate reuses the graphs."""
+    torch._dynamo.reset()
+    model = build_model("llama", num_hidden_layers=2)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False, cache_implementation="composite",
+                  cache_config={"preset": "sinks_heavy_recent", "budget": 12})
+    eager = model.generate(**kwargs)
+    counters.clear()
+    first = model.generate(**kwargs, compile_config=config)
+    graphs = counters["stats"]["unique_graphs"]
+    again = model.generate(**kwargs, compile_config=config)
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+
+
 def test_compiling_a_growing_cache_is_a_clear_error():
     torch._dynamo.reset()
     model = build_model("llama", num_hidden_layers=1)

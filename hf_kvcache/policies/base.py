@@ -31,7 +31,7 @@ class Policy:
     per_head = False  # True when each KV head keeps its own token set
     deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`
-    attention_window: int | None = StaticInt()  # with needs_attention: column sums over the last w queries only (None: all)
+    attention_window: int | None = StaticInt()  # with needs_attention: column sums over the last w queries (None: all)
     needs_queries = False  # True when the bridge must hand the forward's (RoPE-rotated) queries to `observe_queries`
     needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)
     compileable = False  # True when its decode steps compile without graph breaks or per-step recompilation

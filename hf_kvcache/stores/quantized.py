@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 
 from ..compile_static import fixed_shape
-
 from .code_segments import CodeSegments
 from .growing_layout import GROWTH, GrowingLayout
 from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
