@@ -53,24 +53,6 @@ def test_compiled_decode_equals_eager_without_recompiling(name):
     assert graphs[-1] <= 5
 
 
-def test_generate_with_compile_config():
-    torch._dynamo.reset()
-    model = build_model("llama", num_hidden_layers=2)
-    ids = random_ids(2, PROMPT)
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles automatically on accelerators; on CPU when asked
-    kwargs = dict(input_ids=ids, max_new_tokens=16, do_sample=False, cache_implementation="sink",
-                  cache_config={"sinks": 2, "window": 10})
-    eager = model.generate(**kwargs)
-    counters.clear()
-    first = model.generate(**kwargs, compile_config=config)
-    graphs = counters["stats"]["unique_graphs"]
-    again = model.generate(**kwargs, compile_config=config)
-    assert graphs >= 1  # it did compile
-    assert counters["stats"]["unique_graphs"] == graphs  # a second generate reuses the graphs
-    assert torch.equal(first, eager) and torch.equal(again, eager)
-
-
 def _teacher_forced(model, cache, forward, steps=STEPS):
     """Decode logits for a fixed token sequence (the same in every run: no divergence from a flipped argmax)."""
     logits, graphs = [], []
@@ -143,19 +125,31 @@ def test_kivi_fixed_layout_equals_the_growing_one(settings):
             assert torch.equal(fixed_keys, keys) and torch.equal(fixed_values, values)
 
 
-def test_kivi_generate_with_compile_config():
+GENERATED = {  # cache_implementation, cache_config
+    "sink": ("sink", {"sinks": 2, "window": 10}),
+    "kivi_max_length": ("kivi", {**KIVI_FIXED, "max_length": PROMPT + 16}),
+    "composite": ("composite", {"preset": "sinks_heavy_recent", "budget": 12}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_generate_with_compile_config(name):
+    """generate compiles a compileable cache by itself on accelerators (here forced on the CPU): greedy tokens equal
+    eager generate's, and a second generate reuses the graphs."""
     torch._dynamo.reset()
     model = build_model("llama", num_hidden_layers=2)
     config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True
-    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False, cache_implementation="kivi",
-                  cache_config={**KIVI_FIXED, "max_length": PROMPT + 16})
+    config._compile_all_devices = True  # transformers compiles automatically on accelerators; on CPU when asked
+    implementation, cache_config = GENERATED[name]
+    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False,
+                  cache_implementation=implementation, cache_config=cache_config)
     eager = model.generate(**kwargs)
     counters.clear()
     first = model.generate(**kwargs, compile_config=config)
     graphs = counters["stats"]["unique_graphs"]
     again = model.generate(**kwargs, compile_config=config)
-    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+    assert graphs >= 1  # it did compile
+    assert counters["stats"]["unique_graphs"] == graphs  # a second generate reuses the graphs
     assert torch.equal(first, eager) and torch.equal(again, eager)
 
 
@@ -237,24 +231,6 @@ def test_composite_with_per_token_fp8_compiles():
     kl = torch.nn.functional.kl_div(compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     assert kl.mean() < 3e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
-
-
-def test_composite_generate_with_compile_config():
-    """generate compiles a compileable cache by itself on accelerators (here forced on the CPU): the preset's greedy
-    tokens equal eager generate's, and a second generate reuses the graphs."""
-    torch._dynamo.reset()
-    model = build_model("llama", num_hidden_layers=2)
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True
-    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False, cache_implementation="composite",
-                  cache_config={"preset": "sinks_heavy_recent", "budget": 12})
-    eager = model.generate(**kwargs)
-    counters.clear()
-    first = model.generate(**kwargs, compile_config=config)
-    graphs = counters["stats"]["unique_graphs"]
-    again = model.generate(**kwargs, compile_config=config)
-    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
-    assert torch.equal(first, eager) and torch.equal(again, eager)
 
 
 def test_compiling_a_growing_cache_is_a_clear_error():
