@@ -78,7 +78,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device)
         self.attention_from_codes = resolve_attention(self, self.device)
-        if not self.attention_from_codes and hasattr(self.store, "reserve_reads"):
+        if (not self.attention_from_codes or self.policy.reads_stored_keys) and hasattr(self.store, "reserve_reads"):
             self.store.reserve_reads()  # allocated eagerly, so compiled decode sees them with fixed shapes
         self.is_initialized = True
 

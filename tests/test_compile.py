@@ -256,6 +256,10 @@ SIZED = {  # two configurations of each compileable cache kind, decoded through 
         m, regions=composite_regions("fp8_e4m3", "snapkv", window=n)[:2] + [
             {"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "snapkv",
              "window": n}]),
+    "composite_keydiff_codes": lambda m, n: hf_kvcache.CompositeCache(  # attention from codes, scores from stored keys
+        m, regions=composite_regions("fp8_e4m3", "keydiff")[:2] + [
+            {"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "keydiff"}],
+        attention="blockwise"),
 }
 
 

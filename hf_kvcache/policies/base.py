@@ -33,6 +33,7 @@ class Policy:
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`
     attention_window: int | None = StaticInt()  # with needs_attention: column sums over the last w queries (None: all)
     needs_queries = False  # True when the bridge must hand the forward's (RoPE-rotated) queries to `observe_queries`
+    reads_stored_keys = False  # True when it reads the stored keys itself (the store's dequantizing read)
     needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)
     compileable = False  # True when its decode steps compile without graph breaks or per-step recompilation
 

@@ -68,6 +68,7 @@ class CascadePolicy(Policy):
                                               **(scorer_options or {}))
         self.deferred, self.needs_attention = self.heavy_scorer.deferred, self.heavy_scorer.needs_attention
         self.needs_queries, self.attention_window = self.heavy_scorer.needs_queries, self.heavy_scorer.attention_window
+        self.reads_stored_keys = self.heavy_scorer.reads_stored_keys
         self.n_real = self.stream = self.scores = None
         self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
         self.memory = SinkMemory(sinks, rotator)

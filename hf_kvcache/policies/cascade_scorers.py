@@ -57,6 +57,7 @@ class HeavyScorer:
 
     needs_attention = False
     needs_queries = False
+    reads_stored_keys = False  # True when it reads the stored (dequantized) keys itself, whatever attention reads
     attention_window: int | None = StaticInt()  # sizes: torch.compile specialises on them (hf_kvcache.compile_static)
 
     @property
@@ -140,6 +141,8 @@ class KnormScorer(HeavyScorer):
 
 
 class KeyDiffScorer(HeavyScorer):
+    reads_stored_keys = True
+
     def __init__(self):
         self._chunk_scores: torch.Tensor | None = None  # the new tokens' scores of a chunk, until they are written
 
@@ -260,6 +263,7 @@ class SnapKVScorer(_SlotState):
 
 class ExpectedAttentionScorer(_SlotState):
     needs_queries = True
+    reads_stored_keys = True
     slot_state = ("logits", "value_norm")
     FUTURE, EPSILON = 512, 0.0  # kvpress's defaults (ExpectedAttentionPress), as ExpectedAttentionCache's
     sinks = StaticInt()
