@@ -132,7 +132,12 @@ class FP8Codec(Codec):
 
     def reserve_scratch(self, workspace) -> None:
         if torch.device(self.device).type == "cpu":  # (decode_into's bit route: CPU only)
-            workspace.reserve("fp8_scratch", tuple(self.slot["data"].shape), torch.int16, self.device)
+            self._scratch(workspace, self.slot["data"].shape, self.device)
+
+    @staticmethod
+    def _scratch(workspace, shape, device) -> torch.Tensor:
+        """int16 scratch of `shape` for `fp8_as_half`."""
+        return workspace.get("fp8_scratch", tuple(shape), torch.int16, device)
 
     # -- quantize ---------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -165,7 +170,7 @@ class FP8Codec(Codec):
         if out.device.type == "cpu" and not torch.compiler.is_compiling():
             # (compiled code takes the native conversion: inductor's CPU code for this bit trick next to bfloat16
             # scales was measured wrong, and it vectorises the native one itself)
-            scratch = workspace.get("fp8_scratch", tuple(data.shape), torch.int16, out.device)
+            scratch = self._scratch(workspace, data.shape, out.device)
             half, factor = fp8_as_half(data, self.fp8_dtype, scratch)
             out.copy_(half)  # float16 -> output dtype, then one in-place multiply (faster than a mixed-dtype mul)
         else:  # native conversion kernels are fast on accelerators

@@ -300,7 +300,7 @@ class Codec:
         self.capacity = capacity
 
     def reserve_scratch(self, workspace) -> None:
-        """Allocate the workspace scratch a full-capacity `decode_into` needs, eagerly (DequantWorkspace.reserve)."""
+        """Allocate the workspace scratch a full-capacity `decode_into` needs, in eager code (`kv_buffers` says why)."""
 
     def _per_block(self) -> tuple[str, ...]:
         """Slot tensors with one row per block of `block` slots (the others have one row per slot)."""

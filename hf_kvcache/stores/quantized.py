@@ -34,7 +34,7 @@ from .code_segments import CodeSegments
 from .growing_layout import GROWTH, GrowingLayout
 from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
 from .ring_layout import RingLayout
-from .workspace import TransientWorkspace
+from .workspace import TransientWorkspace, kv_buffers
 
 
 class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
@@ -167,21 +167,15 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
 
     def reserve_reads(self) -> None:
         """With fixed slots, allocate the workspace buffers of the largest read (the ring's: every slot and a trash
-        column) now, eagerly (DequantWorkspace.reserve; the layer calls it when attention reads dequantized keys
-        and values rather than codes). Growing layouts size them as they grow."""
+        column) now, in eager code (`kv_buffers`; the layer calls it when attention or its scorer reads dequantized keys
+        and values). Growing layouts size them as they grow."""
         if not self.fixed_slots:
             return
-        workspace = self._read_workspace()
-        shape = (self.batch, self.heads, self.slots + 1, self.head_dim)
-        if self.joint:
-            workspace.reserve("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
-        else:
-            workspace.reserve("keys", shape, self.dtype, self.device)
-            workspace.reserve("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
-        self.reserve_scratch(workspace)
+        self._read_buffers(self.slots + 1)
+        self.reserve_scratch(self._read_workspace())
 
     def reserve_scratch(self, workspace) -> None:
-        """The codecs' scratch for reading every slot, allocated now (DequantWorkspace.reserve)."""
+        """The codecs' scratch for reading every slot, allocated now, in eager code (`Codec.reserve_scratch`)."""
         for codec in self._codecs():
             codec.reserve_scratch(workspace)
 
@@ -339,17 +333,15 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
         head instead of once per KV head); per-head FP8 0.96x either way."""
         return self.workspace
 
+    def _read_buffers(self, width: int):
+        return kv_buffers(self._read_workspace(), "", self.batch, self.heads, width, self.head_dim, self.value_dim,
+                          self.dtype, self.device, self.joint)
+
     def _decode_codes(self, width: int, codes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, width, D] from the read workspace, slots [0, codes) dequantized from the codes (the
         caller fills the rest). Shared by `read` and the ring layout's `_read_ring`."""
-        shape = (self.batch, self.heads, width, self.head_dim)
         workspace = self._read_workspace()
-        if self.joint:
-            both = workspace.get("kv", (2 * self.batch,) + shape[1:], self.dtype, self.device)
-            out_k, out_v = both[: self.batch], both[self.batch :]
-        else:
-            out_k = workspace.get("keys", shape, self.dtype, self.device)
-            out_v = workspace.get("values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        out_k, out_v, both = self._read_buffers(width)
         if codes:
             bias = self._key_bias()
             if self.joint:

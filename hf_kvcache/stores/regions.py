@@ -15,7 +15,7 @@ import torch
 
 from ..compile_static import StaticInt
 from .full import FullPrecisionStore
-from .workspace import TransientWorkspace
+from .workspace import TransientWorkspace, kv_buffers
 
 
 class RegionStore:
@@ -46,17 +46,17 @@ class RegionStore:
             store.allocate(batch, heads, head_dim, size + 1, dtype, device, value_dim)
 
     def reserve_reads(self) -> None:
-        """Allocate the workspace buffers of a read of every slot now, eagerly (DequantWorkspace.reserve; the layer
-        calls it when attention reads dequantized keys and values rather than codes)."""
-        batch = self.stores[0].keys.shape[0]
-        shape = (batch, self.heads, sum(self.sizes), self.head_dim)
-        if self.value_dim == self.head_dim:
-            self.workspace.reserve("regions_kv", (2 * batch,) + shape[1:], self.dtype, self.device)
-        else:
-            self.workspace.reserve("regions_keys", shape, self.dtype, self.device)
-            self.workspace.reserve("regions_values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        """Allocate the workspace buffers of a read of every slot now, in eager code (`kv_buffers`; the layer calls it
+        when attention or its scorer reads dequantized keys and values)."""
+        self._read_buffers(sum(self.sizes))
         for store in self.stores:
             getattr(store, "reserve_scratch", lambda workspace: None)(self.workspace)
+
+    def _read_buffers(self, width: int):
+        batch = self.stores[0].keys.shape[0]  # (the batch may have changed since allocation: beams, row selection)
+        # keys in rows [0, B), values in [B, 2B) of one buffer when they have one size: joint codecs fill both at once
+        return kv_buffers(self.workspace, "regions_", batch, self.heads, width, self.head_dim, self.value_dim,
+                          self.dtype, self.device, joint=self.value_dim == self.head_dim)
 
     def grow(self, slots: int) -> None:
         self.sizes = self.sizes[:-1] + (slots - 1 - self.bases[-1],)
@@ -106,15 +106,7 @@ class RegionStore:
             parts.append((base, n, store))
         if len(parts) == 1 and isinstance(parts[0][2], FullPrecisionStore):
             return parts[0][2].read(used)  # views of the buffers themselves, no copy
-        batch = self.stores[0].keys.shape[0]  # (the batch may have changed since allocation: beams, row selection)
-        shape = (batch, self.heads, used, self.head_dim)
-        both = None
-        if self.value_dim == self.head_dim:  # keys in rows [0, B), values in [B, 2B): joint codecs fill both at once
-            both = self.workspace.get("regions_kv", (2 * batch,) + shape[1:], self.dtype, self.device)
-            out_k, out_v = both[:batch], both[batch:]
-        else:
-            out_k = self.workspace.get("regions_keys", shape, self.dtype, self.device)
-            out_v = self.workspace.get("regions_values", shape[:-1] + (self.value_dim,), self.dtype, self.device)
+        out_k, out_v, both = self._read_buffers(used)
         for base, n, store in parts:
             columns = slice(base, base + n)
             if isinstance(store, FullPrecisionStore):
