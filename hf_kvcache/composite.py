@@ -27,8 +27,8 @@ precision is). Reads write every region into one shared workspace buffer (no con
 read at all: attention reads each region's codes and the sinks' full-precision keys where they are
 (hf_kvcache.codes_attention), so a decode step's work outside attention itself no longer grows with the regions.
 `attention_block`: tokens dequantized at a time by the torch block path (CPU; "blockwise" there is slower than the
-default dequantize-then-SDPA, docs/blockwise_attention.md). The decode path traces for torch.compile, but the cache
-is not marked compileable yet (policies/cascade.py says why).
+default dequantize-then-SDPA, docs/blockwise_attention.md). With a fixed budget the cache is compileable (its decode
+traces whole; policies/cascade.py, hf_kvcache.compile_static).
 The tokens kept are those of the region-by-region layout (exact ties in heavy-hitter scores aside); only their slots
 differ (attention does not depend on slot order). Outputs differ from that layout only where it rounded twice: a
 token moving into a region of its own format used to be dequantized and quantized again (FP8: a second rounding of

@@ -150,8 +150,8 @@ class CompressedLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"Layer {self.layer_idx} ({type(self.policy).__name__} over {type(self.store).__name__}) is not "
                 "compileable: its decode shapes grow with the stream. Compile a fixed-capacity cache (sink, sliding, "
-                "h2o, random_eviction, or fp8 / kivi with `max_length`), or run this one eagerly (generate does, by "
-                "itself)."
+                "h2o, random_eviction, composite with a budget, or fp8 / kivi with `max_length`), or run this one "
+                "eagerly (generate does, by itself)."
             )
         info = self.forward_info.for_layer(self, key_states.shape[-2])
         if self.key_rotation is not None:
