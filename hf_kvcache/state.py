@@ -48,6 +48,7 @@ METADATA_KEY = "hf_kvcache"
 _TRANSIENT = frozenset({
     "forward_info", "_served_forward", "_attention_columns", "_attention_query_len", "codes_read", "_key_mean_cast",
     "_moved", "_moved_key", "workspace", "rotator", "tensor_parallel",
+    "_static_values",  # the holder of StaticInt values, saved as the owner's own fields (static_values)
 })
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -108,7 +109,7 @@ class _Encoder:
             self._objects[id(value)] = path
             fields = {}
             for name, field in {**vars(value), **static_values(value)}.items():
-                if name in _TRANSIENT or name == "_static_values" or isinstance(field, self._skip) or _is_code(field):
+                if name in _TRANSIENT or isinstance(field, self._skip) or _is_code(field):
                     continue
                 if name == "_pending" and field is not None:
                     raise ValueError(
@@ -174,8 +175,9 @@ class _Decoder:
         raise self.error(path, f"malformed entry {str(enc)[:80]!r}.")
 
     def fill(self, obj, fields: dict, path: str) -> None:
+        known = {**vars(obj), **static_values(obj)}
         for name, enc in fields.items():
-            current = vars(obj).get(name, static_values(obj).get(name))
+            current = known.get(name)
             setattr(obj, name, self.value(enc, current, f"{path}.{name}"))
 
 
