@@ -31,10 +31,17 @@ class SinkMemory:
         self.pos: torch.Tensor | None = None  # [B, sinks + 1] original position ids
         self.index: torch.Tensor | None = None  # [B, sinks + 1] stream indices (for crop)
         self._fast_constants: tuple | None = None  # `_rotate_into`'s RoPE constants
+        self._shift: torch.Tensor | None = None  # [B, 1, sinks] `_rotate_into`'s (i - sinks) - pos_i (_update_shift)
 
     def allocate(self, batch: int, device) -> None:
         self.pos = torch.zeros(batch, self.sinks + 1, dtype=torch.long, device=device)
         self.index = torch.zeros_like(self.pos)
+
+    def _update_shift(self) -> None:
+        """`_shift` [B, 1, sinks] = (i - sinks) - pos_i: what `_rotate_into` adds to the oldest position to get each
+        sink's rotation, made when sinks are recorded, not per read."""
+        s = self.sinks
+        self._shift = torch.arange(-s, 0, device=self.pos.device) - self.pos[:, None, :s]
 
     def _ensure_keys(self, keys: torch.Tensor) -> None:
         if self.keys is None:
@@ -50,6 +57,7 @@ class SinkMemory:
         src = placement.src[:, 0]
         self.pos.scatter_(1, sink_slot, positions.gather(1, src))
         self.index.scatter_(1, sink_slot, seen_before + src)
+        self._update_shift()
         if self.rotator is not None:
             self._ensure_keys(keys)
             index = sink_slot[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
@@ -59,6 +67,7 @@ class SinkMemory:
         """A fast-path decode write of one unpadded token into sink `slot`."""
         self.pos[:, slot] = positions[:, 0]
         self.index[:, slot] = stream_index
+        self._update_shift()
         if self.rotator is not None:
             self._ensure_keys(keys)
             self.keys[:, :, slot] = keys[:, :, 0]
@@ -100,13 +109,17 @@ class SinkMemory:
         (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
         plan = self.rotator.plan(layer_idx)
         s, r = self.sinks, plan.rotary_dim
-        offsets, signed_freq = self._constants(plan, oldest.device)
-        delta = oldest[..., None] + offsets - self.pos[:, None, :s]  # [B, Hm, s]: sink i to just before `oldest`
+        signed_freq = self._constants(plan, oldest.device)[1]
+        if self._shift is None:  # (sinks set by hand, or a state file from before `_shift` existed)
+            self._update_shift()
+        batch, hm = oldest.shape
+        delta = oldest.view(batch, hm, 1) + self._shift  # [B, Hm, s]: sink i to just before `oldest`
         if has_other is not None:  # no other token kept: the sinks keep their original positions (delta 0)
-            delta = delta * has_other[..., None]
-        angle = delta[..., None, None] * signed_freq  # [B, Hm, s, 2, r/2] float32 (Hm = 1 broadcasts over heads)
-        x = _rotary_pairs(self.keys[:, :, :s, :r], plan.convention).float()
-        _rotary_pairs(view[..., :r], plan.convention).copy_(torch.addcmul(x * angle.cos(), x.flip(-2), angle.sin()))
+            delta = delta * has_other.view(batch, hm, 1)
+        angle = delta.view(batch, hm, s, 1, 1) * signed_freq  # [B, Hm, s, 2, r/2] float32 (Hm = 1: every head)
+        keys, target = (self.keys[:, :, :s], view) if r == view.shape[-1] else (self.keys[:, :, :s, :r], view[..., :r])
+        x = _rotary_pairs(keys, plan.convention).float()
+        _rotary_pairs(target, plan.convention).copy_(torch.addcmul(x * angle.cos(), x.flip(-2), angle.sin()))
 
     def reposition(self, layer, used: int) -> None:
         """General case: find the oldest valid token among slots [sinks, used) per row and meta head (per-head
@@ -125,16 +138,16 @@ class SinkMemory:
         return self.index[:, : self.sinks] < new_seen
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("keys", "pos", "index"):
+        for name in ("keys", "pos", "index", "_shift"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
 
     def reset(self) -> None:
-        self.keys = self.pos = self.index = None
+        self.keys = self.pos = self.index = self._shift = None
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.keys, self.pos, self.index) if t is not None)
+        return sum(t.nbytes for t in (self.keys, self.pos, self.index, self._shift) if t is not None)
 
 
 def _rotary_pairs(keys: torch.Tensor, convention: str) -> torch.Tensor:
