@@ -244,15 +244,19 @@ class CompressedLayer(CacheLayerMixin):
 
     def _write(self, placement, key_states, value_states, positions, seen_before: int) -> None:
         dest = torch.where(placement.dest >= 0, placement.dest, self.trash_slot)
-        heads = key_states.shape[1]
         src = placement.src
-        gather_index = src[..., None].expand(src.shape[0], heads, src.shape[-1], key_states.shape[-1])
-        keys = key_states.gather(2, gather_index)
-        values = value_states.gather(2, gather_index[..., :1].expand(-1, -1, -1, value_states.shape[-1]))
+        if src.shape[-1] == 1 and key_states.shape[-2] == 1:  # one token, one entry (decode): its source is token 0
+            keys, values, token_pos = key_states, value_states, positions
+        else:
+            heads = key_states.shape[1]
+            gather_index = src[..., None].expand(src.shape[0], heads, src.shape[-1], key_states.shape[-1])
+            keys = key_states.gather(2, gather_index)
+            values = value_states.gather(2, gather_index[..., :1].expand(-1, -1, -1, value_states.shape[-1]))
+            token_pos = positions.gather(1, src[:, 0])
         self.store.write(dest, keys, values, start=placement.start, regions=placement.regions)
         self.slot_valid.scatter_(2, dest, placement.valid)
         if self.slot_pos is not None:
-            self.slot_pos.scatter_(2, dest, positions.gather(1, src[:, 0]).to(torch.int32).unsqueeze(1).expand_as(dest))
+            self.slot_pos.scatter_(2, dest, token_pos.to(torch.int32).unsqueeze(1).expand_as(dest))
         self.policy.after_write(self, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------
