@@ -108,8 +108,9 @@ def scored_attention(
     keys_t = key.transpose(-1, -2)  # [B, Hkv, D, kv]
     weight = None if query_weight is None else query_weight.to(device=device, dtype=torch.float32)
     sink = None if sinks is None else sinks.float().view(1, kv_heads, groups, 1, 1)
-    out = torch.empty(batch, q, q_heads, value_dim, dtype=query.dtype, device=device)
-    scores = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
+    single = q <= chunk  # one chunk (every decode step): its output and scores are the results, not copied into them
+    out = None if single else torch.empty(batch, q, q_heads, value_dim, dtype=query.dtype, device=device)
+    scores = None if single else torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
     for start in range(0, q, chunk):
         end = min(q, start + chunk)
         size = end - start
@@ -132,12 +133,22 @@ def scored_attention(
             total = probs.sum(-1, keepdim=True) + torch.exp(sink - top)
             probs.div_(torch.where(total > 0, total, 1.0))
         chunk_out = torch.matmul(probs.view(batch, kv_heads, groups * size, cols).to(value.dtype), value[:, :, :cols])
-        out[:, start:end] = chunk_out.view(batch, kv_heads, groups, size, value_dim).permute(0, 3, 1, 2, 4).reshape(
+        chunk_out = chunk_out.view(batch, kv_heads, groups, size, value_dim).permute(0, 3, 1, 2, 4).reshape(
             batch, size, q_heads, value_dim)
+        if single:
+            out = chunk_out.to(query.dtype)
+        else:
+            out[:, start:end] = chunk_out
         if end > score_from:
             first = max(start, score_from) - start
             part = probs[:, :, :, first:]
             if weight is not None:
                 part = part * weight[:, None, None, start + first : end, None]
-            scores[..., :cols] += part.sum(3).view(batch, q_heads, cols)
+            column_scores = part.sum(3).view(batch, q_heads, cols)
+            if single:  # (cols == kv: the last chunk sees every column)
+                scores = column_scores
+            else:
+                scores[..., :cols] += column_scores
+    if scores is None:  # (one chunk, all of it before `score_from`)
+        scores = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
     return out, scores
