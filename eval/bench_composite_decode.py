@@ -16,7 +16,8 @@ Method (as eval/bench_decode_cost.py):
   the corpus (teacher-forced), so machine noise (a shared machine) hits all of them alike.
 - Ratios are paired: per round, the median ms/token of a configuration over the median of its reference in the same
   round, then the median over rounds. Reported: composite / H2O at each budget, and composite at the largest budget /
-  composite at the smallest (how its cost grows with the regions); H2O's growth for comparison.
+  composite at the smallest (how its cost grows with the regions); H2O's growth for comparison; and the quartiles of
+  the per-round ratios (`round_ratio_quartiles`), how much one round strays on this machine.
 - aten operations and host syncs per decode step are counted once per configuration, on the decode step after
   `--warmup` others (hf_kvcache.evaluation.host_syncs.HostSyncCounter).
 Targets (issue 13): composite <= 1.2x H2O at every budget; composite growth from the smallest to the largest budget
@@ -67,6 +68,15 @@ def decode_times(forward, cache, ids, pos: int, n: int, clock=time.perf_counter,
 
 def paired(numerator: list[float], denominator: list[float]) -> float:
     return round(statistics.median(a / b for a, b in zip(numerator, denominator)), 3)
+
+
+def paired_quartiles(numerator: list[float], denominator: list[float]) -> list[float]:
+    """First and third quartiles of the per-round ratios: how far one round's ratio strays (the machine's noise)."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    if len(ratios) < 2:
+        return [round(ratios[0], 3)] * 2
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return [round(q1, 3), round(q3, 3)]
 
 
 def main(argv=None) -> None:
@@ -148,6 +158,9 @@ def main(argv=None) -> None:
     ratios = {str(b): paired(configs[f"composite@{b}"]["rounds"], configs[f"h2o@{b}"]["rounds"]) for b in budgets}
     growth = paired(configs[f"composite@{high}"]["rounds"], configs[f"composite@{low}"]["rounds"])
     h2o_growth = paired(configs[f"h2o@{high}"]["rounds"], configs[f"h2o@{low}"]["rounds"])
+    spread = {str(b): paired_quartiles(configs[f"composite@{b}"]["rounds"], configs[f"h2o@{b}"]["rounds"])
+              for b in budgets}
+    spread["growth"] = paired_quartiles(configs[f"composite@{high}"]["rounds"], configs[f"composite@{low}"]["rounds"])
     rows = [{
         "config": label, "cache": c["name"], "budget": c["budget"],
         "ms_per_token_median": round(1000 * statistics.median(c["rounds"]), 2),
@@ -166,6 +179,7 @@ def main(argv=None) -> None:
         "h2o_growth": h2o_growth,
         "pass": {"ratio": all(v <= RATIO_TARGET for v in ratios.values()), "growth": growth < GROWTH_TARGET},
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
+        "round_ratio_quartiles": spread,
         "rows": rows,
         "method": {"compiled": args.compile, "model": args.model, "device": args.device,
                    "dtype": str(dtype).removeprefix("torch."), "attention": args.attention, "prompt": args.prompt,
@@ -180,7 +194,7 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"{row['config']:<18}{row['ms_per_token_median']:>9.1f}{row['aten_ops_per_decode_step']:>10}"
               f"{row['host_syncs_per_decode_step']:>7}{row['bytes_held'] / 2**20:>8.2f}")
-    print(f"\ncomposite / h2o: {ratios} (target <= {RATIO_TARGET})")
+    print(f"\ncomposite / h2o: {ratios} (target <= {RATIO_TARGET}); per-round quartiles {spread}")
     print(f"composite growth {low} -> {high}: {growth} (target < {GROWTH_TARGET}); h2o growth: {h2o_growth}")
 
 
