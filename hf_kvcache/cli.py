@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .eval_cli import _non_negative_int, _positive_int
+from .cli_args import non_negative_int, positive_int
 
 
 def _demo(args) -> int:
@@ -43,7 +43,7 @@ def _demo(args) -> int:
 
 
 def _export_hub(args) -> int:
-    from .eval_cli import parse_cache
+    from .cli_args import parse_cache
     from .export import export_custom_generate
 
     text, name, config = parse_cache(args.cache)
@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--model", default="smollm2", help="Hub id, local path, or 'smollm2' (offline; default)")
     demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
-    demo.add_argument("--prompt-tokens", type=_positive_int, default=512, help="prompt length (default 512)")
-    demo.add_argument("--new-tokens", type=_positive_int, default=32, help="tokens to generate (default 32)")
-    demo.add_argument("--offset", type=_non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens")
+    demo.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
+    demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
+    demo.add_argument("--offset", type=non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens")
     demo.add_argument("--out", default="demo_results", help="directory for demo.csv / .json / .png (default "
                       "demo_results)")
     demo.set_defaults(func=_demo)

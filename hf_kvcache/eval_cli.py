@@ -8,91 +8,10 @@ import json
 import os
 import sys
 
+from .cli_args import int_list, needle_positions, non_negative_int, parse_cache, positive_float, positive_int
+
 MODEL_HELP = "Hub id, local path, or 'smollm2' (offline; default)"
 TEXT_HELP = "'pydoc' (offline corpus; default), a text file, or hf:DATASET"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated positive integers; a ValueError naming `flag` otherwise."""
-    try:
-        return [_positive_int(t) for t in text.split(",") if t]
-    except argparse.ArgumentTypeError as err:
-        raise ValueError(f"{flag}: comma-separated token counts, {err}.") from None
-
-
-def _positions(text: str) -> list:
-    """--positions: early / middle / late or depths in [0, 1], comma-separated."""
-    from .evaluation.retrieval import POSITIONS
-
-    positions = []
-    for item in text.split(","):
-        try:
-            depth = item if item in POSITIONS else float(item)
-        except ValueError:
-            depth = None
-        if depth is None or (isinstance(depth, float) and not 0.0 <= depth <= 1.0):
-            raise ValueError(f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], "
-                             f"got {item!r}.")
-        positions.append(depth)
-    return positions
-
-
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_cache(text: str) -> tuple[str, str, dict]:
-    """"NAME" or "NAME:key=value,key=value" (values as JSON when they parse: 4, 0.25, "25%", true) or
-    "NAME:{json}" -> (label, name, config)."""
-    name, _, rest = text.partition(":")
-    name = name.strip()
-    config: dict = {}
-    rest = rest.strip()
-    if rest.startswith("{"):
-        try:
-            config = json.loads(rest)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--cache {text!r}: the config is not valid JSON ({err}).") from None
-    elif rest:
-        for part in rest.split(","):
-            if "=" not in part:
-                raise ValueError(f"--cache {text!r}: expected key=value pairs after ':', got {part!r}.")
-            k, v = part.split("=", 1)
-            config[k.strip()] = _value(v.strip())
-    return text, name, config
 
 
 def _caches(args, context_len: int | None, default=("dynamic",)) -> list[tuple[str, str, dict]]:
@@ -140,7 +59,7 @@ def _tokens(args, tokenizer, n: int):
 
 def _write_json(path: str | None, data) -> None:
     if path:
-        from .evaluation.sweep import _json_default
+        from .evaluation.sweep_results import _json_default
 
         with open(path, "w") as f:
             json.dump(data, f, indent=1, default=_json_default)
@@ -169,12 +88,12 @@ def cmd_memory(args) -> int:
     shapes = args.shapes.split(",")
     for s in shapes:
         m.get_shape(s)
-    contexts = _int_list(args.contexts, "--contexts")
+    contexts = int_list(args.contexts, "--contexts")
     print("Bytes per token = 2 x layers x KV heads x head_dim x bytes per value (+ scales per group)\n")
     print(m.format_rows(m.memory_table(shapes, precisions, contexts),
                         [("model", "model"), ("precision", "precision"), ("bytes_per_token", "per token"),
                          ("tokens", "tokens"), ("bytes", "KV cache")]))
-    budgets = [None] + _int_list(args.budgets, "--budgets") if args.budgets else [None]
+    budgets = [None] + int_list(args.budgets, "--budgets") if args.budgets else [None]
     rows = m.concurrency_table(shapes[0], args.memory_gb * 1e9, args.weight_bits, precisions, contexts, budgets)
     shape = m.get_shape(shapes[0])
     print(f"\nMax concurrent requests of {shape.name} in {args.memory_gb:g} GB after "
@@ -260,8 +179,8 @@ def cmd_retrieval(args) -> int:
     for k in kinds:
         if k not in KINDS:
             raise ValueError(f"--kinds: unknown probe {k!r}; valid probes are {list(KINDS)}.")
-    positions = _positions(args.positions)
-    lengths = _int_list(args.context_lengths, "--context-lengths")
+    positions = needle_positions(args.positions)
+    lengths = int_list(args.context_lengths, "--context-lengths")
     specs = [(label, name, config) for length in lengths for label, name, config in _caches(args, length)]
     specs = list(dict.fromkeys((label, name, json.dumps(config)) for label, name, config in specs))
     model, tokenizer = _load(args)
@@ -374,9 +293,9 @@ def add_eval_commands(sub) -> None:
         p.add_argument("--model", default="smollm2", help=MODEL_HELP)
         if text:
             p.add_argument("--text", default="pydoc", help=TEXT_HELP)
-            p.add_argument("--offset", type=_non_negative_int, default=20000, help="where the tokens start in the text")
+            p.add_argument("--offset", type=non_negative_int, default=20000, help="where the tokens start in the text")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+        p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
         p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
     def cache_arg(p, default_text="dynamic"):
@@ -399,11 +318,11 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--precisions", default="fp16,fp8,int4-g64",
                    help="comma-separated: fp32, fp16, bf16, fp8, int8-g64, int4-g64, int4-g32-asym, int2-g32-asym")
     p.add_argument("--contexts", default="8192,32768,131072", help="context lengths in tokens, comma-separated")
-    p.add_argument("--memory-gb", type=_positive_float, default=80.0, help="accelerator memory for the concurrency table")
-    p.add_argument("--weight-bits", type=_positive_int, default=16, help="bits per weight for the concurrency table")
+    p.add_argument("--memory-gb", type=positive_float, default=80.0, help="accelerator memory for the concurrency table")
+    p.add_argument("--weight-bits", type=positive_int, default=16, help="bits per weight for the concurrency table")
     p.add_argument("--budgets", default="4096,1024", help="token budgets of compressed caches in the concurrency table")
     p.add_argument("--measure", action="store_true", help="also measure bytes held by real caches on --model")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=1024, help="tokens fed for --measure")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="tokens fed for --measure")
     common(p)
     cache_arg(p, "dynamic, sink 25%%, sliding 25%%")
     p.set_defaults(func=cmd_memory)
@@ -415,12 +334,12 @@ def add_eval_commands(sub) -> None:
         "see up to chunk-1 tokens more than the budget).")
     common(p)
     cache_arg(p)
-    p.add_argument("--tokens", type=_positive_int, default=4096, help="length of the stream (default 4096)")
-    p.add_argument("--context", type=_positive_int, default=None,
+    p.add_argument("--tokens", type=positive_int, default=4096, help="length of the stream (default 4096)")
+    p.add_argument("--context", type=positive_int, default=None,
                    help="tokens that budget fractions refer to (default: --tokens)")
     p.add_argument("--mode", choices=["stream", "chunked"], default="stream")
-    p.add_argument("--chunk", type=_positive_int, default=64, help="tokens per forward in chunked mode")
-    p.add_argument("--bucket", type=_positive_int, default=1024, help="bucket size for per-bucket perplexity")
+    p.add_argument("--chunk", type=positive_int, default=64, help="tokens per forward in chunked mode")
+    p.add_argument("--bucket", type=positive_int, default=1024, help="bucket size for per-bucket perplexity")
     p.add_argument("--checkpoint", default=None, help="directory for resumable checkpoints (stream mode)")
     p.set_defaults(func=cmd_ppl)
 
@@ -431,10 +350,10 @@ def add_eval_commands(sub) -> None:
         "top-1 and top-k agreement, perplexities.")
     common(p)
     cache_arg(p)
-    p.add_argument("--prompt-tokens", type=_positive_int, default=2048)
-    p.add_argument("--scored-tokens", type=_positive_int, default=128)
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None)
-    p.add_argument("--top-k", type=_positive_int, default=5)
+    p.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    p.add_argument("--scored-tokens", type=positive_int, default=128)
+    p.add_argument("--prefill-chunk", type=positive_int, default=None)
+    p.add_argument("--top-k", type=positive_int, default=5)
     p.set_defaults(func=cmd_divergence, ppl_context=None)
 
     p = sub.add_parser(
@@ -447,9 +366,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--kinds", default="passkey,records", help="comma-separated: passkey, records")
     p.add_argument("--context-lengths", default="2048,4096,8192", help="prompt lengths in tokens")
     p.add_argument("--positions", default="early,middle,late", help="early, middle, late or depths in [0, 1]")
-    p.add_argument("--samples", type=_positive_int, default=3, help="probes per (kind, length, position)")
+    p.add_argument("--samples", type=positive_int, default=3, help="probes per (kind, length, position)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None)
+    p.add_argument("--prefill-chunk", type=positive_int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the probe in the tokenizer's chat template")
     p.add_argument("--show-outputs", action="store_true", help="print every expected and generated answer")
     p.set_defaults(func=cmd_retrieval)
@@ -459,9 +378,9 @@ def add_eval_commands(sub) -> None:
         description="Interleaved rounds (rotated order), medians per cache; ratios to DynamicCache of the same run.")
     common(p)
     cache_arg(p, "dynamic, sink 25%%, sliding 25%%")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=2048)
-    p.add_argument("--decode-tokens", type=_positive_int, default=32)
-    p.add_argument("--rounds", type=_positive_int, default=3)
+    p.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.set_defaults(func=cmd_speed)
 
     p = sub.add_parser(

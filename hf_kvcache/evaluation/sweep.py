@@ -52,7 +52,6 @@ from typing import Callable
 
 from .sweep_cells import RUNNERS, Cell, CellContext, plan_cells
 from .sweep_results import _append, environment, format_summary, read_results, write_reports
-from .sweep_results import _json_default  # noqa: F401  (eval_cli imports it from here)
 from .sweep_spec import METRICS, SpecError, Sweep, load_spec
 
 __all__ = ["METRICS", "Cell", "SpecError", "Sweep", "environment", "format_summary", "load_spec", "plan_cells",
