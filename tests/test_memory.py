@@ -119,8 +119,10 @@ def test_sink_policy_state_is_counted():
     store_and_slots = layer.store.nbytes() + layer.slot_pos.nbytes + layer.slot_valid.nbytes
     policy = layer.policy
     assert policy.sink_keys is not None  # in-cache mode keeps un-rotated copies of the sinks
+    shift = policy.memory._shift  # the rotation's per-sink position offsets ([B, 1, sinks] long)
+    assert shift is not None and shift.shape == (2, 1, 4)
     assert layer.nbytes() == store_and_slots + policy.n_real.nbytes + policy.sink_keys.nbytes + \
-        policy.sink_pos.nbytes + policy.sink_index.nbytes
+        policy.sink_pos.nbytes + policy.sink_index.nbytes + shift.nbytes
 
 
 def test_full_cache_grows_and_is_at_least_dynamic():
