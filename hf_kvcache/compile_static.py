@@ -53,11 +53,13 @@ class StaticInt:
 
 
 def static_values(obj) -> dict:
-    """The StaticInt values `obj` holds, by attribute name (for code that walks objects' attributes: state files)."""
+    """The StaticInt values `obj` holds, by attribute name (for code that walks objects' attributes: state files):
+    those of the StaticInt attributes its class declares (the holder module's own attributes are not among them)."""
     holder = vars(obj).get("_static_values")
     if holder is None:
         return {}
-    return {k: v for k, v in vars(holder).items() if not k.startswith("_") and k != "training"}  # (module internals)
+    declared = {name for klass in type(obj).__mro__ for name, attr in vars(klass).items() if isinstance(attr, StaticInt)}
+    return {name: value for name, value in vars(holder).items() if name in declared}
 
 
 def fixed_shape(*tensors: torch.Tensor) -> None:
