@@ -247,3 +247,26 @@ def test_report_only_writes_reports_without_running(tmp_path):
     rows = run_sweep(spec, tmp_path, loader=loader, report_only=True, progress=False)
     assert rows == [] and calls == []
     assert (tmp_path / "ro" / "results.csv").is_file()
+
+
+def test_summary_tables_one_per_metric_present():
+    """format_summary: a markdown table per metric that has rows (in SUMMARY_TABLES order), none for the others."""
+    from hf_kvcache.evaluation.sweep_results import format_summary
+
+    rows = [
+        {"metric": "retrieval", "context_len": 2048, "kind": "passkey", "position": "early", "label": "h2o",
+         "exact_match": 1.0, "parse_rate": 1.0, "value_match": 0.5},
+        {"metric": "quality", "context_len": 2048, "label": "dynamic", "budget_tokens": None, "bytes_held": 2**20,
+         "bytes_vs_dense": 1.0, "ppl": 11.5, "ppl_ref": 11.5, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0,
+         "top5_agreement": 1.0},
+    ]
+    assert format_summary(rows).split("\n") == [
+        "| n | cache | tokens kept | bytes held | vs dense | PPL | PPL full | KL mean | KL p99 | top-1 | top-5 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| 2048 | dynamic | all | 1.0 MiB | 1.00 | 11.50 | 11.50 | 0.0000 | 0.000 | 1.000 | 1.000 |",
+        "",
+        "| n | probe | position | cache | exact | JSON parse | value match |",
+        "|---|---|---|---|---|---|---|",
+        "| 2048 | passkey | early | h2o | 1.00 | 1.00 | 0.50 |",
+        "",
+    ]

@@ -115,39 +115,36 @@ def write_reports(out: Path, spec: Sweep, records: list[dict], env: dict) -> lis
     return rows
 
 
-def format_summary(rows: list[dict]) -> str:
-    """Markdown tables of a sweep's rows (quality, ppl, speed, retrieval), for READMEs."""
-    lines = []
-    q = [r for r in rows if r["metric"] == "quality"]
+def _quality_cells(r: dict) -> list:
     from .memory import format_bytes
 
-    if q:
-        lines += ["| n | cache | tokens kept | bytes held | vs dense | PPL | PPL full | KL mean | KL p99 | top-1 | top-5 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in q:
-            lines.append(f"| {r['context_len']} | {r['label']} | {r.get('budget_tokens') or 'all'} | "
-                         f"{format_bytes(r['bytes_held'])} | {r['bytes_vs_dense']:.2f} | {r['ppl']:.2f} | "
-                         f"{r['ppl_ref']:.2f} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | {r['top1_agreement']:.3f} | "
-                         f"{r['top5_agreement']:.3f} |")
-        lines.append("")
-    p = [r for r in rows if r["metric"] == "ppl"]
-    if p:
-        lines += ["| n | cache | tokens | PPL | protocol |", "|---|---|---|---|---|"]
-        for r in p:
-            lines.append(f"| {r['context_len']} | {r['label']} | {r['tokens']} | {r['ppl']:.2f} | {r['protocol']} |")
-        lines.append("")
-    sp = [r for r in rows if r["metric"] == "speed"]
-    if sp:
-        lines += ["| n | cache | prefill s | x dynamic | decode ms/token | x dynamic |", "|---|---|---|---|---|---|"]
-        for r in sp:
-            lines.append(f"| {r['context_len']} | {r['label']} | {r['prefill_s']:.3f} | {r['prefill_ratio']:.2f} | "
-                         f"{r['decode_ms_per_token']:.1f} | {r['decode_ratio']:.2f} |")
-        lines.append("")
-    rt = [r for r in rows if r["metric"] == "retrieval"]
-    if rt:
-        lines += ["| n | probe | position | cache | exact | JSON parse | value match |", "|---|---|---|---|---|---|---|"]
-        for r in rt:
-            lines.append(f"| {r['context_len']} | {r['kind']} | {r['position']} | {r['label']} | "
-                         f"{r['exact_match']:.2f} | {r['parse_rate']:.2f} | {r['value_match']:.2f} |")
-        lines.append("")
+    return [r["context_len"], r["label"], r.get("budget_tokens") or "all", format_bytes(r["bytes_held"]),
+            f"{r['bytes_vs_dense']:.2f}", f"{r['ppl']:.2f}", f"{r['ppl_ref']:.2f}", f"{r['kl_mean']:.4f}",
+            f"{r['kl_p99']:.3f}", f"{r['top1_agreement']:.3f}", f"{r['top5_agreement']:.3f}"]
+
+
+#: metric -> (column headers, the cells of one row) of `format_summary`'s table for that metric
+SUMMARY_TABLES = {
+    "quality": (["n", "cache", "tokens kept", "bytes held", "vs dense", "PPL", "PPL full", "KL mean", "KL p99",
+                 "top-1", "top-5"], _quality_cells),
+    "ppl": (["n", "cache", "tokens", "PPL", "protocol"],
+            lambda r: [r["context_len"], r["label"], r["tokens"], f"{r['ppl']:.2f}", r["protocol"]]),
+    "speed": (["n", "cache", "prefill s", "x dynamic", "decode ms/token", "x dynamic"],
+              lambda r: [r["context_len"], r["label"], f"{r['prefill_s']:.3f}", f"{r['prefill_ratio']:.2f}",
+                         f"{r['decode_ms_per_token']:.1f}", f"{r['decode_ratio']:.2f}"]),
+    "retrieval": (["n", "probe", "position", "cache", "exact", "JSON parse", "value match"],
+                  lambda r: [r["context_len"], r["kind"], r["position"], r["label"], f"{r['exact_match']:.2f}",
+                             f"{r['parse_rate']:.2f}", f"{r['value_match']:.2f}"]),
+}
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Markdown tables of a sweep's rows (quality, ppl, speed, retrieval: SUMMARY_TABLES), for READMEs."""
+    lines = []
+    for metric, (headers, cells) in SUMMARY_TABLES.items():
+        selected = [r for r in rows if r["metric"] == metric]
+        if selected:
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in selected]
+            lines.append("")
     return "\n".join(lines)
