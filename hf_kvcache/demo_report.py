@@ -16,10 +16,7 @@ __all__ = ["plot_demo", "write_demo_report"]
 def plot_demo(rows: list[DemoRow], path) -> Path:
     """Teacher-forced top-1 agreement and free-running agreement with the full cache against bytes held, one line
     per cache family (points: its budgets; a star for a single point)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .evaluation.plots import log_bytes_axes, plt, save_figure
 
     families: dict[str, list[DemoRow]] = {}
     for r in rows:
@@ -33,18 +30,12 @@ def plot_demo(rows: list[DemoRow], path) -> Path:
         axes[1].plot(x, [r.generated_agreement for r in members], marker=marker, label=family)
     axes[0].set_ylabel("top-1 agreement with the full cache (teacher-forced)")
     axes[1].set_ylabel("greedy tokens equal to the full cache's")
+    log_bytes_axes(axes)
     for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes held by the cache (MiB)")
         ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle("hf-kvcache demo: quality vs bytes held")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_demo_report(rows: list[DemoRow], out_dir, settings: dict) -> list[Path]:

@@ -12,7 +12,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_all", "plot_buckets", "plot_quality_vs_bytes", "plot_retrieval"]
+__all__ = ["log_bytes_axes", "plot_all", "plot_buckets", "plot_quality_vs_bytes", "plot_retrieval", "save_figure"]
+
+
+def log_bytes_axes(axes) -> None:
+    """Bytes held on a log x axis (MiB), light grid: the quality-vs-bytes panels of sweeps and of the demo."""
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes held by the cache (MiB)")
+        ax.grid(alpha=0.3)
+
+
+def save_figure(fig, path) -> Path:
+    """Lay out `fig`, write it to `path` (PNG, 110 dpi), close it; returns the path."""
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _series_name(r: dict) -> str:
@@ -55,17 +72,10 @@ def plot_quality_vs_bytes(rows: list[dict], path, context_len: int | None = None
     ref = q[0].get("ppl_ref")
     if ref:
         axes[2].axhline(ref, color="gray", ls="--", lw=1, label="full cache")
-    for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes held by the cache (MiB)")
-        ax.grid(alpha=0.3)
+    log_bytes_axes(axes)
     axes[2].legend(fontsize=8)
     fig.suptitle("Quality vs bytes held (teacher-forced, same positions as the full cache)")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_buckets(rows: list[dict], path) -> Path | None:
@@ -83,11 +93,7 @@ def plot_buckets(rows: list[dict], path) -> Path | None:
     ax.set_title(f"Per-bucket perplexity ({p[0]['protocol']})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_retrieval(rows: list[dict], path) -> Path | None:
@@ -112,11 +118,7 @@ def plot_retrieval(rows: list[dict], path) -> Path | None:
         ax.set_title(f"{kind}, {n} tokens ({'exact match' if kind == 'passkey' else 'value match'})", fontsize=9)
         ax.set_xlabel("needle position")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_all(rows: list[dict], out_dir) -> list[Path]:
