@@ -41,7 +41,7 @@ class CascadePolicy(Policy):
     tier_sizes, ends, starts, bases = StaticInt(), StaticInt(), StaticInt(), StaticInt()
     # Decode traces whole (slots and region hints are Python ints of the stream position, symbolic under torch.compile
     # after the warm-up; sizes and buffers are constants, hf_kvcache.compile_static) and compiled equals eager with no
-    # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.06x / 1.10x compiled H2O at
+    # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.04x / 1.13x compiled H2O at
     # budgets 256 / 1024 (eval/results/composite_decode_compiled.json).
     compileable = True
 
