@@ -30,7 +30,7 @@ class SinkMemory:
         self.keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] keys as they arrived (+1 trash)
         self.pos: torch.Tensor | None = None  # [B, sinks + 1] original position ids
         self.index: torch.Tensor | None = None  # [B, sinks + 1] stream indices (for crop)
-        self._fast_constants: tuple | None = None  # `_rotate_into`'s RoPE constants
+        self._signed_freq: torch.Tensor | None = None  # `_rotate_into`'s (-inv_freq | inv_freq), from the rotator
         self._shift: torch.Tensor | None = None  # [B, 1, sinks] `_rotate_into`'s (i - sinks) - pos_i (_update_shift)
 
     def allocate(self, batch: int, device) -> None:
@@ -95,13 +95,13 @@ class SinkMemory:
         delta = target - original  # [B, Hm, s]: rotate broadcasts Hm = 1 over the KV heads
         layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], delta, layer.layer_idx))
 
-    def _constants(self, plan, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(offsets [s] = i - s, signed frequencies [2, r/2] = (-inv_freq | inv_freq)) on `device`: constants of this
-        layer's RoPE, made once (not stream state)."""
-        if self._fast_constants is None or self._fast_constants[0].device != torch.device(device):
+    def _frequencies(self, plan, device) -> torch.Tensor:
+        """Signed frequencies [2, r/2] = (-inv_freq | inv_freq) of this layer's RoPE on `device`: a constant of the
+        rotator, made once (not stream state: state files leave it out)."""
+        if self._signed_freq is None or self._signed_freq.device != torch.device(device):
             freq = plan.inv_freq.to(device)
-            self._fast_constants = (torch.arange(self.sinks, device=device) - self.sinks, torch.stack((-freq, freq)))
-        return self._fast_constants
+            self._signed_freq = torch.stack((-freq, freq))
+        return self._signed_freq
 
     def _rotate_into(self, view: torch.Tensor, layer_idx: int, oldest: torch.Tensor, has_other) -> None:
         """`reposition_before` writing into `view` [B, H, s, D], the store's sink key slots (full precision). With x
@@ -109,7 +109,7 @@ class SinkMemory:
         (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
         plan = self.rotator.plan(layer_idx)
         s, r = self.sinks, plan.rotary_dim
-        signed_freq = self._constants(plan, oldest.device)[1]
+        signed_freq = self._frequencies(plan, oldest.device)
         if self._shift is None:  # (sinks set by hand, or a state file from before `_shift` existed)
             self._update_shift()
         batch, hm = oldest.shape
