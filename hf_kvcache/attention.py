@@ -186,7 +186,7 @@ def _make_bridge(name: str):
             spec = layer.attention_validity()
             if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
                 layer.policy.observe_queries(layer, query)
-            if layer.attention_from_codes:  # attention straight from the store's codes (hf_kvcache.codes_attention)
+            if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.codes_attention)
                 out = attend(module, layer, query, key, value, spec, kwargs)
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
                     return out

@@ -18,10 +18,12 @@ The bridge checks that the keys / values it receives are exactly the stand-ins: 
 keys before attention (DeepSeek MLA expands its latent with `expand_kv`) would otherwise attend to zeros, so it is a
 clear error naming the attention class and pointing to attention="dequantize".
 
-Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the keys are on CUDA (the Triton kernel)
-and the layer holds quantized tokens (a composite of full-precision regions keeps SDPA), dequantize elsewhere (on
-CPU the block walk costs more than one dequantization plus SDPA, docs/blockwise_attention.md); resolved per layer at
-its first update, from the keys' device. Any store with `segments` attends from codes except the quantized ring
+Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the layer holds quantized tokens (a
+composite of full-precision regions keeps SDPA) and the keys are on CUDA (the Triton kernel), or on CPU for eager
+one-token decode steps when the native kernel builds (`kernels.cpu_blockwise`; prefill chunks and compiled steps
+dequantize there: MKL's SDPA on a dequantized copy beats any block walk for many queries, and inductor fuses the
+dequantization; docs/blockwise_attention.md); resolved per layer at its first update, from the keys' device
+(`resolve_attention`), then per forward (`codes_now`). Any store with `segments` attends from codes except the quantized ring
 layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores, including
 CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's segments in slot
 order). Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import require_choice, require_int
-from .kernels import QuantizedKV, blockwise_attention
+from .kernels import QuantizedKV, blockwise_attention, cpu_blockwise
 
 ATTENTION_MODES = ("auto", "blockwise", "dequantize")
 #: tokens dequantized at a time (rounded up to the segments' token alignment); the Triton kernel ignores it
@@ -82,8 +84,9 @@ def holds_codes(store) -> bool:
 
 
 def resolve_attention(layer, device) -> bool:
-    """Whether `layer` attends from its codes, from its `attention` mode and the device of its keys ("auto" also
-    needs something quantized to read: over full-precision regions only, SDPA does better than the block walk)."""
+    """Whether `layer`'s decode steps attend from its codes, from its `attention` mode and the device of its keys
+    ("auto" also needs something quantized to read: over full-precision regions only, SDPA does better than the
+    block walk; and on CPU the native kernel, built here on first use)."""
     mode = getattr(layer, "attention", "dequantize")
     if mode == "dequantize" or (mode == "auto" and not holds_codes(layer.store)):
         return False
@@ -94,7 +97,21 @@ def resolve_attention(layer, device) -> bool:
                 "segments (the fixed-length ring layout); use attention='dequantize' or 'auto'."
             )
         return False
-    return mode == "blockwise" or torch.device(device).type == "cuda"
+    if mode == "blockwise" or torch.device(device).type == "cuda":
+        return True
+    return torch.device(device).type == "cpu" and cpu_blockwise.unavailable() is None
+
+
+def codes_now(layer, tokens: int) -> bool:
+    """Whether this forward of `tokens` new tokens attends from the codes. "auto" on CPU does so in eager decode
+    steps only: the native kernel is 2-3x slower than dequantize-then-SDPA (MKL) for a chunk of 16-512 queries, and
+    under torch.compile the dequantize path is what inductor fuses; nor while a quantized store holds every token in
+    its full-precision residual (then the dequantize path is the full cache's, bit for bit)."""
+    if not layer.attention_from_codes:
+        return False
+    if layer.attention == "auto" and layer.device.type == "cpu":  # (while all is in the residual: SDPA, exact)
+        return tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
+    return True
 
 
 def read_codes(layer, used: int, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .codes_attention import read_codes, resolve_attention
+from .codes_attention import codes_now, read_codes, resolve_attention
 from .compile_static import fixed_shape
 from .policies.base import Policy
 from .rotation import rotate
@@ -78,7 +78,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device)
         self.attention_from_codes = resolve_attention(self, self.device)
-        if (not self.attention_from_codes or self.policy.reads_stored_keys) and hasattr(self.store, "reserve_reads"):
+        dequantizes = not self.attention_from_codes or (self.attention == "auto" and self.device.type == "cpu")
+        if (dequantizes or self.policy.reads_stored_keys) and hasattr(self.store, "reserve_reads"):
             self.store.reserve_reads()  # allocated eagerly, so compiled decode sees them with fixed shapes
         self.is_initialized = True
 
@@ -181,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
         # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
         self.policy.before_read(self)
         past_valid = self.slot_valid[..., : self.used]
-        if self.attention_from_codes:  # stand-ins: the bridge attends from the codes, new tokens in full precision
+        if codes_now(self, q):  # stand-ins: the bridge attends from the codes, new tokens in full precision
             keys, values = read_codes(self, self.used, key_states, value_states)
         elif self.used > 0:
             past_k, past_v = self.store.read(self.used)
@@ -233,7 +234,7 @@ class CompressedLayer(CacheLayerMixin):
         width = self.policy.capacity if self.policy.capacity is not None else self.used
         self._attention_columns = self.slot_valid[..., :width]
         self._attention_query_len = 1
-        return read_codes(self, width) if self.attention_from_codes else self.store.read(width)
+        return read_codes(self, width) if codes_now(self, 1) else self.store.read(width)
 
     def commit(self, placement) -> None:
         """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""

@@ -189,11 +189,16 @@ def test_decode_from_codes_makes_no_host_sync(llama):
     assert all(layer.attention_from_codes for layer in cache.compressed_layers)
 
 
-def test_auto_reads_codes_on_cuda_only_with_quantized_regions_and_bad_options_are_named(llama):
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_reads_codes_where_a_kernel_runs_with_quantized_regions_and_bad_options_are_named(llama, native,
+                                                                                                monkeypatch):
+    if not native:
+        monkeypatch.setenv("HF_KVCACHE_NATIVE", "0")
     cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20)
     forwards(llama, cache, random_ids(1, 26, seed=9), chunks=(26,), steps=1)
     assert cache.attention == "auto"
-    assert not any(layer.attention_from_codes for layer in cache.compressed_layers)
+    # CPU: decode steps from the codes with the native kernel (prefill chunks dequantize); without it, never
+    assert all(layer.attention_from_codes == native for layer in cache.compressed_layers)
     layer = cache.compressed_layers[0]
     assert resolve_attention(layer, torch.device("cuda")) is True  # where "auto" reads the codes
     full = CompositeCache(llama, preset="sinks_heavy_recent", budget=20, precision="full")

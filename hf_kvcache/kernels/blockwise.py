@@ -24,8 +24,9 @@ the logits block by block against the final log-sum-exp (keys are dequantized tw
 
 Backends: "torch" (any device; no host-device sync: blocks come from Python ints; compiles with
 `torch.compile(fullgraph=True)`), "triton" (`triton_blockwise`, decode: Hq / Hkv x q <= 128 query rows per KV
-head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "auto" (triton for CUDA tensors when it can run and
-the code is not being compiled, else torch; never the interpreter).
+head; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "native" (`cpu_blockwise`, a C++ kernel built on
+first use: CPU tensors, eager code), "auto" (in eager code: triton for CUDA tensors when it can run, native for CPU
+tensors when it builds; else, and under torch.compile, torch; never the interpreter).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 
 from .codes import QuantizedKV, dequantize_block
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def _segments(kv, name: str) -> list[QuantizedKV]:
@@ -194,6 +195,15 @@ def _triton_reason(query, ks, vs) -> str | None:
     return triton_blockwise.unsupported(query, ks, vs)
 
 
+def native_reason(query, ks, vs) -> str | None:
+    """Why the native CPU kernel cannot run these inputs here (None: it can); builds it on the first call."""
+    if torch.compiler.is_compiling():
+        return "the code is being compiled (torch.compile traces the torch path)"
+    from . import cpu_blockwise
+
+    return cpu_blockwise.unsupported(query, ks, vs) or cpu_blockwise.unavailable()
+
+
 def blockwise_attention(
     query: torch.Tensor,
     keys: QuantizedKV | Sequence[QuantizedKV],
@@ -229,5 +239,14 @@ def blockwise_attention(
                                               return_column_scores, query_weight)
         if backend == "triton":
             raise RuntimeError(f"blockwise_attention(backend='triton') cannot run here: {reason}")
+    if backend == "native" or (backend == "auto" and query.device.type == "cpu" and not torch.compiler.is_compiling()):
+        reason = native_reason(query, ks, vs)
+        if reason is None:
+            from .cpu_blockwise import cpu_blockwise_attention
+
+            return cpu_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks,
+                                           return_column_scores, query_weight)
+        if backend == "native":
+            raise RuntimeError(f"blockwise_attention(backend='native') cannot run here: {reason}")
     return torch_blockwise_attention(query, ks, vs, n, valid, float(scaling), block, causal_tail, softcap, sinks,
                                      return_column_scores, query_weight)

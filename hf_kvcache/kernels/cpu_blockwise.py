@@ -1,0 +1,116 @@
+"""The native CPU backend of `blockwise_attention`: a C++ kernel (`cpu_decode.cpp`) built on first use.
+
+On CPU, eager torch ops cannot fuse "decode the codes, scale them, attend": every step the torch path writes a float32
+copy of each block and walks it again (docs/blockwise_attention.md). The kernel decodes one token's codes into a row
+that stays in L1, takes its dot products with the query rows of its KV head, and after an exact softmax adds the
+decoded value rows; one task per (batch row, KV head) on torch's intra-op threads. Same contract as the torch path
+(every `QuantizedKV` layout, masks, causal tail, softcap, sinks, weighted column scores), same float32 arithmetic
+up to summation order.
+
+Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native`, once per
+source version into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); about
+a minute on 2 cores, then milliseconds. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto"
+keeps the torch path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .codes import QuantizedKV
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+_FORMAT_IDS = {"none": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 3, "int2": 3}
+_PACK_IDS = {"channel": 1, "token": 2}
+
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
+    logger.warning("hf_kvcache: building the native CPU attention kernel (once per version, about a minute)")
+    return cpp_extension.load(name=f"hf_kvcache_cpu_decode_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                              verbose=False)
+
+
+def unavailable() -> str | None:
+    """Why the native kernel cannot run here (None: it is built and loaded). Builds it on the first call."""
+    global _module, _failure
+    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+        return "HF_KVCACHE_NATIVE=0 switches the native CPU kernel off"
+    if _module is not None:
+        return None
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build()
+            except Exception as error:  # no compiler, no ninja, headers missing: the torch path remains
+                _failure = f"building the native CPU kernel failed ({type(error).__name__}: {error})"
+                logger.warning("hf_kvcache: %s; attention stays on the torch path", _failure)
+    return _failure
+
+
+def unsupported(query, ks, vs) -> str | None:
+    """Why these inputs are outside the kernel's range (None: inside)."""
+    tensors = [t for s in list(ks) + list(vs) for t in (s.codes, s.scale, s.zero, s.bias) if t is not None]
+    if query.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors):
+        return "the native kernel runs on CPU tensors"
+    return None
+
+
+def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
+    """The kernel's view of segments: four tensors (codes, scale, zero, bias; float32 except FP8 / integer codes,
+    codes contiguous along channels) and nine ints each (see cpu_decode.cpp)."""
+    tensors, meta = [], []
+    for s in segments:
+        codes = s.codes.float() if s.format == "none" else s.codes
+        if codes.stride(-1) != 1:
+            codes = codes.contiguous()
+        scale = s.scale
+        if scale is not None:
+            scale = torch.exp2(scale.float()) if s.scale_pow2 else scale.float()
+        zero = None if s.zero is None else s.zero.float()
+        bias = None if s.bias is None else s.bias.float()
+        if s.granularity == "token":
+            s_tok, s_ch = 1, s.group_size or s.head_dim
+        elif s.granularity == "channel":
+            s_tok, s_ch = s.group_size, 1
+        else:
+            s_tok, s_ch = 1, s.head_dim
+        packed = s.per_byte > 1
+        tensors += [codes, scale, zero, bias]
+        meta += [s.length, _FORMAT_IDS[s.format], s.per_byte, int(s.pack_order == "hqq"),
+                 _PACK_IDS[s.packing] if packed else 0, (s.pack_block or 1) if packed else 1, s_tok, s_ch,
+                 int(s.zero_is_code)]
+    return tensors, meta
+
+
+def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
+                            query_weight=None):
+    """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first)."""
+    k_tensors, k_meta = _flatten(ks)
+    v_tensors, v_meta = _flatten(vs)
+    out, scores = _module.decode_attention(
+        query.float().contiguous(), k_tensors, k_meta, v_tensors, v_meta, vs[0].head_dim,
+        None if valid is None else valid.contiguous(), float(scaling),
+        int(causal_tail), float(softcap or 0.0), None if sinks is None else sinks.float().contiguous(),
+        bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), ks[0].heads,
+    )
+    out = out.to(query.dtype)
+    return (out, scores) if column_scores else out
+
+
+__all__ = ["cpu_blockwise_attention", "unavailable", "unsupported"]

@@ -1,0 +1,404 @@
+// Native CPU kernel for `blockwise_attention` (hf_kvcache/kernels/cpu_blockwise.py builds and calls it).
+//
+// One task per (batch row, KV head), run by at::parallel_for. A task takes the query rows of its KV head in tiles of
+// at most TILE rows (row r of the head: query head h * groups + r / q, query r % q) and walks the key segments once,
+// decoding each token's codes into a float row in L1 and taking its dot product with every query row of the tile;
+// then an exact softmax per row over all the columns (the logits of a tile stay in memory: TILE x n floats); then
+// the value segments once, adding each decoded value row into the accumulators with its probability. Column scores
+// are the probabilities summed over the queries of each query head (weighted). No full-precision copy of a segment
+// is ever made, so the work per column is one pass over its codes for keys and one for values.
+//
+// Decoding follows `hf_kvcache.kernels.codes` (see QuantizedKV): FP8 bits go through float32 bit patterns times a
+// power of two (E4M3: (byte & 0x7F) << 20, x 2^120; E5M2: << 21, x 2^112; subnormals included), integers are
+// unpacked from their byte and shift; the scale (and zero point) of a token and channel is read at
+// (token / s_tok, channel / s_ch) with zero strides for broadcast dimensions. Loops over channels are written so
+// that the compiler vectorises them (no reductions across lanes: sums keep 16 partial accumulators).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 64;       // query rows whose logits are held at once
+constexpr int64_t META = 9;        // ints per segment, in this order:
+enum { M_LEN, M_FMT, M_PER_BYTE, M_HQQ, M_PACK, M_PACK_BLOCK, M_S_TOK, M_S_CH, M_ZERO_CODE };
+enum { FMT_NONE = 0, FMT_E4M3 = 1, FMT_E5M2 = 2, FMT_INT = 3 };
+enum { PACK_NONE = 0, PACK_CHANNEL = 1, PACK_TOKEN = 2 };
+
+struct Segment {
+  int64_t len = 0, fmt = 0, per_byte = 1, hqq = 0, pack = 0, pack_block = 1, s_tok = 1, s_ch = 1, zero_code = 0;
+  int64_t dim = 0;                                  // channels after unpacking
+  const uint8_t* codes = nullptr;                   // FMT_NONE: float32 values
+  int64_t c_b = 0, c_h = 0, c_n = 0, c_d = 0;
+  const float* scale = nullptr;
+  int64_t s_b = 0, s_h = 0, s_n = 0, s_d = 0;
+  const float* zero = nullptr;
+  int64_t z_b = 0, z_h = 0, z_n = 0, z_d = 0;
+  const float* bias = nullptr;
+  int64_t bi_b = 0, bi_h = 0, bi_d = 0;
+};
+
+int64_t stride_or_zero(const at::Tensor& t, int64_t dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
+
+std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& meta,
+                              int64_t dim) {
+  const int64_t count = static_cast<int64_t>(meta.size()) / META;
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 4 * count, "hf_kvcache cpu_decode: 4 tensors per segment");
+  std::vector<Segment> out(count);
+  for (int64_t i = 0; i < count; ++i) {
+    Segment& s = out[i];
+    const int64_t* m = meta.data() + i * META;
+    s.len = m[M_LEN]; s.fmt = m[M_FMT]; s.per_byte = m[M_PER_BYTE]; s.hqq = m[M_HQQ]; s.pack = m[M_PACK];
+    s.pack_block = m[M_PACK_BLOCK]; s.s_tok = m[M_S_TOK]; s.s_ch = m[M_S_CH]; s.zero_code = m[M_ZERO_CODE];
+    s.dim = dim;
+    const at::Tensor& c = *tensors[4 * i];
+    TORCH_CHECK(c.dim() == 4, "hf_kvcache cpu_decode: codes must be 4-D");
+    s.codes = s.fmt == FMT_NONE ? reinterpret_cast<const uint8_t*>(c.data_ptr<float>()) : c.data_ptr<uint8_t>();
+    s.c_b = c.stride(0); s.c_h = c.stride(1); s.c_n = c.stride(2); s.c_d = c.stride(3);
+    TORCH_CHECK(s.c_d == 1, "hf_kvcache cpu_decode: codes must be contiguous along the channels");
+    if (tensors[4 * i + 1]) {
+      const at::Tensor& t = *tensors[4 * i + 1];
+      s.scale = t.data_ptr<float>();
+      s.s_b = stride_or_zero(t, 0); s.s_h = stride_or_zero(t, 1); s.s_n = stride_or_zero(t, 2); s.s_d = stride_or_zero(t, 3);
+    }
+    if (tensors[4 * i + 2]) {
+      const at::Tensor& t = *tensors[4 * i + 2];
+      s.zero = t.data_ptr<float>();
+      s.z_b = stride_or_zero(t, 0); s.z_h = stride_or_zero(t, 1); s.z_n = stride_or_zero(t, 2); s.z_d = stride_or_zero(t, 3);
+    }
+    if (tensors[4 * i + 3]) {
+      const at::Tensor& t = *tensors[4 * i + 3];
+      s.bias = t.data_ptr<float>();
+      s.bi_b = stride_or_zero(t, 0); s.bi_h = stride_or_zero(t, 1); s.bi_d = stride_or_zero(t, 3);
+    }
+  }
+  return out;
+}
+
+inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bits); }
+
+// Token t of (b, h) of segment s as float32 x[0, dim). `work`: dim floats of scratch.
+void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restrict x, float* __restrict work) {
+  const int64_t D = s.dim;
+  if (s.fmt == FMT_NONE) {
+    const float* p = reinterpret_cast<const float*>(s.codes) + b * s.c_b + h * s.c_h + t * s.c_n;
+    for (int64_t d = 0; d < D; ++d) x[d] = p[d];
+  } else {
+    float factor = 1.0f;
+    const float* sc = s.scale + b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n;
+    const float* zp = s.zero ? s.zero + b * s.z_b + h * s.z_h + (t / s.s_tok) * s.z_n : nullptr;
+    const bool row_scale = s.s_d == 0 || s.s_ch >= D;  // one scale (and zero) for the row
+    if (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) {
+      const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+      const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
+      factor = s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f;
+      if (row_scale && !zp) {  // the common case in one pass: decode and scale while the row is in registers
+        const float k = sc[0] * factor;
+        for (int64_t d = 0; d < D; ++d) {
+          const uint32_t c = p[d];
+          x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift)) * k;
+        }
+        goto bias;
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const uint32_t c = p[d];
+        x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift));
+      }
+    } else {
+      const int bits = 8 / static_cast<int>(s.per_byte);
+      const uint32_t mask = (1u << bits) - 1u;
+      auto shift_of = [&](int64_t slot) { return static_cast<int>(s.hqq ? 8 - bits * (slot + 1) : bits * slot); };
+      if (s.per_byte == 1 || s.pack == PACK_NONE) {
+        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(p[d]);
+      } else if (s.pack == PACK_CHANNEL) {  // byte j holds channels j + i * D / per_byte
+        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+        const int64_t dp = D / s.per_byte;
+        for (int64_t i = 0; i < s.per_byte; ++i) {
+          const int sh = shift_of(i);
+          float* xi = x + i * dp;
+          for (int64_t j = 0; j < dp; ++j) xi[j] = static_cast<float>((static_cast<uint32_t>(p[j]) >> sh) & mask);
+        }
+      } else {  // token packing: within a block of pack_block tokens, byte row r holds tokens r + i * R
+        const int64_t r_per = s.pack_block / s.per_byte;
+        const int64_t row = (t / s.pack_block) * r_per + t % r_per;
+        const int sh = shift_of((t % s.pack_block) / r_per);
+        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + row * s.c_n;
+        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>((static_cast<uint32_t>(p[d]) >> sh) & mask);
+      }
+    }
+    if (row_scale) {
+      const float k = sc[0] * factor;
+      if (!zp) {
+        for (int64_t d = 0; d < D; ++d) x[d] *= k;
+      } else if (s.zero_code) {
+        const float z = zp[0];
+        for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - z) * k;
+      } else {
+        const float z = zp[0];
+        for (int64_t d = 0; d < D; ++d) x[d] = x[d] * k + z;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) work[d] = sc[(d / s.s_ch) * s.s_d] * factor;
+      if (!zp) {
+        for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
+      } else {
+        const int64_t zs = s.z_d;
+        if (s.zero_code) {
+          for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[(d / s.s_ch) * zs]) * work[d];
+        } else {
+          for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[(d / s.s_ch) * zs];
+        }
+      }
+    }
+  }
+bias:
+  if (s.bias) {
+    const float* bp = s.bias + b * s.bi_b + h * s.bi_h;
+    for (int64_t d = 0; d < D; ++d) x[d] += bp[d * s.bi_d];
+  }
+}
+
+// 16 floats; GCC / Clang lower it to the machine's vectors (one AVX-512 register, two AVX2 ones, ...)
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 splat(float x) { return v16{} + x; }
+inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
+  float a[16];
+  std::memcpy(a, &v, sizeof a);
+  for (int j = 0; j < 8; ++j) a[j] += a[j + 8];
+  for (int j = 0; j < 4; ++j) a[j] += a[j + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+constexpr int TOK = 4;  // tokens decoded, then multiplied together (their rows stay in registers / L1)
+
+// out[r * TOK + t] = q_r . X_t for R query rows q [R][D] and TOK decoded tokens X [TOK][D]
+template <int R>
+void logits_block(const float* __restrict q, const float* __restrict X, int64_t D, float* __restrict out) {
+  v16 acc[R][TOK] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    v16 x[TOK];
+    for (int t = 0; t < TOK; ++t) x[t] = load16(X + t * D + d);
+    for (int r = 0; r < R; ++r) {
+      const v16 qv = load16(q + r * D + d);
+      for (int t = 0; t < TOK; ++t) acc[r][t] += qv * x[t];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TOK; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * X[t * D + e];
+      out[r * TOK + t] = s;
+    }
+}
+
+// acc[r] += sum_t P[r * TOK + t] * X_t for R accumulators acc [R][D] and TOK decoded tokens X [TOK][D]
+template <int R>
+void accumulate_block(const float* __restrict P, const float* __restrict X, int64_t D, float* __restrict acc) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    v16 x[TOK];
+    for (int t = 0; t < TOK; ++t) x[t] = load16(X + t * D + d);
+    for (int r = 0; r < R; ++r) {
+      v16 a = load16(acc + r * D + d);
+      for (int t = 0; t < TOK; ++t) a += splat(P[r * TOK + t]) * x[t];
+      store16(acc + r * D + d, a);
+    }
+  }
+  for (; d < D; ++d)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < TOK; ++t) acc[r * D + d] += P[r * TOK + t] * X[t * D + d];
+}
+
+constexpr int RG = 4;  // query rows per register group
+
+// The two above for any number of rows: groups of RG.
+void logits_rows(const float* q, const float* X, int64_t D, int64_t rows, float* out) {
+  for (int64_t r = 0; r < rows; r += RG, q += RG * D, out += RG * TOK) {
+    switch (std::min<int64_t>(RG, rows - r)) {
+      case 1: logits_block<1>(q, X, D, out); break;
+      case 2: logits_block<2>(q, X, D, out); break;
+      case 3: logits_block<3>(q, X, D, out); break;
+      default: logits_block<4>(q, X, D, out); break;
+    }
+  }
+}
+
+void accumulate_rows(const float* P, const float* X, int64_t D, int64_t rows, float* acc) {
+  for (int64_t r = 0; r < rows; r += RG, P += RG * TOK, acc += RG * D) {
+    switch (std::min<int64_t>(RG, rows - r)) {
+      case 1: accumulate_block<1>(P, X, D, acc); break;
+      case 2: accumulate_block<2>(P, X, D, acc); break;
+      case 3: accumulate_block<3>(P, X, D, acc); break;
+      default: accumulate_block<4>(P, X, D, acc); break;
+    }
+  }
+}
+
+// exp(x) for x <= 0 (or -inf -> 0), Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, 2^k from the exponent bits;
+// within 2 ulp of std::exp and vectorisable (std::exp is not without -ffast-math).
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float k = std::nearbyint(clamped * 1.44269504088896341f);
+  float r = clamped - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_k = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
+  return x < -87.0f ? 0.0f : p * two_k;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decode_attention(
+    const at::Tensor& query,                                   // float32 [B, Hq, q, Dk], contiguous
+    const std::vector<std::optional<at::Tensor>>& k_tensors,   // per segment: codes, scale, zero, bias
+    const std::vector<int64_t>& k_meta,
+    const std::vector<std::optional<at::Tensor>>& v_tensors,
+    const std::vector<int64_t>& v_meta,
+    int64_t dv,
+    const std::optional<at::Tensor>& valid,                    // bool [B, Hkv or 1, n]
+    double scaling, int64_t causal_tail, double softcap,       // softcap <= 0: none
+    const std::optional<at::Tensor>& sinks,                    // float32 [Hq]
+    bool column_scores,
+    const std::optional<at::Tensor>& query_weight,             // float32 [B, q]
+    int64_t kv_heads) {
+  TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous() && query.dim() == 4,
+              "hf_kvcache cpu_decode: query must be contiguous float32 [B, Hq, q, Dk]");
+  const int64_t B = query.size(0), Hq = query.size(1), Q = query.size(2), Dk = query.size(3);
+  const int64_t groups = Hq / kv_heads, rows = groups * Q;
+  const std::vector<Segment> ks = segments(k_tensors, k_meta, Dk), vs = segments(v_tensors, v_meta, dv);
+  int64_t n = 0;
+  for (const Segment& s : ks) n += s.len;
+  auto out = at::zeros({B, Hq, Q, dv}, query.options());
+  at::Tensor scores = column_scores ? at::zeros({B, Hq, n}, query.options()) : at::Tensor();
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = column_scores ? scores.data_ptr<float>() : nullptr;
+  const bool* vp = valid ? valid->data_ptr<bool>() : nullptr;
+  const int64_t v_b = valid ? valid->stride(0) : 0, v_h = valid && valid->size(1) > 1 ? valid->stride(1) : 0;
+  const float* sinkp = sinks ? sinks->data_ptr<float>() : nullptr;
+  const float* wp = query_weight ? query_weight->data_ptr<float>() : nullptr;
+  const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t tail = n - causal_tail;
+
+  at::parallel_for(0, B * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dmax = std::max(Dk, dv);
+    // X: TOK decoded rows (zeros past a segment's end)
+    std::vector<float> X(TOK * dmax, 0.0f), work(dmax), logits(std::min(rows, TILE) * n);
+    std::vector<float> acc(std::min(rows, TILE) * dv), block(std::min(rows, TILE) * TOK);
+    std::vector<float> qrows(std::min(rows, TILE) * Dk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const bool* vrow = vp ? vp + b * v_b + h * v_h : nullptr;
+      for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+        const int64_t nr = std::min(TILE, rows - r0);
+        for (int64_t r = 0; r < nr; ++r) {  // query head h * groups + (r0 + r) / Q, query (r0 + r) % Q
+          const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
+          std::memcpy(&qrows[r * Dk], qp + ((b * Hq + head) * Q + qi) * Dk, Dk * sizeof(float));
+        }
+        // keys: logits of every row of the tile against every column, TOK tokens at a time
+        int64_t col = 0;
+        for (const Segment& s : ks) {
+          for (int64_t t = 0; t < s.len; t += TOK, col += TOK) {
+            const int64_t tb = std::min<int64_t>(TOK, s.len - t);
+            for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t + i, &X[i * Dk], work.data());
+            std::fill(X.begin() + tb * Dk, X.begin() + TOK * Dk, 0.0f);
+            logits_rows(qrows.data(), X.data(), Dk, nr, block.data());
+            for (int64_t r = 0; r < nr; ++r)
+              for (int64_t i = 0; i < tb; ++i) logits[r * n + col + i] = block[r * TOK + i] * scale;
+          }
+          col -= (TOK - s.len % TOK) % TOK;
+        }
+        // softcap, visibility, softmax (exact: every logit of the row is here)
+        for (int64_t r = 0; r < nr; ++r) {
+          float* l = &logits[r * n];
+          const int64_t qi = (r0 + r) % Q;
+          if (cap > 0.0f)
+            for (int64_t c = 0; c < n; ++c) l[c] = std::tanh(l[c] / cap) * cap;
+          if (vrow)
+            for (int64_t c = 0; c < tail; ++c) l[c] = vrow[c] ? l[c] : neg_inf;
+          for (int64_t k = 0; k < causal_tail; ++k) {  // the tail: causal among itself, each query sees its own column
+            const bool seen = ((vrow ? vrow[tail + k] : true) && k <= qi) || k == qi;
+            if (!seen) l[tail + k] = neg_inf;
+          }
+          const float sink = sinkp ? sinkp[h * groups + (r0 + r) / Q] : neg_inf;
+          float m = sink;
+          for (int64_t c = 0; c < n; ++c) m = l[c] > m ? l[c] : m;
+          if (m == neg_inf) {  // nothing visible: zero output and scores
+            for (int64_t c = 0; c < n; ++c) l[c] = 0.0f;
+            continue;
+          }
+          float part[16] = {0};
+          int64_t c = 0;
+          for (; c + 16 <= n; c += 16)
+            for (int j = 0; j < 16; ++j) {
+              const float e = exp_nonpositive(l[c + j] - m);
+              l[c + j] = e;
+              part[j] += e;
+            }
+          float sum = sinkp ? exp_nonpositive(sink - m) : 0.0f;
+          for (int j = 0; j < 16; ++j) sum += part[j];
+          for (; c < n; ++c) {
+            l[c] = exp_nonpositive(l[c] - m);
+            sum += l[c];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t c2 = 0; c2 < n; ++c2) l[c2] *= inv;
+        }
+        // values: accumulate the decoded rows with their probabilities, TOK tokens at a time
+        std::fill(acc.begin(), acc.begin() + nr * dv, 0.0f);
+        col = 0;
+        for (const Segment& s : vs) {
+          for (int64_t t = 0; t < s.len; t += TOK, col += TOK) {
+            const int64_t tb = std::min<int64_t>(TOK, s.len - t);
+            bool seen = false;
+            for (int64_t r = 0; r < nr; ++r)
+              for (int64_t i = 0; i < TOK; ++i) {
+                const float p = i < tb ? logits[r * n + col + i] : 0.0f;
+                block[r * TOK + i] = p;
+                seen |= p != 0.0f;
+              }
+            if (!seen) continue;
+            for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t + i, &X[i * dv], work.data());
+            std::fill(X.begin() + tb * dv, X.begin() + TOK * dv, 0.0f);
+            accumulate_rows(block.data(), X.data(), dv, nr, acc.data());
+          }
+          col -= (TOK - s.len % TOK) % TOK;
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
+          std::memcpy(op + ((b * Hq + head) * Q + qi) * dv, &acc[r * dv], dv * sizeof(float));
+          if (sp) {
+            const float w = wp ? wp[b * Q + qi] : 1.0f;
+            float* srow = sp + (b * Hq + head) * n;
+            const float* l = &logits[r * n];
+            for (int64_t c = 0; c < n; ++c) srow[c] += w * l[c];
+          }
+        }
+      }
+    }
+  });
+  return {out, scores};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "Softmax attention over quantized key/value segments (CPU)");
+}
