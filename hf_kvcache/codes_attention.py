@@ -106,11 +106,13 @@ def codes_now(layer, tokens: int) -> bool:
     """Whether this forward of `tokens` new tokens attends from the codes. "auto" on CPU does so in eager decode
     steps only: the native kernel is 2-3x slower than dequantize-then-SDPA (MKL) for a chunk of 16-512 queries, and
     under torch.compile the dequantize path is what inductor fuses; nor while a quantized store holds every token in
-    its full-precision residual (then the dequantize path is the full cache's, bit for bit)."""
+    its full-precision residual (then the dequantize path is the full cache's, bit for bit), nor when the model's
+    attention is not the bridge (layers driven directly, other attention implementations: "auto" never refuses)."""
     if not layer.attention_from_codes:
         return False
     if layer.attention == "auto" and layer.device.type == "cpu":  # (while all is in the residual: SDPA, exact)
-        return tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
+        return (tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
+                and layer.forward_info.attention_bridged)
     return True
 
 

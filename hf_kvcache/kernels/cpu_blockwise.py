@@ -38,11 +38,18 @@ _failure: str | None = None
 
 
 def _build():
+    """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source
+    and flags, so an edited source never loads a stale build)."""
     from torch.utils import cpp_extension
 
     digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
-    logger.warning("hf_kvcache: building the native CPU attention kernel (once per version, about a minute)")
-    return cpp_extension.load(name=f"hf_kvcache_cpu_decode_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+    name = f"hf_kvcache_cpu_decode_{digest}"
+    directory = Path(cpp_extension.get_default_build_root()) / name
+    if not any(directory.glob(f"{name}*.so")):
+        logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
+                       directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(directory),
                               verbose=False)
 
 

@@ -84,82 +84,92 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
 
 inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bits); }
 
+// The codes of token t of (b, h) as floats before scaling (FP8: the bit route, off by a power of two, returned;
+// integers: the unpacked values).
+float decode_codes(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restrict x) {
+  const int64_t D = s.dim;
+  const uint8_t* base = s.codes + b * s.c_b + h * s.c_h;
+  if (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) {
+    const uint8_t* p = base + t * s.c_n;
+    const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t c = p[d];
+      x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift));
+    }
+    return s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f;
+  }
+  const int bits = 8 / static_cast<int>(s.per_byte);
+  const uint32_t mask = (1u << bits) - 1u;
+  auto shift_of = [&](int64_t slot) { return static_cast<int>(s.hqq ? 8 - bits * (slot + 1) : bits * slot); };
+  if (s.per_byte == 1 || s.pack == PACK_NONE) {
+    const uint8_t* p = base + t * s.c_n;
+    for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(p[d]);
+  } else if (s.pack == PACK_CHANNEL) {  // byte j holds channels j + i * D / per_byte
+    const uint8_t* p = base + t * s.c_n;
+    const int64_t dp = D / s.per_byte;
+    for (int64_t i = 0; i < s.per_byte; ++i) {
+      const int sh = shift_of(i);
+      float* xi = x + i * dp;
+      for (int64_t j = 0; j < dp; ++j) xi[j] = static_cast<float>((static_cast<uint32_t>(p[j]) >> sh) & mask);
+    }
+  } else {  // token packing: within a block of pack_block tokens, byte row r holds tokens r + i * R
+    const int64_t r_per = s.pack_block / s.per_byte;
+    const int64_t row = (t / s.pack_block) * r_per + t % r_per;
+    const int sh = shift_of((t % s.pack_block) / r_per);
+    const uint8_t* p = base + row * s.c_n;
+    for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>((static_cast<uint32_t>(p[d]) >> sh) & mask);
+  }
+  return 1.0f;
+}
+
+// x = x * scale (+ zero, or (x - zero) * scale) with token t's scales and zero points; `work`: D floats of scratch.
+void scale_row(const Segment& s, int64_t b, int64_t h, int64_t t, float factor, float* __restrict x,
+               float* __restrict work) {
+  const int64_t D = s.dim;
+  const float* sc = s.scale + b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n;
+  const float* zp = s.zero ? s.zero + b * s.z_b + h * s.z_h + (t / s.s_tok) * s.z_n : nullptr;
+  if (s.s_d == 0 || s.s_ch >= D) {  // one scale (and zero) for the row
+    const float k = sc[0] * factor;
+    if (!zp) {
+      for (int64_t d = 0; d < D; ++d) x[d] *= k;
+    } else if (s.zero_code) {
+      const float z = zp[0];
+      for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - z) * k;
+    } else {
+      const float z = zp[0];
+      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * k + z;
+    }
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) work[d] = sc[(d / s.s_ch) * s.s_d] * factor;
+  if (!zp) {
+    for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
+  } else if (s.zero_code) {
+    for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[(d / s.s_ch) * s.z_d]) * work[d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[(d / s.s_ch) * s.z_d];
+  }
+}
+
 // Token t of (b, h) of segment s as float32 x[0, dim). `work`: dim floats of scratch.
 void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restrict x, float* __restrict work) {
   const int64_t D = s.dim;
   if (s.fmt == FMT_NONE) {
     const float* p = reinterpret_cast<const float*>(s.codes) + b * s.c_b + h * s.c_h + t * s.c_n;
     for (int64_t d = 0; d < D; ++d) x[d] = p[d];
+  } else if ((s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && !s.zero && (s.s_d == 0 || s.s_ch >= D)) {
+    // the common case (FP8, one scale per token) in one pass: scaled while the row is in registers (a second pass
+    // reloading the row just stored costs as much as the decoding)
+    const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+    const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
+    const float k = s.scale[b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n] * (s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t c = p[d];
+      x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift)) * k;
+    }
   } else {
-    float factor = 1.0f;
-    const float* sc = s.scale + b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n;
-    const float* zp = s.zero ? s.zero + b * s.z_b + h * s.z_h + (t / s.s_tok) * s.z_n : nullptr;
-    const bool row_scale = s.s_d == 0 || s.s_ch >= D;  // one scale (and zero) for the row
-    if (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) {
-      const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
-      const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
-      factor = s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f;
-      if (row_scale && !zp) {  // the common case in one pass: decode and scale while the row is in registers
-        const float k = sc[0] * factor;
-        for (int64_t d = 0; d < D; ++d) {
-          const uint32_t c = p[d];
-          x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift)) * k;
-        }
-        goto bias;
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        const uint32_t c = p[d];
-        x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift));
-      }
-    } else {
-      const int bits = 8 / static_cast<int>(s.per_byte);
-      const uint32_t mask = (1u << bits) - 1u;
-      auto shift_of = [&](int64_t slot) { return static_cast<int>(s.hqq ? 8 - bits * (slot + 1) : bits * slot); };
-      if (s.per_byte == 1 || s.pack == PACK_NONE) {
-        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
-        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(p[d]);
-      } else if (s.pack == PACK_CHANNEL) {  // byte j holds channels j + i * D / per_byte
-        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
-        const int64_t dp = D / s.per_byte;
-        for (int64_t i = 0; i < s.per_byte; ++i) {
-          const int sh = shift_of(i);
-          float* xi = x + i * dp;
-          for (int64_t j = 0; j < dp; ++j) xi[j] = static_cast<float>((static_cast<uint32_t>(p[j]) >> sh) & mask);
-        }
-      } else {  // token packing: within a block of pack_block tokens, byte row r holds tokens r + i * R
-        const int64_t r_per = s.pack_block / s.per_byte;
-        const int64_t row = (t / s.pack_block) * r_per + t % r_per;
-        const int sh = shift_of((t % s.pack_block) / r_per);
-        const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + row * s.c_n;
-        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>((static_cast<uint32_t>(p[d]) >> sh) & mask);
-      }
-    }
-    if (row_scale) {
-      const float k = sc[0] * factor;
-      if (!zp) {
-        for (int64_t d = 0; d < D; ++d) x[d] *= k;
-      } else if (s.zero_code) {
-        const float z = zp[0];
-        for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - z) * k;
-      } else {
-        const float z = zp[0];
-        for (int64_t d = 0; d < D; ++d) x[d] = x[d] * k + z;
-      }
-    } else {
-      for (int64_t d = 0; d < D; ++d) work[d] = sc[(d / s.s_ch) * s.s_d] * factor;
-      if (!zp) {
-        for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
-      } else {
-        const int64_t zs = s.z_d;
-        if (s.zero_code) {
-          for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[(d / s.s_ch) * zs]) * work[d];
-        } else {
-          for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[(d / s.s_ch) * zs];
-        }
-      }
-    }
+    scale_row(s, b, h, t, decode_codes(s, b, h, t, x), x, work);
   }
-bias:
   if (s.bias) {
     const float* bp = s.bias + b * s.bi_b + h * s.bi_h;
     for (int64_t d = 0; d < D; ++d) x[d] += bp[d * s.bi_d];
