@@ -1,17 +1,19 @@
-"""One decode step of the quantized caches with attention="blockwise" (straight from the codes) vs "dequantize"
-(whole layer into the workspace, then SDPA), on SmolLM2-135M, CPU, interleaved.
+"""One decode step of the quantized caches attending from the codes -- "auto" (the native CPU kernel) and
+"blockwise" without it (the torch block walk) -- vs "dequantize" (whole layer into the workspace, then SDPA), on
+SmolLM2-135M, CPU, 1 thread, interleaved.
 
     python eval/bench_blockwise_decode.py [--lengths 2048 4096] [--rounds 20] [--out eval/results/blockwise_decode.json]
 
 For each cache and cached length, every mode prefills its own cache once; then the modes take one decode step each
-in turn, `rounds` times (interleaved, so machine noise hits all alike). Reports the median ms per step, the ratio
-to "dequantize", and the dequantization workspace each mode holds afterwards.
+in turn (order rotated), `rounds` times (interleaved, so machine noise hits all alike). Reports the median ms per
+step, the ratio to "dequantize", and the dequantization workspace each mode holds afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -27,11 +29,21 @@ CACHES = {
     "fp8": lambda m, **a: QuantizedFP8Cache(m, **a),
     "kivi_int4": lambda m, **a: KIVICache(m, bits=4, group_size=32, residual=128, **a),
 }
+# mode -> (cache options, native CPU kernel allowed): "auto" on CPU decodes from the codes with the native kernel
+# (hf_kvcache.kernels.cpu_blockwise); the torch block walk is what "blockwise" runs without it
 MODES = {
-    "dequantize": {"attention": "dequantize"},
-    "blockwise_b256": {"attention": "blockwise", "attention_block": 256},
-    "blockwise_b1024": {"attention": "blockwise", "attention_block": 1024},
+    "dequantize": ({"attention": "dequantize"}, True),
+    "auto_native": ({"attention": "auto"}, True),
+    "blockwise_torch_b1024": ({"attention": "blockwise", "attention_block": 1024}, False),
 }
+
+
+def forward(model, ids, cache, native: bool) -> float:
+    """Seconds of one forward, with the native kernel allowed or not (HF_KVCACHE_NATIVE, read at every call)."""
+    os.environ["HF_KVCACHE_NATIVE"] = "1" if native else "0"
+    t0 = time.perf_counter()
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -49,19 +61,15 @@ def main() -> None:
         for length in args.lengths:
             for cache_name, make in CACHES.items():
                 caches, prefill_s = {}, {}
-                for mode, kwargs in MODES.items():
-                    cache = make(model, **kwargs)
-                    t0 = time.perf_counter()
-                    model(input_ids=ids[:, :length], past_key_values=cache, use_cache=True)
-                    prefill_s[mode] = time.perf_counter() - t0
-                    caches[mode] = cache
+                for mode, (kwargs, native) in MODES.items():
+                    caches[mode] = make(model, **kwargs)
+                    prefill_s[mode] = forward(model, ids[:, :length], caches[mode], native)
                 times = {mode: [] for mode in MODES}
                 for step in range(args.rounds):
                     token = ids[:, length + step : length + step + 1]
-                    for mode, cache in caches.items():
-                        t0 = time.perf_counter()
-                        model(input_ids=token, past_key_values=cache, use_cache=True)
-                        times[mode].append(time.perf_counter() - t0)
+                    order = list(MODES)[step % len(MODES):] + list(MODES)[: step % len(MODES)]  # rotated per round
+                    for mode in order:
+                        times[mode].append(forward(model, token, caches[mode], MODES[mode][1]))
                 base = statistics.median(times["dequantize"])
                 for mode in MODES:
                     ms = statistics.median(times[mode])

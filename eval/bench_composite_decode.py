@@ -99,8 +99,8 @@ def main(argv=None) -> None:
                         help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
                              "less disturbed by other processes on a shared machine; needs --threads 1)")
     parser.add_argument("--attention", choices=("auto", "dequantize", "blockwise"), default="auto",
-                        help="the composite's `attention` option (auto: dequantize on CPU; blockwise: attention from "
-                             "the codes by the torch block path, what CUDA does with the Triton kernel)")
+                        help="the composite's `attention` option (auto on CPU: decode from the codes with the native "
+                             "kernel; blockwise: from the codes in every forward; dequantize: the old CPU path)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "composite_decode.json")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):

@@ -23,10 +23,11 @@ composite of full-precision regions keeps SDPA) and the keys are on CUDA (the Tr
 one-token decode steps when the native kernel builds (`kernels.cpu_blockwise`; prefill chunks and compiled steps
 dequantize there: MKL's SDPA on a dequantized copy beats any block walk for many queries, and inductor fuses the
 dequantization; docs/blockwise_attention.md); resolved per layer at its first update, from the keys' device
-(`resolve_attention`), then per forward (`codes_now`). Any store with `segments` attends from codes except the quantized ring
-layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores, including
-CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's segments in slot
-order). Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
+(`resolve_attention`), then per forward (`codes_now`). Any store with `segments` attends from codes except the
+quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
+including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
+segments in slot order).
+Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
 before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place, copies its codes, a
 quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last `attention_window`
 queries) come from the same pass.

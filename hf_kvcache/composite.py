@@ -23,11 +23,11 @@ does). So the preset moves no token between regions at all. Other moves are one 
 step: into a region of the same per-token format (e.g. a window into a 'rest' of its precision) the codes and scales
 are copied as they are; into another precision the token is dequantized and quantized again (what a change of
 precision is). Reads write every region into one shared workspace buffer (no concatenation); with
-`attention="blockwise"` (what the default "auto" picks when the keys are on CUDA: the Triton kernel) there is no such
-read at all: attention reads each region's codes and the sinks' full-precision keys where they are
-(hf_kvcache.codes_attention), so a decode step's work outside attention itself no longer grows with the regions.
-`attention_block`: tokens dequantized at a time by the torch block path (CPU; "blockwise" there is slower than the
-default dequantize-then-SDPA, docs/blockwise_attention.md). With a fixed budget the cache is compileable (its decode
+`attention="blockwise"` (what the default "auto" picks when the keys are on CUDA, the Triton kernel, and in eager CPU
+decode steps, the native kernel) there is no such read at all: attention reads each region's codes and the sinks'
+full-precision keys where they are (hf_kvcache.codes_attention), so a decode step's work outside attention itself no
+longer grows with the regions. `attention_block`: tokens dequantized at a time by the torch block path (when neither
+kernel runs, docs/blockwise_attention.md). With a fixed budget the cache is compileable (its decode
 traces whole; policies/cascade.py, hf_kvcache.compile_static).
 The tokens kept are those of the region-by-region layout (exact ties in heavy-hitter scores aside); only their slots
 differ (attention does not depend on slot order). Outputs differ from that layout only where it rounded twice: a

@@ -10,8 +10,9 @@ Every token is kept (KeepAllPolicy) in a `QuantizedStore` per layer (hf_kvcache.
 quantized once, when they leave the optional full-precision residual of the most recent `residual` tokens, and never
 re-quantized. Attention reads dequantize into one workspace shared by all layers, so the memory held is the
 quantized cache plus one layer in the model's dtype (`workspace_nbytes()`), not a full-precision copy per layer.
-With `attention="blockwise"` (the default "auto" on CUDA) attention reads the codes block by block instead
-(hf_kvcache.codes_attention, docs/blockwise_attention.md) and the workspace stays empty.
+With `attention="blockwise"` attention reads the codes block by block instead (hf_kvcache.codes_attention,
+docs/blockwise_attention.md) and the workspace stays empty; the default "auto" does so on CUDA (the Triton kernel)
+and in CPU decode steps (the native kernel), and dequantizes for CPU prefill chunks.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class _QuantizedKeepAllCache(KVCache):
 
     def _set_attention(self, config_or_model, attention: str, attention_block: int | None) -> None:
         """The `attention` option of the layers (hf_kvcache.codes_attention): "dequantize" (the whole layer into the
-        workspace, then SDPA / eager), "blockwise" (block by block straight from the codes: Triton on CUDA, torch
-        elsewhere), "auto" (blockwise for keys on CUDA, else dequantize; always dequantize for latent attention,
+        workspace, then SDPA / eager), "blockwise" (block by block straight from the codes: Triton on CUDA, the
+        native kernel on CPU, else torch), "auto" (blockwise for keys on CUDA and for eager one-token CPU steps
+        when the native kernel builds, else dequantize; always dequantize for latent attention,
         whose model expands the cached latent before attention: "blockwise" is refused there at the first forward).
         `attention_block`: tokens dequantized at a time by the torch path (None: DEFAULT_BLOCK)."""
         self.attention = require_choice("attention", attention, ATTENTION_MODES)
@@ -232,9 +234,9 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             update, like transformers' StaticCache: decode shapes stay constant, so the cache is compileable
             (`generate(compile_config=...)`); needs residual=0 and token/head/tensor granularity. A stream longer
             than max_length is a clear error.
-        attention: "auto" (default: straight from the codes when the keys are on CUDA, else dequantize),
-            "blockwise" (attention reads the codes block by block, no full-precision copy of the layer; slower on
-            CPU, docs/blockwise_attention.md) or "dequantize" (the layer into a shared workspace, then SDPA/eager).
+        attention: "auto" (default: straight from the codes when the keys are on CUDA and in CPU decode steps,
+            else dequantize), "blockwise" (attention reads the codes block by block, no full-precision copy of the
+            layer; docs/blockwise_attention.md) or "dequantize" (the layer into a shared workspace, then SDPA/eager).
         attention_block: tokens per block of the torch block-wise path (default 1024, rounded to the codes' block).
     """
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hf_kvcache.attention import build_validity_mask
-from hf_kvcache.kernels import QuantizedKV, blockwise_attention, dequantize, from_codec, store_segments
+from hf_kvcache.kernels import QuantizedKV, blockwise_attention, cpu_blockwise, dequantize, from_codec, store_segments
 from hf_kvcache.stores.quantization import QuantSpec, make_codec
 from hf_kvcache.stores.quantized import QuantizedStore
 from hf_kvcache.stores.workspace import TransientWorkspace
@@ -255,8 +255,46 @@ def test_triton_backend_refuses_to_run_where_it_cannot(monkeypatch):
     query, keys, values, _, _ = build_case("fp8-token-decode", n=16)
     with pytest.raises(RuntimeError, match="backend='triton'.*needs CUDA"):
         blockwise_attention(query, keys, values, None, 0.2, backend="triton")
-    auto = blockwise_attention(query, keys, values, None, 0.2, backend="auto")  # CPU: the torch path
-    torch.testing.assert_close(auto, blockwise_attention(query, keys, values, None, 0.2, backend="torch"))
+    auto = blockwise_attention(query, keys, values, None, 0.2, backend="auto")  # CPU: the native kernel
+    torch.testing.assert_close(auto, blockwise_attention(query, keys, values, None, 0.2, backend="native"))
+
+
+def test_native_backend_says_why_it_cannot_run_and_auto_falls_back(monkeypatch):
+    query, keys, values, _, _ = build_case("fp8-token-decode", n=16)
+    torch_path = blockwise_attention(query, keys, values, None, 0.2, backend="torch")
+    monkeypatch.setenv("HF_KVCACHE_NATIVE", "0")
+    with pytest.raises(RuntimeError, match=r"backend='native'.*HF_KVCACHE_NATIVE=0"):
+        blockwise_attention(query, keys, values, None, 0.2, backend="native")
+    assert torch.equal(blockwise_attention(query, keys, values, None, 0.2, backend="auto"), torch_path)
+    monkeypatch.delenv("HF_KVCACHE_NATIVE")
+    # a machine without a compiler: the build's error is the reason, reported once, and "auto" keeps the torch path
+    monkeypatch.setattr(cpu_blockwise, "_module", None)
+    monkeypatch.setattr(cpu_blockwise, "_failure", None)
+
+    def no_compiler():
+        raise OSError("g++: not found")
+
+    monkeypatch.setattr(cpu_blockwise, "_build", no_compiler)
+    assert cpu_blockwise.unavailable() == "building the native CPU kernel failed (OSError: g++: not found)"
+    with pytest.raises(RuntimeError, match=r"backend='native'.*cannot run here: building the native CPU kernel failed"):
+        blockwise_attention(query, keys, values, None, 0.2, backend="native")
+    assert torch.equal(blockwise_attention(query, keys, values, None, 0.2, backend="auto"), torch_path)
+    meta = torch.zeros(query.shape, device="meta")
+    assert "CPU tensors" in cpu_blockwise.unsupported(meta, [keys], [values])
+
+
+def test_native_kernel_is_the_same_on_one_thread_or_several():
+    query, keys, values, valid, kw = build_case("fp8-head-gqa-causal-holes", n=70, batch=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = blockwise_attention(query, keys, values, valid, 0.2, return_column_scores=True, backend="native", **kw)
+        torch.set_num_threads(max(2, threads))
+        several = blockwise_attention(query, keys, values, valid, 0.2, return_column_scores=True, backend="native",
+                                      **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, several))  # one task per (batch row, KV head): same sums
 
 
 # -- memory ---------------------------------------------------------------------------------------------------------

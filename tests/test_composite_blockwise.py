@@ -2,7 +2,7 @@
 gives, at every layer and forward (chunked prefill, decode, left padding), the output and the column scores that
 softmax attention over the dequantized regions gives, for every heavy-hitter scorer, in bfloat16, and on the model
 zoo's softcap, attention sinks, QK-norm and partial rotary; it makes no host sync in decode and never fills the
-dequantization workspace; "auto" keeps CPU on the dequantize path, and on CUDA reads codes only where there are some.
+dequantization workspace; "auto" reads codes only where there are some, on CUDA and (native kernel) in CPU decode.
 The Triton kernel (CUDA's path) reads a composite layer's segments as the torch path does, under the interpreter.
 
 Whole-model runs of the two paths are not compared token by token over many steps: float32 summation order differs

@@ -4,5 +4,6 @@ from . import cpu_blockwise
 from .blockwise import BACKENDS, blockwise_attention
 from .codes import QuantizedKV, dequantize, dequantize_block, from_codec, store_segments
 
-__all__ = ["BACKENDS", "cpu_blockwise", "QuantizedKV", "blockwise_attention", "dequantize", "dequantize_block", "from_codec",
+__all__ = ["BACKENDS", "cpu_blockwise", "QuantizedKV", "blockwise_attention", "dequantize", "dequantize_block",
+           "from_codec",
            "store_segments"]

@@ -66,12 +66,14 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
     if (tensors[4 * i + 1]) {
       const at::Tensor& t = *tensors[4 * i + 1];
       s.scale = t.data_ptr<float>();
-      s.s_b = stride_or_zero(t, 0); s.s_h = stride_or_zero(t, 1); s.s_n = stride_or_zero(t, 2); s.s_d = stride_or_zero(t, 3);
+      s.s_b = stride_or_zero(t, 0), s.s_h = stride_or_zero(t, 1);
+      s.s_n = stride_or_zero(t, 2), s.s_d = stride_or_zero(t, 3);
     }
     if (tensors[4 * i + 2]) {
       const at::Tensor& t = *tensors[4 * i + 2];
       s.zero = t.data_ptr<float>();
-      s.z_b = stride_or_zero(t, 0); s.z_h = stride_or_zero(t, 1); s.z_n = stride_or_zero(t, 2); s.z_d = stride_or_zero(t, 3);
+      s.z_b = stride_or_zero(t, 0), s.z_h = stride_or_zero(t, 1);
+      s.z_n = stride_or_zero(t, 2), s.z_d = stride_or_zero(t, 3);
     }
     if (tensors[4 * i + 3]) {
       const at::Tensor& t = *tensors[4 * i + 3];
@@ -141,13 +143,30 @@ void scale_row(const Segment& s, int64_t b, int64_t h, int64_t t, float factor, 
     }
     return;
   }
-  for (int64_t d = 0; d < D; ++d) work[d] = sc[(d / s.s_ch) * s.s_d] * factor;
-  if (!zp) {
-    for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
-  } else if (s.zero_code) {
-    for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[(d / s.s_ch) * s.z_d]) * work[d];
-  } else {
-    for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[(d / s.s_ch) * s.z_d];
+  if (s.s_ch == 1) {  // one scale per channel (KIVI keys): a row of scales, contiguous in the usual layout
+    for (int64_t d = 0; d < D; ++d) work[d] = sc[d * s.s_d] * factor;
+    if (!zp) {
+      for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
+    } else if (s.zero_code) {
+      for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[d * s.z_d]) * work[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[d * s.z_d];
+    }
+    return;
+  }
+  for (int64_t g = 0; g * s.s_ch < D; ++g) {  // groups of s_ch channels, one scale (and zero) each
+    float* xg = x + g * s.s_ch;
+    const int64_t w = std::min(s.s_ch, D - g * s.s_ch);
+    const float k = sc[g * s.s_d] * factor;
+    if (!zp) {
+      for (int64_t d = 0; d < w; ++d) xg[d] *= k;
+    } else if (s.zero_code) {
+      const float z = zp[g * s.z_d];
+      for (int64_t d = 0; d < w; ++d) xg[d] = (xg[d] - z) * k;
+    } else {
+      const float z = zp[g * s.z_d];
+      for (int64_t d = 0; d < w; ++d) xg[d] = xg[d] * k + z;
+    }
   }
 }
 
