@@ -5,5 +5,4 @@ from .blockwise import BACKENDS, blockwise_attention
 from .codes import QuantizedKV, dequantize, dequantize_block, from_codec, store_segments
 
 __all__ = ["BACKENDS", "cpu_blockwise", "QuantizedKV", "blockwise_attention", "dequantize", "dequantize_block",
-           "from_codec",
-           "store_segments"]
+           "from_codec", "store_segments"]

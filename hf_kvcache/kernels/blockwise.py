@@ -37,6 +37,7 @@ from typing import Sequence
 
 import torch
 
+from . import cpu_blockwise
 from .codes import QuantizedKV, dequantize_block
 
 BACKENDS = ("auto", "torch", "triton", "native")
@@ -199,8 +200,6 @@ def native_reason(query, ks, vs) -> str | None:
     """Why the native CPU kernel cannot run these inputs here (None: it can); builds it on the first call."""
     if torch.compiler.is_compiling():
         return "the code is being compiled (torch.compile traces the torch path)"
-    from . import cpu_blockwise
-
     return cpu_blockwise.unsupported(query, ks, vs) or cpu_blockwise.unavailable()
 
 
@@ -242,10 +241,8 @@ def blockwise_attention(
     if backend == "native" or (backend == "auto" and query.device.type == "cpu" and not torch.compiler.is_compiling()):
         reason = native_reason(query, ks, vs)
         if reason is None:
-            from .cpu_blockwise import cpu_blockwise_attention
-
-            return cpu_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks,
-                                           return_column_scores, query_weight)
+            return cpu_blockwise.cpu_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail,
+                                                         softcap, sinks, return_column_scores, query_weight)
         if backend == "native":
             raise RuntimeError(f"blockwise_attention(backend='native') cannot run here: {reason}")
     return torch_blockwise_attention(query, ks, vs, n, valid, float(scaling), block, causal_tail, softcap, sinks,

@@ -2,17 +2,19 @@
 //
 // One task per (batch row, KV head), run by at::parallel_for. A task takes the query rows of its KV head in tiles of
 // at most TILE rows (row r of the head: query head h * groups + r / q, query r % q) and walks the key segments once,
-// decoding each token's codes into a float row in L1 and taking its dot product with every query row of the tile;
-// then an exact softmax per row over all the columns (the logits of a tile stay in memory: TILE x n floats); then
-// the value segments once, adding each decoded value row into the accumulators with its probability. Column scores
-// are the probabilities summed over the queries of each query head (weighted). No full-precision copy of a segment
-// is ever made, so the work per column is one pass over its codes for keys and one for values.
+// decoding TOK tokens' codes at a time into float rows that stay in L1 and taking their dot products with every
+// query row of the tile; then an exact softmax per row over all the columns (the logits of a tile stay in memory:
+// TILE x n floats); then the value segments once, adding the decoded value rows into the accumulators with their
+// probabilities. Column scores are the probabilities summed over the queries of each query head (weighted). No
+// full-precision copy of a segment is ever made: the work per column is one pass over its codes for keys and one
+// for values.
 //
 // Decoding follows `hf_kvcache.kernels.codes` (see QuantizedKV): FP8 bits go through float32 bit patterns times a
 // power of two (E4M3: (byte & 0x7F) << 20, x 2^120; E5M2: << 21, x 2^112; subnormals included), integers are
 // unpacked from their byte and shift; the scale (and zero point) of a token and channel is read at
-// (token / s_tok, channel / s_ch) with zero strides for broadcast dimensions. Loops over channels are written so
-// that the compiler vectorises them (no reductions across lanes: sums keep 16 partial accumulators).
+// (token / s_tok, channel / s_ch) with zero strides for broadcast dimensions. Arithmetic is float32 throughout, in
+// 16-float vectors (GCC / Clang vector extensions, lowered to the machine's registers by -march=native); sums across
+// a vector are trees, never chains of dependent adds.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
