@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -254,27 +255,28 @@ void accumulate_block(const float* __restrict P, const float* __restrict X, int6
 
 constexpr int RG = 4;  // query rows per register group
 
-// The two above for any number of rows: groups of RG.
-void logits_rows(const float* q, const float* X, int64_t D, int64_t rows, float* out) {
-  for (int64_t r = 0; r < rows; r += RG, q += RG * D, out += RG * TOK) {
+// Calls fn(std::integral_constant<int, R>{}, first row) for the groups of at most RG of `rows` query rows, so the
+// two kernels above run with R known at compile time (their accumulators stay in registers).
+template <typename Fn>
+void for_row_groups(int64_t rows, Fn&& fn) {
+  for (int64_t r = 0; r < rows; r += RG) {
     switch (std::min<int64_t>(RG, rows - r)) {
-      case 1: logits_block<1>(q, X, D, out); break;
-      case 2: logits_block<2>(q, X, D, out); break;
-      case 3: logits_block<3>(q, X, D, out); break;
-      default: logits_block<4>(q, X, D, out); break;
+      case 1: fn(std::integral_constant<int, 1>{}, r); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r); break;
+      case 3: fn(std::integral_constant<int, 3>{}, r); break;
+      default: fn(std::integral_constant<int, 4>{}, r); break;
     }
   }
 }
 
+void logits_rows(const float* q, const float* X, int64_t D, int64_t rows, float* out) {
+  for_row_groups(rows, [&](auto R, int64_t r) { logits_block<decltype(R)::value>(q + r * D, X, D, out + r * TOK); });
+}
+
 void accumulate_rows(const float* P, const float* X, int64_t D, int64_t rows, float* acc) {
-  for (int64_t r = 0; r < rows; r += RG, P += RG * TOK, acc += RG * D) {
-    switch (std::min<int64_t>(RG, rows - r)) {
-      case 1: accumulate_block<1>(P, X, D, acc); break;
-      case 2: accumulate_block<2>(P, X, D, acc); break;
-      case 3: accumulate_block<3>(P, X, D, acc); break;
-      default: accumulate_block<4>(P, X, D, acc); break;
-    }
-  }
+  for_row_groups(rows, [&](auto R, int64_t r) {
+    accumulate_block<decltype(R)::value>(P + r * TOK, X, D, acc + r * D);
+  });
 }
 
 // exp(x) for x <= 0 (or -inf -> 0), Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, 2^k from the exponent bits;
