@@ -103,6 +103,16 @@ def resolve_attention(layer, device) -> bool:
     return torch.device(device).type == "cpu" and cpu_blockwise.unavailable() is None
 
 
+def _decode_only(layer) -> bool:
+    """Whether `layer` attends from its codes in (some) decode steps only: "auto" on CPU (see `codes_now`)."""
+    return layer.attention == "auto" and layer.device.type == "cpu"
+
+
+def dequantizes(layer) -> bool:
+    """Whether some forwards of `layer` read a dequantized copy of its store (so it reserves the read buffers)."""
+    return not layer.attention_from_codes or _decode_only(layer)
+
+
 def codes_now(layer, tokens: int) -> bool:
     """Whether this forward of `tokens` new tokens attends from the codes. "auto" on CPU does so in eager decode
     steps only: the native kernel is 2-3x slower than dequantize-then-SDPA (MKL) for a chunk of 16-512 queries, and
@@ -111,7 +121,7 @@ def codes_now(layer, tokens: int) -> bool:
     attention is not the bridge (layers driven directly, other attention implementations: "auto" never refuses)."""
     if not layer.attention_from_codes:
         return False
-    if layer.attention == "auto" and layer.device.type == "cpu":  # (while all is in the residual: SDPA, exact)
+    if _decode_only(layer):  # (while all is in the residual: SDPA, exact)
         return (tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
                 and layer.forward_info.attention_bridged)
     return True

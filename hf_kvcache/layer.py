@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .codes_attention import codes_now, read_codes, resolve_attention
+from .codes_attention import codes_now, dequantizes, read_codes, resolve_attention
 from .compile_static import fixed_shape
 from .policies.base import Policy
 from .rotation import rotate
@@ -78,8 +78,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(self.device)
         self.attention_from_codes = resolve_attention(self, self.device)
-        dequantizes = not self.attention_from_codes or (self.attention == "auto" and self.device.type == "cpu")
-        if (dequantizes or self.policy.reads_stored_keys) and hasattr(self.store, "reserve_reads"):
+        if (dequantizes(self) or self.policy.reads_stored_keys) and hasattr(self.store, "reserve_reads"):
             self.store.reserve_reads()  # allocated eagerly, so compiled decode sees them with fixed shapes
         self.is_initialized = True
 

@@ -35,20 +35,29 @@ enum { M_LEN, M_FMT, M_PER_BYTE, M_HQQ, M_PACK, M_PACK_BLOCK, M_S_TOK, M_S_CH, M
 enum { FMT_NONE = 0, FMT_E4M3 = 1, FMT_E5M2 = 2, FMT_INT = 3 };
 enum { PACK_NONE = 0, PACK_CHANNEL = 1, PACK_TOKEN = 2 };
 
+// A float tensor [B or 1, H or 1, rows, C] (scales, zero points, bias), with zero strides along its size-1
+// dimensions so that broadcast ones read the same element.
+struct Strided {
+  const float* p = nullptr;
+  int64_t b = 0, h = 0, n = 0, d = 0;
+  explicit operator bool() const { return p != nullptr; }
+  const float* row(int64_t bi, int64_t hi, int64_t ni) const { return p + bi * b + hi * h + ni * n; }
+};
+
+Strided strided(const std::optional<at::Tensor>& t) {
+  if (!t) return {};
+  auto stride = [&](int64_t dim) { return t->size(dim) == 1 ? 0 : t->stride(dim); };
+  return {t->data_ptr<float>(), stride(0), stride(1), stride(2), stride(3)};
+}
+
 struct Segment {
   int64_t len = 0, fmt = 0, per_byte = 1, hqq = 0, pack = 0, pack_block = 1, s_tok = 1, s_ch = 1, zero_code = 0;
   int64_t dim = 0;                                  // channels after unpacking
-  const uint8_t* codes = nullptr;                   // FMT_NONE: float32 values
-  int64_t c_b = 0, c_h = 0, c_n = 0, c_d = 0;
-  const float* scale = nullptr;
-  int64_t s_b = 0, s_h = 0, s_n = 0, s_d = 0;
-  const float* zero = nullptr;
-  int64_t z_b = 0, z_h = 0, z_n = 0, z_d = 0;
-  const float* bias = nullptr;
-  int64_t bi_b = 0, bi_h = 0, bi_d = 0;
+  const uint8_t* codes = nullptr;                   // FMT_NONE: float32 values; contiguous along the channels
+  int64_t c_b = 0, c_h = 0, c_n = 0;
+  Strided scale, zero, bias;
+  bool row_scale = false;                           // one scale (and zero) covers a token's whole row
 };
-
-int64_t stride_or_zero(const at::Tensor& t, int64_t dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
 
 std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& meta,
                               int64_t dim) {
@@ -62,32 +71,31 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
     s.pack_block = m[M_PACK_BLOCK]; s.s_tok = m[M_S_TOK]; s.s_ch = m[M_S_CH]; s.zero_code = m[M_ZERO_CODE];
     s.dim = dim;
     const at::Tensor& c = *tensors[4 * i];
-    TORCH_CHECK(c.dim() == 4, "hf_kvcache cpu_decode: codes must be 4-D");
+    TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1, "hf_kvcache cpu_decode: codes must be 4-D, contiguous along the "
+                "channels");
     s.codes = s.fmt == FMT_NONE ? reinterpret_cast<const uint8_t*>(c.data_ptr<float>()) : c.data_ptr<uint8_t>();
-    s.c_b = c.stride(0); s.c_h = c.stride(1); s.c_n = c.stride(2); s.c_d = c.stride(3);
-    TORCH_CHECK(s.c_d == 1, "hf_kvcache cpu_decode: codes must be contiguous along the channels");
-    if (tensors[4 * i + 1]) {
-      const at::Tensor& t = *tensors[4 * i + 1];
-      s.scale = t.data_ptr<float>();
-      s.s_b = stride_or_zero(t, 0), s.s_h = stride_or_zero(t, 1);
-      s.s_n = stride_or_zero(t, 2), s.s_d = stride_or_zero(t, 3);
-    }
-    if (tensors[4 * i + 2]) {
-      const at::Tensor& t = *tensors[4 * i + 2];
-      s.zero = t.data_ptr<float>();
-      s.z_b = stride_or_zero(t, 0), s.z_h = stride_or_zero(t, 1);
-      s.z_n = stride_or_zero(t, 2), s.z_d = stride_or_zero(t, 3);
-    }
-    if (tensors[4 * i + 3]) {
-      const at::Tensor& t = *tensors[4 * i + 3];
-      s.bias = t.data_ptr<float>();
-      s.bi_b = stride_or_zero(t, 0); s.bi_h = stride_or_zero(t, 1); s.bi_d = stride_or_zero(t, 3);
-    }
+    s.c_b = c.stride(0); s.c_h = c.stride(1); s.c_n = c.stride(2);
+    s.scale = strided(tensors[4 * i + 1]);
+    s.zero = strided(tensors[4 * i + 2]);
+    s.bias = strided(tensors[4 * i + 3]);
+    s.row_scale = s.scale.d == 0 || s.s_ch >= dim;
   }
   return out;
 }
 
 inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bits); }
+
+// The power of two FP8's bit route leaves the value off by (exponent bias 127 of float32 vs 7 / 15).
+inline float fp8_factor(int64_t fmt) { return fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f; }
+
+// FP8 codes p[0, D) as float32 bit patterns times k (fold fp8_factor and a row's scale into k).
+inline void fp8_row(const uint8_t* __restrict p, int64_t D, int64_t fmt, float k, float* __restrict x) {
+  const int shift = fmt == FMT_E4M3 ? 20 : 21;
+  for (int64_t d = 0; d < D; ++d) {
+    const uint32_t c = p[d];
+    x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift)) * k;
+  }
+}
 
 // The codes of token t of (b, h) as floats before scaling (FP8: the bit route, off by a power of two, returned;
 // integers: the unpacked values).
@@ -95,13 +103,8 @@ float decode_codes(const Segment& s, int64_t b, int64_t h, int64_t t, float* __r
   const int64_t D = s.dim;
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h;
   if (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) {
-    const uint8_t* p = base + t * s.c_n;
-    const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t c = p[d];
-      x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift));
-    }
-    return s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f;
+    fp8_row(base + t * s.c_n, D, s.fmt, 1.0f, x);
+    return fp8_factor(s.fmt);
   }
   const int bits = 8 / static_cast<int>(s.per_byte);
   const uint32_t mask = (1u << bits) - 1u;
@@ -131,9 +134,9 @@ float decode_codes(const Segment& s, int64_t b, int64_t h, int64_t t, float* __r
 void scale_row(const Segment& s, int64_t b, int64_t h, int64_t t, float factor, float* __restrict x,
                float* __restrict work) {
   const int64_t D = s.dim;
-  const float* sc = s.scale + b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n;
-  const float* zp = s.zero ? s.zero + b * s.z_b + h * s.z_h + (t / s.s_tok) * s.z_n : nullptr;
-  if (s.s_d == 0 || s.s_ch >= D) {  // one scale (and zero) for the row
+  const float* sc = s.scale.row(b, h, t / s.s_tok);
+  const float* zp = s.zero ? s.zero.row(b, h, t / s.s_tok) : nullptr;
+  if (s.row_scale) {
     const float k = sc[0] * factor;
     if (!zp) {
       for (int64_t d = 0; d < D; ++d) x[d] *= k;
@@ -147,27 +150,27 @@ void scale_row(const Segment& s, int64_t b, int64_t h, int64_t t, float factor, 
     return;
   }
   if (s.s_ch == 1) {  // one scale per channel (KIVI keys): a row of scales, contiguous in the usual layout
-    for (int64_t d = 0; d < D; ++d) work[d] = sc[d * s.s_d] * factor;
+    for (int64_t d = 0; d < D; ++d) work[d] = sc[d * s.scale.d] * factor;
     if (!zp) {
       for (int64_t d = 0; d < D; ++d) x[d] *= work[d];
     } else if (s.zero_code) {
-      for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[d * s.z_d]) * work[d];
+      for (int64_t d = 0; d < D; ++d) x[d] = (x[d] - zp[d * s.zero.d]) * work[d];
     } else {
-      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[d * s.z_d];
+      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * work[d] + zp[d * s.zero.d];
     }
     return;
   }
   for (int64_t g = 0; g * s.s_ch < D; ++g) {  // groups of s_ch channels, one scale (and zero) each
     float* xg = x + g * s.s_ch;
     const int64_t w = std::min(s.s_ch, D - g * s.s_ch);
-    const float k = sc[g * s.s_d] * factor;
+    const float k = sc[g * s.scale.d] * factor;
     if (!zp) {
       for (int64_t d = 0; d < w; ++d) xg[d] *= k;
     } else if (s.zero_code) {
-      const float z = zp[g * s.z_d];
+      const float z = zp[g * s.zero.d];
       for (int64_t d = 0; d < w; ++d) xg[d] = (xg[d] - z) * k;
     } else {
-      const float z = zp[g * s.z_d];
+      const float z = zp[g * s.zero.d];
       for (int64_t d = 0; d < w; ++d) xg[d] = xg[d] * k + z;
     }
   }
@@ -179,22 +182,17 @@ void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restri
   if (s.fmt == FMT_NONE) {
     const float* p = reinterpret_cast<const float*>(s.codes) + b * s.c_b + h * s.c_h + t * s.c_n;
     for (int64_t d = 0; d < D; ++d) x[d] = p[d];
-  } else if ((s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && !s.zero && (s.s_d == 0 || s.s_ch >= D)) {
+  } else if ((s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && !s.zero && s.row_scale) {
     // the common case (FP8, one scale per token) in one pass: scaled while the row is in registers (a second pass
     // reloading the row just stored costs as much as the decoding)
-    const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
-    const int shift = s.fmt == FMT_E4M3 ? 20 : 21;
-    const float k = s.scale[b * s.s_b + h * s.s_h + (t / s.s_tok) * s.s_n] * (s.fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f);
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t c = p[d];
-      x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << shift)) * k;
-    }
+    const float k = s.scale.row(b, h, t / s.s_tok)[0] * fp8_factor(s.fmt);
+    fp8_row(s.codes + b * s.c_b + h * s.c_h + t * s.c_n, D, s.fmt, k, x);
   } else {
     scale_row(s, b, h, t, decode_codes(s, b, h, t, x), x, work);
   }
   if (s.bias) {
-    const float* bp = s.bias + b * s.bi_b + h * s.bi_h;
-    for (int64_t d = 0; d < D; ++d) x[d] += bp[d * s.bi_d];
+    const float* bp = s.bias.row(b, h, 0);
+    for (int64_t d = 0; d < D; ++d) x[d] += bp[d * s.bias.d];
   }
 }
 
