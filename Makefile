@@ -1,13 +1,33 @@
-# The two commands of README.md. Each does its own set-up (a .venv in the repo) on a fresh machine.
-.PHONY: demo test docs
+# The two commands of README.md (`make demo`, `make test`). Each does its own set-up on a fresh machine, installing
+# the exact versions of requirements/lock.txt (what CI tested) into a virtual environment in the repo.
+.PHONY: demo test test-full test-oldest test-latest lock docs
 
 demo:
 	bash scripts/setup-env.sh eval
 	.venv/bin/hf-kvcache demo
 
-test:
+# The whole suite on the locked (newest supported) transformers, then the contract and smoke tests on the oldest
+# supported one: both ends of the declared range. CI runs exactly this.
+test: test-full test-oldest
+
+test-full:
 	bash scripts/setup-env.sh dev
 	.venv/bin/python -m pytest -q
+
+test-oldest:
+	bash scripts/setup-env.sh dev .venv-oldest oldest
+	.venv-oldest/bin/python -m pytest -q -m upstream
+
+# The canary: the newest releases of everything (transformers' newest even past our declared range), the contract
+# tests and a smoke of every cache. How a version bump starts (docs/upstream_contracts.md). TORCH=2.15.0 canaries a
+# torch release too (its PyPI wheel pulls the CUDA libraries, several GB).
+test-latest:
+	HF_KVCACHE_TORCH=$(or $(TORCH),2.13.0) bash scripts/setup-env.sh dev .venv-latest latest
+	.venv-latest/bin/python -m pytest -q -m upstream
+
+# Pin what the suite just passed with in .venv (run after `make test` on a new set of versions).
+lock:
+	bash scripts/lock.sh .venv
 
 docs:
 	bash scripts/setup-env.sh dev

@@ -1,14 +1,16 @@
 """hf-kvcache: KV-cache compression for Hugging Face Transformers.
 
 `import hf_kvcache` registers our cache names, so `model.generate(cache_implementation="sink",
-cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(past_key_values=SinkCache(model, ...))`.
+cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(cache=SinkCache(model, ...))`
+(`past_key_values=` before transformers 5.24; `hf_kvcache.cache_kwargs(cache)` gives the installed version's name).
+The transformers versions supported and every internal relied on: hf_kvcache.integration.
 """
 
 from .attention import enable
 from .caches import FullCache, H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
+from .integration import CACHE_ARG, UnsupportedTransformersError, cache_kwargs, returned_cache
 from .quantized import KIVICache, QuantizedFP8Cache
-from .scorer_caches import ExpectedAttentionCache, KeyDiffCache, KnormCache, SnapKVCache, TOVACache
 from .registry import (
     CACHE_IMPLEMENTATIONS,
     DEFAULT_CACHE_CONFIGS,
@@ -16,20 +18,25 @@ from .registry import (
     default_cache_config,
     load_cache_config,
     register,
+    register_at_import,
     save_cache_config,
 )
+from .scorer_caches import ExpectedAttentionCache, KeyDiffCache, KnormCache, SnapKVCache, TOVACache
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-register()
+register_at_import()
 
 from .hub import KVCacheConfig, publish  # noqa: E402  (needs the registry filled)
 from .paged import enable_paged, install as _install_paged  # noqa: E402
 
-_install_paged(strict=False)  # continuous batching reads `kv_cache_dtype` (hf_kvcache.paged, docs/serving.md)
+# continuous batching reads `kv_cache_dtype` (hf_kvcache.paged, docs/serving.md); where transformers' internals changed
+# this leaves it untouched and a run asking for quantized pages raises (hf_kvcache.registry.before_continuous_batching)
+_install_paged(strict=False)
 from .state import load_cache_state, read_cache_state_header, save_cache_state  # noqa: E402
 
 __all__ = [
+    "CACHE_ARG",
     "CACHE_IMPLEMENTATIONS",
     "CompositeCache",
     "DEFAULT_CACHE_CONFIGS",
@@ -47,7 +54,9 @@ __all__ = [
     "SlidingWindowCache",
     "SnapKVCache",
     "TOVACache",
+    "UnsupportedTransformersError",
     "build_cache",
+    "cache_kwargs",
     "default_cache_config",
     "enable",
     "enable_paged",
@@ -56,6 +65,7 @@ __all__ = [
     "publish",
     "read_cache_state_header",
     "register",
+    "returned_cache",
     "save_cache_config",
     "save_cache_state",
 ]

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+from .integration.cache_layers import known_layer_types, layer_types_and_kwargs, upstream_layer_class
 
 #: the layer type our policies compress
 COMPRESSED_TYPE = "full_attention"
@@ -34,14 +34,14 @@ def check_supported_config(config) -> None:
 
 def layer_plan(config) -> tuple[list[str], list[dict]]:
     """(layer type, kwargs of transformers' layer class) per decoder layer, as transformers' own caches see them."""
-    layer_types, kwargs = get_layer_types_and_kwargs(config)
-    unknown = sorted({t for t in layer_types if t != COMPRESSED_TYPE and t not in DYNAMIC_LAYER_TYPE_MAPPING})
+    layer_types, kwargs = layer_types_and_kwargs(config)
+    unknown = sorted({t for t in layer_types if t != COMPRESSED_TYPE and upstream_layer_class(t) is None})
     if unknown:
         raise ValueError(
             f"{type(config).__name__} has layer types {unknown} that transformers' DynamicCache does not know; "
-            f"hf_kvcache supports {sorted(DYNAMIC_LAYER_TYPE_MAPPING)}."
+            f"hf_kvcache supports {known_layer_types()}."
         )
-    return list(layer_types), list(kwargs)
+    return layer_types, kwargs
 
 
 def is_latent_attention(config) -> bool:

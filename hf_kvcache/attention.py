@@ -10,19 +10,26 @@ positions. The bridge closes both gaps for a model it is enabled on:
 
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
 import threading
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
 from .codes_attention import attend
 from .gqa_decode import packed_decode_attention
+from .integration.attention import (
+    attention_implementation,
+    attention_weights_requested,
+    can_set_attention,
+    eager_attention_for,
+    eager_mask,
+    forward_arguments,
+    sdpa_attention_forward,
+    sdpa_mask,
+)
+from .integration.cache_argument import given_cache
+from .integration.contracts import require
 from .layer import CompressedLayer
 from .rotation import rotate
 from .scored_attention import scored_attention
@@ -30,7 +37,16 @@ from .scored_attention import scored_attention
 logger = logging.getLogger(__name__)
 
 BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
-_INNER = {"hf_kvcache_sdpa": sdpa_attention_forward, "hf_kvcache_eager": eager_attention_forward}
+_INNER = ("hf_kvcache_sdpa", "hf_kvcache_eager")
+#: the transformers internals the bridge relies on (hf_kvcache.integration.attention / cache_argument)
+BRIDGE_CONTRACTS = (
+    "GenerationMixin.prepare_inputs_for_generation (cache argument)",
+    "decoder attention forward (cache.update)",
+    "integrations.sdpa_attention.sdpa_attention_forward",
+    "modeling_llama.eager_attention_forward",
+    "masking_utils.sdpa_mask / eager_mask",
+    "PreTrainedModel attention switch",
+)
 
 
 def _bridge_sdpa_mask(*args, **kwargs):
@@ -149,35 +165,11 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
     return out, None
 
 
-def _attention_weights_requested() -> bool:
-    """Whether the running forward collects attention weights (`output_attentions=True`): an eager model then runs
-    its own eager attention, which returns them, and the scores come from a second pass."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - an older layout: treat as not requested
-        return False
-    collected = _active_collector.get()
-    return collected is not None and "attentions" in collected
-
-
-_eager_functions: dict[type, object] = {}
-
-
-def _eager_for(module):
-    """The model's own eager attention (module-level `eager_attention_forward` of its modeling file), since models
-    differ (GQA repeat, softcapping, sinks...); Llama's when a modeling file has none."""
-    fn = _eager_functions.get(type(module))
-    if fn is None:
-        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
-        _eager_functions[type(module)] = fn
-    return fn
-
-
 def _make_bridge(name: str):
     sdpa = name == "hf_kvcache_sdpa"
 
     def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
-        inner = sdpa_attention_forward if sdpa else _eager_for(module)
+        inner = sdpa_attention_forward if sdpa else eager_attention_for(module)
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
@@ -191,7 +183,7 @@ def _make_bridge(name: str):
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
                     return out
             if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
-                not sdpa and _attention_weights_requested()
+                not sdpa and attention_weights_requested()  # eager then returns the weights itself
             ):  # output and column scores from one pass (hf_kvcache.scored_attention)
                 return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
             if sdpa and query.shape[2] == 1 and not layer.policy.needs_attention:
@@ -234,23 +226,11 @@ def register_attention_functions() -> None:
         AttentionMaskInterface.register(name, _MASKS[name])
 
 
-_signatures: dict[type, inspect.Signature] = {}
-
-
-def _forward_arguments(module, args, kwargs) -> dict:
-    if not args:
-        return kwargs
-    sig = _signatures.get(type(module))
-    if sig is None:
-        sig = _signatures[type(module)] = inspect.signature(module.forward)
-    return sig.bind_partial(*args, **kwargs).arguments
-
-
 def _pre_hook(module, args, kwargs):
     from .caches import KVCache
 
-    arguments = _forward_arguments(module, args, kwargs)
-    cache = arguments.get("past_key_values")
+    arguments = forward_arguments(module, args, kwargs)
+    cache = given_cache(arguments)  # under `cache` (5.24) or `past_key_values` (5.23, or a 5.24 caller's alias)
     if isinstance(cache, KVCache):
         x = arguments.get("input_ids")
         if x is None:
@@ -258,7 +238,7 @@ def _pre_hook(module, args, kwargs):
         cache.begin_forward(
             x.shape[1], x.shape[0], x.device, arguments.get("attention_mask"), arguments.get("position_ids")
         )
-        cache.forward_info.attention_bridged = module.config._attn_implementation in _INNER
+        cache.forward_info.attention_bridged = attention_implementation(module) in _INNER
         _active_stack().append(cache)
     else:
         _active_stack().append(None)
@@ -277,17 +257,18 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     caches; `generate` and caches built with the model do it for you. Outputs with other caches are unchanged."""
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    if getattr(model, "_hf_kvcache_hooks", False) and model.config._attn_implementation in _INNER:
+    if getattr(model, "_hf_kvcache_hooks", False) and attention_implementation(model) in _INNER:
         return model
+    require(*BRIDGE_CONTRACTS)
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models.")
-    if not model._can_set_attn_implementation():
+    if not can_set_attention(model):
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
             "hf_kvcache cannot apply its masks; this architecture is not supported."
         )
     register_attention_functions()
-    current = model.config._attn_implementation
+    current = attention_implementation(model)
     if current in _INNER:
         target = current
     elif current in BRIDGE_NAMES:
@@ -312,12 +293,12 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def is_enabled(model: PreTrainedModel) -> bool:
-    return bool(getattr(model, "_hf_kvcache_hooks", False)) and model.config._attn_implementation in _INNER
+    return bool(getattr(model, "_hf_kvcache_hooks", False)) and attention_implementation(model) in _INNER
 
 
 def disable(model: PreTrainedModel) -> None:
     """Undo the attention switch (the forward hooks stay, inert without our caches); `enable` switches back."""
-    current = model.config._attn_implementation
+    current = attention_implementation(model)
     inner = {v: k for k, v in BRIDGE_NAMES.items()}.get(current)
     if inner is not None:
         model.set_attn_implementation(inner)

@@ -8,11 +8,11 @@ import numbers
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache
 
 from .architecture import COMPRESSED_TYPE, check_supported_config, layer_plan
 from .config import check_keys, require_choice, require_int
 from .forward_info import ForwardInfo
+from .integration.cache_layers import Cache, upstream_layer_class
 from .layer import CompressedLayer
 from .policies import KeepAllPolicy, SinkWindowPolicy
 from .policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvictionPolicy
@@ -135,7 +135,7 @@ class KVCache(Cache):
         built = []
         for i, (layer_type, kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
             if layer_type != COMPRESSED_TYPE:
-                built.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
+                built.append(upstream_layer_class(layer_type)(**kwargs))
             elif spec is None:
                 policy, store = layer_factory(config)
                 if getattr(self, "compress", "always") == "prompt":  # see hf_kvcache.policies.prompt_mode

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .config import require_choice
+from .integration.cache_argument import cache_kwargs
 from .rotation import ROTATIONS, rotation_matrix
 from .stores.quantization import FP8_DTYPES
 
@@ -72,7 +73,7 @@ def calibrate(
     for start in range(0, input_ids.shape[1], window):
         chunk = input_ids[:, start : start + window]
         cache = DynamicCache(config=model.config)
-        model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=chunk, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         if stats is None:
             stats = [None] * len(cache.layers)
             rotation = rotation_matrix(key_rotation, cache.layers[0].keys.shape[-1])

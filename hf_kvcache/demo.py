@@ -2,7 +2,7 @@
 decodes and how often it agrees with the full cache.
 
 Each row (a cache at a budget) prefills the prompt once into a fresh cache, then from copies of that cache:
-- free-running: `model.generate` continues greedily with the prefilled cache (`past_key_values=`), and
+- free-running: `model.generate` continues greedily with the prefilled cache (`cache=`), and
   `generated_agreement` is the fraction of positions where its tokens equal the full cache's;
 - teacher-forced: the full cache's continuation is fed one token per forward through the compressed cache, and
   `top1_agreement` is the fraction of positions whose argmax equals the full cache's (the full row needs no such pass:
@@ -23,6 +23,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .evaluation.cache_spec import make_cache
 from .evaluation.memory import cache_nbytes
+from .integration.cache_argument import cache_kwargs
 
 #: each evicting cache runs at these fractions of the prompt
 BUDGET_FRACTIONS = (0.125, 0.25, 0.5)
@@ -81,14 +82,14 @@ def _row_bar(label: str, total: int, progress: bool):
 def _run_row(model, prompt, cache, new_tokens: int, reference, pad: int, bar):
     """(generated [1, new_tokens], decode tokens/s, teacher-forced argmax [1, new_tokens] or None) for one fresh
     cache; `reference` None: this is the full cache, whose output is the reference."""
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
     first = logits[:, -1].argmax(-1, keepdim=True)
     if bar is not None:
         bar.update(1)
     forced_cache = copy.deepcopy(cache) if reference is not None else None
     start = time.perf_counter()
     out = model.generate(
-        torch.cat((prompt, first), 1), past_key_values=cache, max_new_tokens=new_tokens - 1,
+        torch.cat((prompt, first), 1), **cache_kwargs(cache), max_new_tokens=new_tokens - 1,
         min_new_tokens=new_tokens - 1, do_sample=False, pad_token_id=pad,
         stopping_criteria=StoppingCriteriaList([_Ticks(bar)]),
     )
@@ -98,7 +99,7 @@ def _run_row(model, prompt, cache, new_tokens: int, reference, pad: int, bar):
         return generated, speed, None
     preds = [first[:, 0]]
     for i in range(new_tokens - 1):
-        step = model(input_ids=reference[:, i : i + 1], past_key_values=forced_cache, use_cache=True).logits
+        step = model(input_ids=reference[:, i : i + 1], **cache_kwargs(forced_cache), use_cache=True).logits
         preds.append(step[:, -1].argmax(-1))
         if bar is not None:
             bar.update(1)

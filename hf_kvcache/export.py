@@ -55,7 +55,8 @@ _GENERATE_TEMPLATE = '''"""custom_generate: generate with the hf-kvcache cache {
 The cache settings are data: a JSON string below, parsed with json.loads. Arguments of this generate:
 - cache_config: a dict of settings for {name!r} that replaces the baked-in ones (the documented defaults of the
   name still fill in what it leaves out);
-- past_key_values or cache_implementation: the caller's own cache, used instead (no {name!r} cache is built);
+- cache (past_key_values before transformers 5.24) or cache_implementation: the caller's own cache, used instead
+  (no {name!r} cache is built);
 - everything else goes to the model's usual generate.
 """
 
@@ -81,24 +82,29 @@ def build_cache(model, cache_config=None):
     return config.build(model)
 
 
-def generate(*args, model=None, cache_config=None, past_key_values=None, **kwargs):
+def generate(*args, model=None, cache_config=None, cache=None, past_key_values=None, **kwargs):
     # transformers calls generate(model=model, inputs=..., ...); a model repo carrying this file and loaded with
     # trust_remote_code=True gets `model.generate = partial(generate, model=model)`, so inputs may come first
+    if cache is not None and past_key_values is not None:
+        raise ValueError("custom_generate: pass the cache once, as `cache` (or `past_key_values` before 5.24).")
+    given = cache if cache is not None else past_key_values
     if model is None:
         if not args:
             raise TypeError("custom_generate: generate() needs the model (generate(model, input_ids, ...)).")
         model, args = args[0], args[1:]
     # the class's generate, not `model.generate` (which may be this function, bound as above)
     model_generate = type(model).generate
-    if past_key_values is not None or kwargs.get("cache_implementation") is not None:
+    if given is not None or kwargs.get("cache_implementation") is not None:
         if cache_config is not None:
-            if past_key_values is not None:
-                raise ValueError("custom_generate: pass either `cache_config` or `past_key_values`, not both.")
+            if given is not None:
+                raise ValueError("custom_generate: pass either `cache_config` or your own `cache`, not both.")
             kwargs["cache_config"] = cache_config
-        return model_generate(model, *args, past_key_values=past_key_values, **kwargs)
+        if given is not None:  # under the name the installed transformers takes (cache from 5.24)
+            kwargs.update(hf_kvcache.cache_kwargs(given))
+        return model_generate(model, *args, **kwargs)
     if kwargs.get("use_cache") is False:
         return model_generate(model, *args, **kwargs)
-    return model_generate(model, *args, past_key_values=build_cache(model, cache_config), **kwargs)
+    return model_generate(model, *args, **hf_kvcache.cache_kwargs(build_cache(model, cache_config)), **kwargs)
 '''
 
 
@@ -137,7 +143,8 @@ the cache).
 
 - `cache_config` (dict): settings for `{name}` that replace the ones above (the cache's documented defaults fill
   in the rest).
-- `past_key_values` or `cache_implementation`: your own cache, used instead of this one.
+- `cache` (`past_key_values` before transformers 5.24) or `cache_implementation`: your own cache, used instead of
+  this one.
 - Every other argument is passed to the model's `generate` (greedy, sampling and beam search work).
 
 ## Model compatibility

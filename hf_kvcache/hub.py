@@ -13,7 +13,7 @@ Published with a model, the same settings also go into `generation_config.json` 
 (`{"cache": "sink", "config": {...}, "version": 1}`), never in `cache_implementation`: transformers keeps unknown
 generation-config keys through load and save and does not validate them, so the model loads and generates with
 its usual cache for anyone without hf_kvcache, while `import hf_kvcache` makes `generate` use the published cache
-unless the caller passes its own `cache_implementation` or `past_key_values`. `publish(model_dir, name, cfg)` writes
+unless the caller passes its own `cache_implementation` or `cache`. `publish(model_dir, name, cfg)` writes
 both files. (A `cache_implementation` naming one of our caches makes `from_pretrained` of the whole model fail
 wherever hf_kvcache is not imported: transformers validates that name when the config loads.)
 

@@ -16,10 +16,10 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from .codes_attention import codes_now, dequantizes, read_codes, resolve_attention
 from .compile_static import fixed_shape
+from .integration.cache_layers import CacheLayerMixin
 from .policies.base import Policy
 from .rotation import rotate
 

@@ -1,14 +1,15 @@
 """Registration of our cache names with `generate(cache_implementation=..., cache_config=...)`.
 
 transformers 5.x validates `cache_implementation` against a fixed tuple and hard-codes the name-to-class mapping in
-`GenerationMixin._prepare_cache_for_generation`; we extend both, idempotently, and only on a tested version range.
-`GenerationMixin.init_continuous_batching` is extended too: it hands a model our caches switched to the attention
-bridge back to its own attention implementation, the only kind continuous batching accepts.
+`GenerationMixin._prepare_cache_for_generation`; hf_kvcache.integration.generation extends both (idempotently, each
+step behind a contract) and calls `build_for_generate` here. `GenerationMixin.init_continuous_batching` is extended
+too: it hands a model our caches switched to the attention bridge back to its own attention implementation (the
+only kind continuous batching accepts) and checks that quantized pages asked for can be honoured.
 
 Published configs. A model's `generation_config.json` may carry `"hf_kvcache": {"cache": NAME, "config": {...},
 "version": 1}` (see hf_kvcache.hub): transformers keeps that key and ignores it, so the model loads and generates
 everywhere; with hf_kvcache imported, `generate` builds that cache whenever the call sets no `cache_implementation`
-and passes no `past_key_values` (either of which wins). `save_cache_config` writes that safe form, never a
+and passes no `cache` (either of which wins). `save_cache_config` writes that safe form, never a
 `cache_implementation` (which makes `from_pretrained` fail wherever hf_kvcache is not imported).
 
 Defaults. Every name runs without a `cache_config`: the caller's keys are merged over `DEFAULT_CACHE_CONFIGS`, with
@@ -38,20 +39,23 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
-
-import transformers
-from packaging.version import Version
-from transformers.generation import configuration_utils
-from transformers.generation.utils import GenerationMixin
 
 from .caches import H2OCache, KVCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .composite import CompositeCache
+from .integration import generation as upstream_generation
+from .integration.cache_argument import CACHE_ARG
+from .integration.contracts import require
+from .integration.versions import (  # noqa: F401  (re-exported: the range is part of the registry's contract)
+    SUPPORTED_RANGE_TEXT,
+    SUPPORTED_TRANSFORMERS,
+    UnsupportedTransformersError,
+    check_transformers_version,
+    warn_if_untested,
+)
 from .quantized import KIVICache, QuantizedFP8Cache
 from .scorer_caches import SCORER_CACHES
-
-SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))
-SUPPORTED_RANGE_TEXT = ">=5.23,<6"
 
 #: cache_implementation name -> class
 CACHE_IMPLEMENTATIONS: dict[str, type[KVCache]] = {
@@ -93,20 +97,7 @@ DEFAULT_REPLACED_BY: dict[str, dict[str, tuple[str, ...]]] = {
 
 def builtin_cache_implementations() -> tuple[str, ...]:
     """The names transformers itself accepts (ours excluded)."""
-    original = getattr(configuration_utils, "_hf_kvcache_builtin", None)
-    if original is None:
-        original = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) + ("paged",)
-    return original
-
-
-def check_transformers_version(version: str | None = None) -> None:
-    version = Version(version or transformers.__version__)
-    low, high = SUPPORTED_TRANSFORMERS
-    if not (low <= version < high):
-        raise ImportError(
-            f"hf_kvcache supports transformers {SUPPORTED_RANGE_TEXT}; found {version}. "
-            f"Install a supported version: pip install 'transformers{SUPPORTED_RANGE_TEXT}'."
-        )
+    return upstream_generation.builtin_cache_names()
 
 
 def _max_positions(config_or_model) -> int | None:
@@ -159,18 +150,19 @@ def resolve_cache_config(name: str, config_or_model, cache_config: dict[str, Any
     return {**defaults, **given}
 
 
-def _published_cache(model, generation_config, model_kwargs):
+def _published_cache(request: upstream_generation.CacheRequest):
     """(name, settings) from generation_config.hf_kvcache when this call should use it, else None."""
-    if generation_config.cache_implementation is not None or model_kwargs.get("past_key_values") is not None:
+    generation_config = request.generation_config
+    if generation_config.cache_implementation is not None or request.given is not None:
         return None
-    if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
+    if generation_config.use_cache is False or not request.supports_default_cache():
         return None
     from .hub import KVCacheConfig
 
     published = KVCacheConfig.from_generation_config(generation_config, validate=False)
     if published is None:
         return None
-    if model.config.is_encoder_decoder:
+    if request.model.config.is_encoder_decoder:
         raise ValueError(
             f"generation_config key 'hf_kvcache' names cache {published.cache!r}, but hf_kvcache caches are for "
             f"decoder-only models; remove the key or pass cache_implementation='dynamic'."
@@ -178,54 +170,63 @@ def _published_cache(model, generation_config, model_kwargs):
     return published.cache, published.config
 
 
-def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    name = generation_config.cache_implementation
-    cache_config = generation_config.cache_config
-    published = _published_cache(self, generation_config, model_kwargs)
+def build_for_generate(request: upstream_generation.CacheRequest) -> KVCache | None:
+    """The cache `generate` should use when it names one of ours (or the model's generation config publishes one);
+    None leaves the call to transformers' own cache preparation."""
+    generation_config = request.generation_config
+    name, cache_config = generation_config.cache_implementation, generation_config.cache_config
+    published = _published_cache(request)
     if published is not None:
         name, cache_config = published
-    if name in CACHE_IMPLEMENTATIONS:
-        if generation_config.is_assistant and isinstance(model_kwargs.get("past_key_values"), KVCache):
-            # Assisted generation hands the main model's generation config (our cache name included) to the
-            # assistant, and the assistant's cache of the previous round back with it: keep using that cache.
-            return None
-        if model_kwargs.get("past_key_values") is not None:
-            raise ValueError(
-                "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` (a "
-                "Cache object) is unsupported. Please use only one of the two."
-            )
-        if generation_config.use_cache is False:
-            return None
-        try:
-            model_kwargs["past_key_values"] = build_cache(name, self, cache_config)
-        except ValueError as error:
-            if published is None:
-                raise
-            raise ValueError(
-                f"generation_config.json key 'hf_kvcache' (cache {name!r}) does not build for this model: {error} "
-                f"Pass cache_implementation='dynamic' (or another cache) to generate without it."
-            ) from None
-        _refuse_rollback_past_budget(model_kwargs["past_key_values"], *args, **kwargs)
+    if name not in CACHE_IMPLEMENTATIONS:
         return None
-    result = _prepare_cache_for_generation.original(self, generation_config, model_kwargs, *args, **kwargs)
-    if isinstance(model_kwargs.get("past_key_values"), KVCache):
+    if request.is_assistant and isinstance(request.given, KVCache):
+        # Assisted generation (<= 5.23) hands the main model's generation config (our cache name included) to the
+        # assistant, and the assistant's cache of the previous round back with it: keep using that cache.
+        return request.given
+    if request.given is not None:
+        raise ValueError(
+            f"Passing both `cache_implementation` (used to initialize certain caches) and `{CACHE_ARG}` (a "
+            "Cache object) is unsupported. Please use only one of the two."
+        )
+    if generation_config.use_cache is False:
+        return None
+    try:
+        cache = build_cache(name, request.model, cache_config)
+    except ValueError as error:
+        if published is None:
+            raise
+        raise ValueError(
+            f"generation_config.json key 'hf_kvcache' (cache {name!r}) does not build for this model: {error} "
+            f"Pass cache_implementation='dynamic' (or another cache) to generate without it."
+        ) from None
+    _check_generation(request, cache)
+    return cache
+
+
+def prepared_for_generate(request: upstream_generation.CacheRequest) -> None:
+    """After transformers prepared the cache: one of ours passed by the caller switches the model to the bridge."""
+    if isinstance(request.given, KVCache):
         from .attention import enable
 
-        enable(self)
-        _refuse_rollback_past_budget(model_kwargs["past_key_values"], *args, **kwargs)
-    return result
+        enable(request.model)
+        _check_generation(request, request.given)
 
 
-def _refuse_rollback_past_budget(cache, generation_mode=None, batch_size=None, max_cache_length=None, **_) -> None:
+def _check_generation(request: upstream_generation.CacheRequest, cache: KVCache) -> None:
+    _refuse_rollback_past_budget(cache, request)
+    if cache.is_compileable and request.generation_config.compile_config is not None:
+        require(upstream_generation.AUTO_COMPILE)  # compilation was asked for: never silently eager
+
+
+def _refuse_rollback_past_budget(cache, request: upstream_generation.CacheRequest) -> None:
     """Assisted generation and prompt lookup roll rejected candidate tokens back with `cache.crop`, which a cache can
     do only until it first evicts (evicted tokens cannot come back): refuse, before any forward, a generation whose
     length is past a layer's budget. The verifying forward may hold `max_length + 1` tokens (prompt lookup proposes
     up to the last position, plus the token being verified; `max_cache_length` is `max_length - 1`)."""
-    from transformers.generation.configuration_utils import GenerationMode
-
-    if generation_mode != GenerationMode.ASSISTED_GENERATION or max_cache_length is None:
+    if not request.assisted or request.max_cache_length is None:
         return
-    needed = max_cache_length + 2
+    needed = request.max_cache_length + 2
     for layer in cache.compressed_layers:
         if layer.policy.has_evicted(needed):
             raise ValueError(
@@ -238,43 +239,53 @@ def _refuse_rollback_past_budget(cache, generation_mode=None, batch_size=None, m
 
 
 def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
-    """Register all our caches (idempotent); with `name` and `cls`, add one more cache class first."""
-    check_transformers_version()
-    if not hasattr(configuration_utils, "_hf_kvcache_builtin"):
-        configuration_utils._hf_kvcache_builtin = builtin_cache_implementations()
+    """Register all our caches (idempotent); with `name` and `cls`, add one more cache class first. On a
+    transformers outside the tested range this warns once; a contract that does not hold raises
+    `UnsupportedTransformersError` naming it."""
+    warn_if_untested()
     names = set(CACHE_IMPLEMENTATIONS)
     if name is not None:
         if not (isinstance(cls, type) and issubclass(cls, KVCache)):
             raise ValueError(f"`cls` must be a subclass of hf_kvcache.KVCache, got {cls!r}.")
         names.add(name)
-    clash = names & set(configuration_utils._hf_kvcache_builtin)
+    clash = names & set(upstream_generation.builtin_cache_names())
     if clash:
         raise RuntimeError(f"hf_kvcache cache names {sorted(clash)} would shadow transformers' own cache names.")
     if name is not None:
         CACHE_IMPLEMENTATIONS[name] = cls
-    known = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = known + tuple(n for n in CACHE_IMPLEMENTATIONS if n not in known)
-    for method, ours in (("_prepare_cache_for_generation", _prepare_cache_for_generation),
-                         ("init_continuous_batching", init_continuous_batching)):
-        current = getattr(GenerationMixin, method, None)
-        if current is not None and not (getattr(current, "__name__", "") == method and hasattr(current, "original")):
-            ours.original = current
-            setattr(GenerationMixin, method, ours)
+    upstream_generation.add_cache_names(tuple(CACHE_IMPLEMENTATIONS))
+    upstream_generation.install_generate_hooks(build_for_generate, prepared_for_generate, before_continuous_batching)
     from .attention import register_attention_functions
 
     register_attention_functions()
 
 
-def init_continuous_batching(self, *args, **kwargs):
+def register_at_import() -> bool:
+    """`register()` as `import hf_kvcache` runs it: where a contract it needs does not hold, the package still
+    imports (cache objects passed to `generate` need only the attention bridge's contracts) and one warning names
+    the internal; `cache_implementation=` with our names is then unavailable. False in that case."""
+    try:
+        register()
+    except UnsupportedTransformersError as error:
+        warnings.warn(f"{error} `generate(cache_implementation=...)` with hf_kvcache names is unavailable; cache "
+                      "objects still work where the bridge's contracts hold.", stacklevel=3)
+        return False
+    return True
+
+
+def before_continuous_batching(model, args, kwargs) -> None:
     """transformers' continuous batching (`generate_batch`, `init_continuous_batching`) on a model one of our caches
     switched to the attention bridge: continuous batching accepts only its own attention implementations and never
     runs our caches, so the model goes back to its own implementation first (`hf_kvcache.disable`); the next
-    `generate` with one of our caches switches it again."""
+    `generate` with one of our caches switches it again. Quantized pages asked for are checked here (raises
+    `UnsupportedTransformersError` where transformers' internals changed, instead of model-dtype pages)."""
     from .attention import disable, is_enabled
+    from .paged.cache import check_requested
 
-    if is_enabled(self):
-        disable(self)
-    return init_continuous_batching.original(self, *args, **kwargs)
+    named = dict(zip(("generation_config", "continuous_batching_config"), args), **kwargs)
+    check_requested(model, named.get("generation_config"), named.get("continuous_batching_config"))
+    if is_enabled(model):
+        disable(model)
 
 
 def build_cache(name: str, config_or_model, cache_config: dict[str, Any] | None = None) -> KVCache:

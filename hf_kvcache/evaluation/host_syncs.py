@@ -7,7 +7,7 @@ overlap host and device work and cannot be captured in a CUDA graph. These opera
 CPU, so they can be counted here without a GPU:
 
     with HostSyncCounter() as counter:
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **cache_kwargs(cache))
     counter.syncs          # operations that force a host-device synchronisation
     counter.by_name        # which ones, e.g. {"aten._local_scalar_dense": 2}
     counter.ops            # every aten operation dispatched (a proxy for per-step launch overhead)
@@ -25,6 +25,8 @@ from collections import Counter
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..integration.cache_argument import cache_kwargs
 
 #: aten operations that read a value back to the host, or whose output shape depends on the data
 SYNC_ATEN_OPS = (

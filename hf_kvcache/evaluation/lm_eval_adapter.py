@@ -44,6 +44,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from tqdm.auto import tqdm
 
+from ..integration.cache_argument import cache_kwargs
 from .cache_spec import check_cache, make_cache
 
 TASKS_DIR = Path(__file__).with_name("tasks")
@@ -110,7 +111,7 @@ class HFKVCacheLM(HFLM):
     def _forward(self, ids: list[int] | torch.Tensor, cache, keep: int = 1) -> torch.Tensor:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         with torch.no_grad():
-            return self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0]
+            return self.model(input_ids=x, **cache_kwargs(cache), use_cache=True, logits_to_keep=keep).logits[0]
 
     def _prefill(self, ids: list[int], cache) -> None:
         step = len(ids) if not self.prefill_chunk else self.prefill_chunk
@@ -191,7 +192,7 @@ class HFKVCacheLM(HFLM):
             with torch.no_grad():
                 self._prefill(row[0, : row.shape[1] - tail].tolist(), cache)
                 out = self.model.generate(
-                    input_ids=row, attention_mask=torch.ones_like(row), past_key_values=cache,
+                    input_ids=row, attention_mask=torch.ones_like(row), **cache_kwargs(cache),
                     max_new_tokens=max_new, pad_token_id=pad, use_cache=True,
                     stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, row.shape[1], 1),
                     **generation_kwargs,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..integration.cache_argument import cache_kwargs
+
 
 def _tensor_bytes(obj, seen: set, depth: int = 0) -> int:
     if depth > 6 or obj is None:
@@ -246,7 +248,7 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
         with torch.inference_mode():
             prefill(model, ids[:, : n - decode_tokens], cache, prefill_chunk)
             for t in range(n - decode_tokens, n):
-                model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         held = cache_nbytes(cache)
         tokens = expected_tokens(resolved, n)
         theory = kv_cache_bytes(shape, precision, tokens)

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..integration.cache_argument import cache_kwargs
 from .streaming import bucket_perplexity, perplexity, stream_nll
 
 __all__ = ["MODES", "chunked_nll", "run_perplexity"]
@@ -48,7 +49,7 @@ def chunked_nll(model, input_ids: torch.Tensor, cache_factory: Callable[[], obje
     for start in starts:
         end = min(start + chunk, n - 1)
         x = ids[start:end].view(1, -1).to(device)
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].double()
+        logits = model(input_ids=x, **cache_kwargs(cache), use_cache=True).logits[0].double()
         target = ids[start + 1 : end + 1].to(device)
         nll = torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]
         nlls[start:end] = nll.cpu().numpy()

@@ -13,7 +13,7 @@ The needle (pass key sentence or target record) sits at a depth of the context: 
 
 Protocol (`run_probe`): the context is prefilled into the cache (one forward, or chunks of `prefill_chunk`) and
 compressed; then the question is fed through the compressed cache and the answer generated greedily with
-`model.generate(past_key_values=cache)`. So the question never sees evicted tokens: this is the question-agnostic
+`model.generate(**cache_kwargs(cache))`. So the question never sees evicted tokens: this is the question-agnostic
 setting (a real prompt cache compressed before the query arrives).
 """
 
@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+
+from ..integration.cache_argument import cache_kwargs
 
 __all__ = ["KINDS", "POSITIONS", "Probe", "make_probe", "passkey_probe", "records_probe", "run_probe",
            "run_retrieval", "score_answer"]
@@ -292,7 +294,7 @@ def run_probe(model, tokenizer, probe: Probe, cache, max_new_tokens: int | None 
     if max_new_tokens is None:
         max_new_tokens = 8 if probe.kind == "passkey" else 32
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     if probe.kind == "records":

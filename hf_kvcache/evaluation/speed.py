@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..integration.cache_argument import cache_kwargs
+
 __all__ = ["measure_speed"]
 
 
@@ -21,11 +23,11 @@ def _one(model, ids, factory, prompt_len: int, decode_tokens: int) -> tuple[floa
     cache = factory()
     x = ids[:, :prompt_len]
     t0 = time.perf_counter()
-    model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=x, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for t in range(prompt_len, prompt_len + decode_tokens):
-        model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
     decode_ms = (time.perf_counter() - t0) * 1000 / decode_tokens
     return prefill_s, decode_ms
 

@@ -32,7 +32,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
+from transformers import Cache
+
+from ..integration.cache_argument import cache_kwargs
 
 __all__ = [
     "bucket_perplexity",
@@ -205,7 +207,7 @@ def stream_nll(
     t0 = time.perf_counter()
     with torch.inference_mode():
         for t in range(done, end):
-            out = model(input_ids=ids[t : t + 1].view(1, 1).to(device), past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[t : t + 1].view(1, 1).to(device), **cache_kwargs(cache), use_cache=True)
             logits = out.logits[0, -1].to(torch.float64)
             nlls[t] = (torch.logsumexp(logits, -1) - logits[ids[t + 1]]).item()
             since_save += 1

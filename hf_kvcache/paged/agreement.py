@@ -15,15 +15,11 @@ block tables), the requests in the batch (`batch_sizes`), the KV bytes in use (`
 one `ForwardRecord` per forward (hf_kvcache.paged.concurrency): the resident requests and the pages they hold,
 the requests still waiting, the query tokens of the batch and the limit that stopped admission at that forward.
 
-Internals relied on (transformers 5.23, see hf_kvcache.paged.internals for the cache ones): the manager returned
-by `model.init_continuous_batching` (which `generate_batch` calls) has `batch_processor.inputs_and_outputs.
-requests_in_batch` (FutureRequestState: `.state.request_id`, `.state.generated_len()`, `.state.initial_tokens`,
-`.state._true_initial_tokens`, `.has_new_token`, `.query_length`) for the batch being computed, and the model is
-called with `logits_to_keep` (rows = those requests) or `logits_indices`; `batch_processor.scheduler.
-waiting_requests` holds the requests not admitted yet and `.max_requests_per_batch` its per-batch request limit;
-`batch_processor.max_batch_tokens` is the token budget of a forward (transformers' FIFO scheduler admits waiting
-requests, after the decoding ones, until that budget, the request limit or the cache runs out: its safety margin
-or a failed page allocation).
+The scheduler's state is read through hf_kvcache.integration.continuous_batching (contract 5 there): the batch's
+requests in order, the waiting requests, the per-batch request and token limits (transformers' FIFO scheduler
+admits waiting requests, after the decoding ones, until the token budget, the request limit or the cache runs out:
+its safety margin or a failed page allocation). The model is called with `logits_to_keep` (rows = the requests
+that produce a token) or `logits_indices`.
 """
 
 from __future__ import annotations
@@ -32,15 +28,8 @@ import contextlib
 
 import torch
 
+from ..integration.continuous_batching import batch_processor, request_step, requests_in_batch, scheduler_state
 from .concurrency import ForwardRecord, admission_limit
-
-
-def _step(state) -> int:
-    """Index of the generated token this forward predicts. A request evicted without CPU offloading restarts with
-    its generated tokens appended to its prompt (`create_equivalent_initial_request`, which keeps the original
-    prompt length in `_true_initial_tokens`), so count from the original prompt."""
-    prompt = state._true_initial_tokens or len(state.initial_tokens)
-    return len(state.initial_tokens) + state.generated_len() - prompt
 
 
 class LogitsRecorder:
@@ -70,22 +59,20 @@ class LogitsRecorder:
 
     def _note_step(self, processor, batch) -> None:
         allocator = next(iter(processor.cache.cache_allocators.values()))
-        scheduler = processor.scheduler
-        waiting = len(scheduler.waiting_requests)
+        waiting, max_requests, max_tokens = scheduler_state(processor)
         tokens = sum(f.query_length for f in batch)
         self.steps.append(ForwardRecord(
             resident=frozenset(allocator.block_table),
             pages_in_use=sum(len(blocks) for blocks in allocator.block_table.values()),
             waiting_requests=waiting, batch_requests=len(batch), batch_tokens=tokens,
-            admission_limit=admission_limit(waiting, tokens, processor.max_batch_tokens, len(batch),
-                                            scheduler.max_requests_per_batch),
+            admission_limit=admission_limit(waiting, tokens, max_tokens, len(batch), max_requests),
         ))
 
     def hook(self, module, args, kwargs, output):
-        if self.manager is None or self.manager.batch_processor is None:
+        processor = None if self.manager is None else batch_processor(self.manager)
+        if processor is None:
             raise RuntimeError("record_logits: the model ran outside a continuous-batching manager it could see")
-        processor = self.manager.batch_processor
-        batch = processor.inputs_and_outputs.requests_in_batch
+        batch = requests_in_batch(processor)
         self._note_cache(processor.cache)
         self.batch_sizes.append(len(batch))
         self._note_step(processor, batch)
@@ -97,7 +84,7 @@ class LogitsRecorder:
             positions = kwargs["logits_indices"][: len(requests)].tolist()
         for future, position in zip(requests, positions):
             state = future.state
-            step = _step(state)
+            step = request_step(state)
             row = logits[0, position]
             self.rows.setdefault(state.request_id, {})[step] = torch.log_softmax(row.float(), -1).cpu()
             forced = self.force.get(state.request_id, {}).get(step)

@@ -21,12 +21,12 @@ Keys may be rotated by an orthogonal matrix before they are quantized and rotate
 from __future__ import annotations
 
 import torch
-from transformers.generation.continuous_batching.cache_allocators import (
+
+from ..integration.continuous_batching import (
     FullAttentionCacheAllocator,
     SlidingAttentionCacheAllocator,
+    find_head_dim,
 )
-from transformers.generation.continuous_batching.utils import find_head_dim
-
 from ..rotation import rotation_matrix
 from ..stores.quantization import check_finite
 from ..stores.workspace import DequantWorkspace

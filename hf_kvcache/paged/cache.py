@@ -19,28 +19,30 @@ The switch, in transformers' style (a field of the config, or one call on the mo
     hf_kvcache.enable_paged(model, kv_dtype="fp8_e4m3")   # every continuous-batching run of this model
     model.generate_batch(inputs)
 
-The transformers internals relied on are listed and checked in hf_kvcache.paged.internals.
+The transformers internals relied on are listed and checked in hf_kvcache.integration.continuous_batching. Where
+one of them changed, asking for quantized pages raises `UnsupportedTransformersError` naming it (never model-dtype
+pages in their place).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import threading
-import warnings
 
 import torch
 
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching import cache as cb_cache
-from transformers.generation.continuous_batching import continuous_api
-
+from ..integration.continuous_batching import (
+    QUANTIZED_PAGES,
+    PagedAttentionCache,
+    allocator_factories,
+    cb_config_of,
+    install_cache_class,
+)
+from ..integration.contracts import holds, require
 from .allocators import ALLOCATORS
-from .internals import UnsupportedTransformersError, check_internals
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
-_BUILD_LOCK = threading.Lock()
-UPSTREAM_CACHE = cb_cache.PagedAttentionCache
+UPSTREAM_CACHE = PagedAttentionCache
 
 
 class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
@@ -61,16 +63,9 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         factories = {
             name: functools.partial(cls, kv_spec=spec) for name, cls in ALLOCATORS.items()
         }
-        # transformers builds its allocators from the module-level ATTN_TYPE_TO_ALLOCATOR: ours stand in while
-        # this cache is built (under a lock; the mapping is restored even on error)
-        with _BUILD_LOCK:
-            saved = dict(cb_cache.ATTN_TYPE_TO_ALLOCATOR)
-            cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(factories)
-            try:
-                super().__init__(**kwargs)
-            finally:
-                cb_cache.ATTN_TYPE_TO_ALLOCATOR.clear()
-                cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(saved)
+        require(*QUANTIZED_PAGES)
+        with allocator_factories(factories):  # ours stand in for transformers' while this cache is built
+            super().__init__(**kwargs)
         # capacity in whole-model blocks of quantized pages (transformers counted model-dtype blocks)
         layers = config.num_hidden_layers
         page_bytes = next(iter(self.cache_allocators.values())).bytes_per_page
@@ -111,21 +106,32 @@ _installed = False
 
 def install(strict: bool = True) -> bool:
     """Make transformers' continuous batching build QuantizedPagedAttentionCache (idempotent). If this transformers
-    version changed an internal we rely on: raise `UnsupportedTransformersError` naming it (strict), or warn and
-    leave transformers untouched (`import hf_kvcache` does that, so the rest of the library still imports)."""
+    version changed an internal we rely on: raise `UnsupportedTransformersError` naming it (strict), or leave
+    transformers untouched and return False (`import hf_kvcache` does that, so the rest of the library still
+    imports; a run that then asks for quantized pages raises: see `check_requested`)."""
     global _installed
     if _installed:
         return True
-    try:
-        check_internals()
-    except UnsupportedTransformersError as error:
-        if strict:
-            raise
-        warnings.warn(f"{error} `kv_cache_dtype` in continuous-batching configs will be ignored.", stacklevel=3)
+    if not strict and not all(holds(name) for name in QUANTIZED_PAGES):
         return False
-    continuous_api.PagedAttentionCache = QuantizedPagedAttentionCache
+    install_cache_class(QuantizedPagedAttentionCache)
     _installed = True
     return True
+
+
+def requested_spec(model, generation_config=None, continuous_batching_config=None) -> PagedKVSpec | None:
+    """The page format a continuous-batching run of `model` asks for (its config's `kv_cache_dtype`, else
+    `enable_paged`'s), None for model-dtype pages."""
+    cb_config = cb_config_of(generation_config if generation_config is not None else model.generation_config,
+                             continuous_batching_config)
+    return PagedKVSpec.from_cb_config(cb_config) or getattr(model, "_hf_kvcache_paged_spec", None)
+
+
+def check_requested(model, generation_config=None, continuous_batching_config=None) -> None:
+    """Before transformers starts a continuous-batching run: a run that asks for quantized pages on a transformers
+    whose internals changed raises `UnsupportedTransformersError` instead of silently using model-dtype pages."""
+    if requested_spec(model, generation_config, continuous_batching_config) is not None:
+        install(strict=True)
 
 
 def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
@@ -151,12 +157,8 @@ def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
 
     @functools.wraps(original)
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
-        cb_config = continuous_batching_config
-        if cb_config is None:  # as transformers: the generation config's (deprecated) field, else the defaults
-            gen = generation_config if generation_config is not None else model.generation_config
-            cb_config = getattr(gen, "continuous_batching_config", None)
-            if not isinstance(cb_config, ContinuousBatchingConfig):
-                cb_config = ContinuousBatchingConfig()
+        gen = generation_config if generation_config is not None else model.generation_config
+        cb_config = cb_config_of(gen, continuous_batching_config)
         if getattr(cb_config, DTYPE_FIELD, None) is None:
             cb_config = copy.deepcopy(cb_config)
             setattr(cb_config, DTYPE_FIELD, spec.kv_dtype)

@@ -86,6 +86,7 @@ def summary_lines(result: dict) -> list[str]:
 def write_results(result: dict, out: str) -> list[str]:
     """JSON, CSV and PNG next to `out` (a path without suffix)."""
     import csv
+
     import matplotlib
 
     matplotlib.use("Agg")

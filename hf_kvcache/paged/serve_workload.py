@@ -116,7 +116,7 @@ def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[in
 def continuous_batching_config(settings: ServeBenchSettings, budget_tokens: int, kv_dtype: str, options: dict):
     """transformers' ContinuousBatchingConfig of one run: `budget_tokens` model-dtype tokens of pages (the same
     bytes for every format), `kv_dtype` pages with `options` (parse_format), no block sharing, no async batching."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from ..integration.continuous_batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(
         num_blocks=budget_tokens // settings.page_size, page_size=settings.page_size,

@@ -1,0 +1,77 @@
+"""transformers' cache layers, as our caches use them.
+
+- `Cache` and `CacheLayerMixin` (public in `transformers.cache_utils`): our caches subclass them.
+- `cache_utils.get_layer_types_and_kwargs(config)` and `DYNAMIC_LAYER_TYPE_MAPPING` (internal): what each decoder
+  layer caches and transformers' layer class for it; our non-compressed layers (sliding, chunked, linear
+  attention, dummy) are those classes, built exactly as DynamicCache builds them.
+- The attributes of those layers are walked by hf_kvcache.state to save them. Which of them are state differs by
+  version (5.24 stopped setting `dtype` on DynamicLayer / StaticLayer), so attributes derived from the tensors are
+  never saved and are set again after loading (`DERIVED_FIELDS`, `restore_derived`): a file written on one
+  supported version loads on the other.
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import get_layer_types_and_kwargs as _get_layer_types_and_kwargs
+
+from .contracts import contract, missing_parameters, require, source
+
+LAYER_TYPES = "cache_utils.get_layer_types_and_kwargs / DYNAMIC_LAYER_TYPE_MAPPING"
+UPSTREAM_MODULE = "transformers.cache_utils"
+
+#: attributes of transformers' layers that are a function of their tensors (not saved; restored on load)
+DERIVED_FIELDS = frozenset({"dtype"})
+
+
+@contract(LAYER_TYPES, "get_layer_types_and_kwargs(config) -> (a layer type per decoder layer, kwargs per layer), "
+          "DYNAMIC_LAYER_TYPE_MAPPING: layer type -> the layer class DynamicCache builds with those kwargs",
+          "every hf_kvcache cache (hybrid models' sliding / linear layers)")
+def _check_layer_types() -> str | None:
+    if not isinstance(DYNAMIC_LAYER_TYPE_MAPPING, dict) or "sliding_attention" not in DYNAMIC_LAYER_TYPE_MAPPING:
+        return "DYNAMIC_LAYER_TYPE_MAPPING is not a dict with 'sliding_attention'"
+    return missing_parameters(_get_layer_types_and_kwargs, ["config"], "get_layer_types_and_kwargs")
+
+
+@contract("CacheLayerMixin (layer interface)", "layers implement lazy_initialization / update / get_seq_length / "
+          "get_mask_sizes / reset and the flag is_compileable",
+          "every hf_kvcache cache")
+def _check_layer_interface() -> str | None:
+    missing = [name for name in ("lazy_initialization", "update", "get_seq_length", "get_mask_sizes", "reset",
+                                 "is_compileable") if not hasattr(CacheLayerMixin, name)]
+    return f"CacheLayerMixin lacks {missing}" if missing else None
+
+
+def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
+    require(LAYER_TYPES)
+    layer_types, kwargs = _get_layer_types_and_kwargs(config)
+    return list(layer_types), list(kwargs)
+
+
+def upstream_layer_class(layer_type: str):
+    """transformers' layer class for `layer_type` (None for a type DynamicCache does not know)."""
+    return DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+
+
+def known_layer_types() -> list[str]:
+    return sorted(DYNAMIC_LAYER_TYPE_MAPPING)
+
+
+def is_upstream_layer_object(obj) -> bool:
+    """Objects of transformers' cache module whose attributes hf_kvcache.state walks."""
+    return type(obj).__module__ == UPSTREAM_MODULE
+
+
+def _sets_dtype() -> bool:
+    return "self.dtype" in source(DynamicLayer.lazy_initialization)
+
+
+def restore_derived(layer) -> None:
+    """After loading a transformers layer's saved fields: set again what this version derives from its tensors."""
+    keys = getattr(layer, "keys", None)
+    if _sets_dtype() and getattr(layer, "is_initialized", False) and keys is not None:
+        layer.dtype = keys.dtype
+
+
+__all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
+           "layer_types_and_kwargs", "restore_derived", "upstream_layer_class"]

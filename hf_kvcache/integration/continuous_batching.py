@@ -1,0 +1,221 @@
+"""transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve`), as
+hf_kvcache.paged uses it. It has no public extension point for the page format, so quantized pages rely on:
+
+1. `continuous_api.ContinuousBatchingManager._create_batch_processor` builds the cache by calling the module-level
+   name `continuous_api.PagedAttentionCache` (`install_cache_class` points it at our subclass).
+2. `cache.PagedAttentionCache.__init__(config, continuous_batching_config, device, distributed_helper, dtype,
+   model_supports_logits_to_keep)` builds one allocator per attention type from the module-level dict
+   `cache.ATTN_TYPE_TO_ALLOCATOR` ("full_attention", "sliding_attention") and sizes sectors from
+   `allocator.bytes_per_block`; `_infer_max_decode_fast_path_length` reads `supports_block_table`;
+   `update(key_states, value_states, layer_idx, kwargs)`.
+3. The allocators (`cache_allocators.FullAttentionCacheAllocator` / `SlidingAttentionCacheAllocator`): `__init__`
+   calls `self.get_bytes_per_page(heads, head_dim, dtype, page_size)`; `register_cache_tensor(bytes_per_sector,
+   non_trash_bytes, cache_tensor, pool)` ends with `_after_cache_tensor_init(...)`; `rows_per_token == 2`;
+   `update(key_states, value_states, layer_idx, read_index, write_index)`; `sentinel_index` marks the new tokens of
+   a sliding read; `_copy_view` is the raw byte tensor viewed per block.
+4. Something calls `cache.update(key_states, value_states, layer_idx, kwargs=...)` on the paged cache with the
+   batch's `read_index` / `write_index` / `cu_seq_lens_*` in `kwargs`: the attention functions
+   (`integrations.sdpa_attention` & co.) up to 5.23, each model's attention forward from 5.24.
+5. The scheduler as the serving benchmark reads it (hf_kvcache.paged.agreement): the manager's `batch_processor`
+   with `inputs_and_outputs.requests_in_batch` (`.state.request_id`, `.has_new_token`, `.query_length`,
+   `state.initial_tokens`, `state._true_initial_tokens`, `state.generated_len()`), `scheduler.waiting_requests`,
+   `scheduler.max_requests_per_batch`, `max_batch_tokens`, and the allocators' `block_table`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.cache_allocators import (
+    CacheAllocator,
+    FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.utils import find_head_dim
+
+from .cache_argument import CACHE_ARG
+from .contracts import contract, parameters, require, source
+
+USED_BY = "quantized pages (kv_cache_dtype / enable_paged / serve-bench)"
+BUILD = "continuous_api.PagedAttentionCache (cache construction)"
+CACHE_INIT = "PagedAttentionCache.__init__ / ATTN_TYPE_TO_ALLOCATOR"
+ALLOCATORS = "cache_allocators.FullAttentionCacheAllocator / SlidingAttentionCacheAllocator"
+UPDATE = "paged cache.update(..., kwargs=...) caller"
+SCHEDULER = "ContinuousBatchingManager.batch_processor (scheduler state)"
+QUANTIZED_PAGES = (BUILD, CACHE_INIT, ALLOCATORS, UPDATE)
+
+PagedAttentionCache = cb_cache.PagedAttentionCache
+
+
+@contract(BUILD, "ContinuousBatchingManager._create_batch_processor calls the module-level name "
+          "continuous_api.PagedAttentionCache(...)", USED_BY)
+def _check_build() -> str | None:
+    manager = getattr(continuous_api, "ContinuousBatchingManager", None)
+    if not hasattr(continuous_api, "PagedAttentionCache") or manager is None:
+        return "continuous_api no longer has PagedAttentionCache / ContinuousBatchingManager"
+    if "PagedAttentionCache(" not in source(getattr(manager, "_create_batch_processor", None)):
+        return "_create_batch_processor no longer calls PagedAttentionCache(...)"
+    return None
+
+
+@contract(CACHE_INIT, "PagedAttentionCache(config, continuous_batching_config, device, distributed_helper, dtype, "
+          "model_supports_logits_to_keep) builds its allocators from ATTN_TYPE_TO_ALLOCATOR[...] and sizes sectors "
+          "from bytes_per_block; update(key_states, value_states, layer_idx, kwargs)", USED_BY)
+def _check_cache_init() -> str | None:
+    cls = cb_cache.PagedAttentionCache
+    expected = ["self", "config", "continuous_batching_config", "device", "distributed_helper", "dtype",
+                "model_supports_logits_to_keep"]
+    if parameters(cls.__init__) != expected:
+        return f"__init__ takes {parameters(cls.__init__)}, expected {expected}"
+    mapping = getattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR", None)
+    if not isinstance(mapping, dict) or set(mapping) != {"full_attention", "sliding_attention"}:
+        return f"ATTN_TYPE_TO_ALLOCATOR is {mapping!r}, expected a dict for full / sliding attention"
+    text = source(cls.__init__)
+    if "ATTN_TYPE_TO_ALLOCATOR[" not in text or "bytes_per_block" not in text:
+        return "__init__ no longer builds allocators from ATTN_TYPE_TO_ALLOCATOR[...]"
+    if "supports_block_table" not in source(cls._infer_max_decode_fast_path_length):
+        return "_infer_max_decode_fast_path_length no longer reads supports_block_table"
+    if parameters(cls.update) != ["self", "key_states", "value_states", "layer_idx", "kwargs"]:
+        return f"update takes {parameters(cls.update)}"
+    return None
+
+
+@contract(ALLOCATORS, "allocators built with (index, config, num_key_value_heads, cache_dtype, page_size, "
+          "layer_indices, allow_block_sharing), sized by get_bytes_per_page, rows of keys then values per page "
+          "(rows_per_token == 2), register_cache_tensor / _after_cache_tensor_init / sentinel_index / _copy_view",
+          USED_BY)
+def _check_allocators() -> str | None:
+    init = ["self", "index", "config", "num_key_value_heads", "cache_dtype", "page_size", "layer_indices",
+            "allow_block_sharing"]
+    for cls in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator):
+        if parameters(cls.__init__) != init:
+            return f"{cls.__name__}.__init__ takes {parameters(cls.__init__)}, expected {init}"
+        if parameters(cls.update) != ["self", "key_states", "value_states", "layer_idx", "read_index",
+                                      "write_index"]:
+            return f"{cls.__name__}.update takes {parameters(cls.update)}"
+        if getattr(cls, "rows_per_token", None) != 2:
+            return f"{cls.__name__}.rows_per_token is no longer 2 (a page is no longer key rows then value rows)"
+    if "self.get_bytes_per_page(" not in source(FullAttentionCacheAllocator.__init__):
+        return "FullAttentionCacheAllocator.__init__ no longer sizes pages with self.get_bytes_per_page(...)"
+    register = parameters(FullAttentionCacheAllocator.register_cache_tensor)
+    if register != ["self", "bytes_per_sector", "non_trash_bytes", "cache_tensor", "pool"]:
+        return f"register_cache_tensor takes {register}"
+    for attr in ("_after_cache_tensor_init", "get_read_indices", "get_write_indices", "free_blocks"):
+        if not hasattr(CacheAllocator, attr) and not hasattr(FullAttentionCacheAllocator, attr):
+            return f"CacheAllocator.{attr} is missing"
+    if "sentinel_index" not in source(CacheAllocator._after_cache_tensor_init):
+        return "the sliding read no longer marks new tokens with sentinel_index"
+    if "_copy_view" not in source(FullAttentionCacheAllocator.register_cache_tensor):
+        return "block copies no longer use the raw byte view _copy_view"
+    return None
+
+
+def update_caller() -> str | None:
+    """Who calls the paged cache's update on this version: 'attention functions' (<= 5.23) or 'model attention'
+    (>= 5.24); None when neither does."""
+    from transformers.integrations import sdpa_attention
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    if "cache.update(" in source(sdpa_attention.sdpa_attention_forward):
+        return "attention functions"
+    text = source(LlamaAttention.forward)
+    if f"{CACHE_ARG}.update(" in text and "kwargs=kwargs" in text:
+        return "model attention"
+    return None
+
+
+@contract(UPDATE, "the paged cache's update(key_states, value_states, layer_idx, kwargs=...) is called with the "
+          "batch's read/write indices in kwargs: by the attention functions up to 5.23, by each model's attention "
+          "forward from 5.24", USED_BY)
+def _check_update_caller() -> str | None:
+    if update_caller() is None:
+        return ("neither sdpa_attention_forward nor LlamaAttention.forward calls cache.update(..., kwargs=kwargs) "
+                "on the paged cache")
+    if update_caller() == "attention functions":
+        from transformers.integrations import eager_paged, flash_attention
+
+        for module, fn in ((flash_attention, "flash_attention_forward"),
+                           (eager_paged, "eager_paged_attention_forward")):
+            if "cache.update(" not in source(getattr(module, fn, None)):
+                return f"{module.__name__}.{fn} no longer calls cache.update(...) on the paged cache"
+    return None
+
+
+@contract(SCHEDULER, "manager.batch_processor has inputs_and_outputs.requests_in_batch (state.request_id, "
+          "has_new_token, query_length), scheduler.waiting_requests / max_requests_per_batch, max_batch_tokens; "
+          "RequestState has initial_tokens, _true_initial_tokens, generated_len()", "serve-bench (the scheduler trace)")
+def _check_scheduler() -> str | None:
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    fields = getattr(RequestState, "__dataclass_fields__", {})
+    missing = [f for f in ("request_id", "initial_tokens", "_true_initial_tokens") if f not in fields]
+    if missing or not hasattr(RequestState, "generated_len"):
+        return f"RequestState lacks {missing or ['generated_len']}"
+    return None
+
+
+# -- what hf_kvcache.paged builds on ------------------------------------------------------------------------------
+
+_BUILD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def allocator_factories(factories: dict):
+    """transformers builds a paged cache's allocators from the module-level ATTN_TYPE_TO_ALLOCATOR: `factories`
+    stand in while a cache is built in this block (under a lock; the mapping is restored even on error)."""
+    with _BUILD_LOCK:
+        saved = dict(cb_cache.ATTN_TYPE_TO_ALLOCATOR)
+        cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(factories)
+        try:
+            yield
+        finally:
+            cb_cache.ATTN_TYPE_TO_ALLOCATOR.clear()
+            cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(saved)
+
+
+def install_cache_class(cls) -> None:
+    """Make continuous batching build `cls` (a PagedAttentionCache subclass) for every manager it starts."""
+    require(*QUANTIZED_PAGES)
+    continuous_api.PagedAttentionCache = cls
+
+
+def cb_config_of(generation_config, continuous_batching_config) -> ContinuousBatchingConfig:
+    """The continuous-batching config a run uses, as transformers picks it: the argument, else the generation
+    config's (deprecated) field, else the defaults."""
+    if continuous_batching_config is not None:
+        return continuous_batching_config
+    config = getattr(generation_config, "continuous_batching_config", None)
+    return config if isinstance(config, ContinuousBatchingConfig) else ContinuousBatchingConfig()
+
+
+def request_step(state) -> int:
+    """Index of the generated token this forward predicts. A request evicted without CPU offloading restarts with
+    its generated tokens appended to its prompt (`_true_initial_tokens` keeps the original prompt length)."""
+    prompt = state._true_initial_tokens or len(state.initial_tokens)
+    return len(state.initial_tokens) + state.generated_len() - prompt
+
+
+def batch_processor(manager):
+    """The manager's batch processor (None before it started), after checking the scheduler contract."""
+    require(SCHEDULER)
+    return getattr(manager, "batch_processor", None)
+
+
+def requests_in_batch(processor) -> list:
+    return processor.inputs_and_outputs.requests_in_batch
+
+
+def scheduler_state(processor) -> tuple[int, int, int]:
+    """(waiting requests, the per-batch request limit, the per-forward token budget)."""
+    scheduler = processor.scheduler
+    return len(scheduler.waiting_requests), scheduler.max_requests_per_batch, processor.max_batch_tokens
+
+
+__all__ = ["CacheAllocator", "ContinuousBatchingConfig", "FullAttentionCacheAllocator", "PagedAttentionCache",
+           "QUANTIZED_PAGES", "SlidingAttentionCacheAllocator", "allocator_factories", "batch_processor",
+           "cb_config_of", "find_head_dim", "install_cache_class", "request_step", "requests_in_batch",
+           "scheduler_state", "update_caller"]
