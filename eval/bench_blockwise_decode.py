@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import hf_kvcache
-from hf_kvcache import KIVICache, QuantizedFP8Cache
+from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs
 from hf_kvcache.models import load_model
 from hf_kvcache.text import load_tokens
 
@@ -42,7 +42,7 @@ def forward(model, ids, cache, native: bool) -> float:
     """Seconds of one forward, with the native kernel allowed or not (HF_KVCACHE_NATIVE, read at every call)."""
     os.environ["HF_KVCACHE_NATIVE"] = "1" if native else "0"
     t0 = time.perf_counter()
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
     return time.perf_counter() - t0
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_kvcache  # noqa: E402
+from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter  # noqa: E402
 from stream_ppl import environment  # noqa: E402
 
@@ -60,7 +61,7 @@ def decode_times(forward, cache, ids, pos: int, n: int, clock=time.perf_counter,
     for i in range(n):
         sync()
         t0 = clock()
-        forward(input_ids=ids[:, pos + i : pos + i + 1], past_key_values=cache, use_cache=True)
+        forward(input_ids=ids[:, pos + i : pos + i + 1], **cache_kwargs(cache), use_cache=True)
         sync()
         times.append(clock() - t0)
     return times
@@ -136,11 +137,11 @@ def main(argv=None) -> None:
         for budget in budgets:
             for name, make in CACHES.items():
                 cache = make(model, budget, args.attention)
-                model(input_ids=ids[:, : args.prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, : args.prompt], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
                 pos = args.prompt + args.warmup  # a decode step after `warmup` others: what each step dispatches
                 decode_times(forward, cache, ids, args.prompt, args.warmup, sync=sync)
                 with HostSyncCounter() as counter:  # (eager: a dispatch mode would change what dynamo traces)
-                    model(input_ids=ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
+                    model(input_ids=ids[:, pos : pos + 1], **cache_kwargs(cache), use_cache=True)
                 configs[f"{name}@{budget}"] = dict(cache=cache, pos=pos + 1, name=name, budget=budget,
                                                    ops=counter.ops, syncs=counter.syncs, rounds=[])
         print(f"prefill of {len(configs)} configurations: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import DynamicCache  # noqa: E402
 
-from hf_kvcache import SinkCache  # noqa: E402
+from hf_kvcache import SinkCache, cache_kwargs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stream_ppl import environment  # noqa: E402
@@ -46,7 +46,7 @@ TARGET = 1.15
 def prefill_to(model, cache, ids, start: int, stop: int, chunk: int) -> None:
     with torch.inference_mode():
         for s in range(start, stop, chunk):
-            model(input_ids=ids[:, s : min(stop, s + chunk)], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, s : min(stop, s + chunk)], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
 
 def decode_steps(model, cache, ids, pos: int, n: int) -> list[float]:
@@ -56,7 +56,7 @@ def decode_steps(model, cache, ids, pos: int, n: int) -> list[float]:
         for i in range(n):
             token = ids[:, pos + i : pos + i + 1]
             t0 = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, use_cache=True)
+            model(input_ids=token, **cache_kwargs(cache), use_cache=True)
             times.append(time.perf_counter() - t0)
     return times
 

@@ -43,9 +43,10 @@ What is measured, per cache (default: every name in `hf_kvcache.CACHE_IMPLEMENTA
   decode time over its compiled decode time (> 1: compile helps). `torch.cuda.synchronize()` brackets every timed
   region on CUDA only.
 - compile: `torch.compile(forward, fullgraph=True, mode=--compile-mode, backend=--compile-backend)`, where
-  `forward(**kw)` calls `model.forward(**kw)` with the cache passed in as `past_key_values`. Prefill and decode get
-  one such wrapper each, and every cache its own pair (distinct code objects), so dynamo's code cache, recompile
-  limit and automatic-dynamic decisions are per cache and phase and the caches cannot influence each other.
+  `forward(**kw)` calls `model.forward(**kw)` with the cache passed in as `**cache_kwargs(cache)` (`cache`, or
+  `past_key_values` before transformers 5.24). Prefill and decode get one such wrapper each, and every cache its
+  own pair (distinct code objects), so dynamo's code cache, recompile limit and automatic-dynamic decisions are per
+  cache and phase and the caches cannot influence each other.
   Warm-up: a prefill and `--compile-warmup` decode steps. Status per phase (`prefill_compile`, `decode_compile`;
   `status` is the decode one if it failed, else the prefill one): `ok`; `graph_break` (fullgraph refused, or a guard
   on a tensor's value: the reason and the user-code line; after the timed rounds `torch._dynamo.explain` counts the
@@ -93,6 +94,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_kvcache  # noqa: E402  (registers the cache names)
+from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.eval_cli import parse_cache  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import check_cache, make_cache  # noqa: E402
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter  # noqa: E402
@@ -209,7 +211,7 @@ class Runner:
     def call(self, fn, cache, tokens, **kw):
         if fn is not self.model.forward and self.args.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        return fn(input_ids=tokens, past_key_values=cache, use_cache=True, **kw)
+        return fn(input_ids=tokens, **cache_kwargs(cache), use_cache=True, **kw)
 
     @torch.inference_mode()
     def run(self, mode: str, steps: int, after_step=None) -> dict:
@@ -417,7 +419,7 @@ def explain_breaks(runner: Runner, args) -> dict | None:
         found = {}
         with torch.inference_mode():
             for phase, tokens in (("prefill", runner.ids[:, :p]), ("decode", runner.ids[:, p : p + 1])):
-                out = torch._dynamo.explain(fwd)(input_ids=tokens, past_key_values=cache, use_cache=True)
+                out = torch._dynamo.explain(fwd)(input_ids=tokens, **cache_kwargs(cache), use_cache=True)
                 reasons = []
                 for r in out.break_reasons:
                     where = r.user_stack[-1] if r.user_stack else None
@@ -455,11 +457,11 @@ def count_syncs(runner: Runner, steps: int) -> dict:
     # aten.is_nonzero without reaching aten._local_scalar_dense, and HostSyncCounter would not see them
     with torch.no_grad():
         with HostSyncCounter() as prefill:
-            runner.model(input_ids=runner.ids[:, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        runner.model(input_ids=runner.ids[:, p : p + 1], past_key_values=cache, use_cache=True)
+            runner.model(input_ids=runner.ids[:, :p], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+        runner.model(input_ids=runner.ids[:, p : p + 1], **cache_kwargs(cache), use_cache=True)
         with HostSyncCounter() as decode:
             for i in range(1, steps + 1):
-                runner.model(input_ids=runner.ids[:, p + i : p + i + 1], past_key_values=cache, use_cache=True)
+                runner.model(input_ids=runner.ids[:, p + i : p + i + 1], **cache_kwargs(cache), use_cache=True)
     return {
         "syncs_prefill": prefill.syncs,
         "syncs_per_decode_step": decode.syncs / steps,

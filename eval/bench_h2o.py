@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transformers import DynamicCache  # noqa: E402
 
 import hf_kvcache  # noqa: E402
+from hf_kvcache import cache_kwargs  # noqa: E402
 from stream_ppl import environment  # noqa: E402
 
 PREFILL_TARGET, DECODE_TARGET = 1.3, 1.1
@@ -47,12 +48,12 @@ PREFILL_TARGET, DECODE_TARGET = 1.3, 1.1
 def measure(model, cache, ids, prompt: int, warmup: int, steps: int, clock=time.perf_counter):
     """(prefill seconds, timed decode seconds per step) for one fresh cache, on `clock`."""
     t0 = clock()
-    model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :prompt], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     prefill = clock() - t0
     times = []
     for i in range(prompt, prompt + warmup + steps):
         t0 = clock()
-        model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
         times.append(clock() - t0)
     return prefill, times[warmup:]
 

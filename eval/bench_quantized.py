@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transformers import DynamicCache, QuantizedCache  # noqa: E402
 
 import hf_kvcache  # noqa: E402
-from hf_kvcache import KIVICache, QuantizedFP8Cache  # noqa: E402
+from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs  # noqa: E402
 from hf_kvcache.calibration import calibrate  # noqa: E402
 from hf_kvcache.evaluation.memory import cache_nbytes  # noqa: E402
 from stream_ppl import environment  # noqa: E402
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         for n in names:
             caches[n] = CONFIGS[n][2](model, scales)
             t0 = time.perf_counter()
-            model(input_ids=ids[:, : args.prompt], past_key_values=caches[n], use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, : args.prompt], **cache_kwargs(caches[n]), use_cache=True, logits_to_keep=1)
             prefill_s[n] = time.perf_counter() - t0
             print(f"prefill {n}: {prefill_s[n]:.1f} s", flush=True)
 
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             logprobs = {}
             for n in order:
                 t0 = time.perf_counter()
-                out = model(input_ids=token, past_key_values=caches[n], use_cache=True)
+                out = model(input_ids=token, **cache_kwargs(caches[n]), use_cache=True)
                 times[n].append(time.perf_counter() - t0)
                 logprobs[n] = out.logits[0, -1].float().log_softmax(-1)
             ref = logprobs["dynamic"]

@@ -30,6 +30,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvcache
+from hf_kvcache import cache_kwargs
 from hf_kvcache.eval_cli import parse_cache
 from hf_kvcache.evaluation.cache_spec import make_cache, resolve_config
 
@@ -99,7 +100,7 @@ def nbytes(cache) -> int:
 def generate(model, batch: dict, name: str, config: dict, new_tokens: int):
     cache = make_cache(model, name, config, context_len=batch["input_ids"].shape[1])
     pad = model.generation_config.pad_token_id
-    out = model.generate(**batch, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+    out = model.generate(**batch, **cache_kwargs(cache), max_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=pad if pad is not None else 0)
     return out[:, batch["input_ids"].shape[1]:].cpu(), cache
 

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import hf_kvcache  # noqa: F401  (registers the cache names)
+from hf_kvcache import cache_kwargs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -122,9 +123,9 @@ def teacher_forced_logits(model, cache, ids, prompt: int, chunk: int | None = No
     with torch.no_grad():
         step = chunk or prompt
         for start in range(0, prompt, step):
-            model(input_ids=ids[:, start : min(prompt, start + step)], past_key_values=cache)
+            model(input_ids=ids[:, start : min(prompt, start + step)], **cache_kwargs(cache))
         for t in range(prompt, ids.shape[1]):
-            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+            logits.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1])
     return torch.stack(logits, 1)
 
 
@@ -135,13 +136,13 @@ def greedy_decode_syncs(model, cache, ids, mask, steps: int) -> list[dict]:
 
     counts = []
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
         for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
             with HostSyncCounter() as counter:
                 out = model(input_ids=token, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                            past_key_values=cache)
+                            **cache_kwargs(cache))
             counts.append(dict(counter.by_name) if counter.syncs else {})
     return counts
 
@@ -151,7 +152,7 @@ def masked_step(model, cache, ids, mask):
     mask = torch.cat((mask, torch.ones_like(ids)), 1)
     with torch.no_grad():
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
     return out.logits[:, -1], mask
 
 

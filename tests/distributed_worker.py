@@ -101,6 +101,8 @@ def describe_cache(cache, batch: int) -> dict:
 
 def run_case(model, case: dict) -> dict:
     """Greedy generation of NEW_TOKENS tokens with the case's cache; never raises (errors are reported)."""
+    from hf_kvcache import cache_kwargs
+
     result = {"id": case["id"]}
     try:
         ids, mask = prompt(case.get("padded", False))
@@ -109,7 +111,7 @@ def run_case(model, case: dict) -> dict:
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                past_key_values=cache,
+                **cache_kwargs(cache),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 pad_token_id=PAD,

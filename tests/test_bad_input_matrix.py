@@ -32,6 +32,7 @@ import transformers
 
 import hf_kvcache
 from conftest import build_config, build_model, random_ids
+from hf_kvcache import CACHE_ARG, cache_kwargs
 from hf_kvcache.hub import KVCacheConfig
 from hf_kvcache.stores.quantization import NonFiniteError
 
@@ -133,7 +134,7 @@ def file_case(content: str | bytes, match: str, error=ValueError, name: str = "k
 # -- bad calls on a live cache ------------------------------------------------------------------------------------
 def forward(m, cache, ids=None, **kwargs):
     with torch.no_grad():
-        return m(ids, past_key_values=cache, use_cache=True, **kwargs).logits
+        return m(ids, **cache_kwargs(cache), use_cache=True, **kwargs).logits
 
 
 def _state(cache) -> tuple:
@@ -557,8 +558,8 @@ CASES: list[Case] = [
     gen_case("kivi", {"bits": 5}, r"`bits` must be one of \(2, 4, 8\)"),
     gen_case("kivi", {"backend": "gptq"}, r"`backend` must be one of"),
     gen_case("sink", {"layers": {"9": "keep"}, "window": 8}, r"`layers` key '9': layer index must be in 0\.\.1"),
-    gen_case("sink", {"window": 8}, r"Passing both `cache_implementation`.*`past_key_values`",
-             past_key_values=lambda: hf_kvcache.SinkCache(_CONFIG, sinks=2, window=8)),
+    gen_case("sink", {"window": 8}, rf"Passing both `cache_implementation`.*`{CACHE_ARG}`",
+             **cache_kwargs(lambda: hf_kvcache.SinkCache(_CONFIG, sinks=2, window=8))),
     # -- per-layer settings (layers=) -----------------------------------------------------------------------------------
     layers_case([None], r"`layers` as a list needs one entry per decoder layer \(2\), got 1"),
     layers_case({"5": "keep"}, r"`layers` key '5': layer index must be in 0\.\.1"),

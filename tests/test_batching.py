@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import PAD, build_model, left_pad, random_ids
-from hf_kvcache import FullCache, SinkCache, SlidingWindowCache
+from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 PROMPT_LENGTHS = (10, 17, 13, 20)
 NEW = 20
@@ -67,7 +67,7 @@ def test_left_padded_batch_full_cache_equals_default():
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-        past_key_values=FullCache(model.config),
+        **cache_kwargs(FullCache(model.config)),
     )
     assert torch.equal(out, ref)
 
@@ -131,7 +131,7 @@ def test_beam_search_large_budget_equals_dynamic(name, cache_config):
     ref = model.generate(ids, **kw)
     out = model.generate(ids, cache_implementation=name, cache_config=cache_config, **kw)
     assert torch.equal(out, ref)
-    full = model.generate(ids, past_key_values=FullCache(model.config), **kw)
+    full = model.generate(ids, **cache_kwargs(FullCache(model.config)), **kw)
     assert torch.equal(full, ref)
 
 
@@ -150,7 +150,7 @@ def test_num_return_sequences(cache_name):
     # beam search returning both beams
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, num_beams=2, num_return_sequences=2,
-        pad_token_id=PAD, past_key_values=CACHE_OBJECTS[cache_name](model),
+        pad_token_id=PAD, **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
     )
     assert out.shape == (4, ids.shape[1] + NEW)
     assert torch.equal(out[0::2, : ids.shape[1]], ids) and torch.equal(out[1::2, : ids.shape[1]], ids)
@@ -158,7 +158,7 @@ def test_num_return_sequences(cache_name):
     torch.manual_seed(0)
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, num_return_sequences=2,
-        pad_token_id=PAD, past_key_values=CACHE_OBJECTS[cache_name](model),
+        pad_token_id=PAD, **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
     )
     assert out.shape == (4, ids.shape[1] + NEW)
     assert torch.equal(out[0::2, : ids.shape[1]], ids)
@@ -196,12 +196,12 @@ def _feed_padded(model, cache, ids, mask, new, chunk):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = []
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True)
         for t in range(0, new.shape[1], chunk):
             q = min(chunk, new.shape[1] - t)
             mask = torch.cat((mask, torch.ones(ids.shape[0], q, dtype=torch.long)), -1)
             p = n_real[:, None] + t + torch.arange(q)[None]
-            out.append(model(new[:, t : t + q], attention_mask=mask, position_ids=p, past_key_values=cache,
+            out.append(model(new[:, t : t + q], attention_mask=mask, position_ids=p, **cache_kwargs(cache),
                              use_cache=True).logits)
     return torch.cat(out, 1)
 

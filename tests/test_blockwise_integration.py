@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import build_model, left_pad, random_ids
-from hf_kvcache import KIVICache, QuantizedFP8Cache
+from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs, returned_cache
 from hf_kvcache.codes_attention import attend, codes_now, resolve_attention
 from hf_kvcache.kernels import dequantize, store_segments
 from hf_kvcache.stores.full import FullPrecisionStore
@@ -39,10 +39,10 @@ def run(model, cache, ids, chunks=(24, 16)):
     out, t = [], 0
     with torch.no_grad():
         for c in chunks:
-            out.append(model(input_ids=ids[:, t : t + c], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, t : t + c], **cache_kwargs(cache), use_cache=True).logits)
             t += c
         for t in range(t, ids.shape[1]):
-            out.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(out, 1)
 
 
@@ -126,7 +126,7 @@ def test_left_padding_and_greedy_generate(llama):
     assert torch.equal(outs["blockwise"].sequences, outs["dequantize"].sequences)
     torch.testing.assert_close(torch.stack(outs["blockwise"].logits), torch.stack(outs["dequantize"].logits),
                                atol=1e-4, rtol=0)
-    cache = outs["blockwise"].past_key_values
+    cache = returned_cache(outs["blockwise"])
     assert cache.layers[0].attention_from_codes and cache.workspace_nbytes() == 0
 
 
@@ -135,8 +135,8 @@ def test_kivi_generate_equals_dequantize(llama, backend):
     hf_kvcache.enable(llama)
     ids = random_ids(1, 45, seed=11)
     outs = [llama.generate(input_ids=ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
-                           output_logits=True, past_key_values=KIVICache(llama, group_size=8, residual=8,
-                                                                          backend=backend, attention=a))
+                           output_logits=True, **cache_kwargs(KIVICache(llama, group_size=8, residual=8,
+                                                                          backend=backend, attention=a)))
             for a in ("dequantize", "blockwise")]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     torch.testing.assert_close(torch.stack(outs[1].logits), torch.stack(outs[0].logits), atol=1e-4, rtol=0)
@@ -192,11 +192,11 @@ def test_latent_attention_is_refused_by_name():
     hf_kvcache.enable(model)
     ids = random_ids(1, 10)
     with pytest.raises(RuntimeError, match=r"DeepseekV3Attention.*attention='dequantize'"):
-        model(ids, past_key_values=QuantizedFP8Cache(model, attention="blockwise"))
+        model(ids, **cache_kwargs(QuantizedFP8Cache(model, attention="blockwise")))
     cache = QuantizedFP8Cache(model, attention="auto")
     assert cache.layers[0].attention == "dequantize"
-    logits = model(ids, past_key_values=cache).logits
-    reference = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    logits = model(ids, **cache_kwargs(cache)).logits
+    reference = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits
     assert torch.allclose(logits, reference, atol=0.1)
 
 
@@ -206,7 +206,7 @@ def test_model_off_the_bridge_is_refused(llama):
     hf_kvcache.enable(model)
     model.set_attn_implementation("sdpa")  # not the bridge: the stand-ins would be attended to as zeros
     with pytest.raises(RuntimeError, match="not the bridge.*attention='dequantize'"):
-        model(random_ids(1, 8), past_key_values=cache)
+        model(random_ids(1, 8), **cache_kwargs(cache))
 
 
 def test_settings_are_validated(llama):

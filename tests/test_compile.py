@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_kvcache
+from hf_kvcache import cache_kwargs
 
 from conftest import build_model, random_ids
 
@@ -28,11 +29,11 @@ def _decode(model, cache, forward):
     ids = random_ids(2, PROMPT)
     logits, graphs = [], []
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache)  # prefill runs eager, as in generate
+        out = model(input_ids=ids, **cache_kwargs(cache))  # prefill runs eager, as in generate
         token = out.logits[:, -1:].argmax(-1)
         for step in range(STEPS):
             positions = torch.full((2, 1), PROMPT + step)
-            out = forward(input_ids=token, position_ids=positions, past_key_values=cache)
+            out = forward(input_ids=token, position_ids=positions, **cache_kwargs(cache))
             logits.append(out.logits)
             graphs.append(counters["stats"]["unique_graphs"])
             token = out.logits[:, -1:].argmax(-1)
@@ -57,10 +58,10 @@ def _teacher_forced(model, cache, forward, steps=STEPS):
     """Decode logits for a fixed token sequence (the same in every run: no divergence from a flipped argmax)."""
     logits, graphs = [], []
     with torch.no_grad():
-        model(input_ids=random_ids(2, PROMPT), past_key_values=cache)
+        model(input_ids=random_ids(2, PROMPT), **cache_kwargs(cache))
         for step in range(steps):
             out = forward(input_ids=random_ids(2, 1, seed=step), position_ids=torch.full((2, 1), PROMPT + step),
-                          past_key_values=cache)
+                          **cache_kwargs(cache))
             logits.append(out.logits)
             graphs.append(counters["stats"]["unique_graphs"])
     return torch.cat(logits, 1), graphs
@@ -161,18 +162,18 @@ def test_kivi_max_length_refuses_hqq_and_blockwise_by_name():
         hf_kvcache.KIVICache(model, max_length=32, group_size=4, attention="blockwise")
     cache = hf_kvcache.KIVICache(model, max_length=10, group_size=4, residual=2)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 10), past_key_values=cache)
+        model(input_ids=random_ids(1, 10), **cache_kwargs(cache))
         with pytest.raises(ValueError, match="max_length"):
-            model(input_ids=random_ids(1, 1), past_key_values=cache)
+            model(input_ids=random_ids(1, 1), **cache_kwargs(cache))
 
 
 def test_fp8_max_length_is_a_hard_limit_with_a_clear_error():
     model = build_model("llama", num_hidden_layers=1)
     cache = hf_kvcache.QuantizedFP8Cache(model, max_length=10)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 10), past_key_values=cache)
+        model(input_ids=random_ids(1, 10), **cache_kwargs(cache))
         with pytest.raises(ValueError, match="max_length"):
-            model(input_ids=random_ids(1, 1), past_key_values=cache)
+            model(input_ids=random_ids(1, 1), **cache_kwargs(cache))
     with pytest.raises(ValueError, match="max_length.*residual=0"):
         hf_kvcache.QuantizedFP8Cache(model, max_length=10, residual=4)
     with pytest.raises(ValueError, match="max_length"):
@@ -239,9 +240,9 @@ def test_compiling_a_growing_cache_is_a_clear_error():
     hf_kvcache.enable(model)
     cache = hf_kvcache.KIVICache(model, group_size=16)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 6), past_key_values=cache)
+        model(input_ids=random_ids(1, 6), **cache_kwargs(cache))
         with pytest.raises(Exception, match="not compileable"):
-            torch.compile(model.forward, fullgraph=True)(input_ids=random_ids(1, 1), past_key_values=cache)
+            torch.compile(model.forward, fullgraph=True)(input_ids=random_ids(1, 1), **cache_kwargs(cache))
 
 
 SIZED = {  # two configurations of each compileable cache kind, decoded through one compiled forward

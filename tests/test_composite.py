@@ -11,14 +11,15 @@ from transformers import DynamicCache, GenerationConfig
 
 import hf_kvcache
 from conftest import build_model, left_pad, random_ids
+from hf_kvcache import cache_kwargs
 
 W = {"role": "window"}
 
 
 def _stream(model, cache, ids, prefill):
-    outs = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    outs = [model(input_ids=ids[:, :prefill], **cache_kwargs(cache), use_cache=True).logits]
     for i in range(prefill, ids.shape[1]):
-        outs.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        outs.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(outs, 1)
 
 
@@ -126,11 +127,11 @@ def test_memory_flat_with_eviction_and_growth_only_in_rest():
     growing = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": 4}, {"role": "rest"}])
     sizes = []
     with torch.no_grad():
-        model(input_ids=ids[:, :10], past_key_values=bounded, use_cache=True)
-        model(input_ids=ids[:, :10], past_key_values=growing, use_cache=True)
+        model(input_ids=ids[:, :10], **cache_kwargs(bounded), use_cache=True)
+        model(input_ids=ids[:, :10], **cache_kwargs(growing), use_cache=True)
         for i in range(10, 90):
-            model(input_ids=ids[:, i : i + 1], past_key_values=bounded, use_cache=True)
-            model(input_ids=ids[:, i : i + 1], past_key_values=growing, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(bounded), use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(growing), use_cache=True)
             sizes.append(bounded.nbytes())
     assert len(set(sizes)) == 1
     assert bounded.layers[0].store.nbytes() == 2 * 4 * sum(  # float32 keys + values, regions + their trash slots
@@ -222,7 +223,7 @@ def _keys_at(model, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch
     attention depends only on relative positions, so shifting the whole sequence changes no hidden state and each
     key is the model's own key rotated to its new position (the model's RoPE, no rotator of ours involved)."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+    model(input_ids=tokens[None], position_ids=positions[None], **cache_kwargs(cache), use_cache=True)
     return [layer.keys[0] for layer in cache.layers]
 
 
@@ -234,9 +235,9 @@ def test_per_head_composite_places_each_heads_sinks_before_that_heads_oldest_tok
     cache = hf_kvcache.CompositeCache(model, regions=CLASSIC)
     heads_differed = 0
     with torch.no_grad():
-        model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :10], **cache_kwargs(cache), use_cache=True)
         for i in range(10, ids.shape[1]):
-            model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
             for layer_idx, layer in enumerate(cache.layers):
                 assert layer.slot_valid.shape[1] == layer.heads == 2  # per-head metadata
                 stored = layer.store.read(layer.used)[0][:, :, :sinks]  # [B, H, sinks, D]
@@ -282,10 +283,10 @@ def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(win
     with torch.no_grad():
         outs = []
         for cache in (pooled, separate):
-            outs.append([model(input_ids=ids[:, :9], past_key_values=cache, use_cache=True).logits])
+            outs.append([model(input_ids=ids[:, :9], **cache_kwargs(cache), use_cache=True).logits])
         for i in range(9, ids.shape[1]):
             for cache, out in zip((pooled, separate), outs):
-                out.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+                out.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
             assert _kept(pooled) == _kept(separate), f"step {i}"
     assert len(pooled.layers[0].store.stores) == len(separate.layers[0].store.stores) - 1  # one pool
     assert pooled.layers[0].policy.pooled and not separate.layers[0].policy.pooled
@@ -301,16 +302,16 @@ def test_preset_decode_moves_no_token_and_adjacent_windows_share_a_ring(monkeypa
     cache = hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=16)
     ids = random_ids(1, 40, seed=5)
     with torch.no_grad():
-        model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :10], **cache_kwargs(cache), use_cache=True)
         moves.clear()
         for i in range(10, 40):
-            model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
     assert moves == [] and [s.keys.shape[2] for s in cache.layers[0].store.stores] == [5, 13]  # + a trash slot each
     fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
     tiers = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": 3, **fp8}, {**W, "start": 3, "end": 8,
                                                                                              **fp8}])
     with torch.no_grad():
-        model(input_ids=ids[:, :10], past_key_values=tiers, use_cache=True)
+        model(input_ids=ids[:, :10], **cache_kwargs(tiers), use_cache=True)
     assert tiers.layers[0].policy.tier_sizes == (8,) and len(tiers.layers[0].store.stores) == 1
 
 
@@ -321,11 +322,11 @@ def _decode_ops(make) -> int:
     hf_kvcache.enable(model)
     cache, ids = make(model), random_ids(1, 80, seed=9)
     with torch.no_grad():
-        model(input_ids=ids[:, :70], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :70], **cache_kwargs(cache), use_cache=True)
         for i in range(70, 75):
-            model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
         with HostSyncCounter() as counter:
-            model(input_ids=ids[:, 75:76], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, 75:76], **cache_kwargs(cache), use_cache=True)
     assert counter.syncs == 0
     return counter.ops
 
@@ -392,12 +393,12 @@ def test_heavy_scorer_keeps_the_tokens_of_the_standalone_scorer_cache(scorer):
     with torch.no_grad():
         outs = []
         for cache in (composite, standalone):
-            outs.append([model(input_ids=ids[:, :9], past_key_values=cache, use_cache=True).logits,
-                         model(input_ids=ids[:, 9:20], past_key_values=cache, use_cache=True).logits])
+            outs.append([model(input_ids=ids[:, :9], **cache_kwargs(cache), use_cache=True).logits,
+                         model(input_ids=ids[:, 9:20], **cache_kwargs(cache), use_cache=True).logits])
         assert _kept_positions(composite) == _kept_positions(standalone), "after the chunks"
         for i in range(20, ids.shape[1]):
             for cache, out in zip((composite, standalone), outs):
-                out.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+                out.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
             assert _kept_positions(composite) == _kept_positions(standalone), f"step {i}"
     torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=2e-5, rtol=1e-5)
 
@@ -409,8 +410,8 @@ def test_heavy_scorer_with_left_padding_matches_the_standalone_cache(scorer):
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     composite, standalone = _scored_composite(model, scorer, 9, 2), SCORER_CACHES[scorer](model, 9, 2)
     with torch.no_grad():
-        got = model.generate(ids, past_key_values=composite, **kwargs)
-        want = model.generate(ids, past_key_values=standalone, **kwargs)
+        got = model.generate(ids, **cache_kwargs(composite), **kwargs)
+        want = model.generate(ids, **cache_kwargs(standalone), **kwargs)
     assert got.tolist() == want.tolist()
     assert _kept_positions(composite) == _kept_positions(standalone)
 
@@ -444,11 +445,11 @@ def test_expected_attention_with_a_sinks_region_keeps_the_tokens_of_the_standalo
         {"role": "heavy", "tokens": 6, "scorer": "expected_attention"}])
     standalone = hf_kvcache.ExpectedAttentionCache(model, budget=13, recent=3, sinks=4)
     with torch.no_grad():
-        outs = [[model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True).logits]
+        outs = [[model(input_ids=ids[:, :20], **cache_kwargs(cache), use_cache=True).logits]
                 for cache in (composite, standalone)]
         for i in range(20, ids.shape[1]):
             for cache, out in zip((composite, standalone), outs):
-                out.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+                out.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
             assert _kept_positions(composite) == _kept_positions(standalone), f"step {i}"
     torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), atol=2e-5, rtol=1e-5)
 

@@ -16,7 +16,7 @@ import torch
 import hf_kvcache
 import hf_kvcache.attention as bridge
 from conftest import build_model, greedy_decode_syncs, left_pad, random_ids
-from hf_kvcache import CompositeCache
+from hf_kvcache import CompositeCache, cache_kwargs
 from hf_kvcache.codes_attention import resolve_attention
 from hf_kvcache.kernels import dequantize
 from hf_kvcache.scored_attention import scored_attention
@@ -89,12 +89,12 @@ def forwards(model, cache, ids, mask=None, chunks=(12, 10, 9), steps=8):
         for c in chunks:
             m = mask[:, : t + c]
             positions = (m.cumsum(-1) - 1).clamp(min=0)[:, t:]
-            out = model(input_ids=ids[:, t : t + c], attention_mask=m, position_ids=positions, past_key_values=cache)
+            out = model(input_ids=ids[:, t : t + c], attention_mask=m, position_ids=positions, **cache_kwargs(cache))
             t += c
         for _ in range(steps):
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
             out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1)[:, -1:], past_key_values=cache)
+                        position_ids=(mask.cumsum(-1) - 1)[:, -1:], **cache_kwargs(cache))
     return out
 
 
@@ -175,8 +175,8 @@ def test_chunk_logits_and_preset(llama):
         cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20, attention=attention)
         hf_kvcache.enable(llama)
         with torch.no_grad():
-            llama(input_ids=ids[:, :24], past_key_values=cache)
-            logits[attention] = llama(input_ids=ids[:, 24:], past_key_values=cache).logits
+            llama(input_ids=ids[:, :24], **cache_kwargs(cache))
+            logits[attention] = llama(input_ids=ids[:, 24:], **cache_kwargs(cache)).logits
         assert all(layer.attention_from_codes == (attention == "blockwise") for layer in cache.compressed_layers)
     torch.testing.assert_close(logits["blockwise"], logits["dequantize"], atol=1e-4, rtol=0)
 

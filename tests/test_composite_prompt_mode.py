@@ -11,6 +11,7 @@ import torch
 import hf_kvcache
 from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
                       teacher_forced_logits)
+from hf_kvcache import cache_kwargs, returned_cache
 
 PROMPT, STEPS = 20, 8
 W = {"role": "window"}
@@ -73,11 +74,11 @@ def test_quantized_regions_keep_the_always_mode_selection_and_grow_a_tail_at_the
     always = hf_kvcache.CompositeCache(model, regions=regions)
     with torch.no_grad():
         for start in range(0, PROMPT, chunk or PROMPT):
-            model(input_ids=ids[:, start : min(PROMPT, start + (chunk or PROMPT))], past_key_values=always)
+            model(input_ids=ids[:, start : min(PROMPT, start + (chunk or PROMPT))], **cache_kwargs(always))
     cache = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt")
     with torch.no_grad():
         for start in range(0, PROMPT, chunk or PROMPT):
-            model(input_ids=ids[:, start : min(PROMPT, start + (chunk or PROMPT))], past_key_values=cache)
+            model(input_ids=ids[:, start : min(PROMPT, start + (chunk or PROMPT))], **cache_kwargs(cache))
     bytes_prompt = cache.nbytes()
     _teacher_forced_rest(model, cache, ids)
     kept = _kept(cache)
@@ -92,7 +93,7 @@ def test_quantized_regions_keep_the_always_mode_selection_and_grow_a_tail_at_the
 def _teacher_forced_rest(model, cache, ids):
     with torch.no_grad():
         for t in range(PROMPT, ids.shape[1]):
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache))
 
 
 def test_preset_in_prompt_mode_grows_an_fp8_tail():
@@ -128,9 +129,9 @@ def test_generate_cache_config_equals_the_cache_object_and_grows():
     by_name = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="composite",
                              cache_config=config, return_dict_in_generate=True)
     by_object = model.generate(ids, max_new_tokens=8, do_sample=False,
-                               past_key_values=hf_kvcache.CompositeCache(model, **config))
+                               **cache_kwargs(hf_kvcache.CompositeCache(model, **config)))
     assert torch.equal(by_name.sequences, by_object)
-    assert by_name.past_key_values.layers[0].used == 10 + 7  # grew by the generated tokens after the prompt
+    assert returned_cache(by_name).layers[0].used == 10 + 7  # grew by the generated tokens after the prompt
 
 
 @pytest.mark.parametrize("scorer", ["h2o", "snapkv", "expected_attention"])
@@ -160,11 +161,11 @@ def test_end_prompt_appends_a_question_uncompressed_and_crop_stays_in_the_append
     cache = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt")
     always = hf_kvcache.CompositeCache(model, regions=regions)
     with torch.no_grad():
-        model(input_ids=ids[:, :PROMPT], past_key_values=always)
-        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        model(input_ids=ids[:, :PROMPT], **cache_kwargs(always))
+        model(input_ids=ids[:, :PROMPT], **cache_kwargs(cache))
         cache.end_prompt()
-        model(input_ids=ids[:, PROMPT:26], past_key_values=cache)  # the question: one multi-token forward
-        model(input_ids=ids[:, 26:27], past_key_values=cache)
+        model(input_ids=ids[:, PROMPT:26], **cache_kwargs(cache))  # the question: one multi-token forward
+        model(input_ids=ids[:, 26:27], **cache_kwargs(cache))
     assert _kept(cache) == [[h + list(range(PROMPT, 27)) for h in row] for row in _kept(always)]
     cache.crop(-2)
     assert cache.get_seq_length() == 25 and all(h[-1] == 24 for h in _kept(cache)[0])
@@ -191,8 +192,8 @@ def test_a_prompt_within_the_budget_is_never_evicted_equal_to_dynamic_cache(prom
 
     def run(cache):
         with torch.no_grad():
-            model(input_ids=ids[:, :prompt], past_key_values=cache)
-            return torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits
+            model(input_ids=ids[:, :prompt], **cache_kwargs(cache))
+            return torch.cat([model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits
                               for t in range(prompt, ids.shape[1])], 1)
 
     want = run(DynamicCache(config=model.config))

@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM
 
 import distributed_worker as worker
 from conftest import build_config, build_model
-from hf_kvcache import build_cache
+from hf_kvcache import build_cache, cache_kwargs
 from hf_kvcache.calibration import calibrate
 
 WORLD = 2
@@ -330,7 +330,7 @@ def test_device_map_with_offloaded_layer(tmp_path, name, config):
     outputs = []
     for m in (model, dispatched):
         cache = build_cache(name, m, config)
-        outputs.append(m.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+        outputs.append(m.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=6,
                                   do_sample=False, pad_token_id=worker.PAD))
         assert cache.get_seq_length() == worker.PROMPT + 5  # the last token is generated, not cached
     assert torch.equal(outputs[0], outputs[1])

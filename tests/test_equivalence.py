@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import ARCH_NAMES, build_model, left_pad, random_ids
-from hf_kvcache import FullCache, SinkCache, SlidingWindowCache
+from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 PREFILL, TOTAL = 7, 20
 
@@ -26,9 +26,9 @@ def stream(model, cache, ids, prefill=PREFILL, attention_mask=None):
     out = []
     with torch.no_grad():
         if attention_mask is None:
-            out.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits)
+            out.append(model(ids[:, :prefill], **cache_kwargs(cache), use_cache=True).logits)
             for t in range(prefill, ids.shape[1]):
-                out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+                out.append(model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
         else:
             pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
             out.append(
@@ -36,7 +36,7 @@ def stream(model, cache, ids, prefill=PREFILL, attention_mask=None):
                     ids[:, :prefill],
                     attention_mask=attention_mask[:, :prefill],
                     position_ids=pos[:, :prefill],
-                    past_key_values=cache,
+                    **cache_kwargs(cache),
                     use_cache=True,
                 ).logits
             )
@@ -46,7 +46,7 @@ def stream(model, cache, ids, prefill=PREFILL, attention_mask=None):
                         ids[:, t : t + 1],
                         attention_mask=attention_mask[:, : t + 1],
                         position_ids=pos[:, t : t + 1],
-                        past_key_values=cache,
+                        **cache_kwargs(cache),
                         use_cache=True,
                     ).logits
                 )
@@ -97,7 +97,7 @@ def test_chunked_prefill_equals_dynamic_cache():
         out = []
         with torch.no_grad():
             for a, b in ((0, 5), (5, 9), (9, 16), (16, 17), (17, 20)):
-                out.append(model(ids[:, a:b], past_key_values=cache, use_cache=True).logits)
+                out.append(model(ids[:, a:b], **cache_kwargs(cache), use_cache=True).logits)
         return torch.cat(out, 1)
 
     ref = chunks(DynamicCache(config=model.config))
@@ -117,7 +117,7 @@ def test_generate_cache_implementation_matches_default(arch):
         ids, cache_implementation="sink", cache_config={"budget": 32, "position_mode": "original"}, **kwargs
     )
     sliding = model.generate(ids, cache_implementation="sliding", cache_config={"window": 21}, **kwargs)
-    full = model.generate(ids, past_key_values=FullCache(model.config), **kwargs)
+    full = model.generate(ids, **cache_kwargs(FullCache(model.config)), **kwargs)
     for out in (sink, sink_orig, sliding, full):
         assert torch.equal(out, ref)
 
@@ -128,7 +128,7 @@ def test_generate_with_cache_object_built_from_config():
     ids = random_ids(1, 8, seed=15)
     ref = model.generate(ids, max_new_tokens=10, do_sample=False)
     cache = SinkCache(model.config, sinks=2, window=30)
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(out, ref)
     assert cache.get_seq_length() == 8 + 10 - 1  # the last generated token is never fed back
 

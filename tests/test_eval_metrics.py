@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import build_model, random_ids
-from hf_kvcache import FullCache, SinkCache
+from hf_kvcache import FullCache, SinkCache, cache_kwargs
 from hf_kvcache.evaluation.cache_spec import (
     CacheSpec,
     available_caches,
@@ -170,7 +170,7 @@ def test_every_registered_cache_is_available_and_builds(tiny):
         config = {"sink": {"budget": 0.5}, "sliding": {"window": 0.5}}.get(name, {})
         cache = make_cache(tiny, name, config, context_len=12, total_len=16)
         with torch.no_grad():
-            tiny(ids, past_key_values=cache, use_cache=True)
+            tiny(ids, **cache_kwargs(cache), use_cache=True)
         assert cache.get_seq_length() == 12
 
 

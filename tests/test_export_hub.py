@@ -18,6 +18,7 @@ from packaging.requirements import Requirement
 
 from conftest import build_model, random_ids
 from hf_kvcache import (
+    CACHE_ARG,
     CompositeCache,
     H2OCache,
     KIVICache,
@@ -25,6 +26,8 @@ from hf_kvcache import (
     RandomEvictionCache,
     SinkCache,
     SlidingWindowCache,
+    cache_kwargs,
+    returned_cache,
 )
 from hf_kvcache.cli import main
 from hf_kvcache.export import FILES, export_custom_generate, render_files
@@ -64,17 +67,17 @@ def test_custom_generate_equals_the_cache_built_directly(tmp_path, name):
     ids = random_ids(2, PROMPT, seed=1)
     out = _generate(model, ids, custom_generate=str(folder), trust_remote_code=True)
     reference_cache = direct(model)
-    reference = _generate(model, ids, past_key_values=reference_cache)
+    reference = _generate(model, ids, **cache_kwargs(reference_cache))
     assert out.sequences.shape == (2, PROMPT + 5)
     assert torch.equal(out.sequences, reference.sequences)
     # the folder's cache is the named class with the baked-in settings, holding what the direct one holds
-    assert type(out.past_key_values) is type(reference_cache)
-    assert out.past_key_values.nbytes() == reference_cache.nbytes()
+    assert type(returned_cache(out)) is type(reference_cache)
+    assert returned_cache(out).nbytes() == reference_cache.nbytes()
     if name in ("sink", "sliding", "h2o", "random_eviction"):
-        assert out.past_key_values.get_seq_length() < PROMPT + 5  # it evicted
+        assert returned_cache(out).get_seq_length() < PROMPT + 5  # it evicted
 
 
-def test_caller_overrides_cache_config_past_key_values_and_cache_implementation(tmp_path):
+def test_caller_overrides_cache_config_cache_object_and_cache_implementation(tmp_path):
     folder = tmp_path / "export_override"
     export_custom_generate(folder, "sink", {"sinks": 2, "window": 6})
     model = build_model()
@@ -82,23 +85,23 @@ def test_caller_overrides_cache_config_past_key_values_and_cache_implementation(
     kw = dict(custom_generate=str(folder), trust_remote_code=True)
     # cache_config replaces the baked-in settings
     out = _generate(model, ids, cache_config={"sinks": 1, "window": 3}, **kw)
-    ref = _generate(model, ids, past_key_values=SinkCache(model, sinks=1, window=3))
-    assert (out.past_key_values.sinks, out.past_key_values.window) == (1, 3)
+    ref = _generate(model, ids, **cache_kwargs(SinkCache(model, sinks=1, window=3)))
+    assert (returned_cache(out).sinks, returned_cache(out).window) == (1, 3)
     assert torch.equal(out.sequences, ref.sequences)
     # the caller's own cache object is the one used
     mine = SlidingWindowCache(model, window=5)
-    out = _generate(model, ids, past_key_values=mine, **kw)
-    assert out.past_key_values is mine
-    again = _generate(model, ids, past_key_values=SlidingWindowCache(model, window=5))
+    out = _generate(model, ids, **cache_kwargs(mine), **kw)
+    assert returned_cache(out) is mine
+    again = _generate(model, ids, **cache_kwargs(SlidingWindowCache(model, window=5)))
     assert torch.equal(out.sequences, again.sequences)
     # a cache_implementation (with its cache_config) wins over the folder's cache
     out = _generate(model, ids, cache_implementation="sliding", cache_config={"window": 5}, **kw)
-    assert type(out.past_key_values) is SlidingWindowCache and out.past_key_values.window == 5
+    assert type(returned_cache(out)) is SlidingWindowCache and returned_cache(out).window == 5
     # an invalid override names the field
     with pytest.raises(ValueError, match="window"):
         _generate(model, ids, cache_config={"sinks": 2, "window": 0}, **kw)
-    with pytest.raises(ValueError, match="cache_config.*past_key_values"):
-        _generate(model, ids, cache_config={"window": 4}, past_key_values=SinkCache(model, window=4), **kw)
+    with pytest.raises(ValueError, match=rf"cache_config.*`{CACHE_ARG}`"):
+        _generate(model, ids, cache_config={"window": 4}, **cache_kwargs(SinkCache(model, window=4)), **kw)
 
 
 def test_model_repo_carrying_custom_generate_uses_the_cache_after_from_pretrained(tmp_path):
@@ -113,8 +116,8 @@ def test_model_repo_carrying_custom_generate_uses_the_cache_after_from_pretraine
     assert loaded.generate is not type(loaded).generate
     ids = random_ids(1, PROMPT, seed=3)
     out = loaded.generate(ids, max_new_tokens=5, return_dict_in_generate=True)  # input ids positionally
-    ref = _generate(model, ids, past_key_values=SinkCache(model, sinks=2, window=6))
-    assert type(out.past_key_values) is SinkCache
+    ref = _generate(model, ids, **cache_kwargs(SinkCache(model, sinks=2, window=6)))
+    assert type(returned_cache(out)) is SinkCache
     assert torch.equal(out.sequences, ref.sequences)
 
 

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, TextStreamer
 
 import hf_kvcache
 from conftest import VOCAB, build_model, random_ids
+from hf_kvcache import CACHE_ARG, cache_kwargs
 
 PROMPT, NEW = 10, 12
 TOTAL = PROMPT + NEW  # tokens of one generation (the last one is never fed back)
@@ -50,10 +51,10 @@ def make_cache(family: str, model, roomy: bool = False):
     return hf_kvcache.CACHE_IMPLEMENTATIONS[cache_name(family)](model, **settings)
 
 
-def cache_kwargs(family: str, model, via: str, roomy: bool = False) -> dict:
+def selecting_kwargs(family: str, model, via: str, roomy: bool = False) -> dict:
     """generate() arguments selecting the cache: a built object, or the registered name with a cache_config."""
-    if via == "past_key_values":
-        return {"past_key_values": make_cache(family, model, roomy)}
+    if via == "cache_object":
+        return cache_kwargs(make_cache(family, model, roomy))
     return {"cache_implementation": cache_name(family), "cache_config": FAMILIES[family][1 if roomy else 0]}
 
 
@@ -69,7 +70,7 @@ def reference_run(model, cache, turns, sample_seed=None, temperature=1.0, suppre
             sequence = ids
             feed = ids[:, cache.get_seq_length():]
             for _ in range(new):
-                logits = model(input_ids=feed, past_key_values=cache, use_cache=True).logits[:, -1].float()
+                logits = model(input_ids=feed, **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
                 if suppress:
                     logits[:, list(suppress)] = float("-inf")
                 if sample_seed is None:
@@ -83,24 +84,24 @@ def reference_run(model, cache, turns, sample_seed=None, temperature=1.0, suppre
 
 
 # -- greedy and sampling --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("via", ["past_key_values", "cache_implementation"])
+@pytest.mark.parametrize("via", ["cache_object", "cache_implementation"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_equals_reference_loop(family, via):
     model = build_model("llama")
     ids = random_ids(1, PROMPT, seed=3)
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **cache_kwargs(family, model, via))
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **selecting_kwargs(family, model, via))
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)])
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("via", ["past_key_values", "cache_implementation"])
+@pytest.mark.parametrize("via", ["cache_object", "cache_implementation"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_seeded_sampling_equals_reference_loop(family, via):
     model = build_model("llama")
     ids = random_ids(1, PROMPT, seed=4)
     torch.manual_seed(123)
     out = model.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-                         **cache_kwargs(family, model, via))
+                         **selecting_kwargs(family, model, via))
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)], sample_seed=123, temperature=0.7)
     assert torch.equal(out, expected)
 
@@ -111,9 +112,9 @@ def test_roomy_cache_equals_dynamic_cache_greedy_and_sampling(family):
     ids = random_ids(1, PROMPT, seed=5)
     for kwargs in ({"do_sample": False}, {"do_sample": True, "temperature": 0.7}):
         torch.manual_seed(7)
-        expected = model.generate(ids, max_new_tokens=NEW, past_key_values=DynamicCache(), **kwargs)
+        expected = model.generate(ids, max_new_tokens=NEW, **cache_kwargs(DynamicCache()), **kwargs)
         torch.manual_seed(7)
-        out = model.generate(ids, max_new_tokens=NEW, past_key_values=make_cache(family, model, roomy=True), **kwargs)
+        out = model.generate(ids, max_new_tokens=NEW, **cache_kwargs(make_cache(family, model, roomy=True)), **kwargs)
         assert torch.equal(out, expected), kwargs
 
 
@@ -123,8 +124,8 @@ def test_beam_search_roomy_equals_dynamic_cache(family):
     model = build_model("llama")
     ids = random_ids(2, PROMPT, seed=6)
     kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=3, do_sample=False, length_penalty=0.0)
-    expected = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
-    out = model.generate(ids, past_key_values=make_cache(family, model, roomy=True), **kwargs)
+    expected = model.generate(ids, **cache_kwargs(DynamicCache()), **kwargs)
+    out = model.generate(ids, **cache_kwargs(make_cache(family, model, roomy=True)), **kwargs)
     assert torch.equal(out, expected)
 
 
@@ -138,15 +139,15 @@ def test_beam_search_reorders_each_beams_cache(family):
     ids = random_ids(1, PROMPT, seed=8)
     out = model.generate(ids, max_new_tokens=NEW, num_beams=3, num_return_sequences=3, do_sample=False,
                          length_penalty=0.0, output_scores=True, return_dict_in_generate=True,
-                         past_key_values=make_cache(family, model))
+                         **cache_kwargs(make_cache(family, model)))
     scores = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
     assert len({tuple(s.tolist()) for s in out.sequences}) == 3  # three different beams
     for row, sequence in enumerate(out.sequences):
         cache = make_cache(family, model)
         with torch.no_grad():
-            logits = [model(input_ids=sequence[None, :PROMPT], past_key_values=cache).logits[:, -1]]
+            logits = [model(input_ids=sequence[None, :PROMPT], **cache_kwargs(cache)).logits[:, -1]]
             for t in range(PROMPT, sequence.shape[0] - 1):
-                logits.append(model(input_ids=sequence[None, t : t + 1], past_key_values=cache).logits[:, -1])
+                logits.append(model(input_ids=sequence[None, t : t + 1], **cache_kwargs(cache)).logits[:, -1])
         logprobs = torch.cat(logits).float().log_softmax(-1)
         expected = logprobs.gather(-1, sequence[PROMPT:, None])[:, 0]
         torch.testing.assert_close(scores[row], expected, atol=2e-5, rtol=1e-5)
@@ -166,14 +167,14 @@ def _repetitive_prompt():
 
 
 @pytest.mark.parametrize("mode", sorted(ASSISTED))
-@pytest.mark.parametrize("via", ["past_key_values", "cache_implementation"])
+@pytest.mark.parametrize("via", ["cache_object", "cache_implementation"])
 @pytest.mark.parametrize("family", ROOMY)
 def test_assisted_roomy_equals_greedy_dynamic_cache(family, via, mode):
     model = build_model("llama")
     ids = _repetitive_prompt()
-    expected = model.generate(ids, max_new_tokens=NEW, do_sample=False, past_key_values=DynamicCache())
+    expected = model.generate(ids, max_new_tokens=NEW, do_sample=False, **cache_kwargs(DynamicCache()))
     out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **ASSISTED[mode](),
-                         **cache_kwargs(family, model, via, roomy=True))
+                         **selecting_kwargs(family, model, via, roomy=True))
     assert torch.equal(out, expected)
 
 
@@ -185,7 +186,7 @@ def test_assisted_with_quantized_caches(family, mode):
     model = build_model("llama")
     ids = _repetitive_prompt()
     cache = make_cache(family, model)
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, past_key_values=cache, **ASSISTED[mode]())
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **cache_kwargs(cache), **ASSISTED[mode]())
     assert out.shape[-1] == ids.shape[-1] + NEW
     assert all(layer.get_seq_length() == out.shape[-1] - 1 for layer in cache.layers)
 
@@ -199,16 +200,16 @@ def test_quantized_crop_undoes_a_rejected_chunk(family, candidates, exact, tmp_p
     model = build_model("llama")
     cache = make_cache(family, model)
     with torch.no_grad():
-        model(input_ids=random_ids(1, PROMPT, seed=11), past_key_values=cache)
+        model(input_ids=random_ids(1, PROMPT, seed=11), **cache_kwargs(cache))
         for t in range(3):
-            model(input_ids=random_ids(1, 1, seed=20 + t), past_key_values=cache)
+            model(input_ids=random_ids(1, 1, seed=20 + t), **cache_kwargs(cache))
         hf_kvcache.save_cache_state(cache, tmp_path / "before.safetensors")
         twin = hf_kvcache.load_cache_state(tmp_path / "before.safetensors", model)
-        model(input_ids=random_ids(1, candidates, seed=30), past_key_values=cache)  # candidates, all rejected
+        model(input_ids=random_ids(1, candidates, seed=30), **cache_kwargs(cache))  # candidates, all rejected
         cache.crop(-candidates)
         token = random_ids(1, 1, seed=31)
-        got = model(input_ids=token, past_key_values=cache).logits
-        want = model(input_ids=token, past_key_values=twin).logits
+        got = model(input_ids=token, **cache_kwargs(cache)).logits
+        want = model(input_ids=token, **cache_kwargs(twin)).logits
     assert cache.get_seq_length() == twin.get_seq_length() == PROMPT + 4
     if exact:
         assert torch.equal(got, want)
@@ -219,23 +220,23 @@ def test_quantized_crop_undoes_a_rejected_chunk(family, candidates, exact, tmp_p
 
 
 @pytest.mark.parametrize("mode", sorted(ASSISTED))
-@pytest.mark.parametrize("via", ["past_key_values", "cache_implementation"])
+@pytest.mark.parametrize("via", ["cache_object", "cache_implementation"])
 @pytest.mark.parametrize("family", EVICTING)
 def test_assisted_with_an_evicting_budget_is_refused_up_front(family, via, mode):
     model = build_model("llama")
-    kwargs = cache_kwargs(family, model, via)
+    kwargs = selecting_kwargs(family, model, via)
     with pytest.raises(ValueError, match=r"cannot serve assisted generation / prompt lookup .* rolled back with "
                                          r"`crop`.* Give a budget of at least 23"):
         model.generate(_repetitive_prompt(), max_new_tokens=NEW, do_sample=False, **ASSISTED[mode](), **kwargs)
-    if via == "past_key_values":
-        assert kwargs["past_key_values"].get_seq_length() == 0  # refused before any forward
+    if via == "cache_object":
+        assert kwargs[CACHE_ARG].get_seq_length() == 0  # refused before any forward
 
 
 def test_direct_crop_after_eviction_names_the_cause():
     model = build_model("llama")
     cache = make_cache("sink", model)
     with torch.no_grad():
-        model(input_ids=random_ids(1, PROMPT), past_key_values=cache)
+        model(input_ids=random_ids(1, PROMPT), **cache_kwargs(cache))
     with pytest.raises(ValueError, match=r"Cannot crop SinkWindowPolicy after it evicted tokens"):
         cache.crop(-2)
     assert cache.get_seq_length() == PROMPT
@@ -284,7 +285,7 @@ def test_text_streamer_streams_the_returned_text(family):
                                         return_tensors="pt", return_dict=True)["input_ids"]
     streamer = CollectingStreamer(tokenizer)
     out = model.generate(ids, max_new_tokens=NEW, do_sample=False, streamer=streamer, suppress_tokens=SUPPRESS,
-                         past_key_values=make_cache(family, model))
+                         **cache_kwargs(make_cache(family, model)))
     text = tokenizer.decode(out[0, ids.shape[-1]:])
     assert "".join(streamer.pieces) == text and len(text) == NEW
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)], suppress=SUPPRESS)
@@ -304,7 +305,7 @@ def _chat(model, tokenizer, cache, new=8):
         if outputs:  # the growing prompt starts with everything the cache has seen
             assert torch.equal(ids[:, : outputs[-1].shape[-1]], outputs[-1])
         out = model.generate(ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS,
-                             past_key_values=cache)
+                             **cache_kwargs(cache))
         assert cache.get_seq_length() == out.shape[-1] - 1
         messages.append({"role": "assistant", "content": tokenizer.decode(out[0, ids.shape[-1]:])})
         turns.append((ids, new))
@@ -333,7 +334,7 @@ def test_multi_turn_chat_roomy_equals_one_generate_over_the_conversation(family)
     turns, outputs = _chat(model, tokenizer, make_cache(family, model, roomy=True))
     for (ids, new), out in zip(turns, outputs):
         fresh = model.generate(ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS,
-                               past_key_values=DynamicCache())
+                               **cache_kwargs(DynamicCache()))
         assert torch.equal(out, fresh)
 
 
@@ -344,7 +345,7 @@ def test_dtypes_on_cpu(family, dtype):
     model = build_model("llama").to(dtype)
     ids = random_ids(1, PROMPT, seed=10)
     cache = make_cache(family, model)
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **cache_kwargs(cache))
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)])
     assert torch.equal(out, expected)
     stored = [layer for layer in cache.compressed_layers if layer.is_initialized]
@@ -363,7 +364,7 @@ LOGIT_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.2, torch.float16: 0.03}
 def _teacher_forced(model, cache, sequence):
     """Logits [1, T, V] (float32) of a prompt chunk then one token per step."""
     with torch.no_grad():
-        logits = [model(input_ids=sequence[:, :PROMPT], past_key_values=cache).logits]
+        logits = [model(input_ids=sequence[:, :PROMPT], **cache_kwargs(cache)).logits]
         for t in range(PROMPT, sequence.shape[-1]):
-            logits.append(model(input_ids=sequence[:, t : t + 1], past_key_values=cache).logits)
+            logits.append(model(input_ids=sequence[:, t : t + 1], **cache_kwargs(cache)).logits)
     return torch.cat(logits, 1).float()

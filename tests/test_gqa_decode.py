@@ -9,7 +9,7 @@ import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 import hf_kvcache
-from hf_kvcache import gqa_decode
+from hf_kvcache import cache_kwargs, gqa_decode
 from hf_kvcache.gqa_decode import packed_decode_attention
 
 from conftest import build_model, random_ids
@@ -77,12 +77,12 @@ def test_packing_declines(case):
 
 
 def _decode_logits(model, cache, ids, mask, steps):
-    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     logits = [out.logits[:, -1]]
     for i in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(token)], 1)
-        out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 

@@ -9,12 +9,13 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import build_model, left_pad, random_ids
+from hf_kvcache import cache_kwargs, returned_cache
 
 
 def _stream_logits(model, cache, ids, prefill):
-    outs = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    outs = [model(input_ids=ids[:, :prefill], **cache_kwargs(cache), use_cache=True).logits]
     for i in range(prefill, ids.shape[1]):
-        outs.append(model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        outs.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(outs, 1)
 
 
@@ -55,7 +56,7 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation):
 
     with torch.no_grad():
         # Prefill longer than the budget: columns are the prompt tokens 0..prefill-1.
-        out = model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True, output_attentions=True)
+        out = model(input_ids=ids[:, :prefill], **cache_kwargs(cache), use_cache=True, output_attentions=True)
         for layer in range(layers):
             probs = out.attentions[layer][0].float().sum(1)  # [Hq, kv] summed over queries
             for h in reference[layer]:
@@ -80,7 +81,8 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation):
                         del ref[min(candidates, key=lambda t: ref[t])]
                     ref[step] = 0.0
             stream_before = [cache.layers[i].policy.stream.clone() for i in range(layers)]
-            out = model(input_ids=ids[:, step : step + 1], past_key_values=cache, use_cache=True, output_attentions=True)
+            out = model(input_ids=ids[:, step : step + 1], **cache_kwargs(cache), use_cache=True,
+                        output_attentions=True)
             for layer in range(layers):
                 used = cache.layers[layer].used
                 probs = out.attentions[layer][0, :, 0].float()  # [Hq, kv]
@@ -133,7 +135,7 @@ def test_padding_is_never_a_heavy_hitter():
     ids, mask = left_pad([random_ids(1, 20, seed=1)[0], random_ids(1, 6, seed=2)[0]])
     cache = hf_kvcache.H2OCache(model, heavy=6, recent=2)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     layer = cache.layers[0]
     kept_stream = layer.policy.stream[1, :, :-1][layer.slot_valid[1, :, :-1]]
     assert kept_stream.numel() == 6 * layer.slot_valid.shape[1]  # all 6 real tokens, per head
@@ -146,9 +148,9 @@ def test_memory_flat_at_budget_during_long_decode():
     ids = random_ids(1, 120, seed=7)
     sizes, shapes = [], []
     with torch.no_grad():
-        model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :20], **cache_kwargs(cache), use_cache=True)
         for i in range(20, 120):
-            model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
             sizes.append(cache.nbytes())
             shapes.append(tuple(cache.layers[0].store.keys.shape))
     assert len(set(sizes)) == 1 and len(set(shapes)) == 1
@@ -169,7 +171,7 @@ def test_chunked_prefill_keeps_memory_near_budget_and_generates():
             ids, max_new_tokens=8, do_sample=False, cache_implementation="h2o",
             cache_config={"heavy": 6, "recent": 6}, prefill_chunk_size=8, return_dict_in_generate=True,
         )
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert cache.get_seq_length() == 64 + 7
     assert cache.layers[0].store.keys.shape[2] == 13
     assert int(cache.layers[0].slot_valid[0, 0].sum()) == 12
@@ -179,7 +181,7 @@ def test_ratios_resolve_against_the_prompt():
     model = build_model("llama")
     cache = hf_kvcache.H2OCache(model, heavy=0.2, recent=0.1)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 50), past_key_values=cache, use_cache=True)
+        model(input_ids=random_ids(1, 50), **cache_kwargs(cache), use_cache=True)
     assert cache.layers[0].policy.capacity == 15
     assert int(cache.layers[0].slot_valid[0, 0].sum()) == 15
 
@@ -224,14 +226,14 @@ def test_crop_before_eviction_and_error_after():
     cache = hf_kvcache.H2OCache(model, heavy=10, recent=10)
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids[:, :15], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, :15], past_key_values=ref, use_cache=True)
+        model(input_ids=ids[:, :15], **cache_kwargs(cache), use_cache=True)
+        model(input_ids=ids[:, :15], **cache_kwargs(ref), use_cache=True)
         cache.crop(-3)
         ref.crop(-3)
-        got = model(input_ids=ids[:, 12:14], past_key_values=cache, use_cache=True).logits
-        want = model(input_ids=ids[:, 12:14], past_key_values=ref, use_cache=True).logits
+        got = model(input_ids=ids[:, 12:14], **cache_kwargs(cache), use_cache=True).logits
+        want = model(input_ids=ids[:, 12:14], **cache_kwargs(ref), use_cache=True).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        model(input_ids=ids[:, 14:30], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 14:30], **cache_kwargs(cache), use_cache=True)
     with pytest.raises(ValueError, match="evicted"):
         cache.crop(-1)
 
@@ -262,7 +264,7 @@ def test_random_eviction_prefill_longer_than_budget_and_padding():
     ids, mask = left_pad(rows)
     cache = hf_kvcache.RandomEvictionCache(model, heavy=5, recent=3)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     layer = cache.layers[0]
     for row, real_start in ((0, 0), (1, 18)):
         kept = layer.policy.stream[row, :, :-1][layer.slot_valid[row, :, :-1]]
@@ -325,9 +327,9 @@ def test_random_eviction_decode_compiles_to_one_graph():
     for forward in (model.forward, torch.compile(model.forward, fullgraph=True, backend="eager")):
         cache = hf_kvcache.RandomEvictionCache(model, heavy=4, recent=4)
         with torch.no_grad():
-            model(input_ids=ids[:, :8], past_key_values=cache)  # prefill eager, as generate does
+            model(input_ids=ids[:, :8], **cache_kwargs(cache))  # prefill eager, as generate does
             outputs.append(torch.cat([forward(input_ids=ids[:, i : i + 1], position_ids=torch.full((2, 1), i),
-                                              past_key_values=cache).logits for i in range(8, 24)], 1))
+                                              **cache_kwargs(cache)).logits for i in range(8, 24)], 1))
     assert cache.is_compileable
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
 
@@ -350,7 +352,7 @@ def test_compact_positions_place_kept_keys_contiguously_before_the_newest():
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         _stream_logits(model, cache, ids, 10)
-        model(input_ids=ids, past_key_values=full, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(full), use_cache=True)
     layer, dim = cache.layers[0], model.config.hidden_size // model.config.num_attention_heads
     theta = model.config.rope_parameters["rope_theta"]
     all_keys = full.layers[0].keys[0]  # [H, 40, D] at positions 0..39

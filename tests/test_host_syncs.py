@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hf_kvcache
+from hf_kvcache import cache_kwargs
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter
 
 from conftest import build_model, left_pad, random_ids
@@ -52,13 +53,13 @@ def _decode_syncs(make, padded: bool, steps: int = 12):
     cache = make(model)
     per_step = []
     with torch.no_grad(), HostSyncCounter() as prefill:
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
     for _ in range(steps):  # long enough for every cache to fill and evict
         token = out.logits[:, -1:].argmax(-1)
         mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
         positions = (mask.cumsum(-1) - 1)[:, -1:]
         with torch.no_grad(), HostSyncCounter() as counter:
-            out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
         per_step.append((counter.syncs, dict(counter.by_name)))
     assert torch.isfinite(out.logits).all()
     return prefill, per_step
@@ -98,7 +99,7 @@ def test_non_finite_decode_write_still_refused_without_a_sync():
     cache = hf_kvcache.QuantizedFP8Cache(model)
     layer = cache.layers[0]
     ids = random_ids(1, 6)
-    model(input_ids=ids, past_key_values=cache)
+    model(input_ids=ids, **cache_kwargs(cache))
     before = layer.store.length
     bad = torch.full((1, layer.heads, 1, layer.head_dim), float("nan"))
     with pytest.raises(hf_kvcache.stores.NonFiniteError, match="non-finite"):

@@ -27,6 +27,8 @@ from hf_kvcache import (
     RandomEvictionCache,
     SinkCache,
     SlidingWindowCache,
+    cache_kwargs,
+    returned_cache,
 )
 from hf_kvcache import registry
 
@@ -59,7 +61,7 @@ LOAD_AND_GENERATE = """
     model = AutoModelForCausalLM.from_pretrained({path!r}).eval()
     ids = torch.tensor({ids})
     out = model.generate(ids, max_new_tokens={new}, do_sample=False, return_dict_in_generate=True)
-    print("CACHE", type(out.past_key_values).__name__)
+    print("CACHE", type(next(v for k, v in out.items() if k in ("cache", "past_key_values"))).__name__)
     print("TOKENS", json.dumps(out.sequences.tolist()))
 """
 
@@ -113,7 +115,7 @@ def test_generate_uses_the_published_cache(tmp_path):
     assert loaded.generation_config.hf_kvcache["cache"] == "sink"
     ids = random_ids(2, 12, seed=12)
     out = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert type(cache) is SinkCache and (cache.sinks, cache.window) == (2, 6)
     direct = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="sink",
                              cache_config=SINK)
@@ -142,7 +144,7 @@ def test_apply_to_a_models_generation_config_survives_save_pretrained(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "applied").eval()
     assert KVCacheConfig.from_generation_config(loaded.generation_config) == KVCacheConfig("sink", SINK)
     out = loaded.generate(random_ids(1, 12), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    assert type(out.past_key_values) is SinkCache and out.past_key_values.window == 6
+    assert type(returned_cache(out)) is SinkCache and returned_cache(out).window == 6
 
 
 @pytest.mark.parametrize("name, cache_config, cls", [
@@ -157,7 +159,7 @@ def test_generate_uses_each_published_cache(tmp_path, name, cache_config, cls):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     ids = random_ids(1, 14, seed=13)
     out = loaded.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
-    assert type(out.past_key_values) is cls
+    assert type(returned_cache(out)) is cls
     direct = loaded.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation=name,
                              cache_config=cache_config)
     assert torch.equal(out.sequences, direct)
@@ -170,13 +172,13 @@ def test_caller_choice_wins_over_the_published_cache(tmp_path):
     ids = random_ids(1, 12, seed=14)
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
     dense = loaded.generate(ids, cache_implementation="dynamic", **kw)
-    assert type(dense.past_key_values) is DynamicCache
+    assert type(returned_cache(dense)) is DynamicCache
     sliding = loaded.generate(ids, cache_implementation="sliding", cache_config={"window": 5}, **kw)
-    assert type(sliding.past_key_values) is SlidingWindowCache and sliding.past_key_values.window == 5
+    assert type(returned_cache(sliding)) is SlidingWindowCache and returned_cache(sliding).window == 5
     own = SinkCache(loaded, sinks=1, window=9)
-    mine = loaded.generate(ids, past_key_values=own, **kw)
-    assert mine.past_key_values is own
-    ref = loaded.generate(ids, past_key_values=SinkCache(loaded, sinks=1, window=9), max_new_tokens=NEW,
+    mine = loaded.generate(ids, **cache_kwargs(own), **kw)
+    assert returned_cache(mine) is own
+    ref = loaded.generate(ids, **cache_kwargs(SinkCache(loaded, sinks=1, window=9)), max_new_tokens=NEW,
                           do_sample=False)
     assert torch.equal(mine.sequences, ref)
     # a caller's own GenerationConfig naming a cache wins too
@@ -225,7 +227,7 @@ def test_config_round_trip_and_build(tmp_path):
     cache = loaded.build(model)
     assert type(cache) is H2OCache and (cache.heavy, cache.recent, cache.aggregation) == (4, 4, "mean")
     ids = random_ids(1, 12, seed=15)
-    a = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=loaded.build(model))
+    a = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(loaded.build(model)))
     b = model.generate(ids, max_new_tokens=10, do_sample=False, **loaded.generate_kwargs())
     assert torch.equal(a, b)
 
@@ -465,7 +467,7 @@ def test_every_name_runs_without_cache_config(name):
     out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation=name,
                          return_dict_in_generate=True)
     cls, expected = EXPECTED_DEFAULTS[name]
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert type(cache) is cls and out.sequences.shape == (1, 36)
     assert {key: getattr(cache, key) for key in expected} == expected
     # the same as spelling the defaults out
@@ -479,9 +481,9 @@ def test_h2o_default_is_a_20_percent_budget():
     ids = random_ids(1, 40, seed=17)
     out = model.generate(ids, max_new_tokens=1, do_sample=False, cache_implementation="h2o",
                          return_dict_in_generate=True)
-    layer = out.past_key_values.compressed_layers[0]
+    layer = returned_cache(out).compressed_layers[0]
     assert layer.get_seq_length() == 40
-    kept = out.past_key_values.get_mask_sizes(torch.arange(1), 0)[0]
+    kept = returned_cache(out).get_mask_sizes(torch.arange(1), 0)[0]
     assert kept <= 0.2 * 40 + 1  # heavy 4 + recent 4 of a 40-token prompt (+ the new token)
 
 
@@ -494,7 +496,7 @@ def test_defaults_follow_the_model_context():
     assert hf_kvcache.default_cache_config("sink", build_model("llama")) == {"sinks": 4, "window": 1020}
     out = small.generate(random_ids(1, 10), max_new_tokens=3, do_sample=False, cache_implementation="sink",
                          return_dict_in_generate=True)
-    assert (out.past_key_values.sinks, out.past_key_values.window) == (4, 252)
+    assert (returned_cache(out).sinks, returned_cache(out).window) == (4, 252)
     # KIVI's value groups must divide head_dim (16 here): they shrink to gcd(32, head_dim), key blocks stay 32
     assert hf_kvcache.default_cache_config("kivi", small) == {"value_group_size": 16}
     assert hf_kvcache.default_cache_config("kivi", build_model("llama", hidden_size=128)) == {}  # head_dim 32

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_kvcache
-from hf_kvcache import FullCache, H2OCache, QuantizedFP8Cache, SinkCache, SlidingWindowCache
+from hf_kvcache import FullCache, H2OCache, QuantizedFP8Cache, SinkCache, SlidingWindowCache, cache_kwargs
 from hf_kvcache.layer import CompressedLayer
 
 from conftest import build_model, left_pad, random_ids
@@ -46,7 +46,7 @@ def test_layers_follow_the_model_layer_types(index):
 
 def _generate(model, cache, ids, mask, new=8):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                          past_key_values=cache)
+                          **cache_kwargs(cache))
 
 
 @pytest.mark.parametrize("make", [
@@ -148,8 +148,8 @@ def test_latent_attention_quantized_and_refusals():
     cache = QuantizedFP8Cache(model)  # key_rotation "auto": none, the latent is not an attention key
     assert cache.rotation_matrix is None
     ids = random_ids(2, 12)
-    logits_ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    logits = model(ids, past_key_values=cache).logits
+    logits_ref = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits
+    logits = model(ids, **cache_kwargs(cache)).logits
     assert torch.allclose(logits, logits_ref, atol=0.1)
     with pytest.raises(ValueError, match="key_rotation.*latent"):
         QuantizedFP8Cache(model, key_rotation="hadamard")

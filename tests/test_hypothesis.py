@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import hf_kvcache
 from conftest import build_model, left_pad, random_ids
-from hf_kvcache import SinkCache, SlidingWindowCache
+from hf_kvcache import SinkCache, SlidingWindowCache, cache_kwargs
 
 _MODEL = None
 
@@ -80,7 +80,7 @@ def test_kept_tokens_are_first_sinks_and_last_window(scenario):
 
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True)
         allocated = cache.nbytes()
         assert allocated > 0
         check()
@@ -90,7 +90,7 @@ def test_kept_tokens_are_first_sinks_and_last_window(scenario):
             new = random_ids(batch, q, seed=seed + 100 + done)
             mask = torch.cat((mask, torch.ones(batch, q, dtype=torch.long)), -1)
             new_pos = n_real[:, None] + torch.arange(q)[None]
-            model(new, attention_mask=mask, position_ids=new_pos, past_key_values=cache, use_cache=True)
+            model(new, attention_mask=mask, position_ids=new_pos, **cache_kwargs(cache), use_cache=True)
             n_real = n_real + q
             done += q
             check()
@@ -188,7 +188,7 @@ def test_attention_uses_exactly_the_held_tokens(scenario):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             stream_of = [{int(positions[b, t]): t for t in range(total) if mask[b, t]} for b in range(batch)]
             before = held_streams(layer, stream_of) if step else None
-            out = model(ids[:, -q:], attention_mask=mask, position_ids=positions[:, -q:], past_key_values=cache,
+            out = model(ids[:, -q:], attention_mask=mask, position_ids=positions[:, -q:], **cache_kwargs(cache),
                         use_cache=True).logits
             allowed = torch.eye(total, dtype=torch.bool).expand(batch, layer.heads, total, total).clone()
             held = held_streams(layer, stream_of) if q == 1 and step else before

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import build_model, random_ids
-from hf_kvcache import QuantizedFP8Cache
+from hf_kvcache import QuantizedFP8Cache, cache_kwargs
 from hf_kvcache.calibration import calibrate, calibrated_scales
 from hf_kvcache.rotation import hadamard_matrix, rotate, rotation_matrix
 from hf_kvcache.stores.quantization import QuantSpec
@@ -71,8 +71,8 @@ def test_keys_are_returned_rotated_and_logits_unchanged(llama):
     cache = QuantizedFP8Cache(llama, key={"format": "none"}, value={"format": "none"}, key_rotation="hadamard")
     dynamic = DynamicCache(config=llama.config)
     with torch.no_grad():
-        ours = llama(input_ids=ids, past_key_values=cache, use_cache=True).logits
-        ref = llama(input_ids=ids, past_key_values=dynamic, use_cache=True).logits
+        ours = llama(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits
+        ref = llama(input_ids=ids, **cache_kwargs(dynamic), use_cache=True).logits
         keys, values = cache.layers[1].store.read(24)
     r = cache.rotation_matrix
     torch.testing.assert_close(keys, rotate(dynamic.layers[1].keys, r), atol=1e-5, rtol=1e-5)
@@ -86,7 +86,7 @@ def test_rotation_matrix_counted_once_in_nbytes(llama):
     caches = {kind: QuantizedFP8Cache(llama, key_rotation=kind) for kind in ("none", "hadamard")}
     with torch.no_grad():
         for cache in caches.values():
-            llama(input_ids=ids, past_key_values=cache, use_cache=True)
+            llama(input_ids=ids, **cache_kwargs(cache), use_cache=True)
     assert caches["hadamard"].nbytes() - caches["none"].nbytes() == 32 * 32 * 4
 
 
@@ -95,10 +95,10 @@ def test_rotated_keys_need_the_bridge():
     cache = QuantizedFP8Cache(model)  # enables the bridge
     model.set_attn_implementation("sdpa")  # a user switches attention afterwards: queries would not be rotated
     with torch.no_grad(), pytest.raises(RuntimeError, match="key_rotation.*enable"):
-        model(input_ids=random_ids(1, 8), past_key_values=cache, use_cache=True)
+        model(input_ids=random_ids(1, 8), **cache_kwargs(cache), use_cache=True)
     hf_kvcache.enable(model)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 8), past_key_values=QuantizedFP8Cache(model), use_cache=True)
+        model(input_ids=random_ids(1, 8), **cache_kwargs(QuantizedFP8Cache(model)), use_cache=True)
 
 
 def test_calibration_follows_the_rotation(llama):
@@ -107,7 +107,7 @@ def test_calibration_follows_the_rotation(llama):
     assert rotated["key_rotation"] == "hadamard"
     dynamic = DynamicCache(config=llama.config)
     with torch.no_grad():
-        llama(input_ids=ids, past_key_values=dynamic)
+        llama(input_ids=ids, **cache_kwargs(dynamic))
     keys = rotate(dynamic.layers[0].keys, rotation_matrix("hadamard", 32))
     torch.testing.assert_close(torch.tensor(rotated["key_scale"][0]), keys.abs().amax(dim=(0, 2, 3)) / 448)
     QuantizedFP8Cache(llama, granularity="head", key_smoothing=False, scales=rotated)
@@ -139,12 +139,12 @@ def test_rotation_is_exact_across_architectures_and_attention_functions(arch, at
     cache = QuantizedFP8Cache(model, residual=64, key_rotation="hadamard")
     assert cache.rotation_matrix is not None
     with torch.no_grad():
-        ours = [model(input_ids=ids[:, :12], past_key_values=cache, use_cache=True).logits[:, -1]]
+        ours = [model(input_ids=ids[:, :12], **cache_kwargs(cache), use_cache=True).logits[:, -1]]
         ref_cache = DynamicCache(config=model.config)
-        ref = [model(input_ids=ids[:, :12], past_key_values=ref_cache, use_cache=True).logits[:, -1]]
+        ref = [model(input_ids=ids[:, :12], **cache_kwargs(ref_cache), use_cache=True).logits[:, -1]]
         for t in range(12, 20):
-            ours.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-            ref.append(model(input_ids=ids[:, t:t + 1], past_key_values=ref_cache, use_cache=True).logits[:, -1])
+            ours.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
+            ref.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(ref_cache), use_cache=True).logits[:, -1])
     torch.testing.assert_close(torch.stack(ours), torch.stack(ref), atol=1e-4, rtol=1e-5)
 
 
@@ -156,9 +156,9 @@ def test_rotated_fp8_cache_in_half_precision_models(dtype):
 
     def logprobs(cache):
         with torch.no_grad():
-            out = [model(input_ids=ids[:, :24], past_key_values=cache, use_cache=True).logits[:, -1]]
+            out = [model(input_ids=ids[:, :24], **cache_kwargs(cache), use_cache=True).logits[:, -1]]
             for t in range(24, 40):
-                out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+                out.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
         return torch.stack(out).float().log_softmax(-1)
 
     def kl(other):

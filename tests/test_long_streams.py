@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import build_model, random_ids
+from hf_kvcache import cache_kwargs
 
 STREAM = 100_000
 STREAM_CHUNK = 500  # measured fastest (attention cost grows with the chunk, overhead with the count)
@@ -54,14 +55,14 @@ def _stream(model, cache, ids):
     sizes, finite = [], torch.ones((), dtype=torch.bool)
     with torch.no_grad():
         for i, start in enumerate(range(0, STREAM, STREAM_CHUNK)):
-            logits = model(input_ids=ids[:, start : start + STREAM_CHUNK], past_key_values=cache).logits
+            logits = model(input_ids=ids[:, start : start + STREAM_CHUNK], **cache_kwargs(cache)).logits
             finite &= torch.isfinite(logits).all()
             if i == WARM_UP:
                 rss = process.memory_info().rss
             if i >= WARM_UP:
                 sizes.append(cache.nbytes())
         for t in range(STREAM, STREAM + DECODE_STEPS):
-            logits = model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits
+            logits = model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits
             finite &= torch.isfinite(logits).all()
             sizes.append(cache.nbytes())
     return logits, sizes, process.memory_info().rss - rss, bool(finite)
@@ -72,7 +73,7 @@ def _fresh(model, ids, positions):
     positions = torch.as_tensor(positions)
     cache = DynamicCache()
     with torch.no_grad():
-        logits = model(input_ids=ids[:, positions], position_ids=positions[None], past_key_values=cache).logits
+        logits = model(input_ids=ids[:, positions], position_ids=positions[None], **cache_kwargs(cache)).logits
     return logits, cache.layers[0].keys
 
 
@@ -123,5 +124,5 @@ def _fresh_at(model, ids, tokens, positions):
     cache = DynamicCache()
     with torch.no_grad():
         logits = model(input_ids=ids[:, tokens], position_ids=torch.tensor(positions)[None],
-                       past_key_values=cache).logits
+                       **cache_kwargs(cache)).logits
     return logits, cache.layers[0].keys

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import build_model, random_ids
-from hf_kvcache import FullCache, SinkCache, SlidingWindowCache
+from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 WINDOW = 32
 
@@ -38,7 +38,7 @@ def held_tensors(obj, seen=None) -> list[torch.Tensor]:
 def feed(model, cache, ids, start=0, chunk=1):
     with torch.no_grad():
         for t in range(start, ids.shape[1], chunk):
-            model(ids[:, t : t + chunk], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + chunk], **cache_kwargs(cache), use_cache=True)
 
 
 CACHES = {
@@ -56,10 +56,10 @@ def test_nbytes_flat_after_budget(cache_name):
     assert cache.nbytes() == 0  # nothing allocated before the first update
     sizes, shapes = {}, {}
     with torch.no_grad():
-        model(ids[:, :10], past_key_values=cache, use_cache=True)  # prefill shorter than the budget
+        model(ids[:, :10], **cache_kwargs(cache), use_cache=True)  # prefill shorter than the budget
         at_prefill = cache.nbytes()
         for t in range(10, 400):
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
             if t + 1 in (WINDOW, 50, 200, 400):
                 sizes[t + 1] = cache.nbytes()
                 shapes[t + 1] = [tuple(layer.store.keys.shape) for layer in cache.layers]

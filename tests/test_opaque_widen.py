@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_kvcache
+from hf_kvcache import cache_kwargs
 from hf_kvcache.stores.opaque_widen import scales_to_float32, widen_to_float32
 
 from conftest import build_model, random_ids
@@ -42,8 +43,8 @@ def test_compiled_fp8_per_token_decode_widens_scales_opaquely():
     cache = hf_kvcache.QuantizedFP8Cache(model, max_length=16)
     forward = torch.compile(model.forward, fullgraph=True, backend=backend)
     with torch.no_grad():
-        model(input_ids=random_ids(1, 8), past_key_values=cache)
+        model(input_ids=random_ids(1, 8), **cache_kwargs(cache))
         for step in range(3):
             forward(input_ids=random_ids(1, 1, seed=step), position_ids=torch.full((1, 1), 8 + step),
-                    past_key_values=cache)
+                    **cache_kwargs(cache))
     assert graphs and all("widen_to_float32" in g for g in graphs)

@@ -25,7 +25,9 @@ import hf_kvcache
 from conftest import build_config, build_model, random_ids
 from hf_kvcache import QuantizedFP8Cache
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
-from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError, check_internals
+from hf_kvcache.integration.contracts import problem, require
+from hf_kvcache.integration.continuous_batching import ALLOCATORS, CACHE_INIT, QUANTIZED_PAGES
+from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError
 from hf_kvcache.paged.agreement import record_logits
 from hf_kvcache.paged.cache import first_forward_masks
 from hf_kvcache.paged.concurrency import ADMISSION_LIMITS, ForwardRecord, admission_limit, steady_state
@@ -368,16 +370,22 @@ def test_enable_paged_switches_a_model_and_back():
 
 
 def test_transformers_internals_relied_on_are_present_and_checked(monkeypatch):
-    check_internals()  # this transformers has them all
+    from hf_kvcache.integration import contracts
+
+    require(*QUANTIZED_PAGES)  # this transformers has them all
+    monkeypatch.setattr(contracts, "_results", {})  # checked afresh below (results are cached per process)
     monkeypatch.delattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR")
-    with pytest.raises(UnsupportedTransformersError, match="cache.ATTN_TYPE_TO_ALLOCATOR"):
-        check_internals()
+    with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
+        require(*QUANTIZED_PAGES)
+    assert "ATTN_TYPE_TO_ALLOCATOR" in problem(CACHE_INIT)
     monkeypatch.undo()
+    monkeypatch.setattr(contracts, "_results", {})
     from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
     monkeypatch.setattr(FullAttentionCacheAllocator, "rows_per_token", 1)
     with pytest.raises(UnsupportedTransformersError, match="FullAttentionCacheAllocator.rows_per_token"):
-        check_internals()
+        require(*QUANTIZED_PAGES)
+    assert "rows_per_token" in problem(ALLOCATORS)
 
 
 def test_spec_round_trip_and_defaults():
@@ -432,18 +440,24 @@ def test_serve_bench_settings_and_cli_errors_name_the_option():
     assert main(["serve-bench", "--prompt-lengths", "12"]) == 2  # MIN-MAX expected: a clear error, exit code 2
 
 
-def test_install_on_a_changed_transformers_warns_and_leaves_it_untouched(monkeypatch):
+def test_install_on_a_changed_transformers_leaves_it_untouched_and_quantized_pages_raise(monkeypatch):
+    """No silent fallback: where an internal changed, `import hf_kvcache` leaves continuous batching as it is, and
+    asking for quantized pages raises naming the internal (tests/test_upstream_contracts.py fakes each contract)."""
+    from hf_kvcache.integration import contracts
     from hf_kvcache.paged import cache as paged_cache
     from transformers.generation.continuous_batching import continuous_api
 
     monkeypatch.setattr(paged_cache, "_installed", False)
+    monkeypatch.setattr(contracts, "_results", {})
     monkeypatch.setattr(continuous_api, "PagedAttentionCache", cb_cache.PagedAttentionCache)
     monkeypatch.setattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR", None)
-    with pytest.warns(UserWarning, match="cache.ATTN_TYPE_TO_ALLOCATOR.*will be ignored"):
-        assert paged_cache.install(strict=False) is False
+    assert paged_cache.install(strict=False) is False
     assert continuous_api.PagedAttentionCache is cb_cache.PagedAttentionCache  # untouched
     with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
         hf_kvcache.enable_paged(build_model("llama"), kv_dtype="fp8_e4m3")
+    with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
+        build_model("llama").generate_batch([[2, 3, 4]], generation_config=GREEDY,
+                                            continuous_batching_config=_cb("fp8_e4m3"), warmup=False)
 
 
 def test_continuous_batching_after_our_caches_switched_the_model_to_the_bridge():
@@ -454,13 +468,13 @@ def test_continuous_batching_after_our_caches_switched_the_model_to_the_bridge()
     reference, _ = _run(build_model("llama"), prompts, _cb())
     model = build_model("llama")
     ids = torch.tensor([prompts[1]])
-    first = model.generate(ids, past_key_values=hf_kvcache.SinkCache(model, sinks=2, window=8), max_new_tokens=4,
-                           do_sample=False)
+    first = model.generate(ids, **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
+                           max_new_tokens=4, do_sample=False)
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
     tokens, _ = _run(model, prompts, _cb())
     assert tokens == reference
     assert model.config._attn_implementation == "sdpa"
-    again = model.generate(ids, past_key_values=hf_kvcache.SinkCache(model, sinks=2, window=8), max_new_tokens=4,
-                           do_sample=False)
+    again = model.generate(ids, **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
+                           max_new_tokens=4, do_sample=False)
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
     assert torch.equal(again, first)

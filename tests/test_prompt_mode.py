@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
                       teacher_forced_logits)
 import hf_kvcache
-from hf_kvcache import CACHE_IMPLEMENTATIONS
+from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs, returned_cache
 from hf_kvcache.evaluation.cache_spec import check_cache
 
 PROMPT, STEPS, BUDGET = 20, 8, 8
@@ -47,10 +47,10 @@ def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config)
     visible[0, sinks : PROMPT - (BUDGET - sinks)] = 0  # what the policy evicts at the end of the prompt
     reference, cache = [], DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        model(input_ids=ids[:, :PROMPT], **cache_kwargs(cache))
         for t in range(PROMPT, PROMPT + STEPS):
             out = model(input_ids=ids[:, t : t + 1], attention_mask=visible[:, : t + 1],
-                        position_ids=torch.tensor([[t]]), past_key_values=cache)
+                        position_ids=torch.tensor([[t]]), **cache_kwargs(cache))
             reference.append(out.logits[:, -1])
     reference = torch.stack(reference, 1)
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
@@ -68,7 +68,7 @@ def test_keeps_the_policys_prompt_choice_then_appends(name, chunk):
     with torch.no_grad():
         step = chunk or PROMPT
         for start in range(0, PROMPT, step):
-            model(input_ids=ids[:, start : min(PROMPT, start + step)], past_key_values=always)
+            model(input_ids=ids[:, start : min(PROMPT, start + step)], **cache_kwargs(always))
     chosen = _kept(always)
     teacher_forced_logits(model, prompt_cache, ids, PROMPT, chunk=chunk)
     for row_always, row_prompt in zip(chosen, _kept(prompt_cache)):
@@ -84,17 +84,17 @@ def test_end_prompt_appends_the_question_uncompressed():
     ids = random_ids(1, 30, seed=9)
     cache = hf_kvcache.H2OCache(model, budget=BUDGET, compress="prompt")
     with torch.no_grad():
-        model(input_ids=ids[:, :PROMPT], past_key_values=cache)
+        model(input_ids=ids[:, :PROMPT], **cache_kwargs(cache))
         cache.end_prompt()
-        model(input_ids=ids[:, PROMPT:26], past_key_values=cache)  # the question: a multi-token forward
-        model(input_ids=ids[:, 26:27], past_key_values=cache)
+        model(input_ids=ids[:, PROMPT:26], **cache_kwargs(cache))  # the question: a multi-token forward
+        model(input_ids=ids[:, 26:27], **cache_kwargs(cache))
     kept = _kept(cache)[0]
     assert all(h[-7:] == list(range(PROMPT, 27)) and len(h) == BUDGET + 7 for h in kept)
     always = hf_kvcache.H2OCache(model, budget=BUDGET, compress="always")
     with torch.no_grad():
-        model(input_ids=ids[:, :PROMPT], past_key_values=always)
+        model(input_ids=ids[:, :PROMPT], **cache_kwargs(always))
         always.end_prompt()  # no effect in "always" mode
-        model(input_ids=ids[:, PROMPT:26], past_key_values=always)
+        model(input_ids=ids[:, PROMPT:26], **cache_kwargs(always))
     assert all(len(h) == BUDGET for h in _kept(always)[0])
 
 
@@ -119,9 +119,9 @@ def test_generate_cache_config_equals_the_cache_object(name):
     by_name = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation=name, cache_config=config,
                              return_dict_in_generate=True)
     by_object = model.generate(ids, max_new_tokens=8, do_sample=False,
-                               past_key_values=CACHE_IMPLEMENTATIONS[name](model, **config))
+                               **cache_kwargs(CACHE_IMPLEMENTATIONS[name](model, **config)))
     assert torch.equal(by_name.sequences, by_object)
-    assert by_name.past_key_values.layers[0].used == BUDGET + 7  # grew by the generated tokens after the prompt
+    assert returned_cache(by_name).layers[0].used == BUDGET + 7  # grew by the generated tokens after the prompt
 
 
 @pytest.mark.parametrize("name", ["sink", "h2o", "knorm", "keydiff", "tova", "snapkv", "expected_attention"])

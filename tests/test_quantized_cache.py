@@ -11,7 +11,7 @@ from transformers import DynamicCache, GenerationConfig
 
 import hf_kvcache
 from conftest import PAD, build_model, left_pad, random_ids
-from hf_kvcache import FullCache, KIVICache, QuantizedFP8Cache
+from hf_kvcache import FullCache, KIVICache, QuantizedFP8Cache, cache_kwargs
 from hf_kvcache.calibration import calibrate, calibrated_scales, save_calibrated_config
 from hf_kvcache.evaluation.memory import cache_nbytes
 from hf_kvcache.stores.quantization import NonFiniteError, backend_available
@@ -26,10 +26,10 @@ def teacher_forced_logprobs(model, cache, ids: torch.Tensor, prompt: int = PROMP
     hf_kvcache.enable(model)
     out = []
     with torch.no_grad():
-        o = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True)
+        o = model(input_ids=ids[:, :prompt], **cache_kwargs(cache), use_cache=True)
         out.append(o.logits[:, -1])
         for t in range(prompt, ids.shape[1]):
-            o = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            o = model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
             out.append(o.logits[:, -1])
     return torch.stack(out, 1).log_softmax(-1)
 
@@ -97,7 +97,7 @@ def test_generate_with_registered_names(arch, name, cache_config):
     ids = random_ids(2, 30)
     out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation=name,
                          cache_config=cache_config)
-    full = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=FullCache(model))
+    full = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_kwargs(FullCache(model)))
     assert out.shape == (2, 42)
     assert (out[:, 30:] == full[:, 30:]).float().mean() > 0.3  # quantization noise, not garbage
 
@@ -106,11 +106,11 @@ def test_beam_search(llama):
     ids = random_ids(2, 30, seed=5)
     exact = QuantizedFP8Cache(llama, residual=1000)  # beam reordering of the full-precision residual
     kwargs = dict(max_new_tokens=10, num_beams=3, do_sample=False, num_return_sequences=2)
-    ref = llama.generate(ids, past_key_values=FullCache(llama), **kwargs)
-    assert torch.equal(llama.generate(ids, past_key_values=exact, **kwargs), ref)
+    ref = llama.generate(ids, **cache_kwargs(FullCache(llama)), **kwargs)
+    assert torch.equal(llama.generate(ids, **cache_kwargs(exact), **kwargs), ref)
     kivi = [KIVICache(llama, bits=8, group_size=8, residual=4)] if PACKER else []
     for cache in [QuantizedFP8Cache(llama, format="int8")] + kivi:
-        out = llama.generate(ids, past_key_values=cache, **kwargs)
+        out = llama.generate(ids, **cache_kwargs(cache), **kwargs)
         assert out.shape == ref.shape
         assert (out[:, 30:] == ref[:, 30:]).float().mean() > 0.5
         assert cache.layers[0].store.batch == 6  # 2 prompts x 3 beams
@@ -133,7 +133,7 @@ def test_left_padded_batch_kivi(llama):
     rows = [random_ids(1, n, seed=n)[0] for n in (10, 17, 13)]
     ids, mask = left_pad(rows)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
-    full = llama.generate(ids, attention_mask=mask, past_key_values=FullCache(llama), **kwargs)
+    full = llama.generate(ids, attention_mask=mask, **cache_kwargs(FullCache(llama)), **kwargs)
     exact = llama.generate(ids, attention_mask=mask, cache_implementation="kivi",
                            cache_config={"group_size": 8, "residual": 100}, **kwargs)
     assert torch.equal(exact, full)
@@ -157,8 +157,8 @@ def test_memory_is_the_quantized_cache_plus_one_layer(llama):
     ids = random_ids(1, 200)
     cache = QuantizedFP8Cache(llama, key_smoothing=False)
     dynamic = DynamicCache(config=llama.config)
-    llama.generate(ids, max_new_tokens=1, past_key_values=cache)
-    llama.generate(ids, max_new_tokens=1, do_sample=False, past_key_values=dynamic)
+    llama.generate(ids, max_new_tokens=1, **cache_kwargs(cache))
+    llama.generate(ids, max_new_tokens=1, do_sample=False, **cache_kwargs(dynamic))
     full_bytes = cache_nbytes(dynamic)  # float32: 4 bytes per value
     store_bytes = sum(layer.store.nbytes() for layer in cache.layers)
     assert store_bytes <= full_bytes * (1 + 2 / 32) / 4 * 1.01  # 1 byte per value + a bfloat16 scale per 32
@@ -176,7 +176,7 @@ def test_calibration_records_the_maxima(llama):
     for start in range(0, 48, 16):
         cache = DynamicCache(config=llama.config)
         with torch.no_grad():
-            llama(input_ids=ids[:, start:start + 16], past_key_values=cache)
+            llama(input_ids=ids[:, start:start + 16], **cache_kwargs(cache))
         dyn_k.append([layer.keys for layer in cache.layers])
         dyn_v.append([layer.values for layer in cache.layers])
     for i in range(llama.config.num_hidden_layers):
@@ -217,7 +217,7 @@ def test_calibration_save_and_load(tmp_path, llama):
     ids = random_ids(1, 20)
     a = llama.generate(ids, max_new_tokens=8, do_sample=False, **loaded)
     b = llama.generate(ids, max_new_tokens=8, do_sample=False,
-                       past_key_values=QuantizedFP8Cache(llama, granularity="head", scales=scales))
+                       **cache_kwargs(QuantizedFP8Cache(llama, granularity="head", scales=scales)))
     assert torch.equal(a, b)
     # published in generation_config.json instead
     llama.generation_config.cache_implementation = "fp8"
@@ -261,7 +261,7 @@ def test_composite_cache_region_in_fp8():
     ids = random_ids(1, 30)
     out = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="composite",
                          cache_config={"regions": regions})
-    full = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=FullCache(model))
+    full = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(FullCache(model)))
     assert out.shape == full.shape
     assert (out[:, 30:] == full[:, 30:]).float().mean() > 0.3
 
@@ -273,23 +273,23 @@ def test_crop_for_assisted_decoding(llama):
     hf_kvcache.enable(llama)
     with torch.no_grad():
         for cache in (QuantizedFP8Cache(llama, residual=8), QuantizedFP8Cache(llama)):
-            llama(input_ids=ids[:, :40], past_key_values=cache)
+            llama(input_ids=ids[:, :40], **cache_kwargs(cache))
             cache.crop(-3)
             assert cache.get_seq_length() == 37
-            out = llama(input_ids=ids[:, 37:38], past_key_values=cache).logits[0, -1].log_softmax(-1)
+            out = llama(input_ids=ids[:, 37:38], **cache_kwargs(cache)).logits[0, -1].log_softmax(-1)
             full = FullCache(llama)
-            ref = llama(input_ids=ids[:, :38], past_key_values=full).logits[0, -1].log_softmax(-1)
+            ref = llama(input_ids=ids[:, :38], **cache_kwargs(full)).logits[0, -1].log_softmax(-1)
             assert cache.layers[0].store.length == 38
             assert kl(ref[None], out[None]) < 0.05
         if PACKER:
             kivi = KIVICache(llama, group_size=8, residual=2)
-            llama(input_ids=ids[:, :40], past_key_values=kivi)  # 32 tokens quantized in blocks of 8
+            llama(input_ids=ids[:, :40], **cache_kwargs(kivi))  # 32 tokens quantized in blocks of 8
             kivi.crop(-4)  # to 36: inside the full-precision part (tokens 32..39): fine
-            llama(input_ids=ids[:, 36:37], past_key_values=kivi)
+            llama(input_ids=ids[:, 36:37], **cache_kwargs(kivi))
             with pytest.raises(NotImplementedError, match=r"cannot crop to 28 tokens.*Keep `residual` at least"):
                 kivi.crop(-9)  # to 28: inside the quantized block [24, 32): refused by the crop itself
             assert kivi.get_seq_length() == 37  # unchanged, and still usable
-            llama(input_ids=ids[:, 37:38], past_key_values=kivi)
+            llama(input_ids=ids[:, 37:38], **cache_kwargs(kivi))
             assert kivi.get_seq_length() == 38
 
 
@@ -303,9 +303,9 @@ def test_4k_tokens_whole_cache_bytes_versus_dynamic_cache_in_bfloat16():
     dynamic = DynamicCache(config=model.config)
     caches = {"fp8": QuantizedFP8Cache(model), "int4": KIVICache(model, bits=4, group_size=64, residual=0)}
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **cache_kwargs(dynamic), use_cache=True, logits_to_keep=1)
         for cache in caches.values():
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     dyn_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
     ratios = {name: cache.nbytes() / dyn_bytes for name, cache in caches.items()}
     assert ratios["fp8"] <= 0.52, ratios
@@ -325,10 +325,10 @@ def test_whole_cache_nbytes_is_the_theoretical_size_while_decoding():
     fp8, kivi = QuantizedFP8Cache(model), KIVICache(model, bits=4, group_size=32, residual=128)
     with torch.no_grad():
         for cache in (fp8, kivi):
-            model(input_ids=ids[:, :1000], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, :1000], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         for t in range(1000, 1100):
             for cache in (fp8, kivi):
-                model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
             n = t + 1
             # E4M3 bytes + one bfloat16 scale per token and head, + the [d, d] float32 rotation matrix
             fp8_theory = layers * heads * n * 2 * (d + 2) + d * d * 4

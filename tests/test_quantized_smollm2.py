@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcache import FullCache, QuantizedFP8Cache
+from hf_kvcache import FullCache, QuantizedFP8Cache, cache_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +38,12 @@ def smollm2():
 def decisions(model, cache, prompt, forced=None):
     """Logits [NEW, vocab] of the next token at each step; the history is `forced` tokens if given, else the
     model's own greedy choices. Returns (logits, tokens fed/chosen)."""
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True)
     logits, tokens = [out.logits[0, -1]], []
     for t in range(NEW - 1):
         token = forced[t] if forced is not None else logits[-1].argmax()
         tokens.append(token)
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        out = model(input_ids=token.view(1, 1), **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[0, -1])
     logits = torch.stack(logits)
     return logits, logits.argmax(-1)

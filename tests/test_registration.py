@@ -13,8 +13,9 @@ from transformers.generation.utils import GenerationMixin
 
 import hf_kvcache
 from hf_kvcache import registry
+from hf_kvcache.integration import generation as upstream_generation
 from conftest import ARCHS, build_model, random_ids
-from hf_kvcache import SinkCache, SlidingWindowCache
+from hf_kvcache import CACHE_ARG, SinkCache, SlidingWindowCache, cache_kwargs
 
 OURS = set(hf_kvcache.CACHE_IMPLEMENTATIONS)
 
@@ -63,7 +64,7 @@ def test_register_is_idempotent():
     assert len(names) == len(set(names))
     assert OURS <= set(names)
     wrapper = GenerationMixin._prepare_cache_for_generation
-    assert wrapper is registry._prepare_cache_for_generation
+    assert wrapper is upstream_generation._prepare_cache_for_generation
     original = wrapper.original
     assert original is not wrapper
     assert not hasattr(original, "original")  # not wrapped twice
@@ -103,23 +104,28 @@ def test_builtin_static_after_bridge_enabled():
         assert torch.equal(out, ref), name
 
 
-@pytest.mark.parametrize("version", ["4.57.0", "5.22.9", "6.0.0", "6.1.0"])
+@pytest.mark.parametrize("version", ["4.57.0", "5.22.9", "5.25.0", "6.0.0", "6.1.0"])
 def test_unsupported_transformers_version(version):
-    with pytest.raises(ImportError, match=r">=5\.23,<6"):
+    # the declared range is the tested one (5.23, 5.24): tests/test_upstream_contracts.py checks the rest
+    with pytest.raises(hf_kvcache.UnsupportedTransformersError, match=r">=5\.23,<5\.25"):
         registry.check_transformers_version(version)
-    with pytest.raises(ImportError, match=version.replace(".", r"\.")):
+    with pytest.raises(hf_kvcache.UnsupportedTransformersError, match=version.replace(".", r"\.")):
         registry.check_transformers_version(version)
 
 
-@pytest.mark.parametrize("version", ["5.23.0", "5.30.2", transformers.__version__])
+@pytest.mark.parametrize("version", ["5.23.0", "5.24.3", transformers.__version__])
 def test_supported_transformers_version(version):
     registry.check_transformers_version(version)  # no error
 
 
-def test_register_refuses_unsupported_version(monkeypatch):
+def test_register_on_an_untested_version_warns_once_and_registers(monkeypatch):
+    from hf_kvcache.integration import versions
+
     monkeypatch.setattr(transformers, "__version__", "4.57.0")
-    with pytest.raises(ImportError, match=r">=5\.23,<6"):
-        hf_kvcache.register()
+    monkeypatch.setattr(versions, "_warned", False)
+    with pytest.warns(UserWarning, match=r"4\.57\.0.*>=5\.23,<5\.25"):
+        hf_kvcache.register()  # every contract still holds here: registration proceeds
+    assert OURS <= set(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
 
 
 def test_unknown_cache_config_key_lists_valid_keys():
@@ -137,11 +143,11 @@ def test_unknown_cache_config_key_lists_valid_keys():
         hf_kvcache.build_cache("sink", model.config, {"sinkz": 1, "window": 4})
 
 
-def test_cache_implementation_and_past_key_values_conflict():
+def test_cache_implementation_and_cache_object_conflict():
     model = build_model("llama")
-    with pytest.raises(ValueError, match="past_key_values"):
+    with pytest.raises(ValueError, match=f"`{CACHE_ARG}`"):
         model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink",
-                       cache_config={"window": 8}, past_key_values=SinkCache(model, window=8))
+                       cache_config={"window": 8}, **cache_kwargs(SinkCache(model, window=8)))
 
 
 def test_cache_config_not_consumed_by_generate():

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hf_kvcache
 import hf_kvcache.attention as bridge
 from conftest import build_model, left_pad, random_ids
+from hf_kvcache import cache_kwargs
 from hf_kvcache.attention import build_validity_mask
 from hf_kvcache.scored_attention import scored_attention
 
@@ -114,10 +115,10 @@ def _h2o_run(model, ids, mask, prefill, output_attentions):
     """Logits of a padded prefill + one-token steps through H2O, and the final scores of every layer."""
     cache = hf_kvcache.H2OCache(model, heavy=5, recent=4)
     kwargs = {"output_attentions": True} if output_attentions else {}
-    logits = [model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache,
+    logits = [model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], **cache_kwargs(cache),
                     **kwargs).logits[:, -1]]
     for i in range(prefill, ids.shape[1]):
-        logits.append(model(input_ids=ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache,
+        logits.append(model(input_ids=ids[:, i : i + 1], attention_mask=mask[:, : i + 1], **cache_kwargs(cache),
                             **kwargs).logits[:, -1])
     return torch.stack(logits, 1), [layer.policy.scores.clone() for layer in cache.layers], cache
 

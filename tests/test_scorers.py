@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from conftest import PAD, build_model, left_pad, random_ids
-from hf_kvcache import CACHE_IMPLEMENTATIONS
+from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
 from hf_kvcache.policies.scored import group_mean
 
 N = 24  # prompt length; budgets >= N keep every token, so every token's score is stored in slot = its index
@@ -31,7 +31,7 @@ def _eager_forward(model, ids):
     handle = model.model.layers[LAYER].self_attn.register_forward_pre_hook(hook, with_kwargs=True)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, output_attentions=True)
+        out = model(input_ids=ids, **cache_kwargs(cache), output_attentions=True)
     handle.remove()
     return cache.layers[LAYER].keys, cache.layers[LAYER].values, out.attentions[LAYER], captured["hidden"]
 
@@ -40,7 +40,7 @@ def _scores(model, name, ids, mask=None, **config):
     cache = CACHE_IMPLEMENTATIONS[name](model, budget=ids.shape[1], **config)
     positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
     return cache.layers[LAYER].policy.scores[..., : ids.shape[1]]
 
 
@@ -125,7 +125,7 @@ def test_a_left_padded_row_scores_like_the_row_alone(name):
     batched = _scores(model, name, ids, mask, **config)[1:, :, ids.shape[1] - short.numel() :]
     cache = CACHE_IMPLEMENTATIONS[name](model, budget=ids.shape[1], **config)
     with torch.no_grad():
-        model(input_ids=short[None], past_key_values=cache)
+        model(input_ids=short[None], **cache_kwargs(cache))
     alone = cache.layers[LAYER].policy.scores[..., : short.numel()]
     torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
 

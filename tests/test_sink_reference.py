@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from conftest import build_model, random_ids
-from hf_kvcache import SinkCache, SlidingWindowCache
+from hf_kvcache import SinkCache, SlidingWindowCache, cache_kwargs
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, inv_freq: torch.Tensor | None = None,
@@ -147,9 +147,9 @@ def stream_logits(model, cache, ids: torch.Tensor, prefill: int = 1, chunk: int 
     """Prefill `prefill` tokens, then `chunk` tokens per forward; logits of every position [T, V]."""
     out = []
     with torch.no_grad():
-        out.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits[0])
+        out.append(model(ids[:, :prefill], **cache_kwargs(cache), use_cache=True).logits[0])
         for t in range(prefill, ids.shape[1], chunk):
-            out.append(model(ids[:, t : t + chunk], past_key_values=cache, use_cache=True).logits[0])
+            out.append(model(ids[:, t : t + chunk], **cache_kwargs(cache), use_cache=True).logits[0])
     return torch.cat(out, 0)
 
 
@@ -260,9 +260,9 @@ def test_multi_turn_generate_matches_reference(mode):
     prompt = random_ids(1, 12, seed=9)
 
     def two_turns(cache):
-        first = model.generate(prompt, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        first = model.generate(prompt, max_new_tokens=10, do_sample=False, **cache_kwargs(cache))
         second_prompt = torch.cat((first, random_ids(1, 6, seed=10)), -1)
-        return model.generate(second_prompt, max_new_tokens=10, do_sample=False, past_key_values=cache)
+        return model.generate(second_prompt, max_new_tokens=10, do_sample=False, **cache_kwargs(cache))
 
     ref = two_turns(ReferenceSinkCache(model.config, 3, 5, mode))
     got = two_turns(SinkCache(model.config, sinks=3, window=5, position_mode=mode))
@@ -318,10 +318,10 @@ def test_generate_with_prefill_chunks_matches_reference(mode):
     model = build_model("llama")
     prompt = random_ids(1, 23, seed=12)
     kw = dict(max_new_tokens=12, do_sample=False, prefill_chunk_size=5)
-    ref = model.generate(prompt, past_key_values=ReferenceSinkCache(model.config, 2, 6, mode), **kw)
-    got = model.generate(prompt, past_key_values=SinkCache(model.config, sinks=2, window=6, position_mode=mode), **kw)
+    ref = model.generate(prompt, **cache_kwargs(ReferenceSinkCache(model.config, 2, 6, mode)), **kw)
+    got = model.generate(prompt, **cache_kwargs(SinkCache(model.config, sinks=2, window=6, position_mode=mode)), **kw)
     assert torch.equal(got, ref)
-    whole = model.generate(prompt, past_key_values=SinkCache(model.config, sinks=2, window=6, position_mode=mode),
+    whole = model.generate(prompt, **cache_kwargs(SinkCache(model.config, sinks=2, window=6, position_mode=mode)),
                            max_new_tokens=12, do_sample=False)
     assert not torch.equal(whole, got)  # chunking the prompt really changed what was attended
 

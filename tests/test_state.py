@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import hf_kvcache
 from conftest import build_model, left_pad, random_ids
-from hf_kvcache import load_cache_state, save_cache_state
+from hf_kvcache import cache_kwargs, load_cache_state, save_cache_state
 
 CACHES = {
     "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6),
@@ -60,7 +60,7 @@ def _forward(model, cache, ids, mask):
     mask = torch.cat((mask, torch.ones_like(ids)), 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
     return out.logits, mask
 
 
@@ -69,7 +69,7 @@ def _prefix(model, cache):
     ids, mask = left_pad([random_ids(1, 10, seed=1)[0], random_ids(1, 7, seed=2)[0]])
     with torch.no_grad():
         model(input_ids=ids[:, :6], attention_mask=mask[:, :6], position_ids=(mask[:, :6].cumsum(-1) - 1).clamp(min=0),
-              past_key_values=cache, use_cache=True)
+              **cache_kwargs(cache), use_cache=True)
     logits, mask = _forward(model, cache, ids[:, 6:], mask[:, :6])
     for step in range(STEPS_BEFORE):
         logits, mask = _forward(model, cache, logits[:, -1:].argmax(-1), mask)

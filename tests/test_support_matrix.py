@@ -49,6 +49,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 import model_zoo
+from hf_kvcache import cache_kwargs
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -179,7 +180,7 @@ def prompt(rows: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 def generate(model, ids, mask, new, cache=None):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new,
                               do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -190,11 +191,11 @@ def teacher_forced(model, cache, seq, mask, prompt_len):
     out = []
     with torch.no_grad():
         logits = model(seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], position_ids=pos[:, :prompt_len],
-                       past_key_values=cache, use_cache=True).logits
+                       **cache_kwargs(cache), use_cache=True).logits
         out.append(logits[:, -1:])
         for t in range(prompt_len, seq.shape[1] - 1):
             out.append(model(seq[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                             past_key_values=cache, use_cache=True).logits)
+                             **cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(out, 1).float()
 
 
@@ -227,7 +228,7 @@ def kv_bytes(arch: str) -> tuple[int, int]:
     ids, mask = prompt(BUDGET_ROWS, seed=2)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     per_token = sliding = 0
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
@@ -359,10 +360,10 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
     shift = length - (window - 1) - sinks
     with torch.no_grad():
         prefill = DynamicCache(config=model.config)
-        model(ids[:, :length], past_key_values=prefill, use_cache=True)
+        model(ids[:, :length], **cache_kwargs(prefill), use_cache=True)
         moved = DynamicCache(config=model.config)
         if sinks:
-            model(ids[:, :sinks], position_ids=torch.arange(shift, shift + sinks)[None], past_key_values=moved,
+            model(ids[:, :sinks], position_ids=torch.arange(shift, shift + sinks)[None], **cache_kwargs(moved),
                   use_cache=True)
         for i, layer in enumerate(prefill.layers):
             if getattr(layer, "is_sliding", False):
@@ -373,7 +374,7 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
                 parts_k.insert(0, moved.layers[i].keys)
                 parts_v.insert(0, moved.layers[i].values)
             layer.keys, layer.values = torch.cat(parts_k, -2), torch.cat(parts_v, -2)
-        return model(ids[:, length:], position_ids=torch.tensor([[length]]), past_key_values=prefill,
+        return model(ids[:, length:], position_ids=torch.tensor([[length]]), **cache_kwargs(prefill),
                      use_cache=True).logits[:, -1].float()
 
 
@@ -389,8 +390,8 @@ def check_evict(arch: str, name: str) -> str:
 
     def stream():
         with torch.no_grad():
-            model(ids[:, :EVICT_PROMPT], past_key_values=cache, use_cache=True)
-            return model(ids[:, EVICT_PROMPT:], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            model(ids[:, :EVICT_PROMPT], **cache_kwargs(cache), use_cache=True)
+            return model(ids[:, EVICT_PROMPT:], **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
 
     got = run(model, stream)
     try:
@@ -575,7 +576,7 @@ def test_model_zoo_covers_enough_architectures():
         cache = DynamicCache(config=model.config)
         ids, mask = prompt(BUDGET_ROWS, seed=2)
         with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
         keys, values = cache.layers[0].keys, cache.layers[0].values
         assert keys.shape[1] == values.shape[1] == 1
         assert (keys.shape[-1], values.shape[-1]) == (model.config.kv_lora_rank, model.config.qk_rope_head_dim)

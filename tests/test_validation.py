@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from conftest import build_config, build_model, left_pad, random_ids
-from hf_kvcache import FullCache, SinkCache, SlidingWindowCache
+from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs, returned_cache
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +175,12 @@ def test_direct_call_without_bridge_raises(make):
     cache = make(model.config)
     with pytest.raises(RuntimeError, match="enable"):
         with torch.no_grad():
-            model(random_ids(1, 5), past_key_values=cache, use_cache=True)
+            model(random_ids(1, 5), **cache_kwargs(cache), use_cache=True)
     # after enabling, the same kind of call works
     hf_kvcache.enable(model)
     cache = make(model.config)
     with torch.no_grad():
-        out = model(random_ids(1, 5), past_key_values=cache, use_cache=True)
+        out = model(random_ids(1, 5), **cache_kwargs(cache), use_cache=True)
     assert out.logits.shape == (1, 5, model.config.vocab_size)
     assert cache.get_seq_length() == 5
 
@@ -191,7 +191,7 @@ def test_cache_from_model_enables_bridge():
     cache = SinkCache(model, sinks=2, window=6)
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
     with torch.no_grad():
-        model(random_ids(1, 9), past_key_values=cache, use_cache=True)  # no RuntimeError: the bridge is on
+        model(random_ids(1, 9), **cache_kwargs(cache), use_cache=True)  # no RuntimeError: the bridge is on
     assert cache.get_seq_length() == 9
 
 
@@ -203,8 +203,8 @@ def test_base_model_of_enabled_model_accepts_our_cache():
     ids = random_ids(1, 12, seed=8)
     cache = SinkCache(model, sinks=2, window=20)  # enables the bridge on `model`
     with torch.no_grad():
-        ref = model.model(ids, past_key_values=DynamicCache(config=model.config)).last_hidden_state
-        out = model.model(ids, past_key_values=cache).last_hidden_state
+        ref = model.model(ids, **cache_kwargs(DynamicCache(config=model.config))).last_hidden_state
+        out = model.model(ids, **cache_kwargs(cache)).last_hidden_state
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -214,21 +214,21 @@ def test_prepared_four_d_mask_equals_the_padding_mask_and_three_d_is_rejected():
     ids = random_ids(1, 5)
     with torch.no_grad():
         plain = model(ids, attention_mask=torch.ones(1, 5, dtype=torch.long),
-                      past_key_values=SinkCache(model, sinks=2, window=6), use_cache=True).logits
+                      **cache_kwargs(SinkCache(model, sinks=2, window=6)), use_cache=True).logits
         causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
-        prepared = model(ids, attention_mask=causal, past_key_values=SinkCache(model, sinks=2, window=6),
+        prepared = model(ids, attention_mask=causal, **cache_kwargs(SinkCache(model, sinks=2, window=6)),
                          use_cache=True).logits
     torch.testing.assert_close(prepared, plain)
     with pytest.raises(ValueError, match="2-D"):
         with torch.no_grad():
-            model(ids, attention_mask=torch.ones(1, 5, 5), past_key_values=SinkCache(model, sinks=2, window=6),
+            model(ids, attention_mask=torch.ones(1, 5, 5), **cache_kwargs(SinkCache(model, sinks=2, window=6)),
                   use_cache=True)
 
 
 # -- crop ------------------------------------------------------------------------------------------------------------
 def run(model, cache, ids, attention_mask=None, position_ids=None):
     with torch.no_grad():
-        return model(ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+        return model(ids, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache),
                      use_cache=True).logits
 
 
@@ -327,7 +327,7 @@ def test_assisted_decoding_before_eviction_matches_default():
     assert torch.equal(ref, model.generate(ids, max_new_tokens=12, do_sample=False))
     for cache in (SinkCache(model.config, sinks=2, window=40), SlidingWindowCache(model.config, window=40),
                   FullCache(model.config)):
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, past_key_values=cache)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, **cache_kwargs(cache))
         assert torch.equal(out, ref), type(cache).__name__
 
 
@@ -335,12 +335,12 @@ def test_assisted_decoding_after_eviction_raises_clear_error():
     model, assistant = build_model("llama"), build_model("llama", seed=5)
     with pytest.raises(ValueError, match="evict"):
         model.generate(random_ids(1, 10, seed=6), max_new_tokens=12, do_sample=False, assistant_model=assistant,
-                       past_key_values=SinkCache(model.config, sinks=2, window=4))
+                       **cache_kwargs(SinkCache(model.config, sinks=2, window=4)))
 
 
 def test_generate_sink_without_size_uses_the_documented_default():
     model = build_model("llama")  # max_position_embeddings 1024: the default 4 + 1020 fits as is
     out = model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink",
                          return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert isinstance(cache, hf_kvcache.SinkCache) and (cache.sinks, cache.window) == (4, 1020)
