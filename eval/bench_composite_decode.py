@@ -40,10 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stream_ppl import environment  # noqa: E402
+
 import hf_kvcache  # noqa: E402
 from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter  # noqa: E402
-from stream_ppl import environment  # noqa: E402
 
 RATIO_TARGET = 1.2
 GROWTH_TARGET = 1.10
@@ -117,8 +118,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.models import load_model
-    from hf_kvcache.text import load_tokens
+    from hf_kvcache.evaluation.corpus import load_tokens
+    from hf_kvcache.evaluation.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     hf_kvcache.enable(model)

@@ -93,13 +93,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stream_ppl import environment  # noqa: E402
+
 import hf_kvcache  # noqa: E402  (registers the cache names)
 from hf_kvcache import cache_kwargs  # noqa: E402
-from hf_kvcache.eval_cli import parse_cache  # noqa: E402
+from hf_kvcache.cli.eval_commands import parse_cache  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import check_cache, make_cache  # noqa: E402
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter  # noqa: E402
 from hf_kvcache.evaluation.memory import cache_nbytes, format_rows  # noqa: E402
-from stream_ppl import environment  # noqa: E402
 
 #: default config per registered cache name (budgets as fractions of the prompt); a name registered later without an
 #: entry here runs with its own defaults
@@ -155,8 +156,8 @@ def load(args, dtype: torch.dtype):
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(2, model.config.vocab_size, (args.batch, total), generator=g)
         return model, ids.to(args.device)
-    from hf_kvcache.models import load_model
-    from hf_kvcache.text import load_tokens
+    from hf_kvcache.evaluation.corpus import load_tokens
+    from hf_kvcache.evaluation.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     corpus = load_tokens(tokenizer, args.text, max_tokens=args.batch * total)
@@ -478,7 +479,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="Hub id, local path, or smollm2 (offline, the default)")
     parser.add_argument("--tiny", action="store_true", help="a random 2-layer Llama instead of --model (tests)")
-    parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.text)")
+    parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.evaluation.corpus)")
     parser.add_argument("--cache", action="append", metavar="NAME:key=value,...",
                         help="a cache to measure (repeatable); default: every registered cache with a default config. "
                              "DynamicCache and StaticCache always run as references")

@@ -2,7 +2,7 @@
 decode ms/token at a 20% budget (heavy 10% + recent 10% of the prompt).
 
 H2O needs the attention probabilities each key column receives; the bridge computes them in the same pass as the
-attention output (hf_kvcache.scored_attention), query-chunked. Targets (issue 13): prefill <= 1.3x DynamicCache at
+attention output (hf_kvcache.attention.scored), query-chunked. Targets (issue 13): prefill <= 1.3x DynamicCache at
 2K tokens, decode <= 1.1x at a 20% budget.
 
 Method:
@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stream_ppl import environment  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import hf_kvcache  # noqa: E402
 from hf_kvcache import cache_kwargs  # noqa: E402
-from stream_ppl import environment  # noqa: E402
 
 PREFILL_TARGET, DECODE_TARGET = 1.3, 1.1
 
@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.models import load_model
-    from hf_kvcache.text import load_tokens
+    from hf_kvcache.evaluation.corpus import load_tokens
+    from hf_kvcache.evaluation.models import load_model
 
     model, tokenizer = load_model("smollm2")
     hf_kvcache.enable(model)

@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stream_ppl import environment  # noqa: E402
 from transformers import DynamicCache, QuantizedCache  # noqa: E402
 
 import hf_kvcache  # noqa: E402
 from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs  # noqa: E402
-from hf_kvcache.calibration import calibrate  # noqa: E402
 from hf_kvcache.evaluation.memory import cache_nbytes  # noqa: E402
-from stream_ppl import environment  # noqa: E402
+from hf_kvcache.sharing.calibration import calibrate  # noqa: E402
 
 # name: (label, family, factory(model, scales))
 CONFIGS = {
@@ -112,8 +112,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.models import load_model
-    from hf_kvcache.text import load_tokens
+    from hf_kvcache.evaluation.corpus import load_tokens
+    from hf_kvcache.evaluation.models import load_model
 
     model, tokenizer = load_model("smollm2")
     hf_kvcache.enable(model)

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
-from hf_kvcache.eval_cli import parse_cache
+from hf_kvcache.cli.eval_commands import parse_cache
 from hf_kvcache.evaluation.cache_spec import make_cache, resolve_config
 
 TINY = "tiny"

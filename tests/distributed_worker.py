@@ -41,8 +41,9 @@ def prompt(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_cache(model, case: dict):
-    import hf_kvcache
     from transformers import DynamicCache
+
+    import hf_kvcache
 
     if case["cache"] == "dynamic":
         return DynamicCache(config=model.config)

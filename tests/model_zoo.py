@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 import transformers
-
 from conftest import COMMON as CONFTEST_COMMON
 
 VOCAB = 128

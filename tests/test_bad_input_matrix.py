@@ -29,11 +29,11 @@ from unittest import mock
 import pytest
 import torch
 import transformers
+from conftest import build_config, build_model, random_ids
 
 import hf_kvcache
-from conftest import build_config, build_model, random_ids
 from hf_kvcache import CACHE_ARG, cache_kwargs
-from hf_kvcache.hub import KVCacheConfig
+from hf_kvcache.sharing.hub import KVCacheConfig
 from hf_kvcache.stores.quantization import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,9 @@ def cli_case(argv: list[str], match: str, case_id: str | None = None) -> Case:
     text = "hf-kvcache " + " ".join(shlex.quote(a) for a in argv)
 
     def run():
-        from hf_kvcache import cli, eval_cli, models
+        from hf_kvcache import cli
+        from hf_kvcache.cli import eval_commands as eval_cli
+        from hf_kvcache.evaluation import models
 
         def no_model(*args, **kwargs):
             raise AssertionError(f"{text} went on to load a model instead of refusing its arguments")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import PAD, build_model, left_pad, random_ids
+
 from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 PROMPT_LENGTHS = (10, 17, 13, 20)

@@ -19,9 +19,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hf_kvcache.attention import build_validity_mask
-from hf_kvcache.kernels import QuantizedKV, blockwise_attention, cpu_blockwise, dequantize, from_codec, store_segments
-from hf_kvcache.stores.quantization import QuantSpec, make_codec
+from hf_kvcache.attention.bridge import build_validity_mask
+from hf_kvcache.kernels import QuantizedKV, blockwise_attention, cpu_blockwise, dequantize
+from hf_kvcache.stores.code_views import from_codec, store_segments
+from hf_kvcache.stores.factory import make_codec
+from hf_kvcache.stores.quantization import QuantSpec
 from hf_kvcache.stores.quantized import QuantizedStore
 from hf_kvcache.stores.workspace import TransientWorkspace
 

@@ -1,4 +1,4 @@
-"""The quantized caches' `attention` option: attention straight from the codes (hf_kvcache.codes_attention) equals
+"""The quantized caches' `attention` option: attention straight from the codes (hf_kvcache.layers.codes_read) equals
 the dequantize path (prefill, chunks, decode, padding, generate), never fills the dequantization workspace, and
 refuses what it cannot do (a model that transforms the cached keys, a model not on the bridge, bad settings)."""
 
@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import build_model, left_pad, random_ids
 from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs, returned_cache
-from hf_kvcache.codes_attention import attend, codes_now, resolve_attention
-from hf_kvcache.kernels import dequantize, store_segments
+from hf_kvcache.attention.codes import attend
+from hf_kvcache.kernels import dequantize
+from hf_kvcache.layers.codes_read import codes_now, resolve_attention
+from hf_kvcache.stores.code_views import store_segments
 from hf_kvcache.stores.full import FullPrecisionStore
 from hf_kvcache.stores.quantization import backend_available
 from hf_kvcache.stores.quantized import QuantizedStore
@@ -227,7 +229,7 @@ def test_auto_resolves_from_the_device(llama, kernel, monkeypatch):
     cache = QuantizedFP8Cache(llama)  # auto
     hf_kvcache.enable(llama)
     reads = []
-    monkeypatch.setattr("hf_kvcache.attention.attend", lambda *a: reads.append(a[1].layer_idx) or attend(*a))
+    monkeypatch.setattr("hf_kvcache.attention.bridge.attend", lambda *a: reads.append(a[1].layer_idx) or attend(*a))
     logits = run(llama, cache, random_ids(1, 20), chunks=(19,))
     layer = cache.layers[0]
     # CPU: the native kernel in decode steps, a dequantized copy for the prefill; without it, always dequantize

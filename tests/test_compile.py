@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
-
-from conftest import build_model, random_ids
 
 CACHES = {
     "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=10),
@@ -267,7 +266,7 @@ SIZED = {  # two configurations of each compileable cache kind, decoded through 
 @pytest.mark.parametrize("name", sorted(SIZED))
 def test_a_second_budget_compiles_with_static_shapes(name):
     """A cache of another size through the same compiled forward (generate keeps its compiled forward on the model)
-    gets graphs specialised to its sizes: every tensor the graph takes has a static shape (hf_kvcache.compile_static;
+    gets graphs specialised to its sizes: every tensor the graph takes has a static shape (hf_kvcache.common.compile_static;
     dynamo would otherwise turn the budget and the buffers it sizes symbolic, and inductor's kernels over symbolic
     sizes measured 20x slower), and those graphs compute eager's logits."""
     torch._dynamo.reset()

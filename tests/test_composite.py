@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 from transformers import DynamicCache, GenerationConfig
 
 import hf_kvcache
-from conftest import build_model, left_pad, random_ids
 from hf_kvcache import cache_kwargs
 
 W = {"role": "window"}

@@ -1,4 +1,4 @@
-"""CompositeCache's `attention` option: attention straight from the regions' codes (hf_kvcache.codes_attention)
+"""CompositeCache's `attention` option: attention straight from the regions' codes (hf_kvcache.layers.codes_read)
 gives, at every layer and forward (chunked prefill, decode, left padding), the output and the column scores that
 softmax attention over the dequantized regions gives, for every heavy-hitter scorer, in bfloat16, and on the model
 zoo's softcap, attention sinks, QK-norm and partial rotary; it makes no host sync in decode and never fills the
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, greedy_decode_syncs, left_pad, random_ids
 
 import hf_kvcache
-import hf_kvcache.attention as bridge
-from conftest import build_model, greedy_decode_syncs, left_pad, random_ids
+import hf_kvcache.attention.bridge as bridge
 from hf_kvcache import CompositeCache, cache_kwargs
-from hf_kvcache.codes_attention import resolve_attention
+from hf_kvcache.attention.scored import scored_attention
 from hf_kvcache.kernels import dequantize
-from hf_kvcache.scored_attention import scored_attention
+from hf_kvcache.layers.codes_read import resolve_attention
 
 
 @pytest.fixture(scope="module")

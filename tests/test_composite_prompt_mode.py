@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    PAD,
+    build_model,
+    greedy_decode_syncs,
+    left_pad,
+    masked_step,
+    policy_free_nbytes,
+    random_ids,
+    teacher_forced_logits,
+)
 
 import hf_kvcache
-from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
-                      teacher_forced_logits)
 from hf_kvcache import cache_kwargs, returned_cache
 
 PROMPT, STEPS = 20, 8

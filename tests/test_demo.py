@@ -9,10 +9,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import build_model, random_ids
-from hf_kvcache.demo import DemoRow, demo_specs, run_demo
-from hf_kvcache.demo_report import write_demo_report
+
+from hf_kvcache.cli.demo import DemoRow, demo_specs, run_demo
+from hf_kvcache.cli.demo_report import write_demo_report
 
 
 def _row(cache, family, budget, held, top1):
@@ -48,7 +48,7 @@ def test_every_family_has_three_budgets_and_the_quantized_caches_keep_all():
 
 
 def test_progress_bar_per_row_counts_its_forwards(monkeypatch):
-    import hf_kvcache.demo as demo
+    import hf_kvcache.cli.demo as demo
 
     bars = []
 

@@ -32,14 +32,14 @@ import socket
 import subprocess
 import sys
 
+import distributed_worker as worker
 import pytest
 import torch
+from conftest import build_config, build_model
 from transformers import AutoModelForCausalLM
 
-import distributed_worker as worker
-from conftest import build_config, build_model
 from hf_kvcache import build_cache, cache_kwargs
-from hf_kvcache.calibration import calibrate
+from hf_kvcache.sharing.calibration import calibrate
 
 WORLD = 2
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 16

@@ -1,5 +1,5 @@
 """The documentation site (mkdocs.yml, docs/) builds with warnings as errors, and its API page documents every
-public name: hf_kvcache.__all__, hf_kvcache.hub.__all__ and hf_kvcache.kernels.__all__ (`make docs` builds the same
+public name: hf_kvcache.__all__, hf_kvcache.sharing.hub.__all__ and hf_kvcache.kernels.__all__ (`make docs` builds the same
 site into site/)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import hf_kvcache
-import hf_kvcache.hub
 import hf_kvcache.kernels
+import hf_kvcache.sharing.hub
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_NAMES = ("sink", "sliding", "h2o", "random_eviction", "composite", "fp8", "kivi", "knorm", "keydiff",
@@ -58,10 +58,10 @@ def _ids(html: str) -> set[str]:
 def test_api_page_documents_every_public_name(site):
     ids = _ids((site / "api" / "index.html").read_text(encoding="utf-8"))
     expected = ([f"hf_kvcache.{n}" for n in hf_kvcache.__all__]
-                + [f"hf_kvcache.hub.{n}" for n in hf_kvcache.hub.__all__]
+                + [f"hf_kvcache.sharing.hub.{n}" for n in hf_kvcache.sharing.hub.__all__]
                 + [f"hf_kvcache.kernels.{n}" for n in hf_kvcache.kernels.__all__])
-    # names re-exported from hf_kvcache.hub (KVCacheConfig, publish) are documented once, under hf_kvcache.hub
-    aliases = {f"hf_kvcache.{n}": f"hf_kvcache.hub.{n}" for n in hf_kvcache.hub.__all__}
+    # names re-exported from hf_kvcache.sharing.hub (KVCacheConfig, publish) are documented once, under hf_kvcache.sharing.hub
+    aliases = {f"hf_kvcache.{n}": f"hf_kvcache.sharing.hub.{n}" for n in hf_kvcache.sharing.hub.__all__}
     missing = [n for n in expected if n not in ids and aliases.get(n) not in ids]
     assert not missing, f"not on the API page: {missing}"
     # docstrings were rendered, not just headings
@@ -91,3 +91,13 @@ def test_caches_page_has_a_section_per_cache_name(site):
 def test_site_builds_offline_without_cdn_fonts(site):
     home = (site / "index.html").read_text(encoding="utf-8")
     assert "fonts.googleapis.com" not in home and "fonts.gstatic.com" not in home
+
+
+def test_results_page_is_generated_from_eval_results():
+    """docs/results.md and its plots are what scripts/results_page.py makes of eval/results/ (regenerate with it)."""
+    import runpy
+
+    page = runpy.run_path(str(ROOT / "scripts" / "results_page.py"))
+    assert page["main"](["--check"]) == 0, "docs/results.md is stale: run python scripts/results_page.py"
+    text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert "eval/results/h2o/results.csv" in text and "eval/results/quantized.json" in text

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ARCH_NAMES, build_model, left_pad, random_ids
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import ARCH_NAMES, build_model, left_pad, random_ids
 from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 PREFILL, TOTAL = 7, 20
@@ -171,7 +171,7 @@ def test_bridge_transparent_after_our_cache_was_used():
 # disable() leaves model._hf_kvcache_enabled True, so enable() (and SinkCache(model), generate) return early with the
 # plain attention function, and our validity masks are silently not applied
 def test_enable_after_disable_restores_bridge():
-    from hf_kvcache.attention import disable
+    from hf_kvcache.attention.bridge import disable
 
     model = build_model("llama")
     rows = [random_ids(1, n, seed=50 + n)[0] for n in (14, 5)]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kvcache.cli import build_parser, main
-from hf_kvcache.eval_cli import parse_cache
+from hf_kvcache.cli import main
+from hf_kvcache.cli.eval_commands import parse_cache
+from hf_kvcache.cli import build_parser
 
 COMMANDS = ["demo", "caches", "memory", "ppl", "divergence", "retrieval", "speed", "sweep"]
 
@@ -36,12 +37,12 @@ def test_parse_cache():
 
 
 def fail_loading(monkeypatch):
-    import hf_kvcache.models
+    import hf_kvcache.evaluation.models
 
     def boom(*a, **k):
         raise AssertionError("no model may be loaded")
 
-    monkeypatch.setattr(hf_kvcache.models, "load_model", boom)
+    monkeypatch.setattr(hf_kvcache.evaluation.models, "load_model", boom)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,8 @@ def test_demo_runs_every_cache_family_on_a_tiny_model():
     from types import SimpleNamespace
 
     from conftest import build_model, random_ids
-    from hf_kvcache.demo import format_table, run_demo
+
+    from hf_kvcache.cli.demo import format_table, run_demo
     from hf_kvcache.stores.quantization import backend_available
 
     model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32

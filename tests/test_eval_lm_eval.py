@@ -9,6 +9,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from conftest import build_model  # noqa: E402
 from eval_helpers import char_tokenizer  # noqa: E402
+
 from hf_kvcache.evaluation.lm_eval_adapter import TASKS_DIR, HFKVCacheLM  # noqa: E402
 
 

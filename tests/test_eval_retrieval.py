@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
-
 from conftest import build_model
 from eval_helpers import char_tokenizer
+from transformers import DynamicCache
+
 from hf_kvcache import SinkCache
 from hf_kvcache.evaluation.retrieval import (
     PASSKEY_HEADER,

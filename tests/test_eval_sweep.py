@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import build_model
+
 from hf_kvcache.evaluation import memory
 from hf_kvcache.evaluation.sweep import SpecError, load_spec, plan_cells, read_results, run_sweep
 
@@ -177,9 +177,9 @@ SPECS = sorted((Path(__file__).resolve().parents[1] / "eval" / "specs").glob("*.
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_specs_are_valid(path):
-    from hf_kvcache.evaluation.cache_spec import available_caches
-
     import yaml
+
+    from hf_kvcache.evaluation.cache_spec import available_caches
 
     known = set(available_caches()["hf_kvcache"]) | set(available_caches()["transformers"])
     missing = {c["name"] for c in yaml.safe_load(path.read_text())["caches"]} - known
@@ -217,7 +217,6 @@ def test_memory_from_config_and_concurrency():
 
 def test_measured_bytes_next_to_theory():
     import torch
-
     from conftest import random_ids
 
     model = build_model("llama")

@@ -1,4 +1,4 @@
-"""`hf-kvcache export-hub` / hf_kvcache.export: a custom_generate folder that transformers 5.x runs offline with
+"""`hf-kvcache export-hub` / hf_kvcache.sharing.export: a custom_generate folder that transformers 5.x runs offline with
 `model.generate(custom_generate=folder, trust_remote_code=True)`, equal to generate with the same cache built
 directly."""
 
@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import build_model, random_ids
 from packaging.requirements import Requirement
 
-from conftest import build_model, random_ids
 from hf_kvcache import (
     CACHE_ARG,
     CompositeCache,
@@ -30,7 +30,7 @@ from hf_kvcache import (
     returned_cache,
 )
 from hf_kvcache.cli import main
-from hf_kvcache.export import FILES, export_custom_generate, render_files
+from hf_kvcache.sharing.export import FILES, export_custom_generate, render_files
 
 REGIONS = [
     {"role": "sinks", "tokens": 2},

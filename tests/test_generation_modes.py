@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, build_model, random_ids
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast, TextStreamer
 
 import hf_kvcache
-from conftest import VOCAB, build_model, random_ids
 from hf_kvcache import CACHE_ARG, cache_kwargs
 
 PROMPT, NEW = 10, 12

@@ -1,4 +1,4 @@
-"""hf_kvcache.gqa_decode: one decode token's query heads packed by KV group equal the repeated-K/V attention
+"""hf_kvcache.attention.gqa_decode: one decode token's query heads packed by KV group equal the repeated-K/V attention
 transformers runs under torch.compile, the bridge takes the packed path for our layers in decode (eager and
 compiled), and the cases packing cannot reproduce fall back."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 from transformers.integrations.sdpa_attention import repeat_kv
 
 import hf_kvcache
-from hf_kvcache import cache_kwargs, gqa_decode
-from hf_kvcache.gqa_decode import packed_decode_attention
-
-from conftest import build_model, random_ids
+from hf_kvcache import cache_kwargs
+from hf_kvcache.attention import gqa_decode
+from hf_kvcache.attention.gqa_decode import packed_decode_attention
 
 
 class _Module(torch.nn.Module):
@@ -109,16 +109,16 @@ def test_bridge_decodes_packed_and_matches_unpacked(monkeypatch, make_cache):
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(hf_kvcache.attention, "packed_decode_attention", counting)
+    monkeypatch.setattr(hf_kvcache.attention.bridge, "packed_decode_attention", counting)
     with torch.no_grad():
         packed = _decode_logits(model, make_cache(model), ids, mask, steps=6)
     taken = sum(calls)
-    monkeypatch.setattr(hf_kvcache.attention, "packed_decode_attention", lambda *a, **k: None)
+    monkeypatch.setattr(hf_kvcache.attention.bridge, "packed_decode_attention", lambda *a, **k: None)
     with torch.no_grad():
         unpacked = _decode_logits(model, make_cache(model), ids, mask, steps=6)
     layers = model.config.num_hidden_layers
     if isinstance(make_cache(model), hf_kvcache.H2OCache):
-        assert taken == 0  # H2O decode scores attention in one pass (hf_kvcache.scored_attention) instead
+        assert taken == 0  # H2O decode scores attention in one pass (hf_kvcache.attention.scored) instead
     else:
         assert taken == 6 * layers
     torch.testing.assert_close(packed, unpacked, rtol=1e-4, atol=1e-4)

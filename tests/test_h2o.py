@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import build_model, left_pad, random_ids
 from hf_kvcache import cache_kwargs, returned_cache
 
 
@@ -293,7 +293,7 @@ def test_random_eviction_draws_per_global_kv_head_and_seed():
     """The random key of a token is a function of (seed, row, global KV head, stream index): a cache holding only KV
     heads 2..3 (tensor-parallel rank 1 of 2: head offset 2) keeps exactly what a single process keeps in heads 2..3,
     and rank 0 what it keeps in heads 0..1; the same seed gives the same choices, another seed others."""
-    from hf_kvcache.tensor_parallel import TensorParallel
+    from hf_kvcache.common.tensor_parallel import TensorParallel
 
     config = build_model("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=16).config
     steps = [20] + [1] * 15

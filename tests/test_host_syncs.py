@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
 from hf_kvcache.evaluation.host_syncs import HostSyncCounter
-
-from conftest import build_model, left_pad, random_ids
 
 CACHES = {
     "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6),

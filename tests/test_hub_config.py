@@ -1,4 +1,4 @@
-"""Configs safe to publish on the Hub (hf_kvcache.hub): a local folder stands in for a Hub model repo; nothing here
+"""Configs safe to publish on the Hub (hf_kvcache.sharing.hub): a local folder stands in for a Hub model repo; nothing here
 touches the network (hf_hub_download and HfApi are patched where a repo id is used)."""
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import hf_kvcache
-from hf_kvcache.scorer_caches import SCORER_CACHES
-from conftest import build_model, random_ids
 from hf_kvcache import (
     CompositeCache,
     H2OCache,
@@ -30,7 +29,8 @@ from hf_kvcache import (
     cache_kwargs,
     returned_cache,
 )
-from hf_kvcache import registry
+from hf_kvcache.caches import registry
+from hf_kvcache.caches.scorers import SCORER_CACHES
 
 SINK = {"sinks": 2, "window": 6}
 NEW = 20
@@ -272,7 +272,7 @@ def test_layers_settings_validated_without_the_model(tmp_path):
 def test_calibrated_scales_load_without_the_model_and_are_checked_with_it(tmp_path):
     """FP8 scales describe one model's layers and heads: a file carrying them loads without the model (the minimal
     validation config has other shapes), and building for a model of another shape fails naming the mismatch."""
-    from hf_kvcache.calibration import calibrate, save_calibrated_config
+    from hf_kvcache.sharing.calibration import calibrate, save_calibrated_config
 
     model = build_model("llama")
     scales = calibrate(model, input_ids=random_ids(1, 16, seed=3), window=16)

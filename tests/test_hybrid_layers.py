@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import build_model, left_pad, random_ids
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_kvcache
 from hf_kvcache import FullCache, H2OCache, QuantizedFP8Cache, SinkCache, SlidingWindowCache, cache_kwargs
-from hf_kvcache.layer import CompressedLayer
-
-from conftest import build_model, left_pad, random_ids
+from hf_kvcache.layers.layer import CompressedLayer
 
 HYBRID = dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 

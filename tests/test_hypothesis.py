@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import torch
+from conftest import build_model, left_pad, random_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hf_kvcache
-from conftest import build_model, left_pad, random_ids
 from hf_kvcache import SinkCache, SlidingWindowCache, cache_kwargs
 
 _MODEL = None
@@ -109,7 +109,7 @@ from transformers import AttentionInterface  # noqa: E402
 from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
 
 from hf_kvcache import CompositeCache, H2OCache  # noqa: E402
-from hf_kvcache.caches import RandomEvictionCache  # noqa: E402
+from hf_kvcache.caches.eviction import RandomEvictionCache  # noqa: E402
 
 _ALLOWED: dict[str, torch.Tensor] = {}
 

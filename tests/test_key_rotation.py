@@ -1,18 +1,18 @@
-"""Key rotation (hf_kvcache.rotation): keys stored rotated, queries rotated alike by the attention bridge."""
+"""Key rotation (hf_kvcache.common.rotation): keys stored rotated, queries rotated alike by the attention bridge."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
+from test_quantized_roundtrip import roundtrip
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import build_model, random_ids
 from hf_kvcache import QuantizedFP8Cache, cache_kwargs
-from hf_kvcache.calibration import calibrate, calibrated_scales
-from hf_kvcache.rotation import hadamard_matrix, rotate, rotation_matrix
+from hf_kvcache.common.rotation import hadamard_matrix, rotate, rotation_matrix
+from hf_kvcache.sharing.calibration import calibrate, calibrated_scales
 from hf_kvcache.stores.quantization import QuantSpec
-from test_quantized_roundtrip import roundtrip
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from __future__ import annotations
 import psutil
 import pytest
 import torch
+from conftest import build_model, random_ids
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import build_model, random_ids
 from hf_kvcache import cache_kwargs
 
 STREAM = 100_000

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 from transformers import DynamicCache
 
-from conftest import build_model, random_ids
 from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs
 
 WINDOW = 32

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import build_model
+
 from hf_kvcache.evaluation.sweep import read_results, run_sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
 from hf_kvcache.stores.opaque_widen import scales_to_float32, widen_to_float32
-
-from conftest import build_model, random_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

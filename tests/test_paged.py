@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_config, build_model, random_ids
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 import hf_kvcache
-from conftest import build_config, build_model, random_ids
 from hf_kvcache import QuantizedFP8Cache
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
-from hf_kvcache.integration.contracts import problem, require
 from hf_kvcache.integration.continuous_batching import ALLOCATORS, CACHE_INIT, QUANTIZED_PAGES
+from hf_kvcache.integration.contracts import problem, require
 from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError
 from hf_kvcache.paged.agreement import record_logits
 from hf_kvcache.paged.cache import first_forward_masks
 from hf_kvcache.paged.concurrency import ADMISSION_LIMITS, ForwardRecord, admission_limit, steady_state
 from hf_kvcache.paged.spec import DEFAULT_KEY_ROTATION
-from hf_kvcache.stores.quantization import QuantSpec, make_codec
+from hf_kvcache.stores.factory import make_codec
+from hf_kvcache.stores.quantization import QuantSpec
 from hf_kvcache.stores.workspace import TransientWorkspace
 
 PROMPT_LENGTHS = (5, 17, 30, 9)
@@ -419,7 +420,8 @@ def test_reference_runs_agree_with_dynamic_cache(llama_reference):
 
 
 def test_serve_bench_settings_and_cli_errors_name_the_option():
-    from hf_kvcache.cli import build_parser, main
+    from hf_kvcache.cli import main
+    from hf_kvcache.cli import build_parser
     from hf_kvcache.paged.serve_bench import ServeBenchSettings, parse_format
 
     args = build_parser().parse_args(["serve-bench", "--requests", "3", "--formats", "model,fp8_e4m3:hadamard"])
@@ -443,9 +445,10 @@ def test_serve_bench_settings_and_cli_errors_name_the_option():
 def test_install_on_a_changed_transformers_leaves_it_untouched_and_quantized_pages_raise(monkeypatch):
     """No silent fallback: where an internal changed, `import hf_kvcache` leaves continuous batching as it is, and
     asking for quantized pages raises naming the internal (tests/test_upstream_contracts.py fakes each contract)."""
+    from transformers.generation.continuous_batching import continuous_api
+
     from hf_kvcache.integration import contracts
     from hf_kvcache.paged import cache as paged_cache
-    from transformers.generation.continuous_batching import continuous_api
 
     monkeypatch.setattr(paged_cache, "_installed", False)
     monkeypatch.setattr(contracts, "_results", {})

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    PAD,
+    build_model,
+    greedy_decode_syncs,
+    left_pad,
+    masked_step,
+    policy_free_nbytes,
+    random_ids,
+    teacher_forced_logits,
+)
 from transformers import DynamicCache
 
-from conftest import (PAD, build_model, greedy_decode_syncs, left_pad, masked_step, policy_free_nbytes, random_ids,
-                      teacher_forced_logits)
 import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs, returned_cache
 from hf_kvcache.evaluation.cache_spec import check_cache

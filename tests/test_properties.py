@@ -23,16 +23,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from conftest import build_config
-from hf_kvcache import CompositeCache, H2OCache, KIVICache, QuantizedFP8Cache, SinkCache, SlidingWindowCache
-from hf_kvcache.caches import RandomEvictionCache
 from references import (
-    CascadeRule, FP8TokenPrecision, HeavyHitterRule, KeepAllRule, KIVIPrecision, Reference, Rope, SinkWindowRule,
+    CascadeRule,
+    FP8TokenPrecision,
+    HeavyHitterRule,
+    KeepAllRule,
+    KIVIPrecision,
+    Reference,
+    Rope,
+    SinkWindowRule,
 )
+
+from hf_kvcache import CompositeCache, H2OCache, KIVICache, QuantizedFP8Cache, SinkCache, SlidingWindowCache
+from hf_kvcache.caches.eviction import RandomEvictionCache
 
 CONFIG = build_config("llama", num_hidden_layers=1)
 HEADS = CONFIG.num_key_value_heads

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import PAD, build_model, left_pad, random_ids
 from transformers import DynamicCache, GenerationConfig
 
 import hf_kvcache
-from conftest import PAD, build_model, left_pad, random_ids
 from hf_kvcache import FullCache, KIVICache, QuantizedFP8Cache, cache_kwargs
-from hf_kvcache.calibration import calibrate, calibrated_scales, save_calibrated_config
 from hf_kvcache.evaluation.memory import cache_nbytes
+from hf_kvcache.sharing.calibration import calibrate, calibrated_scales, save_calibrated_config
 from hf_kvcache.stores.quantization import NonFiniteError, backend_available
 
 PACKER = next((b for b in ("quanto", "hqq") if backend_available(b)), None)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import build_config
 from transformers import GenerationConfig
 
 import hf_kvcache.stores.quantization as quantization
-from conftest import build_config
 from hf_kvcache import KIVICache, QuantizedFP8Cache
-from hf_kvcache.stores.quantization import QuantSpec, store_for_precisions
+from hf_kvcache.stores.quantization import QuantSpec
+from hf_kvcache.stores.regions import store_for_precisions
 
 
 def test_defaults_and_json_round_trip():

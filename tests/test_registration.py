@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import ARCHS, build_model, random_ids
 from transformers import GenerationConfig
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 import hf_kvcache
-from hf_kvcache import registry
-from hf_kvcache.integration import generation as upstream_generation
-from conftest import ARCHS, build_model, random_ids
 from hf_kvcache import CACHE_ARG, SinkCache, SlidingWindowCache, cache_kwargs
+from hf_kvcache.caches import registry
+from hf_kvcache.integration import generation as upstream_generation
 
 OURS = set(hf_kvcache.CACHE_IMPLEMENTATIONS)
 
@@ -203,7 +203,7 @@ def test_save_load_cache_config_round_trip(tmp_path):
     path = hf_kvcache.save_cache_config(tmp_path / "model", "sink", {"sinks": 4, "budget": 16})
     assert path.endswith("kvcache_config.json")
     data = json.loads(open(path).read())
-    # the safe form (hf_kvcache.hub): never a `cache_implementation`, which transformers refuses without our package
+    # the safe form (hf_kvcache.sharing.hub): never a `cache_implementation`, which transformers refuses without our package
     assert data == {"cache": "sink", "config": {"sinks": 4, "budget": 16}, "version": 1,
                     "hf_kvcache_version": hf_kvcache.__version__}
     assert "cache_implementation" not in open(path).read()

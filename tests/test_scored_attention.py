@@ -1,4 +1,4 @@
-"""hf_kvcache.scored_attention: output and column scores from one pass equal eager attention with the layer's
+"""hf_kvcache.attention.scored: output and column scores from one pass equal eager attention with the layer's
 validity mask (GQA, padding columns, causal tail, softcap, sinks, query weights, scored suffix, any chunk size), its
 memory stays O(chunk x kv), and H2O through the bridge (sdpa and eager models) equals the two-pass reference."""
 
@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_kvcache
-import hf_kvcache.attention as bridge
-from conftest import build_model, left_pad, random_ids
+import hf_kvcache.attention.bridge as bridge
 from hf_kvcache import cache_kwargs
-from hf_kvcache.attention import build_validity_mask
-from hf_kvcache.scored_attention import scored_attention
+from hf_kvcache.attention.bridge import build_validity_mask
+from hf_kvcache.attention.scored import scored_attention
 
 
 def reference(query, key, value, valid, causal_tail, scaling, softcap=None, sinks=None, weight=None, score_from=0):

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PAD, build_model, left_pad, random_ids
 from transformers import DynamicCache
 
-from conftest import PAD, build_model, left_pad, random_ids
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
 from hf_kvcache.policies.scored import group_mean
 
@@ -132,7 +132,7 @@ def test_a_left_padded_row_scores_like_the_row_alone(name):
 
 @pytest.mark.parametrize("name", ("knorm", "keydiff", "expected_attention"))
 def test_scorers_without_attention_never_compute_it(name, monkeypatch):
-    import hf_kvcache.attention as bridge
+    import hf_kvcache.attention.bridge as bridge
 
     def refuse(*args, **kwargs):
         raise AssertionError("attention probabilities computed for a scorer that needs none")

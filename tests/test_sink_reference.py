@@ -6,7 +6,7 @@ keys go to positions (p_query - L + 1 + slot), slot = 0..L-1: by RoPE relativity
 positions 0..L-1 with the query at L-1. In "original" mode each key keeps the position it arrived at.
 
 The reference knows the RoPE conventions it is given (written here from the modeling files, independently of
-hf_kvcache.rope): rotate-half or interleaved pairs (GLM-4), and layers without RoPE (SmolLM3's NoPE layers, Cohere2's
+hf_kvcache.common.rope): rotate-half or interleaved pairs (GLM-4), and layers without RoPE (SmolLM3's NoPE layers, Cohere2's
 full-attention layers), whose keys it keeps as they arrived. The rotator's own tests follow at the end.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, random_ids
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from conftest import build_model, random_ids
 from hf_kvcache import SinkCache, SlidingWindowCache, cache_kwargs
 
 
@@ -326,14 +326,15 @@ def test_generate_with_prefill_chunks_matches_reference(mode):
     assert not torch.equal(whole, got)  # chunking the prompt really changed what was attended
 
 
-# -- the rotator per layer (hf_kvcache.rope.KeyRotator) on the architectures whose RoPE differs ------------------
+# -- the rotator per layer (hf_kvcache.common.rope.KeyRotator) on the architectures whose RoPE differs ------------------
 import warnings  # noqa: E402
 
 import model_zoo  # noqa: E402
+
 from hf_kvcache import CompositeCache, H2OCache  # noqa: E402
-from hf_kvcache import rope as rope_module  # noqa: E402
-from hf_kvcache.architecture import attention_head_dim  # noqa: E402
-from hf_kvcache.rope import KeyRotator, LayerRope, check_rotator_against_model  # noqa: E402
+from hf_kvcache.common import rope as rope_module  # noqa: E402
+from hf_kvcache.common.architecture import attention_head_dim  # noqa: E402
+from hf_kvcache.common.rope import KeyRotator, LayerRope, check_rotator_against_model  # noqa: E402
 
 LATENT = ("deepseek_v3", "minicpm3")  # MLA: re-positioning refused by name (test_support_matrix)
 ROPE_ZOO = [a for a in model_zoo.ZOO if a not in LATENT]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import build_model
 
+from hf_kvcache.common.rope import KeyRotator, LayerRope
 from hf_kvcache.policies.sinks import SinkMemory
-from hf_kvcache.rope import KeyRotator, LayerRope
 from hf_kvcache.stores import FullPrecisionStore
 from hf_kvcache.stores.regions import RegionStore
 
@@ -65,7 +65,7 @@ def test_in_place_rotation_equals_the_rotator(convention, rotary_dim, per_head, 
 
 def test_quantized_sinks_region_offers_no_key_slots():
     """A sinks region in FP8 cannot be rotated in place: `key_slots` says so and the rotator path is taken."""
-    from hf_kvcache.stores.quantization import store_for_precisions
+    from hf_kvcache.stores.regions import store_for_precisions
 
     regions = RegionStore([SINKS, 8], [store_for_precisions("fp8_e4m3", "fp8_e4m3"), FullPrecisionStore()])
     regions.allocate(1, HEADS, HEAD_DIM, SINKS + 8 + 1, torch.float32, "cpu")

@@ -1,4 +1,4 @@
-"""Cache state files (hf_kvcache.state): pause a stream, save, load into a fresh cache, resume -- the logits of every
+"""Cache state files (hf_kvcache.sharing.state): pause a stream, save, load into a fresh cache, resume -- the logits of every
 step after the pause equal those of the uninterrupted run exactly, for every cache family; files from another
 version, cache or model shape, and files that are not state files, are refused naming the field."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_model, left_pad, random_ids
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import hf_kvcache
-from conftest import build_model, left_pad, random_ids
 from hf_kvcache import cache_kwargs, load_cache_state, save_cache_state
 
 CACHES = {
@@ -37,7 +37,7 @@ CACHES = {
     "fp8_max_length": lambda m: hf_kvcache.QuantizedFP8Cache(m, max_length=64),
     "kivi": lambda m: hf_kvcache.KIVICache(m, residual=8, group_size=8),
     "per_layer": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6, layers={1: {"cache": "h2o", "budget": 8}}),
-    # the scorer caches (issue 14): nothing of theirs needed a state method (see hf_kvcache.state)
+    # the scorer caches (issue 14): nothing of theirs needed a state method (see hf_kvcache.sharing.state)
     "knorm": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["knorm"](m, budget=8),
     "keydiff_prompt": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["keydiff"](m, budget=8, compress="prompt"),
     "tova": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["tova"](m, budget=8),

@@ -1,6 +1,8 @@
 """A cache state file written on one supported transformers version loads and resumes on the other (hybrid model:
 transformers' own sliding-window layer beside ours). The files in tests/data/state_across_versions were written
-on each supported minor by its make_fixtures.py; this test runs on both ends of the range (marked `upstream`).
+on each supported minor by its make_fixtures.py (before the package moved to packages by role, so they also check
+that files of the current format written by the flat layout keep loading: hf_kvcache.sharing.state maps the moved
+modules); this test runs on both ends of the range (marked `upstream`).
 """
 
 from __future__ import annotations

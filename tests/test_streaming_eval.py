@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import build_model, random_ids
 from transformers import DynamicCache
 
-from conftest import build_model, random_ids
 from hf_kvcache import FullCache, SinkCache
 from hf_kvcache.evaluation.streaming import (
     bucket_perplexity,

@@ -42,13 +42,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import model_zoo
 import pytest
 import torch
 import transformers
 from transformers import DynamicCache
 
 import hf_kvcache
-import model_zoo
 from hf_kvcache import cache_kwargs
 
 torch.set_num_threads(1)

@@ -20,8 +20,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_kvcache
 from hf_kvcache.integration import cache_argument, contracts, generation, versions
-from hf_kvcache.integration.contracts import CONTRACTS, broken
 from hf_kvcache.integration.continuous_batching import QUANTIZED_PAGES
+from hf_kvcache.integration.contracts import CONTRACTS, broken
 
 pytestmark = pytest.mark.upstream
 
@@ -105,8 +105,8 @@ def test_broken_cache_argument_contract_raises_on_use():
 
 @pytest.mark.parametrize("name", QUANTIZED_PAGES)
 def test_quantized_pages_on_a_broken_contract_raise_instead_of_model_dtype_pages(monkeypatch, name):
-    from hf_kvcache.paged import cache as paged_cache
     from hf_kvcache.integration import continuous_batching
+    from hf_kvcache.paged import cache as paged_cache
 
     monkeypatch.setattr(paged_cache, "_installed", False)
     monkeypatch.setattr(continuous_batching.continuous_api, "PagedAttentionCache",
@@ -196,9 +196,9 @@ def test_our_own_calls_raise_no_future_warning():
 
 
 def test_import_survives_a_broken_generate_contract_with_one_warning():
-    from hf_kvcache import registry
+    from hf_kvcache import install
 
     with broken(generation.NAMES, "it is a frozenset now"):
         with pytest.warns(UserWarning, match="it is a frozenset now.*cache_implementation=.*unavailable"):
-            assert registry.register_at_import() is False
-    assert registry.register_at_import() is True
+            assert install.register_at_import() is False
+    assert install.register_at_import() is True

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import build_config, build_model, left_pad, random_ids
 from transformers import DynamicCache
 
 import hf_kvcache
-from conftest import build_config, build_model, left_pad, random_ids
 from hf_kvcache import FullCache, SinkCache, SlidingWindowCache, cache_kwargs, returned_cache
 
 

@@ -51,7 +51,8 @@ QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None}
 
 def _ours() -> dict:
     """Registered caches, plus our keep-all `FullCache` ("hf_kvcache_full": the reference through our machinery)."""
-    from .. import CACHE_IMPLEMENTATIONS, FullCache  # importing hf_kvcache also registers the names
+    from ..caches.base import FullCache  # importing hf_kvcache also registers the names
+    from ..caches.registry import CACHE_IMPLEMENTATIONS
 
     return {**CACHE_IMPLEMENTATIONS, FullCache.cache_name: FullCache}
 

@@ -26,8 +26,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..integration.cache_argument import cache_kwargs
-
 #: aten operations that read a value back to the host, or whose output shape depends on the data
 SYNC_ATEN_OPS = (
     "aten._local_scalar_dense",

@@ -175,10 +175,10 @@ def stream_nll(
                 "changed since): a pickled cache may not match the new classes. Delete it to start over, or pass "
                 "allow_code_change=True if the change keeps the state layout and behaviour."
             )
-        from ..caches import KVCache
+        from ..caches.base import KVCache
 
         if isinstance(cache, KVCache):  # a fresh process: the model needs the attention bridge again
-            from ..attention import enable
+            from ..attention.bridge import enable
 
             enable(model)
     else:

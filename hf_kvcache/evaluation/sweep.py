@@ -63,7 +63,7 @@ def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike
               on_cell: Callable[[Cell], None] | None = None, dry_run: bool = False,
               report_only: bool = False) -> list[dict]:
     """Run every cell not already in `<out_dir>/<name>/results.jsonl`; returns all rows (old and new).
-    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.models.load_model`. `on_cell` is called
+    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.evaluation.models.load_model`. `on_cell` is called
     after each finished cell (tests use it to interrupt a run). `report_only` runs nothing and rewrites the reports
     from the cells already done (for a sweep stopped part-way)."""
     if not isinstance(spec, Sweep):
@@ -85,7 +85,7 @@ def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike
             torch.set_num_threads(spec.threads)
         env["torch_threads"] = torch.get_num_threads()
         if loader is None:
-            from ..models import load_model
+            from .models import load_model
 
             def loader(name, dtype):
                 return load_model(name, dtype=getattr(torch, dtype))

@@ -73,7 +73,7 @@ def environment() -> dict:
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    from .. import __version__
+    from ..version import __version__
 
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hf_kvcache": __version__,
             "torch": torch.__version__, "transformers": transformers.__version__,

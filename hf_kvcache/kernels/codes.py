@@ -21,8 +21,9 @@ A `QuantizedKV` is one run of `n` tokens of one tensor kind (keys or values) for
 Kernels walk a `QuantizedKV` in blocks of tokens (`dequantize_block`), so no full-precision copy of it is made.
 Blocks must start at multiples of `token_alignment` (channel-granular scales and token packing cover several tokens).
 
-Adapters: `from_codec(codec, n)` views a codec's slot buffers (no copy) and `store_segments(store, used)` returns
-the key and value segments of a `QuantizedStore` (its quantized part, then its full-precision residual).
+Adapters from our stores live with them (hf_kvcache.stores.code_views: `from_codec(codec, n)` views a codec's slot
+buffers, no copy; `store_segments(store, used)` returns a store's key and value segments): kernels know nothing of
+stores.
 """
 
 from __future__ import annotations
@@ -243,56 +244,3 @@ def dequantize_block(kv: QuantizedKV, start: int, end: int) -> torch.Tensor:
 def dequantize(kv: QuantizedKV) -> torch.Tensor:
     """The whole run as float32 [B, H, n, D] (the dense reference; attention kernels never call this)."""
     return dequantize_block(kv, 0, kv.length)
-
-
-# -- adapters from our codecs and stores --------------------------------------------------------------------------
-def from_codec(codec, n: int, rows: slice | None = None, bias: torch.Tensor | None = None) -> QuantizedKV:
-    """Slots [0, n) of a codec from `hf_kvcache.stores` (FP8Codec, IntegerCodec or FullCodec) as a QuantizedKV of
-    views (no copy). `rows`: the batch rows to take (a joint codec holds keys in [0, B) and values in [B, 2B));
-    `bias`: [B or 1, H, 1, D] added after dequantizing (smoothed keys)."""
-    from ..stores.fp8 import FP8Codec
-    from ..stores.integer import IntegerCodec
-    from ..stores.quantization import FullCodec
-
-    rows = rows if rows is not None else slice(None)
-    slot = {name: t[rows] for name, t in codec.slot.items()}
-    spec = codec.spec
-    if isinstance(codec, FullCodec):
-        return QuantizedKV(slot["data"][:, :, :n], "none", bias=bias)
-    if isinstance(codec, FP8Codec):
-        gran = spec.granularity
-        if gran == "token":
-            return QuantizedKV(slot["data"][:, :, :n], spec.format, slot["scale"][:, :, :n], "token",
-                               spec.channel_group(codec.head_dim), scale_pow2=codec.pow2, bias=bias)
-        if gran == "channel":
-            return QuantizedKV(slot["data"][:, :, :n], spec.format, slot["scale"][:, :, : n // codec.block],
-                               "channel", codec.block, scale_pow2=codec.pow2, bias=bias)
-        if codec.scale is None:
-            raise ValueError("from_codec: this FP8 codec has no fixed scale yet (nothing was written)")
-        return QuantizedKV(slot["data"][:, :, :n], spec.format, codec.scale, "fixed", bias=bias)
-    if isinstance(codec, IntegerCodec):
-        p = codec.per_byte
-        token_packed = codec.token_pairs
-        data = slot["data"][:, :, : n // p] if token_packed else slot["data"][:, :, :n]
-        if spec.granularity == "token":
-            scale, zero = slot["scale"][:, :, :n], slot["zero"][:, :, :n]
-            group = codec._group()
-        else:
-            scale, zero = slot["scale"][:, :, : n // codec.block], slot["zero"][:, :, : n // codec.block]
-            group = codec.block
-        return QuantizedKV(
-            data, spec.format, scale, spec.granularity, group, zero=zero, zero_is_code=codec.backend == "hqq",
-            packing="token" if token_packed else "channel", pack_order="hqq" if codec.backend == "hqq" else "quanto",
-            pack_block=codec.pack_block if token_packed else None, bias=bias,
-        )
-    raise TypeError(f"from_codec: unsupported codec {type(codec).__name__}")
-
-
-def store_segments(store, used: int) -> tuple[list[QuantizedKV], list[QuantizedKV]]:
-    """(key segments, value segments) of the first `used` slots of a store with a `segments` method
-    (`QuantizedStore`: its quantized slots, then its full-precision residual; `RegionStore`: each region's in slot
-    order). Views, no copy; valid until the next write."""
-    if not hasattr(store, "segments"):
-        raise TypeError(f"store_segments: {type(store).__name__} has no `segments` method (QuantizedStore, "
-                        "RegionStore and FullPrecisionStore have one)")
-    return store.segments(used)

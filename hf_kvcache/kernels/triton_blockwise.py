@@ -22,7 +22,6 @@ import math
 
 import torch
 
-
 MAX_ROWS = 128
 MAX_HEAD_DIM = 256
 BLOCK_N = 32

@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..integration.continuous_batching import (
-    FullAttentionCacheAllocator,
-    SlidingAttentionCacheAllocator,
-    find_head_dim,
-)
-from ..rotation import rotation_matrix
+from ..common.rotation import rotation_matrix
+from ..integration.continuous_batching import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator, find_head_dim
 from ..stores.quantization import check_finite
 from ..stores.workspace import DequantWorkspace
 from .records import TokenRecord, decode_rows, encode_rows

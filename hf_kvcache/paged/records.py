@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from ..stores.quantization import Codec, QuantSpec, make_codec
+from ..stores.factory import make_codec
+from ..stores.quantization import Codec, QuantSpec
 from ..stores.workspace import TransientWorkspace
 
 

@@ -51,8 +51,8 @@ def quantized_cache_kl(model, prompts, tokens: dict[str, list[int]], count: int,
     batching noise); DynamicCache against the paged run gives that noise alone."""
     from transformers import DynamicCache
 
+    from ..caches.quantized import QuantizedFP8Cache
     from ..evaluation.divergence import cache_logprobs, divergence_metrics
-    from ..quantized import QuantizedFP8Cache
 
     factories = {
         "QuantizedFP8Cache(key_rotation='none')": lambda: QuantizedFP8Cache(model, key_rotation="none",

@@ -94,7 +94,7 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
     """The whole sweep of `settings`: every run, its summary and the same-text QuantizedFP8Cache scores."""
     from transformers import GenerationConfig
 
-    from ..models import load_model
+    from ..evaluation.models import load_model
     from .cache import install
 
     install()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..rotation import ROTATIONS
+from ..common.rotation import ROTATIONS
 from .spec import KV_DTYPES, PagedKVSpec
 
 SCALE_DTYPE_NAMES = ("bfloat16", "float16", "float32", "e8m0")
@@ -100,7 +100,7 @@ def parse_format(name: str) -> tuple[str, dict]:
 
 def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[int]], list[int]]:
     """(prompts, generation lengths): distinct corpus offsets, seeded lengths."""
-    from ..text import load_tokens
+    from ..evaluation.corpus import load_tokens
 
     rng = random.Random(settings.seed)
     stride = settings.prompt_max + 64

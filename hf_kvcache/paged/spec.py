@@ -15,7 +15,7 @@
   (FP8 also "e8m0": a power of two in one byte).
 - key_rotation: "hadamard", "random" or "none"; default (None): the format's entry in DEFAULT_KEY_ROTATION,
   "hadamard" for FP8 as QuantizedFP8Cache does by default. Keys are rotated by an orthogonal matrix before they
-  are quantized and rotated back when read (hf_kvcache.rotation): q . k is unchanged up to float rounding and
+  are quantized and rotated back when read (hf_kvcache.common.rotation): q . k is unchanged up to float rounding and
   outlier channels are spread over the head before rounding. DEFAULT_KEY_ROTATION_MEASURED says how the
   defaults were chosen.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..rotation import ROTATIONS
+from ..common.rotation import ROTATIONS
 from ..stores.quantization import QuantSpec
 
 DTYPE_FIELD = "kv_cache_dtype"

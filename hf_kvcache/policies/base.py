@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt
+from ..common.compile_static import StaticInt
 
 
 @dataclass

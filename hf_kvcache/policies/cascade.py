@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt, fixed_shape
-from ..config import require_choice
-from ..rope import KeyRotator
+from ..common.compile_static import StaticInt, fixed_shape
+from ..common.rope import KeyRotator
+from ..common.validation import require_choice
 from .base import Placement, Policy
 from .cascade_scorers import HEAVY_SCORERS, make_heavy_scorer
 from .sinks import SinkMemory
@@ -36,11 +36,11 @@ FINAL_KINDS = ("evict", "keep", "heavy")
 
 class CascadePolicy(Policy):
     may_have_holes = True
-    # sizes fixed for the cache's life: torch.compile specialises on them (hf_kvcache.compile_static)
+    # sizes fixed for the cache's life: torch.compile specialises on them (hf_kvcache.common.compile_static)
     sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
     tier_sizes, ends, starts, bases = StaticInt(), StaticInt(), StaticInt(), StaticInt()
     # Decode traces whole (slots and region hints are Python ints of the stream position, symbolic under torch.compile
-    # after the warm-up; sizes and buffers are constants, hf_kvcache.compile_static) and compiled equals eager with no
+    # after the warm-up; sizes and buffers are constants, hf_kvcache.common.compile_static) and compiled equals eager with no
     # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.04x / 1.13x compiled H2O at
     # budgets 256 / 1024 (eval/results/composite_decode_compiled.json).
     compileable = True

@@ -41,8 +41,8 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt, fixed_shape
-from ..rope import KeyRotator
+from ..common.compile_static import StaticInt, fixed_shape
+from ..common.rope import KeyRotator
 from .expected_attention import accumulate_queries, expected_attention_scores, expected_logits, future_statistics
 from .heavy_hitter import HeavyHitterPolicy
 from .keydiff import keydiff_scores
@@ -58,7 +58,7 @@ class HeavyScorer:
     needs_attention = False
     needs_queries = False
     reads_stored_keys = False  # True when it reads the stored (dequantized) keys itself, whatever attention reads
-    attention_window: int | None = StaticInt()  # sizes: torch.compile specialises on them (hf_kvcache.compile_static)
+    attention_window: int | None = StaticInt()  # sizes: torch.compile specialises on them (hf_kvcache.common.compile_static)
 
     @property
     def deferred(self) -> bool:  # chunks are placed after the bridge hands over what the scores need

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..rope import KeyRotator
+from ..common.rope import KeyRotator
 from .base import Placement
 from .scored import ScoredPolicy, group_mean
 

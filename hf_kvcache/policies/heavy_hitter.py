@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt, fixed_shape
-from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
+from ..common.compile_static import StaticInt, fixed_shape
+from ..common.tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .base import Placement, Policy
 
 AGGREGATIONS = ("sum", "mean", "max")
@@ -40,7 +40,7 @@ class HeavyHitterPolicy(Policy):
     compileable = True
     per_head = True
     may_have_holes = True
-    heavy, recent = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
+    heavy, recent = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
     deferred = True
     needs_attention = True
 

@@ -15,15 +15,15 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt
-from ..rope import KeyRotator
+from ..common.compile_static import StaticInt
+from ..common.rope import KeyRotator
 from .base import Placement, Policy
 from .sinks import SinkMemory
 
 
 class SinkWindowPolicy(Policy):
     compileable = True
-    sinks, window = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
+    sinks, window = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
 
     def __init__(self, sinks: int, window: int, rotator: KeyRotator | None = None):
         self.sinks, self.window, self.rotator = sinks, window, rotator

@@ -18,12 +18,12 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import StaticInt
-from ..rope import KeyRotator
+from ..common.compile_static import StaticInt
+from ..common.rope import KeyRotator
 
 
 class SinkMemory:
-    sinks = StaticInt()  # torch.compile specialises on it (hf_kvcache.compile_static)
+    sinks = StaticInt()  # torch.compile specialises on it (hf_kvcache.common.compile_static)
 
     def __init__(self, sinks: int, rotator: KeyRotator | None):
         self.sinks, self.rotator = sinks, rotator

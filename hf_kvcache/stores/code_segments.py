@@ -18,7 +18,7 @@ class CodeSegments:
         new tokens (a prefill chunk attends to the past as it was): the append-only layout copies only its residual
         (which writes shift in place; at most residual + flush tokens), the slot layout copies everything. Mirrors
         `read`."""
-        from ..kernels.codes import QuantizedKV, from_codec
+        from .code_views import QuantizedKV, from_codec
 
         if self.ring:
             raise NotImplementedError(

@@ -8,7 +8,7 @@ every other value gets FP8 rounding only (relative 2^-4 for E4M3 normal values, 
 anywhere in [fmax / 2, fmax]. Fixed scales (tensor, head) are float32: calibrated (static) or taken from the first
 write (warm-up); larger values later saturate at +-fmax * scale. Under tensor parallelism (a rank holds a shard of
 the KV heads) calibrated per-head scales are sliced to the rank's heads and a "tensor" warm-up scale is the maximum
-over the ranks, so every rank quantizes as one process would (see hf_kvcache.tensor_parallel).
+over the ranks, so every rank quantizes as one process would (see hf_kvcache.common.tensor_parallel).
 
 Dequantization on CPU avoids torch's scalar float8 -> float conversion (about 3 ns per value): the FP8 bits are moved
 into float16 bits with integer ops (vectorised), then one multiply by the scale writes the output.
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..tensor_parallel import SINGLE_PROCESS, TensorParallel
+from ..common.tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .opaque_widen import scales_to_float32
 from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import fixed_shape
+from ..common.compile_static import fixed_shape
 
 
 class FullPrecisionStore:

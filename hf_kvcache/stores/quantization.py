@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..compile_static import fixed_shape
-from ..config import check_keys, require_choice, require_int
+from ..common.compile_static import fixed_shape
+from ..common.validation import check_keys, require_choice, require_int
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "none")
 GRANULARITIES = ("tensor", "head", "token", "channel")
@@ -255,23 +255,6 @@ def check_finite(keys: torch.Tensor, values: torch.Tensor | None, where: str) ->
         ) from None
 
 
-def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):
-    """A slot store for a region of a CompositeCache (arbitrary slot writes): key and value precisions as format
-    names ("full", "fp8_e4m3", "int4" ...) or spec dicts. Per-token granularity; 'channel' needs the append-only
-    layout and is rejected here."""
-    from .quantized import QuantizedStore
-
-    key_spec = QuantSpec.from_value(keys, f"{where}.keys")
-    value_spec = QuantSpec.from_value(values, f"{where}.values")
-    for name, spec in (("keys", key_spec), ("values", value_spec)):
-        if spec.append_only:
-            raise ValueError(
-                f"{where}.{name}: granularity 'channel' needs the append-only keep-all layout (QuantizedFP8Cache / "
-                "KIVICache); use 'token' in a region store."
-            )
-    return QuantizedStore(key_spec, value_spec, append_only=False, workspace=workspace, name=where)
-
-
 # -- codecs: quantized storage of one tensor kind (keys or values) in slots ------------------------------------
 class Codec:
     """Slot tensors `[B, H, capacity / block, ...]` (dim 2 indexes slots, or blocks of `block` slots) plus shared
@@ -398,15 +381,3 @@ class FullCodec(Codec):
         out.copy_(self.slot["data"][:, :, :n])
         if bias is not None:
             out.add_(bias)
-
-
-def make_codec(spec: QuantSpec) -> Codec:
-    if spec.format == "none":
-        return FullCodec(spec)
-    if spec.is_fp8:
-        from .fp8 import FP8Codec
-
-        return FP8Codec(spec)
-    from .integer import IntegerCodec
-
-    return IntegerCodec(spec)

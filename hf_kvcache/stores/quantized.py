@@ -29,10 +29,11 @@ from typing import Callable
 
 import torch
 
-from ..compile_static import fixed_shape
+from ..common.compile_static import fixed_shape
 from .code_segments import CodeSegments
+from .factory import make_codec
 from .growing_layout import GROWTH, GrowingLayout
-from .quantization import NonFiniteError, QuantSpec, check_finite, make_codec
+from .quantization import NonFiniteError, QuantSpec, check_finite
 from .ring_layout import RingLayout
 from .workspace import TransientWorkspace, kv_buffers
 
@@ -139,7 +140,7 @@ class QuantizedStore(GrowingLayout, RingLayout, CodeSegments):
         fp_slots = self.residual + self.flush - 1 if self.append_only else 0
         if self.ring:
             capacity, fp_slots = self._allocate_ring(slots, device)
-        # Under tensor parallelism (set by the cache: hf_kvcache.tensor_parallel) this layer holds a shard of the
+        # Under tensor parallelism (set by the cache: hf_kvcache.common.tensor_parallel) this layer holds a shard of the
         # model's KV heads: calibrated per-head scales and key means, given for all heads, are sliced to it.
         tp = getattr(self, "tensor_parallel", None)
         for codec, dim in zip(self._codecs(), (head_dim, self.value_dim)):

@@ -9,17 +9,19 @@ quantized caches' reads, hf_kvcache.stores.workspace). Without a shared workspac
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from ..compile_static import StaticInt
+from ..common.compile_static import StaticInt
 from .full import FullPrecisionStore
+from .quantization import QuantSpec
+from .quantized import QuantizedStore
 from .workspace import TransientWorkspace, kv_buffers
 
 
 class RegionStore:
-    sizes, bases = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.compile_static)
+    sizes, bases = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
 
     def __init__(self, sizes: list[int | None], stores: list, workspace=None):
         """`sizes[i]` slots for region i (the last may be None: it grows). Each sub-store gets one extra slot, its
@@ -207,3 +209,18 @@ def _same_codes(a, b) -> bool:
     return all(spec.granularity == "token" for spec in (a.key_spec, a.value_spec)) and all(
         codec.block == 1 and not codec.per_block and not getattr(codec, "token_pairs", False)
         for codec in a._codecs())
+
+
+def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):
+    """A slot store for a region of a CompositeCache (arbitrary slot writes): key and value precisions as format
+    names ("full", "fp8_e4m3", "int4" ...) or spec dicts. Per-token granularity; 'channel' needs the append-only
+    layout and is rejected here."""
+    key_spec = QuantSpec.from_value(keys, f"{where}.keys")
+    value_spec = QuantSpec.from_value(values, f"{where}.values")
+    for name, spec in (("keys", key_spec), ("values", value_spec)):
+        if spec.append_only:
+            raise ValueError(
+                f"{where}.{name}: granularity 'channel' needs the append-only keep-all layout (QuantizedFP8Cache / "
+                "KIVICache); use 'token' in a region store."
+            )
+    return QuantizedStore(key_spec, value_spec, append_only=False, workspace=workspace, name=where)

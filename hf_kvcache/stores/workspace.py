@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..compile_static import fixed_shape
+from ..common.compile_static import fixed_shape
 
 
 class DequantWorkspace:
@@ -62,7 +62,7 @@ def kv_buffers(workspace, prefix: str, batch: int, heads: int, width: int, head_
 
     Stores also call it at allocation, results unused, so that a compiled decode step finds its buffers allocated in
     eager code, with fixed shapes (a buffer first allocated inside a compiled step escapes `fixed_shape`, and its size
-    turns symbolic once a cache of another size runs through the same compiled code: hf_kvcache.compile_static)."""
+    turns symbolic once a cache of another size runs through the same compiled code: hf_kvcache.common.compile_static)."""
     shape = (batch, heads, width, head_dim)
     if joint:
         both = workspace.get(prefix + "kv", (2 * batch,) + shape[1:], dtype, device)

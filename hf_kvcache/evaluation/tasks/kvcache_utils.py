@@ -12,7 +12,7 @@ import random
 
 import datasets
 
-from hf_kvcache.evaluation.retrieval import POSITIONS, make_probe, score_answer, Probe
+from hf_kvcache.evaluation.retrieval import POSITIONS, Probe, make_probe, score_answer
 
 POS = list(POSITIONS)
 

@@ -15,9 +15,10 @@ import transformers
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: conftest and test_state
 
-import hf_kvcache  # noqa: E402
-from test_state_across_versions import CASES, fixture_model, minor  # noqa: E402
 from test_state import _prefix  # noqa: E402
+from test_state_across_versions import CASES, fixture_model, minor  # noqa: E402
+
+import hf_kvcache  # noqa: E402
 
 if __name__ == "__main__":
     model = fixture_model()

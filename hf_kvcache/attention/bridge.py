@@ -1,0 +1,304 @@
+"""The attention bridge between transformers and our cache layers.
+
+`Cache.update` sees only keys and values, and transformers' padding mask assumes the cached columns are contiguous
+positions. The bridge closes both gaps for a model it is enabled on:
+- a forward pre-hook tells our cache, before any layer runs, which new tokens are padding and their position ids;
+- an attention function registered with `transformers.AttentionInterface` (`hf_kvcache_sdpa` / `hf_kvcache_eager`)
+  wraps the model's own implementation and, for layers that need it, replaces the mask by the layer's own
+  validity mask (padding, empty or evicted slots). With any other cache it calls the wrapped function unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+
+from ..common.rotation import rotate
+from ..integration.attention import (
+    attention_implementation,
+    attention_weights_requested,
+    can_set_attention,
+    eager_attention_for,
+    eager_mask,
+    forward_arguments,
+    sdpa_attention_forward,
+    sdpa_mask,
+)
+from ..integration.cache_argument import given_cache
+from ..integration.contracts import require
+from ..layers.forward_info import ForwardAnnounced
+from ..layers.layer import CompressedLayer
+from .codes import attend
+from .gqa_decode import packed_decode_attention
+from .scored import scored_attention
+
+logger = logging.getLogger(__name__)
+
+BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
+_INNER = ("hf_kvcache_sdpa", "hf_kvcache_eager")
+#: the transformers internals the bridge relies on (hf_kvcache.integration.attention / cache_argument)
+BRIDGE_CONTRACTS = (
+    "GenerationMixin.prepare_inputs_for_generation (cache argument)",
+    "decoder attention forward (cache.update)",
+    "integrations.sdpa_attention.sdpa_attention_forward",
+    "modeling_llama.eager_attention_forward",
+    "masking_utils.sdpa_mask / eager_mask",
+    "PreTrainedModel attention switch",
+)
+
+
+def _bridge_sdpa_mask(*args, **kwargs):
+    """transformers' sdpa mask, except that with one of our caches a decode step never reads the padding mask on
+    the host to decide whether the mask can be skipped (our layers bring their own validity in decode)."""
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    if q_length == 1 and active_cache() is not None:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+_MASKS = {"hf_kvcache_sdpa": _bridge_sdpa_mask, "hf_kvcache_eager": eager_mask}
+_local = threading.local()
+
+
+def _active_stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def active_cache():
+    """The hf_kvcache cache of the innermost forward running on this thread, if any."""
+    stack = _active_stack()
+    return stack[-1] if stack else None
+
+
+def build_validity_mask(validity: torch.Tensor, causal_tail: int, query: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, H or 1, q, kv] from column validity [B, Hm, kv]. The last `causal_tail` columns are the new
+    tokens in order (causal among themselves); each new token always sees itself, so no row is empty."""
+    batch, q_heads, q_len, _ = query.shape
+    kv = validity.shape[-1]
+    mask = validity[:, :, None, :].expand(-1, -1, q_len, -1).clone()
+    if causal_tail:
+        tail = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril()
+        mask[..., kv - q_len :] &= tail
+        idx = torch.arange(q_len, device=mask.device)
+        mask[..., idx, kv - q_len + idx] = True
+    if mask.shape[1] not in (1, q_heads):
+        mask = mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+    return mask
+
+
+def attention_column_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    query_weight: torch.Tensor,
+    chunk: int = 256,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention probability received by each key column, summed over the (weighted) queries: [B, Hq, kv] float32.
+
+    Computed in float32, `chunk` queries at a time so prefill memory stays bounded. `mask` is a boolean (True =
+    attend) or additive mask broadcastable to [B, Hq, q, kv]; None means causal with the queries last. As the
+    model's own attention does: `softcap` squashes logits (Gemma 2: softcap * tanh(logits / softcap)); `sinks`
+    [Hq] are extra logits in each softmax denominator that no key receives (GPT-OSS)."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    keys = key.float().transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, kv]
+    total = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=query.device)
+    for start in range(0, q_len, chunk):
+        end = min(q_len, start + chunk)
+        q = query[:, :, start:end].float().view(batch, kv_heads, groups, end - start, dim)
+        logits = (q @ keys).view(batch, q_heads, end - start, kv) * scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is None:
+            rows = torch.arange(start, end, device=query.device)[:, None] + (kv - q_len)
+            logits = logits.masked_fill(torch.arange(kv, device=query.device) > rows, float("-inf"))
+        else:
+            m = mask[:, :, start:end] if mask.shape[2] > 1 else mask
+            if m.dtype == torch.bool:
+                logits = logits.masked_fill(~m, float("-inf"))
+            else:
+                logits = logits + m.float()
+        if sinks is not None:
+            sink = sinks.float().view(1, q_heads, 1, 1).expand(batch, q_heads, end - start, 1)
+            probs = torch.softmax(torch.cat((logits, sink), -1), dim=-1)[..., :kv]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        probs = probs * query_weight[:, None, start:end, None]
+        total += probs.sum(2)
+    return total
+
+
+def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
+    """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) and
+    the policy's column scores from the same pass. `spec` is the layer's (validity, causal tail), or None when the
+    model's mask is plain causal (no mask given: the new tokens are the last columns)."""
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ValueError(
+            f"{type(layer.policy).__name__} scores attention in the hf_kvcache bridge, which has no attention dropout "
+            "(training); call model.eval() or use a cache without attention scores."
+        )
+    q = query.shape[2]
+    valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
+    if q > 1 and key.shape[2] == q and not layer.forward_info.has_padding:
+        valid = None  # a first prefill without padding (known on the host): every column is a real new token
+    window = layer.policy.attention_window
+    weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    out, scores = scored_attention(
+        query, key, value, valid, causal_tail, scaling,
+        softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
+        sinks=getattr(module, "sinks", None), query_weight=weight,
+        score_from=q - window if window is not None and q > window else 0,
+    )
+    layer.policy.observe(layer, scores)
+    return out, None
+
+
+def _make_bridge(name: str):
+    sdpa = name == "hf_kvcache_sdpa"
+
+    def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
+        inner = sdpa_attention_forward if sdpa else eager_attention_for(module)
+        cache = active_cache()
+        layer = None if cache is None else cache.layers[module.layer_idx]
+        if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
+            if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
+                query = rotate(query, layer.key_rotation)
+            spec = layer.attention_validity()
+            if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
+                layer.policy.observe_queries(layer, query)
+            if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.layers.codes_read)
+                out = attend(module, layer, query, key, value, spec, kwargs)
+                if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
+                    return out
+            if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
+                not sdpa and attention_weights_requested()  # eager then returns the weights itself
+            ):  # output and column scores from one pass (hf_kvcache.attention.scored)
+                return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
+            if sdpa and query.shape[2] == 1 and not layer.policy.needs_attention:
+                # one decode token: each KV head read once, not once per query head (hf_kvcache.attention.gqa_decode); the
+                # layer's validity [B, Hm, kv] is the whole mask of a decode step
+                mask = attention_mask if spec is None else spec[0][:, :, None, :]
+                packed = packed_decode_attention(module, query, key, value, mask, kwargs)
+                if packed is not None:
+                    return packed
+            if spec is not None:
+                mask = build_validity_mask(spec[0], spec[1], query)
+                if name == "hf_kvcache_eager":
+                    mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                        ~mask, torch.finfo(query.dtype).min
+                    )
+                attention_mask = mask
+            if layer.policy.needs_attention:  # the model's own mask (not causal-only): scores in a second pass
+                weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+                scored_query, scored_mask, window = query, attention_mask, layer.policy.attention_window
+                if window is not None and query.shape[2] > window:  # only the last `window` queries are scored
+                    scored_query, weight = query[:, :, -window:], weight[:, -window:]
+                    if scored_mask.shape[2] > 1:
+                        scored_mask = scored_mask[:, :, -window:]
+                scores = attention_column_scores(
+                    scored_query, key, scored_mask, kwargs.get("scaling", module.scaling), weight,
+                    softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
+                    sinks=getattr(module, "sinks", None),
+                )
+                layer.policy.observe(layer, scores)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    hf_kvcache_attention.__name__ = name
+    return hf_kvcache_attention
+
+
+def register_attention_functions() -> None:
+    """Idempotent: registers the bridge attention functions and their mask builders with transformers."""
+    for name in _INNER:
+        AttentionInterface.register(name, _make_bridge(name))
+        AttentionMaskInterface.register(name, _MASKS[name])
+
+
+def _pre_hook(module, args, kwargs):
+    arguments = forward_arguments(module, args, kwargs)
+    cache = given_cache(arguments)  # under `cache` (5.24) or `past_key_values` (5.23, or a 5.24 caller's alias)
+    if isinstance(cache, ForwardAnnounced):  # one of our caches (hf_kvcache.caches.KVCache)
+        x = arguments.get("input_ids")
+        if x is None:
+            x = arguments.get("inputs_embeds")
+        cache.begin_forward(
+            x.shape[1], x.shape[0], x.device, arguments.get("attention_mask"), arguments.get("position_ids")
+        )
+        cache.forward_info.attention_bridged = attention_implementation(module) in _INNER
+        _active_stack().append(cache)
+    else:
+        _active_stack().append(None)
+    return None
+
+
+def _post_hook(module, args, kwargs, output):
+    stack = _active_stack()
+    if stack:
+        stack.pop()
+    return None
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch `model` to the bridge (idempotent). Needed once before calling the model directly with one of our
+    caches; `generate` and caches built with the model do it for you. Outputs with other caches are unchanged."""
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
+    if getattr(model, "_hf_kvcache_hooks", False) and attention_implementation(model) in _INNER:
+        return model
+    require(*BRIDGE_CONTRACTS)
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models.")
+    if not can_set_attention(model):
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
+            "hf_kvcache cannot apply its masks; this architecture is not supported."
+        )
+    register_attention_functions()
+    current = attention_implementation(model)
+    if current in _INNER:
+        target = current
+    elif current in BRIDGE_NAMES:
+        target = BRIDGE_NAMES[current]
+    else:
+        logger.warning(
+            "hf_kvcache: attention implementation %r cannot take per-slot masks; switching %s to sdpa.",
+            current,
+            type(model).__name__,
+        )
+        target = BRIDGE_NAMES["sdpa"]
+    model.set_attn_implementation(target)
+    if not getattr(model, "_hf_kvcache_hooks", False):
+        # The top-level model and its base model (called directly by some users and libraries) both announce
+        # forwards; a nested call announces the same tokens twice, which is harmless.
+        for module in {id(m): m for m in (model, getattr(model, "base_model", model))}.values():
+            module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+            module._hf_kvcache_hooks = True
+    model._hf_kvcache_enabled = True
+    return model
+
+
+def is_enabled(model: PreTrainedModel) -> bool:
+    return bool(getattr(model, "_hf_kvcache_hooks", False)) and attention_implementation(model) in _INNER
+
+
+def disable(model: PreTrainedModel) -> None:
+    """Undo the attention switch (the forward hooks stay, inert without our caches); `enable` switches back."""
+    current = attention_implementation(model)
+    inner = {v: k for k, v in BRIDGE_NAMES.items()}.get(current)
+    if inner is not None:
+        model.set_attn_implementation(inner)
+    model._hf_kvcache_enabled = False

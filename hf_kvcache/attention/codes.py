@@ -1,0 +1,67 @@
+"""Attention straight from a layer's quantized codes: the bridge calls `attend` instead of SDPA for a layer whose
+last update handed it code segments (hf_kvcache.layers.codes_read says when and how)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import blockwise_attention
+from ..layers.codes_read import DEFAULT_BLOCK
+
+
+def block_size(layer, segments) -> int:
+    """The layer's `attention_block` (checked against the segments' token alignment), else DEFAULT_BLOCK rounded
+    up to it."""
+    align = math.lcm(*(s.token_alignment for s in segments))
+    block = getattr(layer, "attention_block", None)
+    if block is None:
+        return -(-DEFAULT_BLOCK // align) * align
+    if block % align:
+        raise ValueError(
+            f"`attention_block` must be a multiple of {align} for this cache (channel-scale blocks / token packing "
+            f"cover {align} tokens), got {block}."
+        )
+    return block
+
+
+def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict):
+    """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) of
+    the (already rotated) `query` over the segments the layer's last update recorded; None when that update had
+    nothing stored (the first prefill: the caller attends to the new tokens as usual). `spec`: the layer's
+    `attention_validity()` for that update."""
+    read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
+    if read is None or key is not read.key or value is not read.value:
+        config = getattr(module, "config", None)
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {layer.layer_idx}, {type(config).__name__}): this cache attends straight "
+            "from its quantized codes (attention='blockwise'), but the model transformed the cached keys / values "
+            "before attention (e.g. latent attention expanding its latent), so attention cannot read them from the "
+            "codes. Use attention='dequantize' with this model."
+        )
+    if read.keys is None:
+        return None
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ValueError("attention='blockwise' has no attention dropout (training); use attention='dequantize'.")
+    q = query.shape[2]
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
+    needs_scores = layer.policy.needs_attention
+    weight = None
+    if needs_scores:
+        weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
+        window = layer.policy.attention_window
+        if window is not None and q > window:  # column scores from the last `window` queries only (SnapKV, TOVA)
+            weight = torch.cat((torch.zeros_like(weight[:, : q - window]), weight[:, q - window :]), 1)
+    result = blockwise_attention(
+        query, read.keys, read.values, None if spec is None else spec[0], float(scaling),
+        block=block_size(layer, read.keys + read.values), causal_tail=q if q > 1 else 0, softcap=softcap or None,
+        sinks=getattr(module, "sinks", None), return_column_scores=needs_scores, query_weight=weight,
+    )
+    if needs_scores:
+        result, scores = result
+        layer.policy.observe(layer, scores)
+    return result.transpose(1, 2).contiguous(), None

@@ -1,0 +1,239 @@
+"""The public caches: presets of a policy and a store per layer (see hf_kvcache.layers.layer)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import numbers
+from typing import Any
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..common.architecture import COMPRESSED_TYPE, check_supported_config, layer_plan
+from ..common.tensor_parallel import TensorParallel
+from ..common.validation import check_keys, require_int
+from ..integration.cache_layers import Cache, upstream_layer_class
+from ..layers.forward_info import ForwardAnnounced, ForwardInfo
+from ..layers.layer import CompressedLayer
+from ..policies import KeepAllPolicy
+from ..policies.prompt_mode import PromptCompressionPolicy
+from ..stores import FullPrecisionStore
+
+POSITION_MODES = ("cache", "original")
+logger = logging.getLogger(__name__)
+
+
+LAYER_CHOICES = ("keep", "default")
+
+
+def _layer_specs(layers, layer_types: list[str]) -> list:
+    """Per-layer settings from a cache's `layers` argument: None (the cache's own settings), "keep" (every token in
+    full precision on a full-attention layer; the model's window on a sliding layer), or a dict of settings for that
+    layer (merged over the cache's own; `{"cache": NAME, ...}` switches to another registered cache). `layers` is a
+    dict keyed by layer type ("full_attention", "sliding_attention", ...) and/or layer index, or a list with one
+    entry per layer. Index entries win over type entries."""
+    n = len(layer_types)
+    specs: list = [None] * n
+    if layers is None:
+        return specs
+    if isinstance(layers, (list, tuple)):
+        if len(layers) != n:
+            raise ValueError(f"`layers` as a list needs one entry per decoder layer ({n}), got {len(layers)}.")
+        entries = [(i, i, value) for i, value in enumerate(layers)]
+    elif isinstance(layers, dict):
+        by_type, by_index = [], []
+        for key, value in layers.items():
+            if isinstance(key, str) and not key.lstrip("-").isdigit():
+                if key not in layer_types:
+                    raise ValueError(
+                        f"`layers` key {key!r} is not a layer type of this model; its layer types are "
+                        f"{sorted(set(layer_types))} (or give layer indices 0..{n - 1})."
+                    )
+                by_type += [(key, i, value) for i, t in enumerate(layer_types) if t == key]
+            else:
+                if not isinstance(key, (str, numbers.Integral)) or isinstance(key, bool):  # not int(1.5) -> layer 1
+                    raise ValueError(
+                        f"`layers` key {key!r} ({type(key).__name__}) must be a layer type or a layer index 0..{n - 1}."
+                    )
+                index = int(key)
+                if not 0 <= index < n:
+                    raise ValueError(f"`layers` key {key!r}: layer index must be in 0..{n - 1}.")
+                by_index.append((key, index, value))
+        entries = by_type + by_index
+    else:
+        raise ValueError(
+            f"`layers` must be a dict (by layer type or index) or a list (one entry per layer), got "
+            f"{type(layers).__name__}."
+        )
+    for key, index, value in entries:
+        where = f"layers[{key!r}]"
+        if value is None or value == "default":
+            specs[index] = None
+        elif value == "keep":
+            specs[index] = "keep"
+        elif isinstance(value, dict):
+            if layer_types[index] != COMPRESSED_TYPE:
+                raise ValueError(
+                    f"{where}: layer {index} is a {layer_types[index]!r} layer, which keeps exactly the model's own "
+                    f"window; settings apply to {COMPRESSED_TYPE!r} layers only (use \"keep\")."
+                )
+            specs[index] = dict(value)
+        else:
+            raise ValueError(f"{where} must be one of {LAYER_CHOICES} or a dict of settings, got {value!r}.")
+    return specs
+
+
+def layer_nbytes(layer) -> int:
+    """Bytes held by one cache layer: ours count everything they hold; transformers' layers their keys and values."""
+    if hasattr(layer, "nbytes"):
+        return layer.nbytes()
+    if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
+        return 0
+    return layer.keys.nbytes + layer.values.nbytes
+
+
+class KVCache(Cache, ForwardAnnounced):
+    """Base of all hf_kvcache caches: one layer per decoder layer, sharing one `ForwardInfo`.
+
+    Full-attention layers are `CompressedLayer`s (this cache's policy x store, or per-layer settings from `layers`);
+    sliding/chunked, linear-attention and dummy layers are transformers' own layer classes for that type (see
+    hf_kvcache.common.architecture)."""
+
+    #: name for `generate(cache_implementation=...)`; set by each public class
+    cache_name: str = ""
+    #: arguments that together give the cache's size: a per-layer setting naming any of them replaces them all
+    size_keys: tuple[str, ...] = ()
+
+    def __new__(cls, *args, **kwargs):
+        # Remember the constructor's arguments, so per-layer settings can be merged over them (see `layers`).
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        self._given = {k: v for k, v in bound.items() if k not in ("self", "config_or_model", "layers")}
+        self._given_layers = bound.get("layers")  # recorded with the settings by hf_kvcache.sharing.state
+        return self
+
+    def __init__(self, config_or_model, layer_factory, layers=None):
+        model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
+        config = model.config if model is not None else config_or_model
+        if not isinstance(config, PretrainedConfig):
+            raise ValueError(
+                f"The first argument must be a transformers model or its config, got {type(config_or_model).__name__}."
+            )
+        config = config.get_text_config(decoder=True)
+        check_supported_config(config)
+        self.config = config
+        self.tensor_parallel = TensorParallel.of(config_or_model)  # rank, group: a model sharded by transformers
+        self.forward_info = ForwardInfo()
+        layer_types, layer_kwargs = layer_plan(config)
+        self.layer_types = layer_types
+        specs = _layer_specs(layers, layer_types)
+        built = []
+        for i, (layer_type, kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
+            if layer_type != COMPRESSED_TYPE:
+                built.append(upstream_layer_class(layer_type)(**kwargs))
+            elif spec is None:
+                policy, store = layer_factory(config)
+                if getattr(self, "compress", "always") == "prompt":  # see hf_kvcache.policies.prompt_mode
+                    policy = PromptCompressionPolicy(policy)
+                built.append(CompressedLayer(policy, store, forward_info=self.forward_info, layer_idx=i))
+            elif spec == "keep":
+                built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
+            else:
+                built.append(self._layer_from_settings(config, spec, i))
+        for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
+            if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
+                layer.size_parameters = self.size_keys or ("max_length",)
+        if not any(isinstance(layer, CompressedLayer) for layer in built):
+            logger.warning(
+                "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "
+                "model's own cache.", type(config).__name__, sorted(set(layer_types))
+            )
+        super().__init__(layers=built)
+        if model is not None:
+            from ..attention.bridge import enable
+
+            enable(model)
+
+    def _layer_from_settings(self, config, settings: dict, index: int) -> CompressedLayer:
+        """Layer `index` of the cache these settings describe (merged over this cache's own arguments, or another
+        registered cache's with `"cache": NAME`), rebound to this cache's forward bookkeeping."""
+        settings = dict(settings)
+        name = settings.pop("cache", None)
+        if name is None:
+            cls, base = type(self), dict(self._given)
+        else:
+            from .catalog import CACHE_IMPLEMENTATIONS
+
+            if name not in CACHE_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"layers[{index}]: `cache` must be one of {sorted(CACHE_IMPLEMENTATIONS)}, got {name!r}."
+                )
+            cls, base = CACHE_IMPLEMENTATIONS[name], {}
+        check_keys(f"layers[{index}] settings for {cls.cache_name!r}", settings, cls.config_keys())
+        if any(k in settings for k in cls.size_keys):  # a layer's own size replaces the cache's, whichever form
+            base = {k: v for k, v in base.items() if k not in cls.size_keys}
+        other = cls(config, **{**base, **settings})
+        layer = other.layers[index]
+        layer.forward_info = self.forward_info
+        return layer
+
+    @property
+    def compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def begin_forward(self, q_len, batch, device, attention_mask=None, position_ids=None) -> None:
+        seen = next((layer.seen for layer in self.compressed_layers), None)
+        if seen is None:
+            seen = self.get_seq_length()
+        self.forward_info.begin(q_len, batch, device, seen, attention_mask, position_ids)
+
+    def end_prompt(self) -> None:
+        """With `compress="prompt"`: end the prompt now (it otherwise ends at the first one-token forward); the
+        tokens of later forwards are appended uncompressed. No effect in "always" mode."""
+        for layer in self.compressed_layers:
+            if isinstance(layer.policy, PromptCompressionPolicy):
+                layer.policy.end_prompt(layer)
+
+    def nbytes(self) -> int:
+        """Bytes this cache holds: buffers as allocated, scales and metadata included, every layer type."""
+        return sum(layer_nbytes(layer) for layer in self.layers)
+
+    def reset(self):
+        super().reset()
+        self.forward_info.reset()
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        params = inspect.signature(cls.__init__).parameters
+        return [name for name in params if name not in ("self", "config_or_model")]
+
+    @classmethod
+    def from_cache_config(cls, config_or_model, cache_config: dict[str, Any] | None) -> "KVCache":
+        """Build from a `generate(cache_config=...)` dict; unknown keys raise with the list of valid ones."""
+        cache_config = dict(cache_config or {})
+        check_keys(f"cache_config for cache_implementation={cls.cache_name!r}", cache_config, cls.config_keys())
+        return cls(config_or_model, **cache_config)
+
+
+def _size_or_ratio(name: str, value):
+    """A token count (int >= 0) or a ratio of the prompt length (float in (0, 1])."""
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"`{name}` as a ratio of the prompt length must be in (0, 1], got {value}.")
+        return value
+    return require_int(name, value, 0)
+
+
+class FullCache(KVCache):
+    """Every token in full precision through the same machinery: the reference for tests and benchmarks."""
+
+    cache_name = "hf_kvcache_full"
+
+    def __init__(self, config_or_model, layers: dict | list | None = None):
+        super().__init__(config_or_model, lambda cfg: (KeepAllPolicy(), FullPrecisionStore()), layers)

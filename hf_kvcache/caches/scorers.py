@@ -1,0 +1,140 @@
+"""The scorer caches: a token budget kept by one scorer (see hf_kvcache.policies.scored and each scorer's module).
+
+| name | keeps | needs |
+|---|---|---|
+| `knorm` | lowest key norms (arXiv 2406.11430) | keys |
+| `keydiff` | keys least similar to the mean key (arXiv 2504.15364) | keys |
+| `tova` | what the last query attends to, layer-wide (arXiv 2401.06104) | last query's attention |
+| `snapkv` | what the last `window` queries attend to, pooled (arXiv 2404.14469) | window's attention |
+| `expected_attention` | expected attention of future queries x value norm (arXiv 2510.00636) | queries |
+
+Every one takes `budget` (tokens, or a ratio of the prompt in (0, 1]) and `compress` ("always": the budget holds
+through decoding, the victim of each step chosen by the scorer; "prompt": see hf_kvcache.policies.prompt_mode).
+Keys are kept at their original positions, in full precision, per batch row and KV head.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from ..common.rope import KeyRotator, check_rotator_once
+from ..common.validation import require_choice, require_int
+from ..policies.expected_attention import ExpectedAttentionPolicy
+from ..policies.keydiff import KeyDiffPolicy
+from ..policies.knorm import KnormPolicy
+from ..policies.prompt_mode import COMPRESS_MODES
+from ..policies.snapkv import SnapKVPolicy
+from ..policies.tova import TOVAPolicy
+from ..stores import FullPrecisionStore
+from .base import KVCache, _size_or_ratio
+
+
+def _budget(budget):
+    if budget is None:
+        raise ValueError("Give a `budget`: tokens (int >= 1) or a ratio of the prompt length (float in (0, 1]).")
+    budget = _size_or_ratio("budget", budget)
+    if budget == 0:
+        raise ValueError("`budget` must be at least 1 token.")
+    return budget
+
+
+def _recent(recent, budget, name: str = "recent") -> int:
+    recent = require_int(name, recent, 0)
+    if not isinstance(budget, float) and recent > budget:
+        raise ValueError(f"`{name}` ({recent}) must not exceed `budget` ({budget}).")
+    return recent
+
+
+class _ScorerCache(KVCache):
+    size_keys = ("budget",)
+
+    def _setup(self, config_or_model, budget, compress, make_policy, layers):
+        self.budget = _budget(budget)
+        self.compress = require_choice("compress", compress, COMPRESS_MODES)
+        super().__init__(config_or_model, lambda cfg: (make_policy(cfg), FullPrecisionStore()), layers)
+
+
+class KnormCache(_ScorerCache):
+    """Knorm (arXiv 2406.11430): per row and KV head, the `budget` tokens with the lowest key norms (of which the
+    `recent` newest are always kept). No attention probabilities are computed."""
+
+    cache_name = "knorm"
+
+    def __init__(self, config_or_model, budget: int | float | None = None, recent: int = 0,
+                 compress: str = "always", layers: dict | list | None = None):
+        self.recent = _recent(recent, _budget(budget))
+        self._setup(config_or_model, budget, compress, lambda cfg: KnormPolicy(self.budget, self.recent), layers)
+
+
+class KeyDiffCache(_ScorerCache):
+    """KeyDiff (arXiv 2504.15364): per row and KV head, the `budget` tokens whose keys are least similar (cosine)
+    to the mean normalised key (the `recent` newest always kept). No attention probabilities are computed."""
+
+    cache_name = "keydiff"
+
+    def __init__(self, config_or_model, budget: int | float | None = None, recent: int = 0,
+                 compress: str = "always", layers: dict | list | None = None):
+        self.recent = _recent(recent, _budget(budget))
+        self._setup(config_or_model, budget, compress, lambda cfg: KeyDiffPolicy(self.budget, self.recent), layers)
+
+
+class TOVACache(_ScorerCache):
+    """TOVA (arXiv 2401.06104): the `budget` tokens the last query attends to most, attention averaged over all
+    query heads of the layer (one token set per layer, as in the paper); the `recent` newest (1) always kept."""
+
+    cache_name = "tova"
+
+    def __init__(self, config_or_model, budget: int | float | None = None, recent: int = 1,
+                 compress: str = "always", layers: dict | list | None = None):
+        self.recent = _recent(recent, _budget(budget))
+        self._setup(config_or_model, budget, compress, lambda cfg: TOVAPolicy(self.budget, self.recent), layers)
+
+
+class SnapKVCache(_ScorerCache):
+    """SnapKV (arXiv 2404.14469): the observation `window` (the last tokens, kept) plus the tokens the window's
+    queries attend to most, scores mean-pooled along the sequence with `kernel`, per KV head (group mean)."""
+
+    cache_name = "snapkv"
+
+    def __init__(self, config_or_model, budget: int | float | None = None, window: int = 64, kernel: int = 5,
+                 compress: str = "always", layers: dict | list | None = None):
+        self.window = require_int("window", window, 1)
+        self.kernel = require_int("kernel", kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"`kernel` must be odd (pooling keeps the sequence length), got {kernel}.")
+        _recent(window, _budget(budget), "window")
+        self._setup(config_or_model, budget, compress,
+                    lambda cfg: SnapKVPolicy(self.budget, self.window, self.kernel), layers)
+
+
+class ExpectedAttentionCache(_ScorerCache):
+    """Expected attention (arXiv 2510.00636, kvpress ExpectedAttentionPress): the `budget` tokens with the largest
+    expected attention from queries at the next `future` positions (Gaussian query statistics of the prompt, rotated
+    with the model's RoPE), times their value norm; the first `sinks` tokens and the `recent` newest always kept."""
+
+    cache_name = "expected_attention"
+
+    def __init__(self, config_or_model, budget: int | float | None = None, recent: int = 0, sinks: int = 4,
+                 future: int = 512, use_covariance: bool = True, use_value_norm: bool = True,
+                 compress: str = "always", layers: dict | list | None = None):
+        self.recent = _recent(recent, _budget(budget))
+        self.sinks = require_int("sinks", sinks, 0)
+        self.future = require_int("future", future, 1)
+        for name, value in (("use_covariance", use_covariance), ("use_value_norm", use_value_norm)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        rotators = {}
+
+        def make_policy(cfg):
+            if "rotator" not in rotators:
+                rotators["rotator"] = KeyRotator(cfg, parameter="expected_attention")
+            return ExpectedAttentionPolicy(self.budget, self.recent, self.sinks, self.future, use_covariance,
+                                           use_value_norm, rotator=rotators["rotator"])
+
+        self._setup(config_or_model, budget, compress, make_policy, layers)
+        if isinstance(config_or_model, PreTrainedModel) and rotators:  # the model's own RoPE must agree
+            indices = [layer.layer_idx for layer in self.compressed_layers]
+            check_rotator_once(config_or_model, rotators["rotator"], indices)
+
+
+SCORER_CACHES = (KnormCache, KeyDiffCache, TOVACache, SnapKVCache, ExpectedAttentionCache)

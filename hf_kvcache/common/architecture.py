@@ -1,0 +1,64 @@
+"""What our caches need to know about a model's architecture, in one place.
+
+- Layer types: transformers' own `get_layer_types_and_kwargs` says what each decoder layer caches
+  ("full_attention", "sliding_attention", "chunked_attention", linear-attention and "dummy" layers ...). Our
+  compression applies to full-attention layers; every other layer keeps exactly what the model's own cache layer
+  keeps (transformers' layer class for that type), so hybrid models (Gemma 2/3, GPT-OSS, Cohere2, Mistral with a
+  sliding window ...) work unchanged.
+- Latent attention (MLA: DeepSeek-V2/V3 in transformers 5.x): the layer caches the compressed latent as "keys"
+  ([B, 1, n, kv_lora_rank], not rotated) and the RoPE part of the keys as "values" ([B, 1, n, qk_rope_head_dim]).
+  Eviction, precision and H2O scores work on them as on any key/value pair; what needs real attention keys (a
+  key rotation that queries undo, re-rotating keys to new positions) does not apply and is refused by name.
+- Everything else (heads, head sizes, devices) is read from the tensors at the first update, so tensor parallelism
+  (each rank sees its shard of heads) needs no special case.
+"""
+
+from __future__ import annotations
+
+from ..integration.cache_layers import known_layer_types, layer_types_and_kwargs, upstream_layer_class
+
+#: the layer type our policies compress
+COMPRESSED_TYPE = "full_attention"
+
+
+def check_supported_config(config) -> None:
+    """Our caches replace the KV caches of decoder-only transformers; anything else gets a clear error."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models."
+        )
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        if not hasattr(config, name):
+            raise ValueError(f"{type(config).__name__} has no `{name}`; not a decoder-only transformer config.")
+
+
+def layer_plan(config) -> tuple[list[str], list[dict]]:
+    """(layer type, kwargs of transformers' layer class) per decoder layer, as transformers' own caches see them."""
+    layer_types, kwargs = layer_types_and_kwargs(config)
+    unknown = sorted({t for t in layer_types if t != COMPRESSED_TYPE and upstream_layer_class(t) is None})
+    if unknown:
+        raise ValueError(
+            f"{type(config).__name__} has layer types {unknown} that transformers' DynamicCache does not know; "
+            f"hf_kvcache supports {known_layer_types()}."
+        )
+    return layer_types, kwargs
+
+
+def is_latent_attention(config) -> bool:
+    """True for MLA models whose cache holds a compressed latent instead of attention keys (DeepSeek-V2/V3)."""
+    return getattr(config, "kv_lora_rank", None) is not None and hasattr(config, "qk_rope_head_dim")
+
+
+def refuse_latent(config, what: str, parameter: str, alternative: str) -> None:
+    """Raise for a setting that needs real attention keys on a latent-attention model."""
+    if is_latent_attention(config):
+        raise ValueError(
+            f"`{parameter}`: {what} needs the cache to hold attention keys, but {type(config).__name__} (multi-head "
+            "latent attention) caches a compressed latent as keys and the RoPE part of the keys as values. "
+            f"Use {alternative}."
+        )
+
+
+def attention_head_dim(config) -> int:
+    """Size of the keys a standard attention layer caches (head_dim, or hidden_size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,0 +1,157 @@
+"""Attention straight from a layer's quantized codes (the `attention="blockwise"` option of the quantized caches and
+CompositeCache): the layer's side (what an update hands attention, and when). The attention side, `attend`, is in
+hf_kvcache.attention.codes.
+
+By default a quantized layer dequantizes its whole store into the shared workspace at every read and the attention
+bridge calls SDPA / eager on that copy. A layer with `attention_from_codes` set never dequantizes its store:
+
+- `CompressedLayer.update` returns stand-ins for keys and values (`read_codes`): expanded views of a one-element
+  tensor with the right shape, dtype and device, no memory. It records the store's segments (`store.segments`,
+  `hf_kvcache.kernels.QuantizedKV` runs of codes, scales and the full-precision residual), and for a multi-token
+  forward (prefill, chunks) the new tokens as a last full-precision segment, since they are attended to in full
+  precision before (or without) being quantized, as on the dequantize path. The first prefill (nothing stored yet)
+  returns the new tokens themselves and attends as usual (SDPA / eager): there is nothing to dequantize.
+- The bridge (`hf_kvcache.attention`) rotates the queries as usual and, instead of SDPA, calls `attend`, which runs
+  `hf_kvcache.kernels.blockwise_attention` over those segments with the layer's validity mask (padding, causal
+  tail), the module's scaling, softcap and sinks, and H2O column scores when the policy asks for them.
+
+The bridge checks that the keys / values it receives are exactly the stand-ins: a model that transforms the cached
+keys before attention (DeepSeek MLA expands its latent with `expand_kv`) would otherwise attend to zeros, so it is a
+clear error naming the attention class and pointing to attention="dequantize".
+
+Choosing: "blockwise" always, "dequantize" never, "auto" = blockwise when the layer holds quantized tokens (a
+composite of full-precision regions keeps SDPA) and the keys are on CUDA (the Triton kernel), or on CPU for eager
+one-token decode steps when the native kernel builds (`kernels.cpu_blockwise`; prefill chunks and compiled steps
+dequantize there: MKL's SDPA on a dequantized copy beats any block walk for many queries, and inductor fuses the
+dequantization; docs/blockwise_attention.md); resolved per layer at its first update, from the keys' device
+(`resolve_attention`), then per forward (`codes_now`). Any store with `segments` attends from codes except the
+quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
+including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
+segments in slot order).
+Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
+before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place, copies its codes, a
+quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last `attention_window`
+queries) come from the same pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..common.validation import require_choice, require_int
+from ..kernels import QuantizedKV, cpu_blockwise
+
+ATTENTION_MODES = ("auto", "blockwise", "dequantize")
+#: tokens dequantized at a time (rounded up to the segments' token alignment); the Triton kernel ignores it
+DEFAULT_BLOCK = 1024
+
+
+@dataclass
+class CodesRead:
+    """What one `update` handed attention: the segments, and the stand-ins the bridge must receive back."""
+
+    keys: list[QuantizedKV]
+    values: list[QuantizedKV]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def attention_option(attention: str, attention_block: int | None, latent: bool) -> tuple[str, int | None]:
+    """A cache's validated (`attention`, `attention_block`) options as its layers take them: "auto" is "dequantize"
+    for latent attention (the model expands the cached latent before attention, so nothing can read its codes;
+    "blockwise" is refused there at the first forward)."""
+    attention = require_choice("attention", attention, ATTENTION_MODES)
+    block = None if attention_block is None else require_int("attention_block", attention_block, 1)
+    return ("dequantize" if attention == "auto" and latent else attention), block
+
+
+def reads_codes(store) -> bool:
+    """Whether attention can read `store` as code segments: a quantized store outside the fixed-length ring layout,
+    a full-precision store, or a region store (CompositeCache) made of those."""
+    regions = getattr(store, "stores", None)
+    if regions is not None:
+        return all(reads_codes(s) for s in regions)
+    return hasattr(store, "segments") and not getattr(store, "ring", False)
+
+
+def holds_codes(store) -> bool:
+    """Whether `store` holds any quantized tokens (a region store of full-precision regions holds none)."""
+    regions = getattr(store, "stores", None)
+    if regions is not None:
+        return any(holds_codes(s) for s in regions)
+    return hasattr(store, "keys_codec")
+
+
+def resolve_attention(layer, device) -> bool:
+    """Whether `layer`'s decode steps attend from its codes, from its `attention` mode and the device of its keys
+    ("auto" also needs something quantized to read: over full-precision regions only, SDPA does better than the
+    block walk; and on CPU the native kernel, built here on first use)."""
+    mode = getattr(layer, "attention", "dequantize")
+    if mode == "dequantize" or (mode == "auto" and not holds_codes(layer.store)):
+        return False
+    if not reads_codes(layer.store):
+        if mode == "blockwise":
+            raise ValueError(
+                f"Layer {layer.layer_idx}: attention='blockwise' cannot read {type(layer.store).__name__} as code "
+                "segments (the fixed-length ring layout); use attention='dequantize' or 'auto'."
+            )
+        return False
+    if mode == "blockwise" or torch.device(device).type == "cuda":
+        return True
+    return torch.device(device).type == "cpu" and cpu_blockwise.unavailable() is None
+
+
+def _decode_only(layer) -> bool:
+    """Whether `layer` attends from its codes in (some) decode steps only: "auto" on CPU (see `codes_now`)."""
+    return layer.attention == "auto" and layer.device.type == "cpu"
+
+
+def dequantizes(layer) -> bool:
+    """Whether some forwards of `layer` read a dequantized copy of its store (so it reserves the read buffers)."""
+    return not layer.attention_from_codes or _decode_only(layer)
+
+
+def codes_now(layer, tokens: int) -> bool:
+    """Whether this forward of `tokens` new tokens attends from the codes. "auto" on CPU does so in eager decode
+    steps only: the native kernel is 2-3x slower than dequantize-then-SDPA (MKL) for a chunk of 16-512 queries, and
+    under torch.compile the dequantize path is what inductor fuses; nor while a quantized store holds every token in
+    its full-precision residual (then the dequantize path is the full cache's, bit for bit), nor when the model's
+    attention is not the bridge (layers driven directly, other attention implementations: "auto" never refuses)."""
+    if not layer.attention_from_codes:
+        return False
+    if _decode_only(layer):  # (while all is in the residual: SDPA, exact)
+        return (tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
+                and layer.forward_info.attention_bridged)
+    return True
+
+
+def read_codes(layer, used: int, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None):
+    """Stand-ins (keys, values) for slots [0, used) of the layer's store, followed by `new_keys` / `new_values`
+    (a multi-token forward, not yet written: the store's segments are taken `stable`, so the write that follows
+    does not change them). Records the segments on `layer.codes_read` for the bridge."""
+    if not layer.forward_info.attention_bridged:
+        raise RuntimeError(
+            f"Layer {layer.layer_idx}: attention from quantized codes (attention='blockwise', or 'auto' on CUDA) runs "
+            "in the hf_kvcache attention bridge, but the model's attention implementation is not the bridge. Call "
+            "`hf_kvcache.enable(model)` after changing it, or use attention='dequantize'."
+        )
+    if not used and new_keys is not None:
+        # nothing stored yet (the first prefill): the new tokens are all there is, in full precision, as on the
+        # dequantize path; attention runs on them as usual (SDPA / eager), and the bridge still checks they arrive
+        # untransformed (the same model would transform the stand-ins of later steps)
+        layer.codes_read = CodesRead(None, None, new_keys, new_values)
+        return new_keys, new_values
+    keys, values = layer.store.segments(used, stable=new_keys is not None) if used else ([], [])
+    n = used
+    if new_keys is not None:
+        keys.append(QuantizedKV(new_keys, "none"))
+        values.append(QuantizedKV(new_values, "none"))
+        n += new_keys.shape[-2]
+    batch = layer.slot_valid.shape[0]
+    anchor = torch.zeros((), dtype=layer.dtype, device=layer.device)
+    key = anchor.expand(batch, layer.heads, n, layer.head_dim)
+    value = anchor.expand(batch, layer.heads, n, layer.value_dim)
+    layer.codes_read = CodesRead(keys, values, key, value)
+    return key, value

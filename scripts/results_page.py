@@ -1,0 +1,180 @@
+"""Regenerate docs/results.md (and its plots under docs/assets/results/) from the committed files in eval/results/.
+
+    python scripts/results_page.py            # rewrite the page and copy the plots
+    python scripts/results_page.py --check    # exit 1 if the page or a plot is stale (tests/test_docs_site.py)
+
+Every figure on the page is read from a result file, which the page names; nothing is typed by hand, so the page
+cannot drift from the measurements. To change a figure, re-run the benchmark that writes its file (eval/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "eval" / "results"
+PAGE = ROOT / "docs" / "results.md"
+ASSETS = ROOT / "docs" / "assets" / "results"
+#: plots shown on the page: (file under eval/results, name under docs/assets/results, caption)
+PLOTS = [
+    ("h2o/quality_vs_bytes.png", "budget_sweep.png", "Budget sweep: KL divergence vs bytes held"),
+    ("quantization/quality_vs_bytes.png", "quantization.png", "Quantized caches: KL divergence vs bytes held"),
+    ("stream_ppl.png", "stream_ppl.png", "Streaming perplexity per 1K tokens, 32K-token stream"),
+    ("serve_bench.png", "serve_bench.png", "Continuous batching: concurrent requests vs KV memory"),
+]
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(value, digits: int = 3) -> str:
+    if value in (None, ""):
+        return ""
+    x = float(value)
+    if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 10 ** 6):
+        return f"{x:.2e}"
+    return f"{x:.{digits}f}".rstrip("0").rstrip(".") if "." in f"{x:.{digits}f}" else f"{x:.{digits}f}"
+
+
+def _env(path: pathlib.Path) -> str:
+    """'(date, transformers X, torch Y)' from a result's environment record, when it has one."""
+    env = None
+    if path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        env = data.get("environment") if isinstance(data, dict) else None
+        if env is None and isinstance(data, dict) and "transformers" in data:
+            env = {"transformers": data["transformers"], "torch": data.get("torch")}
+    elif (path.parent / "environment.json").exists():
+        env = json.loads((path.parent / "environment.json").read_text(encoding="utf-8"))
+    if isinstance(env, list):  # a sweep appends one record per (resumed) run: the last one wrote the newest cells
+        env = env[-1] if env else None
+    if not env:
+        return ""
+    parts = [env.get("date", "")[:10], f"transformers {env['transformers']}" if env.get("transformers") else "",
+             f"torch {env['torch']}" if env.get("torch") else ""]
+    return " (" + ", ".join(p for p in parts if p) + ")"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _source(path: pathlib.Path) -> str:
+    return f"Source: `{path.relative_to(ROOT)}`{_env(path)}."
+
+
+def budget_sweep() -> str:
+    path = RESULTS / "h2o" / "results.csv"
+    rows = [r for r in _rows(path) if r["metric"] == "quality" and r["cache"] != "dynamic"]
+    rows.sort(key=lambda r: (r["label"].rsplit(" ", 1)[0], float(r["budget"] or 1)))
+    body = [[r["label"], _num(r["kl_mean"]), _num(r["top1_agreement"]), _num(r["bytes_vs_dense"])] for r in rows]
+    return ("## Budget sweep (eviction)\n\nSmolLM2-135M, float32, 2K-token prompt from the offline corpus, 256 scored "
+            "tokens, KL divergence and top-1 agreement against the full cache on the same positions.\n\n"
+            + _table(["cache and budget", "KL mean", "top-1", "bytes vs full"], body) + "\n\n" + _source(path))
+
+
+def prompt_scorers() -> str:
+    path = RESULTS / "scorers_prompt" / "results.csv"
+    rows = [r for r in _rows(path) if r["metric"] == "quality" and r["cache"] != "dynamic"]
+    rows.sort(key=lambda r: (float(r["budget"] or 1), float(r["kl_mean"])))
+    body = [[r["label"], _num(r["kl_mean"]), _num(r["top1_agreement"]), _num(r["bytes_vs_dense"])] for r in rows]
+    return ("## Scorers, prompt compression\n\nThe prompt compressed once to the budget, the answer appended "
+            "uncompressed (kvpress's protocol); same model, text and positions as the sweep.\n\n"
+            + _table(["scorer and budget", "KL mean", "top-1", "bytes vs full"], body) + "\n\n" + _source(path))
+
+
+def quantized() -> str:
+    path = RESULTS / "quantized.csv"
+    body = [[r["label"], _num(r["kl_mean"], 4), _num(r["top1_agreement"]), _num(r["bytes_ratio_to_dynamic"]),
+             _num(r["decode_ratio_to_dynamic"])] for r in _rows(path)]
+    return ("## Quantized caches vs transformers' QuantizedCache\n\n2K-token prompt + 512 scored tokens, one "
+            "interleaved run.\n\n" + _table(["cache", "KL mean", "top-1", "bytes vs full", "decode vs full"], body)
+            + "\n\n" + _source(RESULTS / "quantized.json"))
+
+
+def streaming() -> str:
+    path = RESULTS / "stream_ppl.csv"
+    by_cache: dict[str, list[dict]] = {}
+    for r in _rows(path):
+        by_cache.setdefault(r["cache"], []).append(r)
+    body = []
+    for cache, rows in by_cache.items():
+        ppl = [float(r["ppl"]) for r in rows]
+        nll = sum(math.log(p) * int(r["tokens"]) for p, r in zip(ppl, rows)) / sum(int(r["tokens"]) for r in rows)
+        body.append([cache, str(sum(int(r["tokens"]) for r in rows)), _num(math.exp(nll), 2), _num(min(ppl), 2),
+                     _num(max(ppl), 2)])
+    return ("## Streaming perplexity\n\nOne token per forward (StreamingLLM's protocol) through a 32K-token stream, "
+            "4x the model's training context; perplexity per bucket of 1024 positions.\n\n"
+            + _table(["cache", "tokens", "PPL (all)", "best bucket", "worst bucket"], body) + "\n\n"
+            + _source(RESULTS / "stream_ppl.json"))
+
+
+def serving() -> str:
+    parts = ["## Continuous batching with quantized pages\n\n`hf-kvcache serve-bench`: the same requests through "
+             "transformers' `generate_batch` at one KV memory budget, model-dtype (bfloat16) pages vs FP8 / INT8 "
+             "pages; ratios to model-dtype pages in the same run."]
+    for name in ("serve_bench.json", "serve_bench_transformers_5.24.json"):
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text(encoding="utf-8"))["summary"]
+        body = [[key, _num(v["concurrency_ratio"]), _num(v["pages_ratio"]), _num(v["tokens_per_s_ratio"]),
+                 _num(v["ttft_mean_ratio"]), _num(v["kl_mean"], 4)] for key, v in summary.items()]
+        parts.append(_table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
+                     + "\n\n" + _source(path))
+    return "\n\n".join(parts)
+
+
+def demo() -> str:
+    path = RESULTS / "demo" / "demo.csv"
+    body = [[r["cache"], r["budget"], _num(float(r["bytes_held"]) / 2**20, 1), _num(r["generated_agreement"]),
+             _num(r["top1_agreement"])] for r in _rows(path)]
+    return ("## The demo (`make demo`)\n\nSmolLM2, 512-token prompt + 32 generated tokens through every cache "
+            "family.\n\n" + _table(["cache", "budget", "MiB held", "greedy agreement", "top-1"], body) + "\n\n"
+            + _source(path))
+
+
+def render() -> str:
+    plots = "\n\n".join(f"![{caption}](assets/results/{name})" for _, name, caption in PLOTS)
+    sections = [budget_sweep(), prompt_scorers(), quantized(), streaming(), serving(), demo()]
+    return ("# Results\n\nGenerated by `scripts/results_page.py` from the files in `eval/results/` (each table names "
+            "its file); do not edit by hand. Measured on SmolLM2-135M-Instruct on a shared 2-core CPU unless a "
+            "file says otherwise: ratios measured side by side in one run, absolute times only as the files give "
+            "them. The benchmarks and how to re-run them: `eval/README.md`.\n\n" + plots + "\n\n"
+            + "\n\n".join(sections) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/results.md or a plot is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    stale = [] if PAGE.exists() and PAGE.read_text(encoding="utf-8") == text else [str(PAGE.relative_to(ROOT))]
+    for source, name, _ in PLOTS:
+        target = ASSETS / name
+        if not target.exists() or target.read_bytes() != (RESULTS / source).read_bytes():
+            stale.append(str(target.relative_to(ROOT)))
+    if args.check:
+        if stale:
+            print("stale (run python scripts/results_page.py):", ", ".join(stale))
+        return 1 if stale else 0
+    PAGE.write_text(text, encoding="utf-8")
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for source, name, _ in PLOTS:
+        shutil.copyfile(RESULTS / source, ASSETS / name)
+    print(f"wrote {PAGE.relative_to(ROOT)} and {len(PLOTS)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

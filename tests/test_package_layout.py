@@ -1,0 +1,76 @@
+"""The house rules of the package (docs/design.md): packages by role in layers checked by import-linter (the
+contracts in setup.cfg: each package imports only the ones below it; no import circles between the modules of any
+package), a docstring per package saying its job and what it may import, small modules, and the public API."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import pathlib
+
+import pytest
+from importlinter.cli import lint_imports
+
+import hf_kvcache
+
+ROOT = pathlib.Path(hf_kvcache.__file__).parent
+SETUP = ROOT.parent / "setup.cfg"
+MAX_LINES = 440  # "no module past ~400 lines": the largest today is stores/quantized.py (430)
+
+#: the public API of `import hf_kvcache` (changing it is a release note, not a refactor)
+PUBLIC = {
+    "CACHE_ARG", "CACHE_IMPLEMENTATIONS", "CompositeCache", "DEFAULT_CACHE_CONFIGS", "ExpectedAttentionCache",
+    "FullCache", "H2OCache", "KIVICache", "KVCache", "KVCacheConfig", "KeyDiffCache", "KnormCache",
+    "QuantizedFP8Cache", "RandomEvictionCache", "SinkCache", "SlidingWindowCache", "SnapKVCache", "TOVACache",
+    "UnsupportedTransformersError", "build_cache", "cache_kwargs", "default_cache_config", "enable", "enable_paged",
+    "load_cache_config", "load_cache_state", "publish", "read_cache_state_header", "register", "returned_cache",
+    "save_cache_config", "save_cache_state",
+}
+
+
+def _layers() -> list[str]:
+    config = configparser.ConfigParser()
+    config.read(SETUP)
+    return [line.strip() for line in config["importlinter:contract:layers"]["layers"].splitlines() if line.strip()]
+
+
+def test_import_contracts_are_kept():
+    """import-linter (the same run as `lint-imports`): the layers and no import circles, lazy imports included."""
+    assert lint_imports(config_filename=str(SETUP), no_cache=True) == 0
+
+
+def test_every_package_is_in_the_layers_and_says_what_it_may_import():
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    in_layers = {name.removeprefix("hf_kvcache.") for layer in _layers() for name in layer.split(" | ")}
+    assert set(packages) <= in_layers, f"packages missing from the layers contract: {set(packages) - in_layers}"
+    for name in packages:
+        doc = importlib.import_module(f"hf_kvcache.{name}").__doc__ or ""
+        assert len(doc.split()) >= 12, f"hf_kvcache.{name} needs a docstring saying its job"
+        if name not in ("integration", "kernels", "policies", "stores", "evaluation", "paged"):
+            assert "May import" in doc, f"hf_kvcache.{name}'s docstring must say what it may import"
+
+
+def test_the_top_level_keeps_little_else():
+    modules = sorted(p.name for p in ROOT.glob("*.py"))
+    assert modules == ["__init__.py", "install.py", "version.py"]
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_stay_small(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by job"
+
+
+def test_public_api():
+    assert set(hf_kvcache.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(hf_kvcache, name) is not None
+    # the classes are the ones of their packages (no copies), and the names map to them
+    from hf_kvcache import caches, sharing  # noqa: F401
+
+    assert hf_kvcache.SinkCache is caches.SinkCache and hf_kvcache.KVCacheConfig is hf_kvcache.sharing.hub.KVCacheConfig
+    assert hf_kvcache.CACHE_IMPLEMENTATIONS["sink"] is hf_kvcache.SinkCache
+    assert set(hf_kvcache.CACHE_IMPLEMENTATIONS) == {
+        "sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi", "knorm", "keydiff", "tova", "snapkv",
+        "expected_attention"}
+    assert hf_kvcache.__version__ == hf_kvcache.version.__version__
