@@ -122,8 +122,11 @@ def streaming() -> str:
 def serving() -> str:
     parts = ["## Continuous batching with quantized pages\n\n`hf-kvcache serve-bench`: the same requests through "
              "transformers' `generate_batch` at one KV memory budget, model-dtype (bfloat16) pages vs FP8 / INT8 "
-             "pages; ratios to model-dtype pages in the same run."]
-    for name in ("serve_bench.json", "serve_bench_transformers_5.24.json"):
+             "pages; ratios to model-dtype pages in the same run. The two `serve_bench_transformers_*` runs were made "
+             "one after the other on the same day with the same settings (one budget, one round each: the "
+             "throughput and TTFT ratios move by tens of percent between runs on this shared CPU; the request counts "
+             "and KL do not)."]
+    for name in ("serve_bench.json", "serve_bench_transformers_5.23.json", "serve_bench_transformers_5.24.json"):
         path = RESULTS / name
         if not path.exists():
             continue
