@@ -15,7 +15,7 @@ import hf_kvcache
 
 ROOT = pathlib.Path(hf_kvcache.__file__).parent
 SETUP = ROOT.parent / "setup.cfg"
-MAX_LINES = 440  # "no module past ~400 lines": the largest today is stores/quantized.py (430)
+MAX_LINES = 410  # "no module past ~400 lines": the largest today is cli/eval_commands.py (402)
 
 #: the public API of `import hf_kvcache` (changing it is a release note, not a refactor)
 PUBLIC = {
