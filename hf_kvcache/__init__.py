@@ -40,7 +40,7 @@ from .paged import enable_paged
 from .paged import install as _install_paged
 from .sharing.hub import KVCacheConfig, load_cache_config, publish, save_cache_config
 from .sharing.state import load_cache_state, read_cache_state_header, save_cache_state
-from .version import __version__
+from .version import __version__  # noqa: F401  (hf_kvcache.__version__)
 
 register_at_import()
 # continuous batching reads `kv_cache_dtype` (hf_kvcache.paged, docs/serving.md); where transformers' internals changed

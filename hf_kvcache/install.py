@@ -113,17 +113,12 @@ def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
     transformers outside the tested range this warns once; a contract that does not hold raises
     `UnsupportedTransformersError` naming it."""
     warn_if_untested()
-    names = set(CACHE_IMPLEMENTATIONS)
-    if name is not None:
-        if not (isinstance(cls, type) and issubclass(cls, KVCache)):
-            raise ValueError(f"`cls` must be a subclass of hf_kvcache.KVCache, got {cls!r}.")
-        names.add(name)
-    clash = names & set(upstream_generation.builtin_cache_names())
-    if clash:
-        raise RuntimeError(f"hf_kvcache cache names {sorted(clash)} would shadow transformers' own cache names.")
+    if name is not None and not (isinstance(cls, type) and issubclass(cls, KVCache)):
+        raise ValueError(f"`cls` must be a subclass of hf_kvcache.KVCache, got {cls!r}.")
+    # refuses a name of transformers' own before anything is registered (so a refused name never stays in ours)
+    upstream_generation.add_cache_names(tuple(CACHE_IMPLEMENTATIONS) + ((name,) if name is not None else ()))
     if name is not None:
         CACHE_IMPLEMENTATIONS[name] = cls
-    upstream_generation.add_cache_names(tuple(CACHE_IMPLEMENTATIONS))
     upstream_generation.install_generate_hooks(build_for_generate, prepared_for_generate, before_continuous_batching)
     from .attention.bridge import register_attention_functions
 

@@ -41,7 +41,8 @@ def _num(value, digits: int = 3) -> str:
     x = float(value)
     if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 10 ** 6):
         return f"{x:.2e}"
-    return f"{x:.{digits}f}".rstrip("0").rstrip(".") if "." in f"{x:.{digits}f}" else f"{x:.{digits}f}"
+    text = f"{x:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _env(path: pathlib.Path) -> str:

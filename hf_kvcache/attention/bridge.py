@@ -18,6 +18,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 
 from ..common.rotation import rotate
 from ..integration.attention import (
+    BRIDGE_CONTRACTS,
     attention_implementation,
     attention_weights_requested,
     can_set_attention,
@@ -39,15 +40,6 @@ logger = logging.getLogger(__name__)
 
 BRIDGE_NAMES = {"sdpa": "hf_kvcache_sdpa", "eager": "hf_kvcache_eager"}
 _INNER = ("hf_kvcache_sdpa", "hf_kvcache_eager")
-#: the transformers internals the bridge relies on (hf_kvcache.integration.attention / cache_argument)
-BRIDGE_CONTRACTS = (
-    "GenerationMixin.prepare_inputs_for_generation (cache argument)",
-    "decoder attention forward (cache.update)",
-    "integrations.sdpa_attention.sdpa_attention_forward",
-    "modeling_llama.eager_attention_forward",
-    "masking_utils.sdpa_mask / eager_mask",
-    "PreTrainedModel attention switch",
-)
 
 
 def _bridge_sdpa_mask(*args, **kwargs):

@@ -22,26 +22,32 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaAttention, eager_attention_forward
 
 from .cache_argument import CACHE_ARG, CACHE_ARG_TEXT
+from .cache_argument import CONTRACT as CACHE_ARGUMENT
 from .contracts import contract, missing_parameters, parameters, source
 
 ATTENTION_CALL = ["module", "query", "key", "value", "attention_mask"]
+SDPA = "integrations.sdpa_attention.sdpa_attention_forward"
+EAGER = "modeling_llama.eager_attention_forward"
+MASKS = "masking_utils.sdpa_mask / eager_mask"
+SWITCH = "PreTrainedModel attention switch"
+ATTENTION_FORWARD = "decoder attention forward (cache.update)"
 
 
-@contract("integrations.sdpa_attention.sdpa_attention_forward",
+@contract(SDPA,
           "takes (module, query, key, value, attention_mask, **kwargs) and returns (output [B, q, H, D], weights)",
           "the attention bridge (every hf_kvcache cache)")
 def _check_sdpa() -> str | None:
     return missing_parameters(sdpa_attention_forward, ATTENTION_CALL, "sdpa_attention_forward")
 
 
-@contract("modeling_llama.eager_attention_forward",
+@contract(EAGER,
           "takes (module, query, key, value, attention_mask, scaling, ...) like every modeling file's eager attention",
           "the attention bridge with attn_implementation='eager'")
 def _check_eager() -> str | None:
     return missing_parameters(eager_attention_forward, ATTENTION_CALL, "eager_attention_forward")
 
 
-@contract("masking_utils.sdpa_mask / eager_mask",
+@contract(MASKS,
           "mask builders called as (batch_size, q_length, kv_length, ...); sdpa_mask takes allow_is_causal_skip",
           "the attention bridge")
 def _check_masks() -> str | None:
@@ -65,7 +71,7 @@ def _check_collector() -> str | None:
     return None if hasattr(_active_collector, "get") else "it has no get()"
 
 
-@contract("PreTrainedModel attention switch",
+@contract(SWITCH,
           "_can_set_attn_implementation(), set_attn_implementation(name) and config._attn_implementation",
           "the attention bridge (hf_kvcache.enable)")
 def _check_switch() -> str | None:
@@ -79,7 +85,7 @@ def _check_switch() -> str | None:
     return None
 
 
-@contract("decoder attention forward (cache.update)",
+@contract(ATTENTION_FORWARD,
           f"a model's attention forward takes the cache as {CACHE_ARG_TEXT}, calls cache.update(key, value, layer_idx, "
           "...) with keys already rotated, then the function registered in AttentionInterface",
           "every hf_kvcache cache")
@@ -90,6 +96,10 @@ def _check_attention_forward() -> str | None:
     if f"{CACHE_ARG}.update(" not in text or "get_interface(" not in text:
         return "LlamaAttention.forward no longer calls cache.update(...) and the attention interface"
     return None
+
+
+#: what the attention bridge needs to hold before it switches a model (hf_kvcache.attention.bridge.enable)
+BRIDGE_CONTRACTS = (CACHE_ARGUMENT, ATTENTION_FORWARD, SDPA, EAGER, MASKS, SWITCH)
 
 
 def attention_weights_requested() -> bool:

@@ -19,28 +19,31 @@ from transformers.generation.utils import GenerationMixin
 from .contracts import contract, parameters, require
 
 NAMES = ("cache", "past_key_values")
+CONTRACT = "GenerationMixin.prepare_inputs_for_generation (cache argument)"
+
+
+def _declared() -> list[str]:
+    return [name for name in NAMES if name in parameters(GenerationMixin.prepare_inputs_for_generation)]
 
 
 def _declared_name() -> str | None:
-    declared = [name for name in NAMES if name in parameters(GenerationMixin.prepare_inputs_for_generation)]
+    declared = _declared()
     return declared[0] if len(declared) == 1 else None
 
 
 @contract(
-    "GenerationMixin.prepare_inputs_for_generation (cache argument)",
+    CONTRACT,
     "takes the cache as exactly one of `cache` (5.24) or `past_key_values` (5.23), the name used by generate, "
     "model_kwargs, every forward and ModelOutput",
     "every hf_kvcache cache",
 )
 def _check_cache_name() -> str | None:
-    if _declared_name() is None:
-        found = [n for n in NAMES if n in parameters(GenerationMixin.prepare_inputs_for_generation)]
-        return f"it takes {found or 'neither'} of {list(NAMES)}"
-    return None
+    declared = _declared()
+    return None if len(declared) == 1 else f"it takes {declared or 'neither'} of {list(NAMES)}"
 
 
 def _resolve() -> str:
-    require("GenerationMixin.prepare_inputs_for_generation (cache argument)")
+    require(CONTRACT)
     return _declared_name()
 
 
@@ -59,7 +62,8 @@ def cache_kwargs(cache) -> dict:
 
 def returned_cache(output):
     """The cache a model forward or `generate(..., return_dict_in_generate=True)` returned (None if none)."""
-    return output.get(_resolve()) if hasattr(output, "get") else getattr(output, _resolve(), None)
+    name = _resolve()
+    return output.get(name) if hasattr(output, "get") else getattr(output, name, None)
 
 
 def given_cache(arguments: dict):

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
 from transformers.cache_utils import get_layer_types_and_kwargs as _get_layer_types_and_kwargs
 
@@ -62,7 +64,9 @@ def is_upstream_layer_object(obj) -> bool:
     return type(obj).__module__ == UPSTREAM_MODULE
 
 
+@functools.cache
 def _sets_dtype() -> bool:
+    """Whether this transformers' layers set `dtype` at initialisation (5.23 does, 5.24 does not): read once."""
     return "self.dtype" in source(DynamicLayer.lazy_initialization)
 
 

@@ -132,10 +132,11 @@ def update_caller() -> str | None:
           "batch's read/write indices in kwargs: by the attention functions up to 5.23, by each model's attention "
           "forward from 5.24", USED_BY)
 def _check_update_caller() -> str | None:
-    if update_caller() is None:
+    caller = update_caller()
+    if caller is None:
         return ("neither sdpa_attention_forward nor LlamaAttention.forward calls cache.update(..., kwargs=kwargs) "
                 "on the paged cache")
-    if update_caller() == "attention functions":
+    if caller == "attention functions":
         from transformers.integrations import eager_paged, flash_attention
 
         for module, fn in ((flash_attention, "flash_attention_forward"),

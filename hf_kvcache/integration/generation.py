@@ -23,7 +23,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from .cache_argument import CACHE_ARG, CACHE_ARG_TEXT
-from .contracts import contract, holds, missing_parameters, require, source
+from .contracts import contract, missing_parameters, require, source
 
 PREPARE = "GenerationMixin._prepare_cache_for_generation"
 NAMES = "configuration_utils.ALL_CACHE_IMPLEMENTATIONS"
@@ -53,7 +53,8 @@ def _check_prepare() -> str | None:
     changed = missing_parameters(fn, expected, "_prepare_cache_for_generation")
     if changed:
         return changed
-    if f'"{CACHE_ARG}"' not in source(fn) or "model_kwargs[" not in source(fn):  # (5.23: via a `cache_name` local)
+    text = source(fn)
+    if f'"{CACHE_ARG}"' not in text or "model_kwargs[" not in text:  # (5.23: through a `cache_name` local)
         return f"it no longer writes model_kwargs[{CACHE_ARG!r}]"
     return None
 
@@ -162,9 +163,3 @@ def install_generate_hooks(build: Callable[[CacheRequest], Any], prepared: Calla
         if current is not ours:
             ours.original = current
             setattr(GenerationMixin, method, ours)
-
-
-def auto_compile_sees_cache() -> bool:
-    """Whether generate's automatic compilation reads our cache (see the contract); callers that promise
-    compilation require it."""
-    return holds(AUTO_COMPILE)

@@ -13,10 +13,12 @@ import warnings
 import transformers
 from packaging.version import Version
 
-#: the minor releases CI runs (the full suite on the newest, contracts + smoke on the oldest)
+#: the minor releases CI runs (the full suite on the newest, contracts + smoke on the oldest); the range follows
 TESTED_MINORS = ("5.23", "5.24")
-SUPPORTED_RANGE_TEXT = ">=5.23,<5.25"
-SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))
+_newest = Version(TESTED_MINORS[-1])
+#: [oldest tested, first untested minor)
+SUPPORTED_TRANSFORMERS = (Version(TESTED_MINORS[0]), Version(f"{_newest.major}.{_newest.minor + 1}"))
+SUPPORTED_RANGE_TEXT = f">={TESTED_MINORS[0]},<{SUPPORTED_TRANSFORMERS[1]}"
 
 
 class UnsupportedTransformersError(RuntimeError):
