@@ -288,7 +288,7 @@ def test_layer_allocates_on_the_device_of_its_keys(name, config):
             keys = torch.randn(batch, KV_HEADS, q, HEAD_DIM).to(device)
             out_keys, _ = layer.update(keys, torch.randn_like(keys))
             if layer.policy.needs_attention:  # what the attention bridge does for H2O: scores of this forward
-                layer.policy.observe(layer, torch.rand(batch, HEADS, out_keys.shape[2], device=device))
+                layer.policy.observe(layer.view, torch.rand(batch, HEADS, out_keys.shape[2], device=device))
             assert out_keys.device.type == device
     for layer, device in zip(cache.layers, devices):
         assert layer_tensor_devices(layer) == {device}, f"layer {layer.layer_idx}"

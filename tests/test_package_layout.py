@@ -74,3 +74,31 @@ def test_public_api():
         "sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi", "knorm", "keydiff", "tova", "snapkv",
         "expected_attention"}
     assert hf_kvcache.__version__ == hf_kvcache.version.__version__
+
+
+def _slot_view_members() -> set[str]:
+    from hf_kvcache.policies.view import SlotView
+
+    return set(SlotView.__annotations__) | {name for name in vars(SlotView) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "policies").glob("*.py")), ids=lambda p: p.name)
+def test_policies_decide_from_what_they_are_given(path):
+    """Policies see the layer only through the `SlotView` contract (policies/view.py): no name `layer` in their code,
+    and on a `view` only the members the contract declares (so no slot tables, stores or pending tuples reached
+    into)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    allowed = _slot_view_members()
+    for node in ast.walk(tree):
+        assert not (isinstance(node, ast.Name) and node.id == "layer"), f"{path.name}:{node.lineno} uses `layer`"
+        assert not (isinstance(node, ast.arg) and node.arg == "layer"), f"{path.name}:{node.lineno} takes `layer`"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "view":
+            assert node.attr in allowed, f"{path.name}:{node.lineno}: `view.{node.attr}` is not in SlotView"
+
+
+def test_the_layer_offers_what_the_slot_view_declares():
+    from hf_kvcache.layers.slot_view import LayerSlotView
+
+    assert _slot_view_members() <= set(dir(LayerSlotView))

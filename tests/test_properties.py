@@ -181,7 +181,7 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in self.cache.compressed_layers:
             layer.update(keys, values)
             if layer.policy.needs_attention:
-                layer.policy.observe(layer, column_scores(layer, table, positions, real))
+                layer.policy.observe(layer.view, column_scores(layer, table, positions, real))
         self.ref.forward(raw, values, real, positions, attention=lambda b, h, p: table[b, h, p])
         self.mask = mask
 
@@ -277,7 +277,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.check_layer(layer)
 
     def check_layer(self, layer):
-        layer.policy.before_read(layer)  # what the next read sees (re-rotated sinks / compact positions)
+        layer.policy.before_read(layer.view)  # what the next read sees (re-rotated sinks / compact positions)
         width = layer.used
         keys, values = layer.store.read(width)
         valid = layer.slot_valid[..., :width]

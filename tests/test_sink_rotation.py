@@ -9,6 +9,7 @@ import torch
 from conftest import build_model
 
 from hf_kvcache.common.rope import KeyRotator, LayerRope
+from hf_kvcache.layers.slot_view import LayerSlotView
 from hf_kvcache.policies.sinks import SinkMemory
 from hf_kvcache.stores import FullPrecisionStore
 from hf_kvcache.stores.regions import RegionStore
@@ -19,6 +20,11 @@ SINKS, HEADS, HEAD_DIM, BATCH = 3, 2, 16, 2
 class _Layer:
     def __init__(self, store, layer_idx=0):
         self.store, self.layer_idx = store, layer_idx
+
+
+def _view(store):
+    """What the policy is given of a layer holding `store` (its key writes are all the rotation uses)."""
+    return LayerSlotView(_Layer(store))
 
 
 def _memory(rotator, keys, positions):
@@ -52,8 +58,8 @@ def test_in_place_rotation_equals_the_rotator(convention, rotary_dim, per_head, 
     plain.allocate(BATCH, HEADS, HEAD_DIM, SINKS + 1, dtype, "cpu")
     for store in (regions.stores[0], plain):
         store.keys[:, :, :SINKS] = keys
-    _memory(rotator, keys, positions).reposition_before(_Layer(regions), oldest, has_other)
-    _memory(rotator, keys, positions).reposition_before(_Layer(plain), oldest, has_other)
+    _memory(rotator, keys, positions).reposition_before(_view(regions), oldest, has_other)
+    _memory(rotator, keys, positions).reposition_before(_view(plain), oldest, has_other)
 
     got, want = regions.stores[0].keys[:, :, :SINKS], plain.keys[:, :, :SINKS]
     tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # one bf16 rounding either way

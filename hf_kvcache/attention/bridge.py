@@ -154,7 +154,7 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
         sinks=getattr(module, "sinks", None), query_weight=weight,
         score_from=q - window if window is not None and q > window else 0,
     )
-    layer.policy.observe(layer, scores)
+    layer.policy.observe(layer.view, scores)
     return out, None
 
 
@@ -170,7 +170,7 @@ def _make_bridge(name: str):
                 query = rotate(query, layer.key_rotation)
             spec = layer.attention_validity()
             if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
-                layer.policy.observe_queries(layer, query)
+                layer.policy.observe_queries(layer.view, query)
             if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.layers.codes_read)
                 out = attend(module, layer, query, key, value, spec, kwargs)
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
@@ -205,7 +205,7 @@ def _make_bridge(name: str):
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
                     sinks=getattr(module, "sinks", None),
                 )
-                layer.policy.observe(layer, scores)
+                layer.policy.observe(layer.view, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     hf_kvcache_attention.__name__ = name

@@ -63,5 +63,5 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
     )
     if needs_scores:
         result, scores = result
-        layer.policy.observe(layer, scores)
+        layer.policy.observe(layer.view, scores)
     return result.transpose(1, 2).contiguous(), None

@@ -198,7 +198,7 @@ class KVCache(Cache, ForwardAnnounced):
         tokens of later forwards are appended uncompressed. No effect in "always" mode."""
         for layer in self.compressed_layers:
             if isinstance(layer.policy, PromptCompressionPolicy):
-                layer.policy.end_prompt(layer)
+                layer.policy.end_prompt(layer.view)
 
     def nbytes(self) -> int:
         """Bytes this cache holds: buffers as allocated, scales and metadata included, every layer type."""

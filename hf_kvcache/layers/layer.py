@@ -21,7 +21,9 @@ from ..common.compile_static import fixed_shape
 from ..common.rotation import rotate
 from ..integration.cache_layers import CacheLayerMixin
 from ..policies.base import Policy
+from ..policies.view import Chunk
 from .codes_read import codes_now, dequantizes, read_codes, resolve_attention
+from .slot_view import LayerSlotView
 
 if TYPE_CHECKING:
     from .forward_info import ForwardInfo
@@ -47,12 +49,13 @@ class CompressedLayer(CacheLayerMixin):
         self._served_forward = -1
         self._attention_columns: torch.Tensor | None = None  # validity of the columns returned by the last update
         self._attention_query_len = 0
-        self._pending = None  # a chunk whose placement waits for attention scores (policies with `deferred`)
+        self._pending: Chunk | None = None  # a chunk whose placement waits for attention scores (`deferred`)
         # (keys, values, position ids) of the tokens being placed, during `policy.place` and the write (key scorers)
         self.incoming: tuple | None = None
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
         # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.layers.codes_read), resolved at allocation
         self.attention, self.attention_block, self.attention_from_codes, self.codes_read = "dequantize", None, False, None
+        self.view = LayerSlotView(self)  # all the policy is given of this layer (hf_kvcache.policies.view)
 
     @property
     def is_croppable(self) -> bool:
@@ -164,12 +167,12 @@ class CompressedLayer(CacheLayerMixin):
             key_states = rotate(key_states, self.key_rotation)
         q = key_states.shape[-2]
         real, positions = info.on(key_states.device)
-        self.policy.begin(self, q)
+        self.policy.begin(self.view, q)
         if self.policy.capacity is None:
             self._ensure_slots(self.policy.used_after(self.seen + q))
 
         if q == 1 and self.seen > 0 and not self.forward_info.has_padding:
-            slot = self.policy.decode_slot(self, self.seen)
+            slot = self.policy.decode_slot(self.view, self.seen)
             if slot is not None:
                 return self._decode_in_slot(slot, key_states, value_states, positions, real)
         if q == 1 and self.seen > 0:
@@ -179,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
             return self._decode_read()
 
         # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
-        self.policy.before_read(self)
+        self.policy.before_read(self.view)
         past_valid = self.slot_valid[..., : self.used]
         if codes_now(self, q):  # stand-ins: the bridge attends from the codes, new tokens in full precision
             keys, values = read_codes(self, self.used, key_states, value_states)
@@ -193,7 +196,7 @@ class CompressedLayer(CacheLayerMixin):
         self._attention_query_len = q
         if self.policy.deferred:
             # The policy needs this forward's attention scores to choose survivors: it calls `commit` from the bridge.
-            self._pending = (key_states, value_states, real, positions, self.seen)
+            self._pending = Chunk(key_states, value_states, real, positions, self.seen)
         else:
             self._place_and_write(key_states, value_states, real, positions)
             self.used = self.policy.used_after(self.seen + q)
@@ -205,7 +208,7 @@ class CompressedLayer(CacheLayerMixin):
         ids) of those tokens for policies that score them (key scorers), cleared afterwards even if either raises."""
         self.incoming = (key_states, value_states, positions)
         try:
-            placement = self.policy.place(self, real, self.seen)
+            placement = self.policy.place(self.view, real, self.seen)
             self._write(placement, key_states, value_states, positions, self.seen)
         finally:
             self.incoming = None
@@ -221,7 +224,7 @@ class CompressedLayer(CacheLayerMixin):
         self.slot_valid.index_copy_(2, index, real[:, None, :1].expand(batch, meta_heads, 1))
         if self.slot_pos is not None:
             self.slot_pos.index_copy_(2, index, positions[:, None, :1].to(torch.int32).expand(batch, meta_heads, 1))
-        self.policy.after_decode_write(self, slot, key_states, positions)
+        self.policy.after_decode_write(self.view, slot, key_states, positions)
         self.seen += 1
         self.used = self.policy.used_after(self.seen)
         return self._decode_read()
@@ -229,7 +232,7 @@ class CompressedLayer(CacheLayerMixin):
     def _decode_read(self):
         """What attention reads in a decode step. Fixed-capacity policies always return all `capacity` slots (the
         empty ones masked invalid), so every decode step has the same shapes (compilable, like StaticCache)."""
-        self.policy.before_read(self)
+        self.policy.before_read(self.view)
         width = self.policy.capacity if self.policy.capacity is not None else self.used
         self._attention_columns = self.slot_valid[..., :width]
         self._attention_query_len = 1
@@ -257,7 +260,7 @@ class CompressedLayer(CacheLayerMixin):
         self.slot_valid.scatter_(2, dest, placement.valid)
         if self.slot_pos is not None:
             self.slot_pos.scatter_(2, dest, token_pos.to(torch.int32).unsqueeze(1).expand_as(dest))
-        self.policy.after_write(self, placement, keys, dest, positions, seen_before)
+        self.policy.after_write(self.view, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------
     def attention_validity(self) -> tuple[torch.Tensor, int] | None:
@@ -339,6 +342,6 @@ class CompressedLayer(CacheLayerMixin):
                 f"{self.policy.capacity}): evicted tokens cannot come back."
             )
         new_seen = max(self.seen + tokens_to_remove, 0)
-        self.policy.crop(self, new_seen)
+        self.policy.crop(self.view, new_seen)
         self.seen = new_seen
         self.used = self.policy.used_after(new_seen)

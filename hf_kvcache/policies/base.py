@@ -1,4 +1,5 @@
-"""The policy interface: given the new tokens of a forward, say where each one goes (or that it is dropped)."""
+"""The policy interface: given the new tokens of a forward and a view of the layer's slots (`SlotView`), say where each
+one goes (or that it is dropped)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class Placement:
 
 
 class Policy:
-    """Base class. `capacity` is the fixed number of slots, or None for a growing cache."""
+    """Base class. `capacity` is the fixed number of slots, or None for a growing cache. Every hook that takes a
+    `view` is given the layer's `SlotView` (policies/view.py): what the policy may read and ask of its layer."""
 
     capacity: int | None = StaticInt()  # fixed for the cache's life: torch.compile specialises on it
     per_head = False  # True when each KV head keeps its own token set
@@ -43,10 +45,10 @@ class Policy:
     def allocate(self, batch: int, heads: int, device) -> None:
         """Create per-row state at the first update."""
 
-    def begin(self, layer, q: int) -> None:
+    def begin(self, view, q: int) -> None:
         """Called at the start of every update with its number of new tokens, before any slot is sized or placed."""
 
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         """real [B, q]: which of the q new tokens are real (not padding); seen: tokens before them."""
         raise NotImplementedError
 
@@ -60,22 +62,22 @@ class Policy:
     # True when an unpadded stream can still leave invalid columns (then the bridge always applies the mask).
     may_have_holes = False
 
-    def decode_slot(self, layer, seen: int) -> int | None:
+    def decode_slot(self, view, seen: int) -> int | None:
         """For an unpadded one-token step: the slot of the new token if it is the same for every row and head and
         known without reading data (the layer then takes a fast path), else None."""
         return None
 
-    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def after_decode_write(self, view, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Bookkeeping after a fast-path write of one token into `slot`."""
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         """Called after the new tokens were written (keys are the written keys, dest their slots, seen_before the
         stream index of the first new token)."""
 
-    def before_read(self, layer) -> None:
+    def before_read(self, view) -> None:
         """Called before attention reads the store (e.g. to move keys to new positions)."""
 
-    def crop(self, layer, new_seen: int) -> None:
+    def crop(self, view, new_seen: int) -> None:
         """Forget the tokens from stream index `new_seen` on; only called while nothing was evicted."""
         raise NotImplementedError(f"{type(self).__name__} does not support crop")
 

@@ -79,11 +79,11 @@ class CascadePolicy(Policy):
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
         self.memory.allocate(batch, device)
 
-    def _ensure_meta(self, layer) -> None:
-        slots = layer.slot_valid.shape[-1]
+    def _ensure_meta(self, view) -> None:
+        slots = view.valid.shape[-1]
         if self.stream is None or self.stream.shape[-1] != slots:
             pad = slots - (0 if self.stream is None else self.stream.shape[-1])
-            base = layer.slot_valid.new_zeros(layer.slot_valid.shape[:2] + (0,), dtype=torch.long)
+            base = view.valid.new_zeros(view.valid.shape[:2] + (0,), dtype=torch.long)
             stream = self.stream if self.stream is not None else base
             self.stream = torch.nn.functional.pad(stream, (0, pad), value=-1)
             scores = self.scores if self.scores is not None else base.float()
@@ -114,30 +114,19 @@ class CascadePolicy(Policy):
         )
 
     # -- moving tokens between regions --------------------------------------------------------------------------
-    def _region_hint(self, layer, slots) -> tuple | None:
+    def _region_hint(self, view, slots) -> tuple | None:
         """Regions of host-known slots (decode), for region stores; None when unknown or not a region store."""
-        if slots is None or not hasattr(layer.store, "region_of"):
+        if slots is None or not view.has_regions:
             return None
-        return tuple(layer.store.region_of(s) for s in slots)
+        return tuple(view.region_of(s) for s in slots)
 
-    def _move(self, layer, src: torch.Tensor, dest: torch.Tensor, src_slots=None, dest_slots=None) -> None:
+    def _move(self, view, src: torch.Tensor, dest: torch.Tensor, src_slots=None, dest_slots=None) -> None:
         """Move tokens from slots `src` to `dest` ([B, Hm, n]; dest -1 = drop), vacating the sources. `src_slots`,
         `dest_slots`: the Python slot numbers they can be, when known on the host (decode), so region stores need
         not read the device to know which regions are involved."""
-        src_hint, dest_hint = self._region_hint(layer, src_slots), self._region_hint(layer, dest_slots)
-        valid = layer.slot_valid.gather(2, src)
-        pos, stream, scores = layer.slot_pos.gather(2, src), self.stream.gather(2, src), self.scores.gather(2, src)
-        layer.slot_valid.scatter_(2, src, False)
+        stream, scores = self.stream.gather(2, src), self.scores.gather(2, src)
         self.stream.scatter_(2, src, -1)  # vacated: no stale stream index left to be moved again (after a crop)
-        dest = torch.where(dest >= 0, dest, layer.trash_slot)
-        valid = valid & (dest != layer.trash_slot)
-        if hasattr(layer.store, "move"):  # a region store: same-format moves copy codes (stores/regions.py)
-            layer.store.move(src, dest, src_hint, dest_hint)
-        else:
-            keys, values = layer.store.read_slots(src)
-            layer.store.write(dest, keys, values)
-        layer.slot_valid.scatter_(2, dest, valid)
-        layer.slot_pos.scatter_(2, dest, pos)
+        dest = view.move(src, dest, self._region_hint(view, src_slots), self._region_hint(view, dest_slots))
         self.stream.scatter_(2, dest, stream)
         self.scores.scatter_(2, dest, scores)
         self.heavy_scorer.move(src, dest)
@@ -171,16 +160,16 @@ class CascadePolicy(Policy):
         return torch.where(stays, cur_slot, target)
 
     # -- decode ---------------------------------------------------------------------------------------------------
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
-        self._ensure_meta(layer)
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
+        self._ensure_meta(view)
         batch, q = real.shape
         device = real.device
         if q > 1:  # (deferred scorers place chunks in observe)
-            return self._place_chunk(layer, real, seen, self.heavy_scorer.chunk_scores(self, layer, real))
-        hm = layer.slot_valid.shape[1]
+            return self._place_chunk(view, real, seen, self.heavy_scorer.chunk_scores(self, view, real))
+        hm = view.valid.shape[1]
         t = seen
         if self.per_head and t >= self.capacity - self.sinks:  # a selection is due
-            self.heavy_scorer.before_selection(self, layer, real)
+            self.heavy_scorer.before_selection(self, view, real)
         for tier in reversed(range(len(self.tier_sizes))):
             u = t - self.ends[tier]
             if u < 0 or tier == self.pool_tier:  # (the pool's oldest stay in their slots, as eviction candidates)
@@ -189,7 +178,7 @@ class CascadePolicy(Policy):
             src = torch.full((batch, hm, 1), src_slot, device=device)
             if tier + 1 == self.pool_tier:
                 dest_slots = [self.bases[tier + 1]]  # some pool slot
-                dest = self._pool_victim(layer, t)
+                dest = self._pool_victim(view, t)
             elif tier + 1 < len(self.tier_sizes):
                 dest_slots = [self.bases[tier + 1] + u % self.tier_sizes[tier + 1]]
                 dest = torch.full_like(src, dest_slots[0])
@@ -199,9 +188,9 @@ class CascadePolicy(Policy):
             elif self.final == "heavy":
                 dest_slots = [self.final_base]  # some heavy slot, or dropped
                 heavy_slots = torch.arange(self.final_base, self.final_base + self.heavy, device=device)
-                cand_key = torch.where(layer.slot_valid.gather(2, src), self.scores.gather(2, src), float("-inf"))
+                cand_key = torch.where(view.valid.gather(2, src), self.scores.gather(2, src), float("-inf"))
                 occupant_key = torch.where(
-                    layer.slot_valid[..., heavy_slots], self.scores[..., heavy_slots], float("-inf")
+                    view.valid[..., heavy_slots], self.scores[..., heavy_slots], float("-inf")
                 )
                 key = torch.cat((occupant_key, cand_key), -1)
                 cur = torch.cat((heavy_slots.expand(batch, hm, -1), src), -1)
@@ -209,17 +198,17 @@ class CascadePolicy(Policy):
                 in_heavy[..., : self.heavy] = True
                 targets = self._heavy_keep(key, in_heavy, cur)
                 victims = in_heavy & (targets < 0) & (key > float("-inf"))
-                layer.slot_valid[..., heavy_slots] &= ~victims[..., : self.heavy]
+                view.evict(~victims[..., : self.heavy], start=self.final_base)
                 dest = targets[..., self.heavy :]
             else:
                 dest_slots = []
                 dest = torch.full_like(src, -1)
-            self._move(layer, src, dest, [src_slot], dest_slots)
+            self._move(view, src, dest, [src_slot], dest_slots)
         # a token can only be a sink while its stream index is below `sinks` (its real index is at most that), or in
         # a padded stream, where a row's real index lags its stream index (left padding)
-        may_be_sink = t < self.sinks or layer.forward_info.has_padding
+        may_be_sink = t < self.sinks or view.padded
         if self.pool_tier == 0:  # the new token enters the pool: the slot of the token evicted now, per row and head
-            ring_slot, ring_dest = self.bases[0], self._pool_victim(layer, t)
+            ring_slot, ring_dest = self.bases[0], self._pool_victim(view, t)
         elif self.tier_sizes:
             ring_slot = self.bases[0] + t % self.tier_sizes[0]
             ring_dest = torch.full((batch, 1, 1), ring_slot, dtype=torch.long, device=device)
@@ -233,16 +222,16 @@ class CascadePolicy(Policy):
             self.n_real += real.sum(-1)
             placement = Placement(src=torch.zeros(batch, hm, 1, dtype=torch.long, device=device),
                                   dest=ring_dest.expand(batch, hm, 1).contiguous(), valid=real[:, None].expand(batch, hm, 1))
-        placement.regions = self._region_hint(layer, ([0] if may_be_sink else []) + (
+        placement.regions = self._region_hint(view, ([0] if may_be_sink else []) + (
             [ring_slot] if ring_slot is not None else []))
         return placement
 
-    def _pool_victim(self, layer, t: int) -> torch.Tensor:
+    def _pool_victim(self, view, t: int) -> torch.Tensor:
         """[B, Hm, 1] the pool slot freed for the token entering the pool at step `t`: among the pool's slots whose
         token is past the pool tier's end after this step (or empty), the lowest score, invalid ones first."""
         lo, hi = self.bases[self.pool_tier], self.capacity
         stream = self.stream[..., lo:hi]
-        key = torch.where(layer.slot_valid[..., lo:hi], self.scores[..., lo:hi], float("-inf"))
+        key = torch.where(view.valid[..., lo:hi], self.scores[..., lo:hi], float("-inf"))
         # still in the tier after this step (empty slots, stream -1, never are: the threshold is at least -1)
         key = torch.where(stream > max(t - self.ends[self.pool_tier], -1), float("inf"), key)
         return key.argmin(-1, keepdim=True) + lo
@@ -261,19 +250,19 @@ class CascadePolicy(Policy):
         )
 
     # -- multi-token chunks ---------------------------------------------------------------------------------------
-    def _place_chunk(self, layer, real: torch.Tensor, seen: int, new_scores: torch.Tensor | None) -> Placement:
+    def _place_chunk(self, view, real: torch.Tensor, seen: int, new_scores: torch.Tensor | None) -> Placement:
         """Re-place past non-sink tokens and the new chunk by age (vectorised version of one-token steps)."""
         self._sink_step = True
         batch, q = real.shape
         device = real.device
-        hm = layer.slot_valid.shape[1]
+        hm = view.valid.shape[1]
         seen_after = seen + q
-        used = max(layer.used, self.sinks)
+        used = max(view.used, self.sinks)
         is_sink, sink_dest = self._sink_split(real)
         past = torch.arange(self.sinks, used, device=device).expand(batch, hm, -1)
         new_u = (seen + torch.arange(q, device=device)).expand(batch, hm, q)
         cand_u = torch.cat((self.stream[..., self.sinks : used], new_u), -1)
-        cand_valid = torch.cat((layer.slot_valid[..., self.sinks : used], (real & ~is_sink)[:, None].expand(-1, hm, -1)), -1)
+        cand_valid = torch.cat((view.valid[..., self.sinks : used], (real & ~is_sink)[:, None].expand(-1, hm, -1)), -1)
         cand_cur = torch.cat((past, torch.full_like(new_u, -1)), -1)
         age = seen_after - 1 - cand_u
         target = torch.full_like(cand_u, -1)
@@ -303,9 +292,9 @@ class CascadePolicy(Policy):
         n_past = used - self.sinks
         moving = (target[..., :n_past] != cand_cur[..., :n_past]) & (cand_u[..., :n_past] >= 0)
         if n_past:  # tokens that stay are moved from the trash slot to nowhere (no host read to skip them)
-            src = torch.where(moving, cand_cur[..., :n_past], layer.trash_slot)
+            src = torch.where(moving, cand_cur[..., :n_past], view.trash_slot)
             dest = torch.where(moving, target[..., :n_past], -1)
-            self._move(layer, src, dest)
+            self._move(view, src, dest)
         new_target = target[..., n_past:]
         src = torch.arange(q, device=device).expand(batch, hm, q)
         sinks = Placement(src=src, dest=sink_dest[:, None].expand(batch, hm, q), valid=is_sink[:, None].expand(batch, hm, q))
@@ -315,32 +304,32 @@ class CascadePolicy(Policy):
             valid=torch.cat((sinks.valid, (real & ~is_sink)[:, None].expand(batch, hm, q) & (new_target >= 0)), -1),
         )
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
-        self._ensure_meta(layer)
-        self._place_pending(layer, self.heavy_scorer.observe(self, layer, column_scores))
+    def observe(self, view, column_scores: torch.Tensor) -> None:
+        self._ensure_meta(view)
+        self._place_pending(view, self.heavy_scorer.observe(self, view, column_scores))
 
-    def observe_queries(self, layer, query: torch.Tensor) -> None:
-        self._ensure_meta(layer)
-        self._place_pending(layer, self.heavy_scorer.observe_queries(self, layer, query))
+    def observe_queries(self, view, query: torch.Tensor) -> None:
+        self._ensure_meta(view)
+        self._place_pending(view, self.heavy_scorer.observe_queries(self, view, query))
 
-    def _place_pending(self, layer, scores: torch.Tensor | None) -> None:
+    def _place_pending(self, view, scores: torch.Tensor | None) -> None:
         """Place the pending chunk, given the scorer's scores [B, Hm, used + q] of the stored and new tokens (None:
         decode, nothing pending)."""
         if scores is None:
             return
-        used = layer.used
-        _, _, real, _, seen_before = layer._pending
-        placement = self._place_chunk(layer, real, seen_before, scores[..., used:])
-        layer.commit(placement)
+        used = view.used
+        _, _, real, _, seen_before = view.pending
+        placement = self._place_chunk(view, real, seen_before, scores[..., used:])
+        view.commit(placement)
         q = real.shape[1]
-        dest = torch.where(placement.dest[..., q:] >= 0, placement.dest[..., q:], layer.trash_slot)
+        dest = torch.where(placement.dest[..., q:] >= 0, placement.dest[..., q:], view.trash_slot)
         self.scores.scatter_(2, dest, scores[..., used:])
-        sink_dest = torch.where(placement.dest[..., :q] >= 0, placement.dest[..., :q], layer.trash_slot)
+        sink_dest = torch.where(placement.dest[..., :q] >= 0, placement.dest[..., :q], view.trash_slot)
         self.scores.scatter_(2, sink_dest, scores[..., used:])
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        self._ensure_meta(layer)
-        scores = self.heavy_scorer.arrival(self, layer, placement, keys, dest)
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        self._ensure_meta(view)
+        scores = self.heavy_scorer.arrival(self, view, placement, keys, dest)
         if scores is None:  # set later: by observe (attention scorers) or the next selection
             self.scores.scatter_(2, dest, 0.0)
         else:
@@ -349,21 +338,21 @@ class CascadePolicy(Policy):
         if self._sink_step:
             self.memory.record(placement, keys, dest, positions, seen_before)
 
-    def before_read(self, layer) -> None:
-        self.memory.reposition(layer, layer.used)
+    def before_read(self, view) -> None:
+        self.memory.reposition(view, view.used)
 
-    def crop(self, layer, new_seen: int) -> None:
-        self._ensure_meta(layer)
-        layer.slot_valid &= self.stream < new_seen
+    def crop(self, view, new_seen: int) -> None:
+        self._ensure_meta(view)
+        view.evict(self.stream < new_seen)
         self.stream = torch.where(self.stream < new_seen, self.stream, -1)  # cropped slots are empty again (pool)
-        layer.slot_valid[:, :, : self.sinks] &= self.memory.kept_after_crop(new_seen)[:, None]
-        self.n_real = layer.slot_valid[:, 0, : self.sinks].long().sum(-1) + (
-            layer.slot_valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
+        view.evict(self.memory.kept_after_crop(new_seen)[:, None])
+        self.n_real = view.valid[:, 0, : self.sinks].long().sum(-1) + (
+            view.valid[:, 0, self.sinks :] & (self.stream[:, 0, self.sinks :] >= 0)
         ).long().sum(-1)
         # The survivors are younger now: move them to the regions of their new ages, as a chunk of no tokens does
         # (nothing was evicted, so they all fit). Without this they stayed where their old ages put them.
-        batch, hm = layer.slot_valid.shape[:2]
-        self._place_chunk(layer, layer.slot_valid.new_zeros(batch, 0), new_seen, self.scores.new_zeros(batch, hm, 0))
+        batch, hm = view.valid.shape[:2]
+        self._place_chunk(view, view.valid.new_zeros(batch, 0), new_seen, self.scores.new_zeros(batch, hm, 0))
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("n_real", "stream", "scores"):

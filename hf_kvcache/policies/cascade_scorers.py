@@ -3,15 +3,15 @@
 The scores are the per-slot tensor `policy.scores` [B, Hm, slots + 1] of the CascadePolicy (higher = kept); the
 policy places tokens, moves them between regions (carrying their scores) and picks the heavy hitters by those scores.
 A scorer only says what the scores are, through these hooks:
-- `chunk_scores(policy, layer, real)`: a multi-token forward of a scorer that needs neither attention nor queries
+- `chunk_scores(policy, view, real)`: a multi-token forward of a scorer that needs neither attention nor queries
   (placed at once): the new tokens' scores [B, Hm, q]; it may re-score the stored ones (policy.scores[..., :used]).
-- `observe(policy, layer, column_scores)` / `observe_queries(policy, layer, query)`: from the bridge, for scorers
+- `observe(policy, view, column_scores)` / `observe_queries(policy, view, query)`: from the bridge, for scorers
   that need attention (`needs_attention`) or the forward's queries (`needs_queries`). In decode (no pending chunk)
   they update the stored scores and return None; for a pending chunk they update the stored tokens' scores and
   return the scores [B, Hm, used + q] of the stored and the new tokens (the policy then places the chunk).
-- `before_selection(policy, layer, real)`: a decode step in which a heavy selection is due; scorers whose scores
+- `before_selection(policy, view, real)`: a decode step in which a heavy selection is due; scorers whose scores
   are relative to the current candidates re-score the stored tokens here.
-- `arrival(policy, layer, placement, keys, dest)`: after the new tokens were written to slots `dest`: their scores
+- `arrival(policy, view, placement, keys, dest)`: after the new tokens were written to slots `dest`: their scores
   (None: 0, set later by `observe`), and any per-slot state of the scorer for them.
 - `move(src, dest)`: the policy moved tokens from slots src to dest (dest may be the trash slot): per-slot state
   of the scorer follows them. `map_batch`, `reset`, `nbytes`: as for policies.
@@ -64,19 +64,19 @@ class HeavyScorer:
     def deferred(self) -> bool:  # chunks are placed after the bridge hands over what the scores need
         return self.needs_attention or self.needs_queries
 
-    def chunk_scores(self, policy, layer, real: torch.Tensor) -> torch.Tensor | None:
+    def chunk_scores(self, policy, view, real: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
+    def observe(self, policy, view, column_scores: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError(f"{type(self).__name__} does not use attention scores")
 
-    def observe_queries(self, policy, layer, query: torch.Tensor) -> torch.Tensor | None:
+    def observe_queries(self, policy, view, query: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError(f"{type(self).__name__} does not use queries")
 
-    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+    def before_selection(self, policy, view, real: torch.Tensor) -> None:
         pass
 
-    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
+    def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
         return None
 
     def move(self, src: torch.Tensor, dest: torch.Tensor) -> None:
@@ -104,11 +104,11 @@ class _AttentionScorer(HeavyScorer):
     def _update(self, stored: torch.Tensor, scores: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
-        scores = self._scores(column_scores, layer.slot_valid.shape[1])
-        n = scores.shape[-1] if layer._pending is None else layer.used
+    def observe(self, policy, view, column_scores: torch.Tensor) -> torch.Tensor | None:
+        scores = self._scores(column_scores, view.valid.shape[1])
+        n = scores.shape[-1] if view.pending is None else view.used
         self._update(policy.scores[..., :n], scores[..., :n])
-        return None if layer._pending is None else scores
+        return None if view.pending is None else scores
 
 
 class H2OScorer(_AttentionScorer):
@@ -133,10 +133,10 @@ class TOVAScorer(_AttentionScorer):
 
 
 class KnormScorer(HeavyScorer):
-    def chunk_scores(self, policy, layer, real: torch.Tensor) -> torch.Tensor:
-        return knorm_scores(layer.incoming[0])
+    def chunk_scores(self, policy, view, real: torch.Tensor) -> torch.Tensor:
+        return knorm_scores(view.incoming[0])
 
-    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         return knorm_scores(keys)  # fixed at arrival
 
 
@@ -146,27 +146,27 @@ class KeyDiffScorer(HeavyScorer):
     def __init__(self):
         self._chunk_scores: torch.Tensor | None = None  # the new tokens' scores of a chunk, until they are written
 
-    def _candidates(self, layer, real: torch.Tensor, n_stored: int) -> torch.Tensor:
+    def _candidates(self, view, real: torch.Tensor, n_stored: int) -> torch.Tensor:
         """KeyDiff scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens, the anchor
         taken over the valid ones (as KeyDiffPolicy does)."""
-        keys = layer.incoming[0]
-        stored = layer.store.read(n_stored)[0] if n_stored else keys[:, :, :0]
+        keys = view.incoming[0]
+        stored = view.read(n_stored)[0] if n_stored else keys[:, :, :0]
         candidates = torch.cat((stored, keys.to(stored.dtype)), 2)
-        valid = torch.cat((layer.slot_valid[..., :n_stored], real[:, None].expand(-1, keys.shape[1], -1)), -1)
+        valid = torch.cat((view.valid[..., :n_stored], real[:, None].expand(-1, keys.shape[1], -1)), -1)
         return keydiff_scores(candidates, valid)
 
-    def chunk_scores(self, policy, layer, real: torch.Tensor) -> torch.Tensor:
-        used = layer.used
-        scores = self._candidates(layer, real, used)
+    def chunk_scores(self, policy, view, real: torch.Tensor) -> torch.Tensor:
+        used = view.used
+        scores = self._candidates(view, real, used)
         policy.scores[..., :used] = scores[..., :used]
         self._chunk_scores = scores[..., used:]
         return self._chunk_scores
 
-    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+    def before_selection(self, policy, view, real: torch.Tensor) -> None:
         c = policy.capacity
-        policy.scores[..., :c] = self._candidates(layer, real, c)[..., :c]
+        policy.scores[..., :c] = self._candidates(view, real, c)[..., :c]
 
-    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
+    def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
         if self._chunk_scores is None:  # decode: scored by the next selection
             return None
         scores = self._chunk_scores.gather(2, placement.src.expand(dest.shape))
@@ -224,24 +224,24 @@ class SnapKVScorer(_SlotState):
         self.rows: torch.Tensor | None = None  # [B, Hm, window, slots + 1] attention rows of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes of its new tokens, until they are written
 
-    def observe(self, policy, layer, column_scores: torch.Tensor) -> torch.Tensor | None:
-        heads = layer.slot_valid.shape[1]
+    def observe(self, policy, view, column_scores: torch.Tensor) -> torch.Tensor | None:
+        heads = view.valid.shape[1]
         if self.rows is None:
             self.rows = self._slot_tensor(policy, self.window)
-        if layer._pending is None:  # decode: one query, the columns are the slots; a row of the ring
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), layer.seen, self.window)
+        if view.pending is None:  # decode: one query, the columns are the slots; a row of the ring
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen, self.window)
             return None
-        used = layer.used
-        scores, pooled = chunk_votes(layer, column_scores, heads, policy.stream, self.window, self.kernel)
+        used = view.used
+        scores, pooled = chunk_votes(view, column_scores, heads, policy.stream, self.window, self.kernel)
         policy.scores[..., :used] = pooled[..., :used]
         # the window's votes become ring row 0: the stored tokens' now (the chunk's moves carry them), the new
         # tokens' when they are written
         self.rows.zero_()
-        self.rows[:, :, 0, :used] = scores[..., :used] * layer.slot_valid[..., :used]
+        self.rows[:, :, 0, :used] = scores[..., :used] * view.valid[..., :used]
         self._seed = scores[..., used:]
         return pooled
 
-    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
+    def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
         if self.rows is None:
             self.rows = self._slot_tensor(policy, self.window)
         self.rows.scatter_(3, dest[:, :, None].expand(-1, -1, self.window, -1), 0.0)  # no votes from earlier queries
@@ -251,11 +251,11 @@ class SnapKVScorer(_SlotState):
             self._seed = None
         return None
 
-    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+    def before_selection(self, policy, view, real: torch.Tensor) -> None:
         c = policy.capacity
         scores = self.rows[..., :c].sum(2) / self.window
-        policy.scores[..., :c] = pool_before_window(scores, policy.stream[..., :c], layer.slot_valid[..., :c],
-                                                    layer.seen, self.window, self.kernel)
+        policy.scores[..., :c] = pool_before_window(scores, policy.stream[..., :c], view.valid[..., :c],
+                                                    view.seen, self.window, self.kernel)
 
     def _tensors(self) -> tuple[str, ...]:
         return ("rows", "_seed")
@@ -276,30 +276,30 @@ class ExpectedAttentionScorer(_SlotState):
         self.value_norm: torch.Tensor | None = None  # [B, Hm, 1, slots + 1]
         self._chunk: tuple | None = None  # a chunk's new tokens' (logits, value norms), until they are written
 
-    def _valid(self, policy, layer, n: int) -> torch.Tensor:
+    def _valid(self, policy, view, n: int) -> torch.Tensor:
         """Candidates of the softmax among the first n slots: valid, outside the sinks region and its positions."""
-        outside = torch.arange(n, device=layer.slot_valid.device) >= policy.sinks
-        return layer.slot_valid[..., :n] & outside & (layer.slot_pos[..., :n] >= self.sinks)
+        outside = torch.arange(n, device=view.valid.device) >= policy.sinks
+        return view.valid[..., :n] & outside & (view.positions[..., :n] >= self.sinks)
 
-    def observe_queries(self, policy, layer, query: torch.Tensor) -> torch.Tensor | None:
-        if layer._pending is None:  # decode: the statistics stay those of the prompt
+    def observe_queries(self, policy, view, query: torch.Tensor) -> torch.Tensor | None:
+        if view.pending is None:  # decode: the statistics stay those of the prompt
             return None
-        keys, values, real, positions, seen_before = layer._pending
+        keys, values, real, positions, seen_before = view.pending
         running = None if self.count is None else (self.count, self.total, self.outer)
         self.count, self.total, self.outer = accumulate_queries(
-            running, query, real, positions, self.sinks, self.rotator, layer.layer_idx, True)
-        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.rotator, layer.layer_idx,
+            running, query, real, positions, self.sinks, self.rotator, view.layer_idx, True)
+        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.rotator, view.layer_idx,
                                                 positions.max(-1).values + 1, self.FUTURE)
-        used = layer.used
+        used = view.used
         if used:
-            stored_k, stored_v = layer.store.read(used)
+            stored_k, stored_v = view.read(used)
             keys = torch.cat((stored_k, keys.to(stored_k.dtype)), 2)
             values = torch.cat((stored_v, values.to(stored_v.dtype)), 2)
         batch, heads, n = keys.shape[:3]
         logits = expected_logits(keys, self.mean, self.cov)  # [B, Hq, n]
         value_norm = values.float().norm(dim=-1)
         new_valid = real[:, None].expand(-1, heads, -1) & (positions[:, None] >= self.sinks)
-        valid = torch.cat((self._valid(policy, layer, used), new_valid), -1)
+        valid = torch.cat((self._valid(policy, view, used), new_valid), -1)
         scores = expected_attention_scores(logits, valid, value_norm, heads, self.EPSILON)
         if self.logits is None:
             self.logits = self._slot_tensor(policy, logits.shape[1] // heads)
@@ -311,7 +311,7 @@ class ExpectedAttentionScorer(_SlotState):
         policy.scores[..., :used] = scores[..., :used]
         return scores
 
-    def arrival(self, policy, layer, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
+    def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> None:
         src = placement.src.expand(dest.shape)
         groups = self.logits.shape[2]
         if self._chunk is not None:
@@ -320,16 +320,16 @@ class ExpectedAttentionScorer(_SlotState):
             self._chunk = None
         else:  # decode: the new token, with the statistics of the prompt
             logits = expected_logits(keys, self.mean, self.cov).view(dest.shape[0], dest.shape[1], groups, -1)
-            value_norm = layer.incoming[1].float().norm(dim=-1)
+            value_norm = view.incoming[1].float().norm(dim=-1)
         self.logits.scatter_(3, dest[:, :, None].expand(-1, -1, groups, -1), logits)
         self.value_norm[:, :, 0].scatter_(2, dest, value_norm.gather(2, src))
         return None
 
-    def before_selection(self, policy, layer, real: torch.Tensor) -> None:
+    def before_selection(self, policy, view, real: torch.Tensor) -> None:
         c = policy.capacity
-        heads = layer.slot_valid.shape[1]
+        heads = view.valid.shape[1]
         logits = self.logits[..., :c].flatten(1, 2)  # [B, Hq, c] (query head h * groups + g)
-        policy.scores[..., :c] = expected_attention_scores(logits, self._valid(policy, layer, c),
+        policy.scores[..., :c] = expected_attention_scores(logits, self._valid(policy, view, c),
                                                            self.value_norm[:, :, 0, :c], heads, self.EPSILON)
 
     def _tensors(self) -> tuple[str, ...]:

@@ -110,30 +110,30 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         self.logits: torch.Tensor | None = None  # [B, Hq, slots + 1] expected logits of each slot's token
         self.value_norm: torch.Tensor | None = None  # [B, Hkv, slots + 1]
 
-    def _statistics(self, layer, query: torch.Tensor, real, positions) -> None:
+    def _statistics(self, view, query: torch.Tensor, real, positions) -> None:
         """Accumulate the forward's queries (un-rotated, sinks and padding out); rotate the statistics forward."""
         running = None if self.count is None else (self.count, self.total, self.outer)
         self.count, self.total, self.outer = accumulate_queries(
-            running, query, real, positions, self.sinks, self.query_rotator, layer.layer_idx, self.use_covariance)
+            running, query, real, positions, self.sinks, self.query_rotator, view.layer_idx, self.use_covariance)
         self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.query_rotator,
-                                                layer.layer_idx, positions.max(-1).values + 1, self.future)
+                                                view.layer_idx, positions.max(-1).values + 1, self.future)
 
-    def observe_queries(self, layer, query: torch.Tensor) -> None:
-        if layer._pending is None:  # decode: statistics stay those of the prompt
+    def observe_queries(self, view, query: torch.Tensor) -> None:
+        if view.pending is None:  # decode: statistics stay those of the prompt
             return
-        keys, values, real, positions, seen_before = layer._pending
-        self._statistics(layer, query, real, positions)
-        used = layer.used
+        keys, values, real, positions, seen_before = view.pending
+        self._statistics(view, query, real, positions)
+        used = view.used
         if used:
-            stored_k, stored_v = layer.store.read(used)
+            stored_k, stored_v = view.read(used)
             keys = torch.cat((stored_k, keys.to(stored_k.dtype)), 2)
             values = torch.cat((stored_v, values.to(stored_v.dtype)), 2)
         heads = keys.shape[1]
         logits = expected_logits(keys, self.mean, self.cov)
         value_norm = values.float().norm(dim=-1) if self.use_value_norm else None
-        candidate_positions = torch.cat((layer.slot_pos[..., :used].long().expand(-1, heads, -1),
+        candidate_positions = torch.cat((view.positions[..., :used].long().expand(-1, heads, -1),
                                          positions[:, None].expand(-1, heads, -1)), -1)
-        valid = torch.cat((layer.slot_valid[..., :used], real[:, None].expand(-1, heads, -1)), -1)
+        valid = torch.cat((view.valid[..., :used], real[:, None].expand(-1, heads, -1)), -1)
         scores = expected_attention_scores(logits, valid & (candidate_positions >= self.sinks), value_norm, heads,
                                            self.epsilon)
         self._ensure_buffers()
@@ -141,7 +141,7 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         if value_norm is not None:
             self.value_norm[..., :used] = value_norm[..., :used]
         self._chunk_logits = (logits[..., used:], None if value_norm is None else value_norm[..., used:])
-        layer.commit(self.select_chunk(layer, real, seen_before, positions, scores[..., :used], scores[..., used:]))
+        view.commit(self.select_chunk(view, real, seen_before, positions, scores[..., :used], scores[..., used:]))
 
     def _ensure_buffers(self) -> None:
         if self.logits is None:
@@ -149,13 +149,13 @@ class ExpectedAttentionPolicy(ScoredPolicy):
             self.logits = self.scores.new_zeros(batch, self.mean.shape[1], slots)
             self.value_norm = self.scores.new_ones(self.scores.shape)
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         chunk = getattr(self, "_chunk_logits", None)
         if chunk is not None:
             logits, value_norm = chunk
             self._chunk_logits = None
         else:  # decode: the new token, with the statistics of the prompt
-            values = layer.incoming[1]
+            values = view.incoming[1]
             src = placement.src.expand(dest.shape)
             logits = expected_logits(keys, self.mean, self.cov)
             value_norm = values.float().norm(dim=-1).gather(2, src) if self.use_value_norm else None
@@ -168,15 +168,15 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         self.logits.scatter_(2, dest.repeat_interleave(groups, dim=1), logits)
         if value_norm is not None:
             self.value_norm.scatter_(2, dest, value_norm)
-        super().after_write(layer, placement, keys, dest, positions, seen_before)
+        super().after_write(view, placement, keys, dest, positions, seen_before)
 
-    def refresh(self, layer) -> None:
+    def refresh(self, view, real: torch.Tensor) -> None:
         c = self.capacity
         heads = self.scores.shape[1]
-        valid = layer.slot_valid[..., :c] & (layer.slot_pos[..., :c] >= self.sinks)
+        valid = view.valid[..., :c] & (view.positions[..., :c] >= self.sinks)
         value_norm = self.value_norm[..., :c] if self.use_value_norm else None
         scores = expected_attention_scores(self.logits[..., :c], valid, value_norm, heads, self.epsilon)
-        self.scores[..., :c] = self.protect(scores, layer.slot_pos[..., :c])
+        self.scores[..., :c] = self.protect(scores, view.positions[..., :c])
 
     def map_batch(self, fn) -> None:
         super().map_batch(fn)

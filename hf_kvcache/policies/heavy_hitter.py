@@ -67,7 +67,7 @@ class HeavyHitterPolicy(Policy):
         fixed_shape(self.scores, self.stream)
 
     # -- decode: choose the victim before attention ---------------------------------------------------------------
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         heads = self.scores.shape[1]
         src = torch.zeros(batch, heads, 1, dtype=torch.long, device=real.device)
@@ -75,33 +75,33 @@ class HeavyHitterPolicy(Policy):
         if seen < self.capacity:
             return Placement(src=src, dest=torch.full_like(src, seen), valid=valid)
         c = self.capacity
-        slot_valid = layer.slot_valid[..., :c]
+        slot_valid = view.valid[..., :c]
         in_recent = slot_valid & (self.stream[..., :c] > seen - self.recent)  # stays in the window with token `seen`
         key = torch.where(slot_valid, self.scores[..., :c], float("-inf"))
         key = torch.where(in_recent, float("inf"), key)
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self.scores.scatter_(2, dest, 0.0)
         self.stream.scatter_(2, dest, seen_before + placement.src)
         if self.rotator is not None:
             if self.arrived_keys is None:
-                self.arrived_keys = torch.zeros_like(layer.store.keys)
+                self.arrived_keys = keys.new_zeros(keys.shape[:2] + view.valid.shape[-1:] + keys.shape[-1:])
             index = dest[..., None].expand(-1, -1, -1, keys.shape[-1])
             self.arrived_keys.scatter_(2, index, keys.to(self.arrived_keys.dtype))
 
-    def before_read(self, layer) -> None:
+    def before_read(self, view) -> None:
         """Compact positions: rank kept tokens by original position, place them just before the newest."""
-        if self.rotator is None or self.arrived_keys is None or not self.has_evicted(layer.seen):
+        if self.rotator is None or self.arrived_keys is None or not self.has_evicted(view.seen):
             return
-        used = layer.used
-        valid, original = layer.slot_valid[..., :used], layer.slot_pos[..., :used].long()
+        used = view.used
+        valid, original = view.valid[..., :used], view.positions[..., :used].long()
         order = torch.where(valid, original, torch.iinfo(torch.long).max).argsort(-1)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(used, device=order.device).expand_as(order))
         newest = torch.where(valid, original, torch.iinfo(torch.long).min).amax(-1, keepdim=True)
         target = torch.where(valid, newest - valid.long().sum(-1, keepdim=True) + 1 + rank, original)
-        rotated = self.rotator.rotate(self.arrived_keys[:, :, :used], target - original, layer.layer_idx)
-        layer.store.write_keys_slice(0, rotated)
+        rotated = self.rotator.rotate(self.arrived_keys[:, :, :used], target - original, view.layer_idx)
+        view.write_keys(0, rotated)
 
     # -- scores from the bridge ---------------------------------------------------------------------------------
     def aggregate(self, column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -114,27 +114,27 @@ class HeavyHitterPolicy(Policy):
             return grouped.mean(2)
         return grouped.amax(2)
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
+    def observe(self, view, column_scores: torch.Tensor) -> None:
         scores = self.aggregate(column_scores, self.scores.shape[1])
-        if layer._pending is None:  # decode: the columns are the slots
+        if view.pending is None:  # decode: the columns are the slots
             self.scores[..., : scores.shape[-1]] += scores
             return
-        used = layer.used
+        used = view.used
         self.scores[..., :used] += scores[..., :used]
-        _, _, real, _, seen_before = layer._pending
-        placement = self._select(layer, real, seen_before, scores[..., used:])
-        layer.commit(placement)
-        dest = torch.where(placement.dest >= 0, placement.dest, layer.trash_slot)
+        _, _, real, _, seen_before = view.pending
+        placement = self._select(view, real, seen_before, scores[..., used:])
+        view.commit(placement)
+        dest = torch.where(placement.dest >= 0, placement.dest, view.trash_slot)
         self.scores.scatter_(2, dest, scores[..., used:])
 
-    def _select(self, layer, real: torch.Tensor, seen_before: int, new_scores: torch.Tensor) -> Placement:
+    def _select(self, view, real: torch.Tensor, seen_before: int, new_scores: torch.Tensor) -> Placement:
         """Keep the recent window and the top-scoring rest among the stored past and the new chunk."""
         batch, heads, q = new_scores.shape
-        used, c = layer.used, self.capacity
+        used, c = view.used, self.capacity
         device = new_scores.device
         new_stream = (seen_before + torch.arange(q, device=device)).expand(batch, heads, q)
         new_valid = real[:, None, :].expand(batch, heads, q)
-        cand_valid = torch.cat((layer.slot_valid[..., :used], new_valid), -1)
+        cand_valid = torch.cat((view.valid[..., :used], new_valid), -1)
         cand_stream = torch.cat((self.stream[..., :used], new_stream), -1)
         key = torch.where(cand_valid, torch.cat((self.scores[..., :used], new_scores), -1), float("-inf"))
         key = torch.where(cand_valid & (cand_stream >= seen_before + q - self.recent), float("inf"), key)
@@ -143,7 +143,7 @@ class HeavyHitterPolicy(Policy):
         else:
             kept = torch.zeros_like(cand_valid).scatter_(-1, key.topk(c, dim=-1).indices, True)
         kept_past, kept_new = kept[..., :used], kept[..., used:]
-        layer.slot_valid[..., :used] &= kept_past  # evicted past tokens free their slots
+        view.evict(kept_past)  # evicted past tokens free their slots
         free = torch.cat((~kept_past, torch.ones(batch, heads, c - used, dtype=torch.bool, device=device)), -1)
         slot_ids = torch.arange(c, device=device).expand(batch, heads, c)
         free_sorted = torch.where(free, slot_ids, c + 1).sort(-1).values
@@ -158,8 +158,8 @@ class HeavyHitterPolicy(Policy):
     def has_evicted(self, seen: int) -> bool:
         return self.capacity is not None and seen > self.capacity
 
-    def crop(self, layer, new_seen: int) -> None:
-        layer.slot_valid &= self.stream < new_seen
+    def crop(self, view, new_seen: int) -> None:
+        view.evict(self.stream < new_seen)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.scores is not None:
@@ -229,16 +229,16 @@ class RandomEvictionPolicy(HeavyHitterPolicy):
         global_heads = (torch.arange(heads, device=stream.device) + self.head_offset)[None, :, None]
         return random_keys(self.seed, rows, global_heads, stream)
 
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if real.shape[1] == 1 and seen > 0:
-            return super().place(layer, real, seen)
+            return super().place(view, real, seen)
         batch, q = real.shape
         stream = (seen + torch.arange(q, device=real.device)).expand(batch, self.scores.shape[1], q)
-        return self._select(layer, real, seen, self._random(stream))
+        return self._select(view, real, seen, self._random(stream))
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        super().after_write(layer, placement, keys, dest, positions, seen_before)
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        super().after_write(view, placement, keys, dest, positions, seen_before)
         self.scores.scatter_(2, dest, self._random(seen_before + placement.src))
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:  # never called: needs_attention is False
+    def observe(self, view, column_scores: torch.Tensor) -> None:  # never called: needs_attention is False
         raise RuntimeError("RandomEvictionPolicy does not use attention scores")

@@ -24,13 +24,13 @@ class KeepAllPolicy(Policy):
                 "a larger max_length (or none: the cache then grows)."
             )
 
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         self._check_room(seen + q)
         src = torch.arange(q, device=real.device).expand(batch, 1, q)
         return Placement(src=src, dest=src + seen, valid=real[:, None, :], start=seen)
 
-    def decode_slot(self, layer, seen: int) -> int | None:
+    def decode_slot(self, view, seen: int) -> int | None:
         self._check_room(seen + 1)
         return seen
 
@@ -40,8 +40,6 @@ class KeepAllPolicy(Policy):
     def has_evicted(self, seen: int) -> bool:
         return False
 
-    def crop(self, layer, new_seen: int) -> None:
-        check = getattr(layer.store, "check_crop", None)
-        if check is not None:  # quantized stores refuse a crop they cannot apply now, not at the next forward
-            check(new_seen)
-        layer.slot_valid[..., new_seen:] = False
+    def crop(self, view, new_seen: int) -> None:
+        view.check_crop(new_seen)  # quantized stores refuse a crop they cannot apply now, not at the next forward
+        view.forget_from(new_seen)

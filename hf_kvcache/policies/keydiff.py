@@ -7,7 +7,7 @@ KV head; score = -cosine(k, anchor); no recent window by default.
 
 The anchor depends on the whole candidate set, so scores are recomputed whenever a selection is made: over the
 stored tokens plus the new ones in a multi-token forward; over the stored tokens plus the new one before each
-decode eviction (reading the stored keys: O(budget x head_dim) per step and layer). Padding and empty slots are left
+decode eviction (reading the stored keys: O(budget x head_dim) per step and view). Padding and empty slots are left
 out of the anchor. No attention probabilities are ever computed for this policy.
 """
 
@@ -30,21 +30,20 @@ def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 class KeyDiffPolicy(ScoredPolicy):
-    def _candidates(self, layer, n_stored: int, new_keys, new_valid):
-        stored = layer.store.read(n_stored)[0] if n_stored else new_keys[:, :, :0]
+    def _candidates(self, view, n_stored: int, new_keys, new_valid):
+        stored = view.read(n_stored)[0] if n_stored else new_keys[:, :, :0]
         keys = torch.cat((stored, new_keys.to(stored.dtype)), 2)
-        valid = torch.cat((layer.slot_valid[..., :n_stored].expand(-1, keys.shape[1], -1), new_valid), -1)
+        valid = torch.cat((view.valid[..., :n_stored].expand(-1, keys.shape[1], -1), new_valid), -1)
         return keydiff_scores(keys, valid)
 
-    def place_chunk(self, layer, real, seen: int) -> Placement:
-        keys, _, positions = layer.incoming
-        used = layer.used
-        scores = self._candidates(layer, used, keys, real[:, None, :].expand(-1, keys.shape[1], -1))
-        return self.select_chunk(layer, real, seen, positions, scores[..., :used], scores[..., used:])
+    def place_chunk(self, view, real, seen: int) -> Placement:
+        keys, _, positions = view.incoming
+        used = view.used
+        scores = self._candidates(view, used, keys, real[:, None, :].expand(-1, keys.shape[1], -1))
+        return self.select_chunk(view, real, seen, positions, scores[..., :used], scores[..., used:])
 
-    def refresh(self, layer) -> None:
-        keys, _, _ = layer.incoming
+    def refresh(self, view, real: torch.Tensor) -> None:
+        keys, _, _ = view.incoming
         c = self.capacity
-        real = layer.forward_info.real.to(keys.device)[:, None, -1:].expand(-1, keys.shape[1], -1)
-        scores = self._candidates(layer, c, keys, real)[..., :c]
-        self.scores[..., :c] = self.protect(scores, layer.slot_pos[..., :c])
+        scores = self._candidates(view, c, keys, real[:, None, :].expand(-1, keys.shape[1], -1))[..., :c]
+        self.scores[..., :c] = self.protect(scores, view.positions[..., :c])

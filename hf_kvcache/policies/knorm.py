@@ -24,10 +24,10 @@ def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
 
 
 class KnormPolicy(ScoredPolicy):
-    def arrival_scores(self, layer, keys: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    def arrival_scores(self, view, keys: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         return knorm_scores(keys)
 
-    def place_chunk(self, layer, real, seen: int) -> Placement:
-        keys, _, positions = layer.incoming
-        used = layer.used
-        return self.select_chunk(layer, real, seen, positions, self.scores[..., :used], knorm_scores(keys))
+    def place_chunk(self, view, real, seen: int) -> Placement:
+        keys, _, positions = view.incoming
+        used = view.used
+        return self.select_chunk(view, real, seen, positions, self.scores[..., :used], knorm_scores(keys))

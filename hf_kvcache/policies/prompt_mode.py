@@ -63,59 +63,59 @@ class PromptCompressionPolicy(Policy):
     def allocate(self, batch: int, heads: int, device) -> None:
         self.inner.allocate(batch, heads, device)
 
-    def begin(self, layer, q: int) -> None:
-        if not self.ended and q == 1 and layer.seen > 0:
-            self.end_prompt(layer)
+    def begin(self, view, q: int) -> None:
+        if not self.ended and q == 1 and view.seen > 0:
+            self.end_prompt(view)
 
-    def end_prompt(self, layer) -> None:
+    def end_prompt(self, view) -> None:
         """Freeze the wrapped policy's choice: later tokens are appended after the slots it uses."""
-        if self.ended or not layer.is_initialized:
+        if self.ended or not view.ready:
             return
-        self.inner.before_read(layer)
-        self.base = self.inner.used_after(layer.seen)
-        self.start_seen = layer.seen
-        layer.slot_valid[..., self.base :] = False  # empty slots and the old trash slot are free from here on
+        self.inner.before_read(view)
+        self.base = self.inner.used_after(view.seen)
+        self.start_seen = view.seen
+        view.forget_from(self.base)  # empty slots and the old trash slot are free from here on
         self.inner.reset()  # its state is never read again (see the module docstring): free it
 
     # -- placement ----------------------------------------------------------------------------------------------
     def _slot(self, seen: int) -> int:
         return self.base + seen - self.start_seen
 
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if not self.ended:
-            return self.inner.place(layer, real, seen)
+            return self.inner.place(view, real, seen)
         batch, q = real.shape
-        hm = layer.slot_valid.shape[1]
+        hm = view.valid.shape[1]
         start = self._slot(seen)
         src = torch.arange(q, device=real.device).expand(batch, hm, q)
         regions = None  # region stores (CompositeCache): a one-token step touches the region of its slot only
-        if q == 1 and hasattr(layer.store, "region_of"):
-            regions = (layer.store.region_of(start),)
+        if q == 1 and view.has_regions:
+            regions = (view.region_of(start),)
         return Placement(src=src, dest=(start + src).contiguous(), valid=real[:, None, :].expand(batch, hm, q),
                          start=start, regions=regions)
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
-        self.inner.observe(layer, column_scores)
+    def observe(self, view, column_scores: torch.Tensor) -> None:
+        self.inner.observe(view, column_scores)
 
-    def observe_queries(self, layer, query: torch.Tensor) -> None:
-        self.inner.observe_queries(layer, query)
+    def observe_queries(self, view, query: torch.Tensor) -> None:
+        self.inner.observe_queries(view, query)
 
-    def decode_slot(self, layer, seen: int) -> int | None:
+    def decode_slot(self, view, seen: int) -> int | None:
         if not self.ended:
-            return self.inner.decode_slot(layer, seen)
-        return self._slot(seen) if hasattr(layer.store, "write_slot") else None  # (region stores: `place`)
+            return self.inner.decode_slot(view, seen)
+        return self._slot(seen) if view.writes_single_slots else None  # (region stores: `place`)
 
-    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def after_decode_write(self, view, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         if not self.ended:
-            self.inner.after_decode_write(layer, slot, keys, positions)
+            self.inner.after_decode_write(view, slot, keys, positions)
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         if not self.ended:
-            self.inner.after_write(layer, placement, keys, dest, positions, seen_before)
+            self.inner.after_write(view, placement, keys, dest, positions, seen_before)
 
-    def before_read(self, layer) -> None:
+    def before_read(self, view) -> None:
         if not self.ended:
-            self.inner.before_read(layer)
+            self.inner.before_read(view)
 
     def used_after(self, seen: int) -> int:
         return self._slot(seen) if self.ended else self.inner.used_after(seen)
@@ -124,15 +124,15 @@ class PromptCompressionPolicy(Policy):
         # after the prompt nothing is evicted any more: the appended tokens can be cropped (`crop` refuses the prompt)
         return False if self.ended else self.inner.has_evicted(seen)
 
-    def crop(self, layer, new_seen: int) -> None:
+    def crop(self, view, new_seen: int) -> None:
         if not self.ended:
-            return self.inner.crop(layer, new_seen)
+            return self.inner.crop(view, new_seen)
         if new_seen < self.start_seen:
             raise ValueError(
                 f"Cannot crop to {new_seen} tokens: the prompt ({self.start_seen} tokens) was compressed; only "
                 "tokens appended after it can be removed."
             )
-        layer.slot_valid[..., self._slot(new_seen) :] = False
+        view.forget_from(self._slot(new_seen))
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.ended:  # (after the prompt the wrapped policy holds nothing: the layer's tensors are all there is)

@@ -71,46 +71,46 @@ class ScoredPolicy(HeavyHitterPolicy):
             return scores
         return torch.where(positions < self.sinks, float("inf"), scores)
 
-    def arrival_scores(self, layer, keys: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    def arrival_scores(self, view, keys: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """Scores [B, H, n] of tokens written outside a chunk selection (decode); keys [B, H, n, D] as written,
         src [B, H or 1, n] their index in the forward's tokens. Default 0 (the next `refresh` or `observe` sets
         them)."""
         return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
 
-    def refresh(self, layer) -> None:
+    def refresh(self, view, real: torch.Tensor) -> None:
         """Bring `self.scores` of the stored slots up to date before a decode step chooses its victim."""
 
-    def select_chunk(self, layer, real, seen_before: int, positions, past_scores, new_scores) -> Placement:
+    def select_chunk(self, view, real, seen_before: int, positions, past_scores, new_scores) -> Placement:
         """Keep the recent window and the best-scoring rest among the stored tokens (past_scores [B, H, used]) and
         the new ones (new_scores [B, H, q])."""
-        used = layer.used
+        used = view.used
         if used:
-            self.scores[..., :used] = self.protect(past_scores, layer.slot_pos[..., :used])
+            self.scores[..., :used] = self.protect(past_scores, view.positions[..., :used])
         new_scores = self.protect(new_scores.float(), positions[:, None, :])
         self._new_scores = new_scores
-        return self._select(layer, real, seen_before, new_scores)
+        return self._select(view, real, seen_before, new_scores)
 
     # -- placement ----------------------------------------------------------------------------------------------
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if real.shape[1] == 1 and seen > 0:
             if seen >= self.capacity:
-                self.refresh(layer)
-            return super().place(layer, real, seen)
-        return self.place_chunk(layer, real, seen)
+                self.refresh(view, real)
+            return super().place(view, real, seen)
+        return self.place_chunk(view, real, seen)
 
-    def place_chunk(self, layer, real, seen: int) -> Placement:
+    def place_chunk(self, view, real, seen: int) -> Placement:
         raise NotImplementedError(f"{type(self).__name__} places chunks after attention (deferred)")
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        super().after_write(layer, placement, keys, dest, positions, seen_before)
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+        super().after_write(view, placement, keys, dest, positions, seen_before)
         src = placement.src.expand(dest.shape)
         if self._new_scores is not None:
             scores = self._new_scores.gather(2, src)
             self._new_scores = None
         else:
             token_positions = positions.gather(1, src[:, 0])[:, None]
-            scores = self.protect(self.arrival_scores(layer, keys, src), token_positions)
+            scores = self.protect(self.arrival_scores(view, keys, src), token_positions)
         self.scores.scatter_(2, dest, scores)
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
+    def observe(self, view, column_scores: torch.Tensor) -> None:
         raise RuntimeError(f"{type(self).__name__} does not use attention scores")

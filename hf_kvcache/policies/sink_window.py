@@ -40,7 +40,7 @@ class SinkWindowPolicy(Policy):
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
         self.memory.allocate(batch, device)
 
-    def place(self, layer, real: torch.Tensor, seen: int) -> Placement:
+    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
         device = real.device
         t = seen + torch.arange(q, device=device)  # stream index of each new token
@@ -63,29 +63,29 @@ class SinkWindowPolicy(Policy):
             valid=torch.cat((is_sink, ring_valid), -1)[:, None],
         )
 
-    def after_write(self, layer, placement: Placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self.memory.record(placement, keys, dest, positions, seen_before)
 
-    def decode_slot(self, layer, seen: int) -> int | None:
+    def decode_slot(self, view, seen: int) -> int | None:
         self.n_real += 1
         if seen < self.sinks:
             return seen
         return self.sinks + (seen - self.sinks) % self.window
 
-    def after_decode_write(self, layer, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
+    def after_decode_write(self, view, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         if slot < self.sinks:
-            self.memory.record_one(slot, keys, positions, layer.seen)
+            self.memory.record_one(slot, keys, positions, view.seen)
 
-    def before_read(self, layer) -> None:
-        if self.rotator is None or self.sinks == 0 or not self.has_evicted(layer.seen):
+    def before_read(self, view) -> None:
+        if self.rotator is None or self.sinks == 0 or not self.has_evicted(view.seen):
             return
-        if layer.forward_info.has_padding:
-            self.memory.reposition(layer, layer.used)
+        if view.padded:
+            self.memory.reposition(view, view.used)
             return
         # Unpadded rows share the ring layout: the oldest window token is in a known slot.
-        oldest_slot = self.sinks + (layer.seen - self.window - self.sinks) % self.window
-        index = torch.full((1,), oldest_slot, dtype=torch.long, device=layer.slot_pos.device)  # no Python index:
-        self.memory.reposition_before(layer, layer.slot_pos[:, 0].index_select(-1, index)[:, 0].long())  # compiles
+        oldest_slot = self.sinks + (view.seen - self.window - self.sinks) % self.window
+        index = torch.full((1,), oldest_slot, dtype=torch.long, device=view.positions.device)  # no Python index:
+        self.memory.reposition_before(view, view.positions[:, 0].index_select(-1, index)[:, 0].long())  # compiles
 
     def used_after(self, seen: int) -> int:
         return min(seen, self.capacity)
@@ -93,11 +93,11 @@ class SinkWindowPolicy(Policy):
     def has_evicted(self, seen: int) -> bool:
         return seen > self.capacity
 
-    def crop(self, layer, new_seen: int) -> None:
+    def crop(self, view, new_seen: int) -> None:
         s = self.sinks
-        layer.slot_valid[:, 0, :s] &= self.memory.kept_after_crop(new_seen)
-        layer.slot_valid[:, 0, max(s, new_seen) :] = False
-        self.n_real = layer.slot_valid[:, 0, : self.capacity].long().sum(-1)
+        view.evict(self.memory.kept_after_crop(new_seen)[:, None])
+        view.forget_from(max(s, new_seen))
+        self.n_real = view.valid[:, 0, : self.capacity].long().sum(-1)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.n_real is None:

@@ -72,28 +72,27 @@ class SinkMemory:
             self._ensure_keys(keys)
             self.keys[:, :, slot] = keys[:, :, 0]
 
-    def reposition_before(self, layer, oldest: torch.Tensor, has_other: torch.Tensor | None = None) -> None:
+    def reposition_before(self, view, oldest: torch.Tensor, has_other: torch.Tensor | None = None) -> None:
         """Rotate the sinks to sit just before position `oldest`: [B] (the same token set in every head) or
         [B, Hm] (per row and meta head; Hm is 1 or the layer's KV heads). Where `has_other` (same shape) is False
         the sinks keep their original positions. On a layer without RoPE (the rotator's identity) the keys carry no
         position: nothing to do."""
-        if not self.rotator.applies(layer.layer_idx):
+        if not self.rotator.applies(view.layer_idx):
             return
         s = self.sinks
         if oldest.dim() == 1:
             oldest = oldest[:, None]
             has_other = None if has_other is None else has_other[:, None]
-        key_slots = getattr(layer.store, "key_slots", None)
-        view = key_slots(0, s) if key_slots is not None else None
-        if view is not None:
-            self._rotate_into(view, layer.layer_idx, oldest, has_other)
+        slots = view.key_slots(0, s)
+        if slots is not None:
+            self._rotate_into(slots, view.layer_idx, oldest, has_other)
             return
         original = self.pos[:, None, :s]  # [B, 1, s]
         target = oldest[..., None] - s + torch.arange(s, device=oldest.device)  # [B, Hm, s]
         if has_other is not None:
             target = torch.where(has_other[..., None], target, original)
         delta = target - original  # [B, Hm, s]: rotate broadcasts Hm = 1 over the KV heads
-        layer.store.write_keys_slice(0, self.rotator.rotate(self.keys[:, :, :s], delta, layer.layer_idx))
+        view.write_keys(0, self.rotator.rotate(self.keys[:, :, :s], delta, view.layer_idx))
 
     def _frequencies(self, plan, device) -> torch.Tensor:
         """Signed frequencies [2, r/2] = (-inv_freq | inv_freq) of this layer's RoPE on `device`: a constant of the
@@ -103,8 +102,8 @@ class SinkMemory:
             self._signed_freq = torch.stack((-freq, freq))
         return self._signed_freq
 
-    def _rotate_into(self, view: torch.Tensor, layer_idx: int, oldest: torch.Tensor, has_other) -> None:
-        """`reposition_before` writing into `view` [B, H, s, D], the store's sink key slots (full precision). With x
+    def _rotate_into(self, slots: torch.Tensor, layer_idx: int, oldest: torch.Tensor, has_other) -> None:
+        """`reposition_before` writing into `slots` [B, H, s, D], the store's sink key slots (full precision). With x
         the rotary pairs (x1 | x2) of the arrived keys and angles (-a | a): x * cos + flip(x) * sin is
         (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
         plan = self.rotator.plan(layer_idx)
@@ -117,21 +116,23 @@ class SinkMemory:
         if has_other is not None:  # no other token kept: the sinks keep their original positions (delta 0)
             delta = delta * has_other.view(batch, hm, 1)
         angle = delta.view(batch, hm, s, 1, 1) * signed_freq  # [B, Hm, s, 2, r/2] float32 (Hm = 1: every head)
-        keys, target = (self.keys[:, :, :s], view) if r == view.shape[-1] else (self.keys[:, :, :s, :r], view[..., :r])
+        keys, target = self.keys[:, :, :s], slots
+        if r < slots.shape[-1]:  # partial RoPE: only the first r dims rotate
+            keys, target = keys[..., :r], target[..., :r]
         x = _rotary_pairs(keys, plan.convention).float()
         _rotary_pairs(target, plan.convention).copy_(torch.addcmul(x * angle.cos(), x.flip(-2), angle.sin()))
 
-    def reposition(self, layer, used: int) -> None:
+    def reposition(self, view, used: int) -> None:
         """General case: find the oldest valid token among slots [sinks, used) per row and meta head (per-head
         policies such as a composite with heavy hitters keep different tokens in each KV head)."""
         if self.rotator is None or self.sinks == 0 or self.keys is None:
             return
         end = max(used, self.sinks + 1)  # at least one column: after a crop to nothing `used` is 0 (all invalid)
-        valid = layer.slot_valid[:, :, self.sinks : end]  # [B, Hm, n]
-        positions = layer.slot_pos[:, :, self.sinks : end]
+        valid = view.valid[:, :, self.sinks : end]  # [B, Hm, n]
+        positions = view.positions[:, :, self.sinks : end]
         none = torch.iinfo(positions.dtype).max  # (no valid token: a row or head holding only sinks)
         oldest = torch.where(valid, positions, none).amin(-1)  # [B, Hm]
-        self.reposition_before(layer, oldest, oldest != none)
+        self.reposition_before(view, oldest, oldest != none)
 
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:
         """[B, sinks] whether each sink slot's token survives a crop to `new_seen` tokens."""

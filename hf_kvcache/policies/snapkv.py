@@ -40,17 +40,17 @@ def pool_before_window(scores, stream, valid, newest: int, window: int, kernel: 
     return torch.where(before_window, pool_in_order(scores, stream, before_window, kernel), 0.0)
 
 
-def chunk_votes(layer, column_scores: torch.Tensor, heads: int, stored_stream: torch.Tensor, window: int,
+def chunk_votes(view, column_scores: torch.Tensor, heads: int, stored_stream: torch.Tensor, window: int,
                 kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A pending chunk's window votes [B, heads, used + q] (column scores over the real queries of the observation
     window: its mean attention) for the stored tokens then the chunk's, and the same votes pooled."""
-    _, _, real, _, seen_before = layer._pending
+    _, _, real, _, seen_before = view.pending
     count = real[:, -window:].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
     scores = group_mean(column_scores.float(), heads) / count
-    used, q = layer.used, real.shape[1]
+    used, q = view.used, real.shape[1]
     new_stream = (seen_before + torch.arange(q, device=scores.device)).expand(scores.shape[0], heads, q)
     stream = torch.cat((stored_stream[..., :used], new_stream), -1)
-    valid = torch.cat((layer.slot_valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
+    valid = torch.cat((view.valid[..., :used], real[:, None, :].expand(-1, heads, -1)), -1)
     return scores, pool_before_window(scores, stream, valid, seen_before + q - 1, window, kernel)
 
 
@@ -74,20 +74,20 @@ class SnapKVPolicy(ScoredPolicy):
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes, put in the ring after the chunk is placed
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
+    def observe(self, view, column_scores: torch.Tensor) -> None:
         heads = self.scores.shape[1]
-        if layer._pending is None:  # decode: one query, the columns are the slots
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), layer.seen, self.window)
+        if view.pending is None:  # decode: one query, the columns are the slots
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen, self.window)
             return
-        _, _, real, positions, seen_before = layer._pending
-        used = layer.used
-        scores, pooled = chunk_votes(layer, column_scores, heads, self.stream, self.window, self.kernel)
+        _, _, real, positions, seen_before = view.pending
+        used = view.used
+        scores, pooled = chunk_votes(view, column_scores, heads, self.stream, self.window, self.kernel)
         self._seed = scores  # the prompt's window as one ring row, re-slotted after the commit
-        layer.commit(self.select_chunk(layer, real, seen_before, positions, pooled[..., :used], pooled[..., used:]))
+        view.commit(self.select_chunk(view, real, seen_before, positions, pooled[..., :used], pooled[..., used:]))
 
-    def after_write(self, layer, placement, keys, dest, positions, seen_before: int) -> None:
+    def after_write(self, view, placement, keys, dest, positions, seen_before: int) -> None:
         new_scores = self._new_scores
-        super().after_write(layer, placement, keys, dest, positions, seen_before)
+        super().after_write(view, placement, keys, dest, positions, seen_before)
         if self.rows is None:
             self.rows = self.scores.new_zeros(self.scores.shape[:2] + (self.window, self.scores.shape[-1]))
         # a slot's new token starts with no votes from earlier queries
@@ -96,18 +96,18 @@ class SnapKVPolicy(ScoredPolicy):
         if new_scores is not None and seed is not None:  # after a chunk: its window's votes in ring row 0
             used_before = seed.shape[-1] - placement.src.shape[-1]
             row = torch.zeros_like(self.scores)
-            row[..., :used_before] = seed[..., :used_before] * layer.slot_valid[..., :used_before]
+            row[..., :used_before] = seed[..., :used_before] * view.valid[..., :used_before]
             row.scatter_(2, dest, seed[..., used_before:].gather(2, placement.src.expand(dest.shape)))
             self.rows.zero_()
             self.rows[:, :, 0] = row
             self._seed = None
 
-    def refresh(self, layer) -> None:
+    def refresh(self, view, real: torch.Tensor) -> None:
         c = self.capacity
         scores = self.rows[..., :c].sum(2) / self.window
-        valid, stream = layer.slot_valid[..., :c], self.stream[..., :c]
-        pooled = pool_before_window(scores, stream, valid, layer.seen, self.window, self.kernel)
-        self.scores[..., :c] = self.protect(pooled, layer.slot_pos[..., :c])
+        valid, stream = view.valid[..., :c], self.stream[..., :c]
+        pooled = pool_before_window(scores, stream, valid, view.seen, self.window, self.kernel)
+        self.scores[..., :c] = self.protect(pooled, view.positions[..., :c])
 
     def map_batch(self, fn) -> None:
         super().map_batch(fn)

@@ -3,7 +3,7 @@
 Oren et al., "Transformers are Multi-State RNNs" (arXiv 2401.06104), Token Omission Via Attention: at each step the
 token with the lowest attention from the current query is dropped, the attention being averaged over all heads of
 the layer (the paper found the layer-wide average better than per-head choices). Protocol (paper and kvpress
-TOVAPress): score = softmax attention of the last query, mean over every query head of the layer, so all KV heads
+TOVAPress): score = softmax attention of the last query, mean over every query head of the view, so all KV heads
 keep the same tokens; the newest token is kept (`recent` = 1).
 
 Here: a multi-token forward is scored by its last query alone (the bridge computes the attention of that one query:
@@ -29,12 +29,12 @@ class TOVAPolicy(ScoredPolicy):
     needs_attention = True
     attention_window = 1
 
-    def observe(self, layer, column_scores: torch.Tensor) -> None:
+    def observe(self, view, column_scores: torch.Tensor) -> None:
         scores = tova_scores(column_scores, self.scores.shape[1])
-        if layer._pending is None:  # decode: the columns are the slots
+        if view.pending is None:  # decode: the columns are the slots
             n = scores.shape[-1]
-            self.scores[..., :n] = self.protect(scores, layer.slot_pos[..., :n])
+            self.scores[..., :n] = self.protect(scores, view.positions[..., :n])
             return
-        used = layer.used
-        _, _, real, positions, seen_before = layer._pending
-        layer.commit(self.select_chunk(layer, real, seen_before, positions, scores[..., :used], scores[..., used:]))
+        used = view.used
+        _, _, real, positions, seen_before = view.pending
+        view.commit(self.select_chunk(view, real, seen_before, positions, scores[..., :used], scores[..., used:]))

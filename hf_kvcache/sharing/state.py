@@ -59,10 +59,11 @@ def _rebuilt_types() -> tuple[type, ...]:
     """Objects the constructor rebuilds from the settings and the model: skipped, wherever they are referenced."""
     from ..common.rope import KeyRotator
     from ..common.tensor_parallel import TensorParallel
+    from ..layers.slot_view import LayerSlotView
     from ..stores.quantization import QuantSpec
     from ..stores.workspace import DequantWorkspace, TransientWorkspace
 
-    return (KeyRotator, QuantSpec, DequantWorkspace, TransientWorkspace, TensorParallel, ForwardInfo,
+    return (KeyRotator, QuantSpec, DequantWorkspace, TransientWorkspace, TensorParallel, ForwardInfo, LayerSlotView,
             PretrainedConfig, torch.nn.Module, torch.Generator)
 
 
