@@ -362,7 +362,7 @@ SCORER_CACHES = {
     "knorm": lambda m, budget, recent: hf_kvcache.KnormCache(m, budget=budget, recent=recent),
     "keydiff": lambda m, budget, recent: hf_kvcache.KeyDiffCache(m, budget=budget, recent=recent),
     "tova": lambda m, budget, recent: hf_kvcache.TOVACache(m, budget=budget, recent=recent),
-    "snapkv": lambda m, budget, recent: hf_kvcache.SnapKVCache(m, budget=budget, window=recent),
+    "snapkv": lambda m, budget, recent: hf_kvcache.SnapKVCache(m, budget=budget, window=recent, recent=recent),
     # (no sinks region in the composite: the scorer's sinks are 0 there)
     "expected_attention": lambda m, budget, recent: hf_kvcache.ExpectedAttentionCache(m, budget=budget, recent=recent,
                                                                                      sinks=0),

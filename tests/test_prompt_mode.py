@@ -35,6 +35,9 @@ EVICTING = {
     "snapkv": {"budget": BUDGET, "window": 3},
     "expected_attention": {"budget": BUDGET, "future": 16},
 }
+#: the scorers' prompt-mode recent windows (the papers'), which "always" mode widens by default
+PROMPT_WINDOWS = {"knorm": {"recent": 0}, "keydiff": {"recent": 0}, "tova": {"recent": 1},
+                  "snapkv": {"recent": 3}, "expected_attention": {"recent": 0}}
 
 
 def _kept(cache, layer=0):
@@ -72,7 +75,7 @@ def test_keeps_the_policys_prompt_choice_then_appends(name, chunk):
     model = build_model("llama")
     ids = random_ids(1, PROMPT + STEPS, seed=8)
     prompt_cache = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], compress="prompt")
-    always = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name])
+    always = CACHE_IMPLEMENTATIONS[name](model, **EVICTING[name], **PROMPT_WINDOWS.get(name, {}))
     with torch.no_grad():
         step = chunk or PROMPT
         for start in range(0, PROMPT, step):

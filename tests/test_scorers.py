@@ -180,3 +180,53 @@ def test_bad_settings_name_the_parameter(name):
     recent = "window" if name == "snapkv" else "recent"
     with pytest.raises(ValueError, match=recent):
         cls(config, budget=4, **{recent: 6})
+
+
+@pytest.mark.parametrize("name", SCORERS)
+def test_decode_time_eviction_protects_half_the_budget_by_default(name):
+    """"always" mode keeps at least DECODE_RECENT_SHARE of the budget as a recent window when `recent` is unset (the
+    scorers' paper windows let decode-time eviction drop the newest tokens: eval/results/scorers_decode); prompt mode
+    keeps the paper's window; a given `recent` is used as given."""
+    from hf_kvcache.caches.scorers import DECODE_RECENT_SHARE
+
+    model = build_model("llama")
+    cls = CACHE_IMPLEMENTATIONS[name]
+    extra = {"window": 2} if name == "snapkv" else {}
+    paper = {"tova": 1, "snapkv": 2}.get(name, 0)
+    for budget, prompt_len in ((12, 20), (0.5, 24)):
+        caches = {mode: cls(model, budget=budget, compress=mode, **extra) for mode in ("always", "prompt")}
+        given = cls(model, budget=budget, recent=paper, **extra)
+        ids = random_ids(1, prompt_len)
+        for cache in (*caches.values(), given):
+            with torch.no_grad():
+                model(input_ids=ids, **cache_kwargs(cache))
+        tokens = budget if isinstance(budget, int) else int(budget * prompt_len)
+        policy = caches["always"].layers[0].policy
+        assert policy.recent == max(paper, round(DECODE_RECENT_SHARE * tokens)) == tokens // 2
+        assert policy.heavy == tokens - tokens // 2
+        assert caches["prompt"].layers[0].policy.inner.recent == paper
+        assert given.layers[0].policy.recent == paper
+
+
+@pytest.mark.parametrize("name", ["keydiff", "snapkv", "expected_attention"])
+def test_rescore_every_n_steps(name, monkeypatch):
+    from hf_kvcache.policies.scored import ScoredPolicy
+
+    model = build_model("llama")
+    extra = {"window": 2} if name == "snapkv" else {}
+    cls = type(CACHE_IMPLEMENTATIONS[name](model, budget=6, **extra).layers[0].policy)
+    assert issubclass(cls, ScoredPolicy)
+    original, calls = cls.refresh, []
+
+    def counted(self, view, real):
+        calls.append(view.seen)
+        original(self, view, real)
+
+    monkeypatch.setattr(cls, "refresh", counted)
+    cache = CACHE_IMPLEMENTATIONS[name](model, budget=6, rescore_every=4, **extra)
+    model.generate(random_ids(1, 10), max_new_tokens=9, do_sample=False, **cache_kwargs(cache))
+    # 8 decode steps (the first new token comes from the prefill), all evicting: re-scored before steps 1 and 5
+    assert len(calls) == 2 * len(cache.layers)
+    assert sorted(set(calls)) == [10, 14]  # view.seen before the step's token: multiples of 4 past the budget
+    with pytest.raises(ValueError, match="rescore_every"):
+        CACHE_IMPLEMENTATIONS[name](model, budget=6, rescore_every=0, **extra)

@@ -223,15 +223,21 @@ class SnapKVScorer(_SlotState):
         self.attention_window = window
         self.rows: torch.Tensor | None = None  # [B, Hm, window, slots + 1] attention rows of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes of its new tokens, until they are written
+        # stream index at the end of the last chunk: decode step k writes ring row k % window (row 0, the chunk's
+        # votes, lasts `window` steps), the same in every row of a padded batch as alone
+        self.ring_origin = 0
 
     def observe(self, policy, view, column_scores: torch.Tensor) -> torch.Tensor | None:
         heads = view.valid.shape[1]
         if self.rows is None:
             self.rows = self._slot_tensor(policy, self.window)
         if view.pending is None:  # decode: one query, the columns are the slots; a row of the ring
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen, self.window)
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin,
+                              self.window)
             return None
         used = view.used
+        chunk = view.pending
+        self.ring_origin = chunk.seen_before + chunk.real.shape[1]
         scores, pooled = chunk_votes(view, column_scores, heads, policy.stream, self.window, self.kernel)
         policy.scores[..., :used] = pooled[..., :used]
         # the window's votes become ring row 0: the stored tokens' now (the chunk's moves carry them), the new

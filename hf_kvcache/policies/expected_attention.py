@@ -101,8 +101,9 @@ class ExpectedAttentionPolicy(ScoredPolicy):
     needs_queries = True
 
     def __init__(self, budget, recent: int = 0, sinks: int = 4, future: int = 512, use_covariance: bool = True,
-                 use_value_norm: bool = True, epsilon: float = 0.0, rotator: KeyRotator | None = None):
-        super().__init__(budget, recent=recent, sinks=sinks)
+                 use_value_norm: bool = True, epsilon: float = 0.0, rotator: KeyRotator | None = None,
+                 recent_share: float = 0.0, rescore_every: int = 1):
+        super().__init__(budget, recent=recent, sinks=sinks, recent_share=recent_share, rescore_every=rescore_every)
         self.future, self.use_covariance, self.use_value_norm = future, use_covariance, use_value_norm
         self.epsilon, self.query_rotator = epsilon, rotator
         self.count = self.total = self.outer = None  # running query statistics [B, 1, 1], [B, Hq, D], [B, Hq, D, D]

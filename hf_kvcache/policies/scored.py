@@ -36,20 +36,28 @@ class ScoredPolicy(HeavyHitterPolicy):
     deferred = False  # key scorers place chunks at once; attention / query scorers set these
     needs_attention = False
 
-    def __init__(self, budget, recent: int, sinks: int = 0):
-        self.budget_spec = budget
+    def __init__(self, budget, recent: int, sinks: int = 0, recent_share: float = 0.0, rescore_every: int = 1):
+        self.budget_spec, self.recent_share, self.rescore_every = budget, recent_share, rescore_every
+        self.recent_spec = recent
         if isinstance(budget, float):
             super().__init__(budget, recent)  # resolved in configure
         else:
+            recent = self._recent_for(budget)
             if recent > budget:
                 raise ValueError(f"`recent` ({recent}) must not exceed `budget` ({budget}).")
             super().__init__(budget - recent, recent)
         self.recent_tokens, self.sinks = recent, sinks
         self._new_scores: torch.Tensor | None = None
 
+    def _recent_for(self, budget: int) -> int:
+        """The protected window: `recent`, or `recent_share` of the budget when that is more (decode-time eviction
+        protects the newest tokens by default: see hf_kvcache.caches.scorers)."""
+        return max(self.recent_spec, int(round(self.recent_share * budget)))
+
     def configure(self, prompt_length: int) -> None:
         if self.heavy is None:
             budget = resolve_size("budget", self.budget_spec, prompt_length)
+            self.recent_tokens = self._recent_for(budget)
             if self.recent_tokens > budget:
                 raise ValueError(
                     f"`budget` {self.budget_spec} of a {prompt_length}-token prompt is {budget} tokens, fewer than "
@@ -93,7 +101,7 @@ class ScoredPolicy(HeavyHitterPolicy):
     # -- placement ----------------------------------------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if real.shape[1] == 1 and seen > 0:
-            if seen >= self.capacity:
+            if seen >= self.capacity and (seen - self.capacity) % self.rescore_every == 0:
                 self.refresh(view, real)
             return super().place(view, real, seen)
         return self.place_chunk(view, real, seen)

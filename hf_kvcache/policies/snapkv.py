@@ -54,10 +54,11 @@ def chunk_votes(view, column_scores: torch.Tensor, heads: int, stored_stream: to
     return scores, pool_before_window(scores, stream, valid, seen_before + q - 1, window, kernel)
 
 
-def record_decode_row(rows: torch.Tensor, row: torch.Tensor, seen: int, window: int) -> None:
-    """A decode query's attention `row` [B, H, n] (n <= slots; the other slots get 0) into ring row `seen % window`
-    of `rows` [B, H, window, slots] (by index: the same ops at every step)."""
-    index = torch.full((1,), seen % window, dtype=torch.long, device=row.device)
+def record_decode_row(rows: torch.Tensor, row: torch.Tensor, step: int, window: int) -> None:
+    """A decode query's attention `row` [B, H, n] (n <= slots; the other slots get 0) into ring row `step % window`
+    of `rows` [B, H, window, slots] (by index: the same ops at every step); `step` counts decode steps since the
+    last chunk (not stream indices, which padding shifts)."""
+    index = torch.full((1,), step % window, dtype=torch.long, device=row.device)
     full = row.new_zeros(rows.shape[:2] + rows.shape[3:])
     full[..., : row.shape[-1]] = row
     rows.index_copy_(2, index, full[:, :, None])
@@ -67,22 +68,29 @@ class SnapKVPolicy(ScoredPolicy):
     deferred = True
     needs_attention = True
 
-    def __init__(self, budget, window: int = 64, kernel: int = 5, sinks: int = 0):
-        super().__init__(budget, recent=window, sinks=sinks)
+    def __init__(self, budget, window: int = 64, kernel: int = 5, sinks: int = 0, recent: int = 0,
+                 recent_share: float = 0.0, rescore_every: int = 1):
+        super().__init__(budget, recent=max(window, recent), sinks=sinks, recent_share=recent_share,
+                         rescore_every=rescore_every)
         self.window, self.kernel = window, kernel
         self.attention_window = window
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
         self._seed: torch.Tensor | None = None  # a chunk's window votes, put in the ring after the chunk is placed
+        # stream index at the end of the last chunk: decode step k writes ring row k % window (row 0, the chunk's
+        # votes, lasts `window` steps), the same in every row of a padded batch as alone
+        self.ring_origin = 0
 
     def observe(self, view, column_scores: torch.Tensor) -> None:
         heads = self.scores.shape[1]
         if view.pending is None:  # decode: one query, the columns are the slots
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen, self.window)
+            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin,
+                              self.window)
             return
         _, _, real, positions, seen_before = view.pending
         used = view.used
         scores, pooled = chunk_votes(view, column_scores, heads, self.stream, self.window, self.kernel)
         self._seed = scores  # the prompt's window as one ring row, re-slotted after the commit
+        self.ring_origin = seen_before + real.shape[1]
         view.commit(self.select_chunk(view, real, seen_before, positions, pooled[..., :used], pooled[..., used:]))
 
     def after_write(self, view, placement, keys, dest, positions, seen_before: int) -> None:
@@ -116,7 +124,7 @@ class SnapKVPolicy(ScoredPolicy):
 
     def reset(self) -> None:
         super().reset()
-        self.rows = None
+        self.rows, self.ring_origin = None, 0
 
     def nbytes(self) -> int:
         return super().nbytes() + (0 if self.rows is None else self.rows.nbytes)
