@@ -13,6 +13,7 @@ from ..policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvict
 from ..policies.prompt_mode import COMPRESS_MODES
 from ..stores import FullPrecisionStore
 from .base import POSITION_MODES, KVCache, _size_or_ratio
+from .head_budget import check_head_budget, with_head_budget
 
 
 class SlidingWindowCache(KVCache):
@@ -96,11 +97,17 @@ class H2OCache(KVCache):
         aggregation: str = "sum",
         position_mode: str = "original",
         compress: str = "always",
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
         layers: dict | list | None = None,
     ):
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
         position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
+        if position_mode == "compact" and self.head_budget == "adaptive":
+            raise ValueError("`position_mode` 'compact' re-rotates each head's keys in place, which the heads' shared "
+                             "pool of `head_budget` 'adaptive' does not hold: use position_mode 'original'.")
         heavy = None if heavy is None else _size_or_ratio("heavy", heavy)
         recent = None if recent is None else _size_or_ratio("recent", recent)
         if budget is not None:
@@ -129,7 +136,8 @@ class H2OCache(KVCache):
         def layer_parts(cfg):
             if position_mode == "compact" and "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg)
-            return make_policy(heavy, recent, aggregation, rotators.get("rotator")), FullPrecisionStore()
+            policy = make_policy(heavy, recent, aggregation, rotators.get("rotator"))
+            return with_head_budget(policy, self.head_budget, self.safeguard)
 
         super().__init__(config_or_model, layer_parts, layers)
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree

@@ -32,8 +32,8 @@ from ..policies.knorm import KnormPolicy
 from ..policies.prompt_mode import COMPRESS_MODES
 from ..policies.snapkv import SnapKVPolicy
 from ..policies.tova import TOVAPolicy
-from ..stores import FullPrecisionStore
 from .base import KVCache, _size_or_ratio
+from .head_budget import check_head_budget, with_head_budget
 
 
 def _budget(budget):
@@ -59,10 +59,15 @@ def _recent(recent, budget, name: str = "recent") -> int:
 class _ScorerCache(KVCache):
     size_keys = ("budget",)
 
-    def _setup(self, config_or_model, budget, compress, make_policy, layers):
+    def _setup(self, config_or_model, budget, compress, make_policy, layers, head_budget="uniform", safeguard=0.2):
         self.budget = _budget(budget)
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
-        super().__init__(config_or_model, lambda cfg: (make_policy(cfg), FullPrecisionStore()), layers)
+        self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
+
+        def build(cfg):
+            return with_head_budget(make_policy(cfg), self.head_budget, self.safeguard)
+
+        super().__init__(config_or_model, build, layers)
 
     def _window(self, recent, budget, compress, paper: int) -> tuple[int, float]:
         """(`recent` tokens, share of the budget) the policy protects: as given, else the paper's window in prompt
@@ -79,10 +84,11 @@ class KnormCache(_ScorerCache):
     cache_name = "knorm"
 
     def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
-                 compress: str = "always", layers: dict | list | None = None):
+                 compress: str = "always", head_budget: str = "uniform", safeguard: float = 0.2,
+                 layers: dict | list | None = None):
         self.recent, share = self._window(recent, budget, compress, paper=0)
-        self._setup(config_or_model, budget, compress,
-                    lambda cfg: KnormPolicy(self.budget, self.recent, recent_share=share), layers)
+        policy = lambda cfg: KnormPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
+        self._setup(config_or_model, budget, compress, policy, layers, head_budget, safeguard)
 
 
 class KeyDiffCache(_ScorerCache):
@@ -92,11 +98,13 @@ class KeyDiffCache(_ScorerCache):
     cache_name = "keydiff"
 
     def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
-                 compress: str = "always", rescore_every: int = 1, layers: dict | list | None = None):
+                 compress: str = "always", rescore_every: int = 1, head_budget: str = "uniform",
+                 safeguard: float = 0.2, layers: dict | list | None = None):
         self.recent, share = self._window(recent, budget, compress, paper=0)
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
         self._setup(config_or_model, budget, compress, lambda cfg: KeyDiffPolicy(
-            self.budget, self.recent, recent_share=share, rescore_every=self.rescore_every), layers)
+            self.budget, self.recent, recent_share=share, rescore_every=self.rescore_every),
+            layers, head_budget, safeguard)
 
 
 class TOVACache(_ScorerCache):
@@ -108,8 +116,8 @@ class TOVACache(_ScorerCache):
     def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
                  compress: str = "always", layers: dict | list | None = None):
         self.recent, share = self._window(recent, budget, compress, paper=1)
-        self._setup(config_or_model, budget, compress,
-                    lambda cfg: TOVAPolicy(self.budget, self.recent, recent_share=share), layers)
+        policy = lambda cfg: TOVAPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
+        self._setup(config_or_model, budget, compress, policy, layers)  # (one token set per layer: no head budgets)
 
 
 class SnapKVCache(_ScorerCache):
@@ -121,7 +129,7 @@ class SnapKVCache(_ScorerCache):
 
     def __init__(self, config_or_model, budget: int | float | None = None, window: int = 64, kernel: int = 5,
                  recent: int | None = None, compress: str = "always", rescore_every: int = 1,
-                 layers: dict | list | None = None):
+                 head_budget: str = "uniform", safeguard: float = 0.2, layers: dict | list | None = None):
         self.window = require_int("window", window, 1)
         self.kernel = require_int("kernel", kernel, 1)
         if self.kernel % 2 == 0:
@@ -131,7 +139,7 @@ class SnapKVCache(_ScorerCache):
         self.recent, share = self._window(recent, budget, compress, paper=window)
         self._setup(config_or_model, budget, compress, lambda cfg: SnapKVPolicy(
             self.budget, self.window, self.kernel, recent=self.recent, recent_share=share,
-            rescore_every=self.rescore_every), layers)
+            rescore_every=self.rescore_every), layers, head_budget, safeguard)
 
 
 class ExpectedAttentionCache(_ScorerCache):
@@ -143,7 +151,8 @@ class ExpectedAttentionCache(_ScorerCache):
 
     def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None, sinks: int = 4,
                  future: int = 512, use_covariance: bool = True, use_value_norm: bool = True,
-                 compress: str = "always", rescore_every: int = 1, layers: dict | list | None = None):
+                 compress: str = "always", rescore_every: int = 1, head_budget: str = "uniform",
+                 safeguard: float = 0.2, layers: dict | list | None = None):
         self.recent, share = self._window(recent, budget, compress, paper=0)
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
         self.sinks = require_int("sinks", sinks, 0)
@@ -160,7 +169,7 @@ class ExpectedAttentionCache(_ScorerCache):
                                            use_value_norm, rotator=rotators["rotator"], recent_share=share,
                                            rescore_every=self.rescore_every)
 
-        self._setup(config_or_model, budget, compress, make_policy, layers)
+        self._setup(config_or_model, budget, compress, make_policy, layers, head_budget, safeguard)
         if isinstance(config_or_model, PreTrainedModel) and rotators:  # the model's own RoPE must agree
             indices = [layer.layer_idx for layer in self.compressed_layers]
             check_rotator_once(config_or_model, rotators["rotator"], indices)

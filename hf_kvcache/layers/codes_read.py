@@ -73,7 +73,7 @@ def reads_codes(store) -> bool:
     regions = getattr(store, "stores", None)
     if regions is not None:
         return all(reads_codes(s) for s in regions)
-    return hasattr(store, "segments") and not getattr(store, "ring", False)
+    return callable(getattr(store, "segments", None)) and not getattr(store, "ring", False)
 
 
 def holds_codes(store) -> bool:

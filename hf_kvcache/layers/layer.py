@@ -65,6 +65,7 @@ class CompressedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, prompt_length, head_dim = key_states.shape
         self.policy.configure(prompt_length)
+        self.policy.size_for(heads)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.heads, self.head_dim = heads, head_dim
         meta_heads = heads if self.policy.per_head else 1

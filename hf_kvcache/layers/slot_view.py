@@ -27,7 +27,7 @@ class LayerSlotView:
     padded = property(lambda self: self._layer.forward_info.has_padding)
     incoming = property(lambda self: self._layer.incoming)
     has_regions = property(lambda self: hasattr(self._layer.store, "region_of"))
-    writes_single_slots = property(lambda self: hasattr(self._layer.store, "write_slot"))
+    writes_single_slots = property(lambda self: callable(getattr(self._layer.store, "write_slot", None)))
 
     @property
     def pending(self) -> Chunk | None:

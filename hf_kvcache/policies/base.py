@@ -42,6 +42,9 @@ class Policy:
     def configure(self, prompt_length: int) -> None:
         """Called once with the first forward's length (budgets given as ratios of the prompt resolve here)."""
 
+    def size_for(self, heads: int) -> None:
+        """Called after `configure` with the layer's KV heads (head-adaptive budgets size one pool for all of them)."""
+
     def allocate(self, batch: int, heads: int, device) -> None:
         """Create per-row state at the first update."""
 

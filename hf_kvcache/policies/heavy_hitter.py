@@ -25,6 +25,7 @@ import torch
 from ..common.compile_static import StaticInt, fixed_shape
 from ..common.tensor_parallel import SINGLE_PROCESS, TensorParallel
 from .base import Placement, Policy
+from .head_budgets import adaptive_keep, pool_destinations, pool_victims
 
 AGGREGATIONS = ("sum", "mean", "max")
 
@@ -54,12 +55,25 @@ class HeavyHitterPolicy(Policy):
             self.heavy, self.recent = heavy, recent
         self.scores: torch.Tensor | None = None  # [B, H, slots + 1] accumulated attention (float32)
         self.stream: torch.Tensor | None = None  # [B, H, slots + 1] stream index of each slot's token
+        # head-adaptive budgets (policies/head_budgets.py): one pool of budget x heads slots for the layer's heads
+        self.adaptive, self.safeguard = False, 0.2
+        self.pool_heads: int | None = None
 
     def configure(self, prompt_length: int) -> None:
         if self.heavy is None:
             self.heavy = resolve_size("heavy", self.heavy_spec, prompt_length)
             self.recent = resolve_size("recent", self.recent_spec, prompt_length)
             self.capacity = self.heavy + self.recent
+
+    def size_for(self, heads: int) -> None:
+        if self.adaptive:
+            self.pool_heads = heads
+            self.capacity = (self.heavy + self.recent) * heads
+
+    @property
+    def floor(self) -> int:
+        """Tokens each head keeps at least under head-adaptive budgets (AdaKV's safeguard share of the budget)."""
+        return int((self.heavy + self.recent) * self.safeguard)
 
     def allocate(self, batch: int, heads: int, device) -> None:
         self.scores = torch.zeros(batch, heads, self.capacity + 1, dtype=torch.float32, device=device)
@@ -72,6 +86,12 @@ class HeavyHitterPolicy(Policy):
         heads = self.scores.shape[1]
         src = torch.zeros(batch, heads, 1, dtype=torch.long, device=real.device)
         valid = real[:, None, :].expand(batch, heads, 1)
+        if self.pool_heads:  # a pool slot of its own for the new token in every head
+            c = self.capacity
+            key = torch.where(self.stream[..., :c] > seen - self.recent, float("inf"), self.scores[..., :c])
+            victims = pool_victims(key, view.valid[..., :c], self.floor)  # [B, H]
+            view.evict(torch.ones_like(view.valid[:, :1, :c]).scatter_(2, victims[:, None], False))
+            return Placement(src=src, dest=victims[..., None], valid=valid)
         if seen < self.capacity:
             return Placement(src=src, dest=torch.full_like(src, seen), valid=valid)
         c = self.capacity
@@ -138,6 +158,12 @@ class HeavyHitterPolicy(Policy):
         cand_stream = torch.cat((self.stream[..., :used], new_stream), -1)
         key = torch.where(cand_valid, torch.cat((self.scores[..., :used], new_scores), -1), float("-inf"))
         key = torch.where(cand_valid & (cand_stream >= seen_before + q - self.recent), float("inf"), key)
+        if self.pool_heads:
+            kept = adaptive_keep(key, c, self.floor)
+            view.evict(kept[..., :used])  # evicted past tokens free their pool slots
+            dest = pool_destinations(kept[..., used:], view.valid[..., :c].any(1))
+            src = torch.arange(q, device=device).expand(batch, heads, q)
+            return Placement(src=src, dest=dest, valid=new_valid & kept[..., used:])
         if used + q <= c:
             kept = torch.ones_like(cand_valid)
         else:
@@ -153,10 +179,10 @@ class HeavyHitterPolicy(Policy):
         return Placement(src=src, dest=dest, valid=new_valid & kept_new)
 
     def used_after(self, seen: int) -> int:
-        return min(seen, self.capacity)
+        return min(seen * (self.pool_heads or 1), self.capacity)
 
     def has_evicted(self, seen: int) -> bool:
-        return self.capacity is not None and seen > self.capacity
+        return self.capacity is not None and seen * (self.pool_heads or 1) > self.capacity
 
     def crop(self, view, new_seen: int) -> None:
         view.evict(self.stream < new_seen)

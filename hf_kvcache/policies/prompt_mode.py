@@ -44,6 +44,7 @@ class PromptCompressionPolicy(Policy):
         self.needs_positions = inner.needs_positions
         self.start_seen: int | None = None  # stream index of the first appended token (None: still in the prompt)
         self.base = 0  # slot of the first appended token
+        self.stride = 1  # slots per appended token (the KV heads when they share one pool)
 
     # while in the prompt, the wrapped policy decides everything
     @property
@@ -60,6 +61,9 @@ class PromptCompressionPolicy(Policy):
     def configure(self, prompt_length: int) -> None:
         self.inner.configure(prompt_length)
 
+    def size_for(self, heads: int) -> None:
+        self.inner.size_for(heads)
+
     def allocate(self, batch: int, heads: int, device) -> None:
         self.inner.allocate(batch, heads, device)
 
@@ -74,12 +78,14 @@ class PromptCompressionPolicy(Policy):
         self.inner.before_read(view)
         self.base = self.inner.used_after(view.seen)
         self.start_seen = view.seen
+        # head-adaptive budgets: the heads share one slot pool, so each appended token takes a slot per head
+        self.stride = getattr(self.inner, "pool_heads", None) or 1
         view.forget_from(self.base)  # empty slots and the old trash slot are free from here on
         self.inner.reset()  # its state is never read again (see the module docstring): free it
 
     # -- placement ----------------------------------------------------------------------------------------------
     def _slot(self, seen: int) -> int:
-        return self.base + seen - self.start_seen
+        return self.base + (seen - self.start_seen) * self.stride
 
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if not self.ended:
@@ -88,6 +94,9 @@ class PromptCompressionPolicy(Policy):
         hm = view.valid.shape[1]
         start = self._slot(seen)
         src = torch.arange(q, device=real.device).expand(batch, hm, q)
+        if self.stride > 1:  # pooled heads: token i of head h in slot start + i * heads + h
+            dest = start + src * self.stride + torch.arange(hm, device=real.device)[:, None]
+            return Placement(src=src, dest=dest.contiguous(), valid=real[:, None, :].expand(batch, hm, q))
         regions = None  # region stores (CompositeCache): a one-token step touches the region of its slot only
         if q == 1 and view.has_regions:
             regions = (view.region_of(start),)
@@ -103,7 +112,8 @@ class PromptCompressionPolicy(Policy):
     def decode_slot(self, view, seen: int) -> int | None:
         if not self.ended:
             return self.inner.decode_slot(view, seen)
-        return self._slot(seen) if view.writes_single_slots else None  # (region stores: `place`)
+        # (region stores and pooled heads: `place`)
+        return self._slot(seen) if view.writes_single_slots and self.stride == 1 else None
 
     def after_decode_write(self, view, slot: int, keys: torch.Tensor, positions: torch.Tensor) -> None:
         if not self.ended:
@@ -140,7 +150,7 @@ class PromptCompressionPolicy(Policy):
 
     def reset(self) -> None:
         self.inner.reset()
-        self.start_seen, self.base = None, 0
+        self.start_seen, self.base, self.stride = None, 0, 1
 
     def nbytes(self) -> int:
         return self.inner.nbytes()

@@ -101,7 +101,8 @@ class ScoredPolicy(HeavyHitterPolicy):
     # -- placement ----------------------------------------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         if real.shape[1] == 1 and seen > 0:
-            if seen >= self.capacity and (seen - self.capacity) % self.rescore_every == 0:
+            budget = self.heavy + self.recent  # (per head; under head-adaptive budgets the pool holds it x heads)
+            if seen >= budget and (seen - budget) % self.rescore_every == 0:
                 self.refresh(view, real)
             return super().place(view, real, seen)
         return self.place_chunk(view, real, seen)
