@@ -84,24 +84,24 @@ def budget_sweep() -> str:
             + _table(["cache and budget", "KL mean", "top-1", "bytes vs full"], body) + "\n\n" + _source(path))
 
 
-#: our scorer -> the kvpress press computing the same score (H2O's accumulated attention: ObservedAttentionPress, which
-#: keeps no recent window where ours keeps half the budget)
+#: our scorer -> the kvpress press computing the same score (ObservedAttentionPress: H2O's attention averaged over the
+#: queries that saw each token, our `attention_score="average"`)
 PEER_PRESSES = {"ExpectedAttention": "ExpectedAttentionPress", "SnapKV": "SnapKVPress", "TOVA": "TOVAPress",
-                "KeyDiff": "KeyDiffPress", "Knorm": "KnormPress", "H2O": "ObservedAttentionPress"}
+                "KeyDiff": "KeyDiffPress", "Knorm": "KnormPress", "H2O-average": "ObservedAttentionPress"}
 PEER_ADAPTIVE = {"ExpectedAttention": "AdaKV(ExpectedAttentionPress)", "SnapKV": "AdaKV(SnapKVPress)"}
 
 
 def scorer_modes() -> str:
     """Per scorer and budget: prompt mode, decode-time ("always"), head-adaptive (prompt), and kvpress's press."""
     path = RESULTS / "scorers_decode" / "results.csv"
-    ours: dict[tuple[str, str], dict] = {}
+    ours: dict[tuple[str, str, int], dict] = {}  # (scorer, mode, tokens kept of the prompt) -> row
     for r in _rows(path):
         name, mode = r["label"].split(" ")[:2]
-        ours[(name, mode, r["budget"])] = r
+        ours[(name, mode, int(r["budget_tokens"]))] = r
     adaptive_path = RESULTS / "head_budgets" / "results.csv"
     if adaptive_path.exists():
         for r in _rows(adaptive_path):
-            ours[(r["label"].split(" ")[0], "adaptive", r["budget"])] = r
+            ours[(r["label"].split(" ")[0], "adaptive", int(r["budget_tokens"]))] = r
     peer_path = RESULTS / "peers_kvpress" / "results.jsonl"
     peer = {}
     if peer_path.exists():
@@ -112,17 +112,26 @@ def scorer_modes() -> str:
     def kl(key):
         return _num(ours[key]["kl_mean"]) if key in ours else ""
 
-    def peer_kl(press, budget):
-        record = peer.get((press, float(budget)))
+    def peer_kl(press, share):
+        record = peer.get((press, share))
         return _num(record["kl_mean"]) if record else ""
 
     body = []
-    for (name, mode, budget) in sorted({k for k in ours if k[1] == "prompt"}, key=lambda k: (float(k[2]), k[0])):
-        prompt, always = ours[(name, "prompt", budget)], ours.get((name, "always", budget))
+    for (name, mode, tokens) in sorted({k for k in ours if k[1] == "prompt"}, key=lambda k: (k[2], k[0])):
+        prompt, always = ours[(name, "prompt", tokens)], ours.get((name, "always", tokens))
+        share = round(tokens / int(prompt["context_len"]), 1)  # the budget as kvpress states it (10%, 20%, 50%)
         ratio = _num(float(always["kl_mean"]) / float(prompt["kl_mean"]), 2) if always else ""
-        body.append([f"{float(budget):.0%}", name, _num(prompt["kl_mean"]), kl((name, "always", budget)), ratio,
-                     _num(always["top1_agreement"]) if always else "", kl((name, "adaptive", budget)),
-                     peer_kl(PEER_PRESSES.get(name, ""), budget), peer_kl(PEER_ADAPTIVE.get(name, ""), budget)])
+        body.append([f"{share:.0%} ({tokens})", name, _num(prompt["kl_mean"]), kl((name, "always", tokens)), ratio,
+                     _num(always["top1_agreement"]) if always else "", kl((name, "adaptive", tokens)),
+                     peer_kl(PEER_PRESSES.get(name, ""), share), peer_kl(PEER_ADAPTIVE.get(name, ""), share)])
+    others = sorted({press for press, _ in peer} - set(PEER_PRESSES.values()) - set(PEER_ADAPTIVE.values()))
+    other_rows = [[press, f"{share:.0%}", _num(peer[(press, share)]["kl_mean"]),
+                   _num(peer[(press, share)]["top1_agreement"]), str(peer[(press, share)]["prompt_tokens_held_layer0"])]
+                  for press in others for share in sorted({s for p, s in peer if p == press})]
+    other_table = ("\n\nkvpress presses with no counterpart here (the whole prompt held means the press masks "
+                   "the dropped tokens instead of freeing them):\n\n"
+                   + _table(["kvpress press", "budget", "KL mean", "top-1", "prompt tokens held (layer 0)"],
+                            other_rows)) if other_rows else ""
     return ("## Scorers: prompt mode, decode-time eviction, head-adaptive budgets, kvpress\n\nKL against the full "
             "cache on the same 256 teacher-forced positions after a 2K-token prompt. *prompt*: compressed once, the "
             "rest appended (kvpress's protocol); *always*: the budget holds through the 256 tokens (half of it a "
@@ -130,7 +139,7 @@ def scorer_modes() -> str:
             "allotment, one slot pool per layer holding exactly the budget); *kvpress*: the same press in kvpress "
             "0.5.5 on the same positions (eval/peers/), AdaKV there masks dropped keys and holds the whole prompt."
             "\n\n" + _table(["budget", "scorer", "prompt", "always", "always / prompt", "always top-1",
-                               "adaptive", "kvpress", "kvpress AdaKV"], body)
+                               "adaptive", "kvpress", "kvpress AdaKV"], body) + other_table
             + "\n\n" + _source(path) + " " + _source(adaptive_path) + (" " + _source(peer_path) if peer else ""))
 
 

@@ -370,6 +370,8 @@ CASES: list[Case] = [
     ctor("H2OCache", match=r"`safeguard` .* must be in \[0, 1\]", budget=8, head_budget="adaptive", safeguard=1.5),
     ctor("H2OCache", match=r"`position_mode` 'compact' .* 'adaptive'", budget=8, position_mode="compact",
          head_budget="adaptive"),
+    ctor("H2OCache", match=r"`attention_score` must be one of \('accumulated', 'average'\)", budget=8,
+         attention_score="mean"),
     ctor("KeyDiffCache", match=r"`rescore_every` must be an integer >= 1", budget=8, rescore_every=0),
     ctor("SnapKVCache", match=r"`rescore_every` must be an integer", budget=80, rescore_every=2.5),
     ctor("KnormCache", match=r"`recent` must be an integer >= 0", budget=8, recent=-1),

@@ -41,15 +41,22 @@ def _kept(cache, layer_idx):
     return out
 
 
-@pytest.mark.parametrize("aggregation", ["sum", "mean", "max"])
-def test_scores_and_kept_sets_match_eager_reference(aggregation):
+@pytest.mark.parametrize("aggregation,attention_score", [("sum", "accumulated"), ("mean", "accumulated"),
+                                                         ("max", "accumulated"), ("sum", "average")])
+def test_scores_and_kept_sets_match_eager_reference(aggregation, attention_score):
     """Reference: eager attention probabilities (output_attentions=True) mapped to tokens by stream index,
-    aggregated over each KV group, accumulated in plain Python, and the H2O rule applied with sets."""
+    aggregated over each KV group, accumulated in plain Python, and the H2O rule applied with sets (ranked by the
+    accumulated score, or by it over the number of queries that saw the token: kvpress's ObservedAttention)."""
     heavy, recent, prefill, steps = 4, 3, 12, 20
     model = build_model("llama", attn="eager")
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     ids = random_ids(1, prefill + steps, seed=3)
-    cache = hf_kvcache.H2OCache(model, heavy=heavy, recent=recent, aggregation=aggregation)
+    cache = hf_kvcache.H2OCache(model, heavy=heavy, recent=recent, aggregation=aggregation,
+                                attention_score=attention_score)
+
+    def rank(score: float, t: int, now: int) -> float:  # `now` queries so far: t was seen by now - t of them
+        return score / max(now - t, 1) if attention_score == "average" else score
+
     layers = model.config.num_hidden_layers
     agg = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0)}[aggregation]
     reference = [{h: {} for h in range(model.config.num_key_value_heads)} for _ in range(layers)]
@@ -63,7 +70,8 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation):
                 col = agg(probs[h * groups : (h + 1) * groups])
                 scores = {t: float(col[t]) for t in range(prefill)}
                 recent_set = {t for t in scores if t >= prefill - recent}
-                rest = sorted((t for t in scores if t not in recent_set), key=lambda t: -scores[t])[:heavy]
+                rest = sorted((t for t in scores if t not in recent_set), key=lambda t: -rank(scores[t], t, prefill))
+                rest = rest[:heavy]
                 reference[layer][h] = {t: scores[t] for t in recent_set | set(rest)}
         for layer in range(layers):
             kept = _kept(cache, layer)
@@ -78,7 +86,7 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation):
                 for h, ref in reference[layer].items():
                     if len(ref) >= heavy + recent:
                         candidates = [t for t in ref if t <= step - recent]
-                        del ref[min(candidates, key=lambda t: ref[t])]
+                        del ref[min(candidates, key=lambda t: rank(ref[t], t, step))]
                     ref[step] = 0.0
             stream_before = [cache.layers[i].policy.stream.clone() for i in range(layers)]
             out = model(input_ids=ids[:, step : step + 1], **cache_kwargs(cache), use_cache=True,

@@ -15,6 +15,10 @@ from ..stores import FullPrecisionStore
 from .base import POSITION_MODES, KVCache, _size_or_ratio
 from .head_budget import check_head_budget, with_head_budget
 
+#: how H2O ranks tokens: the attention they accumulated (the paper), or its average over the queries that saw them
+#: (kvpress's ObservedAttentionPress), which does not favour old tokens
+ATTENTION_SCORES = ("accumulated", "average")
+
 
 class SlidingWindowCache(KVCache):
     """The last `window` tokens of each row (window attention with a rolling buffer)."""
@@ -83,7 +87,9 @@ class H2OCache(KVCache):
     the paper's per-head scores added up, "mean", or "max"). For long prompts, `generate(prefill_chunk_size=N)`
     evicts between chunks so peak memory stays near the budget. `position_mode="compact"` places the kept tokens at
     contiguous positions ending at the newest (re-rotating from a copy of the keys as they arrived, which costs
-    one more key buffer); "original" (default) leaves every key at its own position."""
+    one more key buffer); "original" (default) leaves every key at its own position. `attention_score`: rank by the
+    attention "accumulated" (the paper) or its "average" over the queries that saw each token (kvpress's
+    ObservedAttentionPress). `head_budget="adaptive"`: AdaKV's allotment over the layer's heads (docs/scorers.md)."""
 
     cache_name = "h2o"
     size_keys = ("heavy", "recent", "budget")
@@ -97,11 +103,13 @@ class H2OCache(KVCache):
         aggregation: str = "sum",
         position_mode: str = "original",
         compress: str = "always",
+        attention_score: str = "accumulated",
         head_budget: str = "uniform",
         safeguard: float = 0.2,
         layers: dict | list | None = None,
     ):
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
+        self.attention_score = require_choice("attention_score", attention_score, ATTENTION_SCORES)
         self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
         position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
@@ -137,6 +145,7 @@ class H2OCache(KVCache):
             if position_mode == "compact" and "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg)
             policy = make_policy(heavy, recent, aggregation, rotators.get("rotator"))
+            policy.average = self.attention_score == "average"
             return with_head_budget(policy, self.head_budget, self.safeguard)
 
         super().__init__(config_or_model, layer_parts, layers)

@@ -58,6 +58,9 @@ class HeavyHitterPolicy(Policy):
         # head-adaptive budgets (policies/head_budgets.py): one pool of budget x heads slots for the layer's heads
         self.adaptive, self.safeguard = False, 0.2
         self.pool_heads: int | None = None
+        # rank by the attention a token received per query that saw it (kvpress's ObservedAttentionPress) instead of
+        # the accumulated sum, which favours old tokens (more queries saw them)
+        self.average = False
 
     def configure(self, prompt_length: int) -> None:
         if self.heavy is None:
@@ -80,6 +83,11 @@ class HeavyHitterPolicy(Policy):
         self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
         fixed_shape(self.scores, self.stream)
 
+    def _ranked(self, scores: torch.Tensor, stream: torch.Tensor, now: int) -> torch.Tensor:
+        """What selections compare: the scores, or with `average` their mean over the `now - stream` queries that
+        attended each token (queries at stream indices stream .. now - 1)."""
+        return scores / (now - stream).clamp_min(1) if self.average else scores
+
     # -- decode: choose the victim before attention ---------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
         batch, q = real.shape
@@ -88,7 +96,9 @@ class HeavyHitterPolicy(Policy):
         valid = real[:, None, :].expand(batch, heads, 1)
         if self.pool_heads:  # a pool slot of its own for the new token in every head
             c = self.capacity
-            key = torch.where(self.stream[..., :c] > seen - self.recent, float("inf"), self.scores[..., :c])
+            stream = self.stream[..., :c]
+            key = self._ranked(self.scores[..., :c], stream, seen)
+            key = torch.where(stream > seen - self.recent, float("inf"), key)
             victims = pool_victims(key, view.valid[..., :c], self.floor)  # [B, H]
             view.evict(torch.ones_like(view.valid[:, :1, :c]).scatter_(2, victims[:, None], False))
             return Placement(src=src, dest=victims[..., None], valid=valid)
@@ -97,7 +107,7 @@ class HeavyHitterPolicy(Policy):
         c = self.capacity
         slot_valid = view.valid[..., :c]
         in_recent = slot_valid & (self.stream[..., :c] > seen - self.recent)  # stays in the window with token `seen`
-        key = torch.where(slot_valid, self.scores[..., :c], float("-inf"))
+        key = torch.where(slot_valid, self._ranked(self.scores[..., :c], self.stream[..., :c], seen), float("-inf"))
         key = torch.where(in_recent, float("inf"), key)
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 
@@ -156,7 +166,8 @@ class HeavyHitterPolicy(Policy):
         new_valid = real[:, None, :].expand(batch, heads, q)
         cand_valid = torch.cat((view.valid[..., :used], new_valid), -1)
         cand_stream = torch.cat((self.stream[..., :used], new_stream), -1)
-        key = torch.where(cand_valid, torch.cat((self.scores[..., :used], new_scores), -1), float("-inf"))
+        key = self._ranked(torch.cat((self.scores[..., :used], new_scores), -1), cand_stream, seen_before + q)
+        key = torch.where(cand_valid, key, float("-inf"))
         key = torch.where(cand_valid & (cand_stream >= seen_before + q - self.recent), float("inf"), key)
         if self.pool_heads:
             kept = adaptive_keep(key, c, self.floor)
