@@ -101,6 +101,8 @@ def test_selection_functions():
     key = torch.tensor([[[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.0]]])
     assert sorted(pool_victims(key, valid, floor=1)[0].tolist()) == [2, 3]  # the empty slot, then the lowest (0.5)
     assert sorted(pool_victims(key, valid, floor=2)[0].tolist()) == [0, 3]  # head 1 would fall below its floor
+    filling = torch.tensor([[[True, False, False, False, False, False], [False, True, False, False, False, False]]])
+    assert pool_victims(torch.zeros(1, 2, 6), filling, floor=0)[0].tolist() == [2, 3]  # the lowest empty slots
 
 
 def test_bad_settings_name_the_field():

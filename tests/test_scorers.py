@@ -185,7 +185,7 @@ def test_bad_settings_name_the_parameter(name):
 @pytest.mark.parametrize("name", SCORERS)
 def test_decode_time_eviction_protects_half_the_budget_by_default(name):
     """"always" mode keeps at least DECODE_RECENT_SHARE of the budget as a recent window when `recent` is unset (the
-    scorers' paper windows let decode-time eviction drop the newest tokens: eval/results/scorers_decode); prompt mode
+    scorers' paper windows let decode-time eviction drop the newest tokens: eval/results/scorers); prompt mode
     keeps the paper's window; a given `recent` is used as given."""
     from hf_kvcache.caches.scorers import DECODE_RECENT_SHARE
 

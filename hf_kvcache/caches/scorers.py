@@ -15,7 +15,8 @@ Keys are kept at their original positions, in full precision, per batch row and 
 The newest tokens: `recent` tokens are never evicted. Left unset (None), it is the paper's protocol in prompt mode
 (knorm, keydiff, expected_attention 0; tova 1) and, in "always" mode, at least `DECODE_RECENT_SHARE` of the budget:
 decode-time eviction by a key score alone drops the tokens the next queries need most (without the window, Knorm at
-a 20% budget reaches KL 2.9 against the full cache and top-1 0.25; eval/results/scorers_decode). SnapKV's `window`
+a 20% budget reaches KL 2.9 against the full cache and top-1 0.25: eval/results/scorers, whose "always" rows use the
+papers' windows; with half the budget protected 0.38: eval/results/scorers_decode). SnapKV's `window`
 is its recent window in both modes. `rescore_every` (keydiff, snapkv, expected_attention, whose decode steps
 re-score the stored tokens before choosing the victim): re-score every N steps instead of every step.
 """

@@ -43,7 +43,7 @@ def pool_destinations(kept_new: torch.Tensor, held: torch.Tensor) -> torch.Tenso
 
 def pool_victims(key: torch.Tensor, valid: torch.Tensor, floor: int) -> torch.Tensor:
     """The H pool slots [B, H] that one decode step frees for its new token in each of the H heads: empty slots
-    first, then the lowest `key` [B, H, c] (+inf: protected) over all heads, a head losing at most as many as keep it
+    first (lowest first), then the lowest `key` [B, H, c] (+inf: protected) over all heads, a head losing at most as many as keep it
     at `floor` tokens once its new token is in (count + 1 - floor). valid [B, H, c]: which head holds each slot."""
     heads = valid.shape[1]
     owned = valid.any(1)  # [B, c]
@@ -52,4 +52,5 @@ def pool_victims(key: torch.Tensor, valid: torch.Tensor, floor: int) -> torch.Te
     may_lose = valid.sum(-1, keepdim=True) + 1 - floor  # [B, H, 1]
     owner_key = torch.where(valid & (rank < may_lose), key, float("inf")).amin(1)  # [B, c]
     slot_key = torch.where(owned, owner_key, float("-inf"))
-    return slot_key.topk(heads, dim=-1, largest=False).indices
+    # stable: empty slots lowest first, so a pool still filling stays within the first `used_after` slots
+    return slot_key.sort(dim=-1, stable=True).indices[..., :heads]
