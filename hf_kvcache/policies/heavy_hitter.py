@@ -83,10 +83,13 @@ class HeavyHitterPolicy(Policy):
         self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
         fixed_shape(self.scores, self.stream)
 
-    def _ranked(self, scores: torch.Tensor, stream: torch.Tensor, now: int) -> torch.Tensor:
+    def _ranked(self, scores: torch.Tensor, stream, now: int) -> torch.Tensor:
         """What selections compare: the scores, or with `average` their mean over the `now - stream` queries that
-        attended each token (queries at stream indices stream .. now - 1)."""
-        return scores / (now - stream).clamp_min(1) if self.average else scores
+        attended each token (queries at stream indices stream .. now - 1). `stream` may be a callable giving it, so
+        the accumulated ranking adds no operation to a decode step."""
+        if not self.average:
+            return scores
+        return scores / (now - (stream() if callable(stream) else stream)).clamp_min(1)
 
     # -- decode: choose the victim before attention ---------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
@@ -98,7 +101,7 @@ class HeavyHitterPolicy(Policy):
             c = self.capacity
             stream = self.stream[..., :c]
             key = self._ranked(self.scores[..., :c], stream, seen)
-            key = torch.where(stream > seen - self.recent, float("inf"), key)
+            key = torch.where(stream > seen - self.recent, float("inf"), key)  # (the pool path slices stream anyway)
             victims = pool_victims(key, view.valid[..., :c], self.floor)  # [B, H]
             view.evict(torch.ones_like(view.valid[:, :1, :c]).scatter_(2, victims[:, None], False))
             return Placement(src=src, dest=victims[..., None], valid=valid)
@@ -107,7 +110,8 @@ class HeavyHitterPolicy(Policy):
         c = self.capacity
         slot_valid = view.valid[..., :c]
         in_recent = slot_valid & (self.stream[..., :c] > seen - self.recent)  # stays in the window with token `seen`
-        key = torch.where(slot_valid, self._ranked(self.scores[..., :c], self.stream[..., :c], seen), float("-inf"))
+        key = self._ranked(self.scores[..., :c], lambda: self.stream[..., :c], seen)
+        key = torch.where(slot_valid, key, float("-inf"))
         key = torch.where(in_recent, float("inf"), key)
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 
