@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from ..policies.view import Chunk
-
 
 class LayerSlotView:
     __slots__ = ("_layer",)
@@ -29,10 +27,7 @@ class LayerSlotView:
     has_regions = property(lambda self: hasattr(self._layer.store, "region_of"))
     writes_single_slots = property(lambda self: callable(getattr(self._layer.store, "write_slot", None)))
 
-    @property
-    def pending(self) -> Chunk | None:
-        pending = self._layer._pending
-        return None if pending is None else Chunk(*pending)
+    pending = property(lambda self: self._layer._pending)  # a `Chunk`, or None
 
     def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layer.store.read(n)

@@ -83,13 +83,10 @@ class HeavyHitterPolicy(Policy):
         self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
         fixed_shape(self.scores, self.stream)
 
-    def _ranked(self, scores: torch.Tensor, stream, now: int) -> torch.Tensor:
+    def _ranked(self, scores: torch.Tensor, stream: torch.Tensor, now: int) -> torch.Tensor:
         """What selections compare: the scores, or with `average` their mean over the `now - stream` queries that
-        attended each token (queries at stream indices stream .. now - 1). `stream` may be a callable giving it, so
-        the accumulated ranking adds no operation to a decode step."""
-        if not self.average:
-            return scores
-        return scores / (now - (stream() if callable(stream) else stream)).clamp_min(1)
+        attended each token (queries at stream indices stream .. now - 1)."""
+        return scores / (now - stream).clamp_min(1) if self.average else scores
 
     # -- decode: choose the victim before attention ---------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
@@ -101,17 +98,16 @@ class HeavyHitterPolicy(Policy):
             c = self.capacity
             stream = self.stream[..., :c]
             key = self._ranked(self.scores[..., :c], stream, seen)
-            key = torch.where(stream > seen - self.recent, float("inf"), key)  # (the pool path slices stream anyway)
+            key = torch.where(stream > seen - self.recent, float("inf"), key)
             victims = pool_victims(key, view.valid[..., :c], self.floor)  # [B, H]
             view.evict(torch.ones_like(view.valid[:, :1, :c]).scatter_(2, victims[:, None], False))
             return Placement(src=src, dest=victims[..., None], valid=valid)
         if seen < self.capacity:
             return Placement(src=src, dest=torch.full_like(src, seen), valid=valid)
         c = self.capacity
-        slot_valid = view.valid[..., :c]
-        in_recent = slot_valid & (self.stream[..., :c] > seen - self.recent)  # stays in the window with token `seen`
-        key = self._ranked(self.scores[..., :c], lambda: self.stream[..., :c], seen)
-        key = torch.where(slot_valid, key, float("-inf"))
+        slot_valid, stream = view.valid[..., :c], self.stream[..., :c]
+        in_recent = slot_valid & (stream > seen - self.recent)  # stays in the window with token `seen`
+        key = torch.where(slot_valid, self._ranked(self.scores[..., :c], stream, seen), float("-inf"))
         key = torch.where(in_recent, float("inf"), key)
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 

@@ -44,7 +44,6 @@ class PromptCompressionPolicy(Policy):
         self.needs_positions = inner.needs_positions
         self.start_seen: int | None = None  # stream index of the first appended token (None: still in the prompt)
         self.base = 0  # slot of the first appended token
-        self.stride = 1  # slots per appended token (the KV heads when they share one pool)
 
     # while in the prompt, the wrapped policy decides everything
     @property
@@ -56,6 +55,8 @@ class PromptCompressionPolicy(Policy):
     needs_attention = property(lambda self: False if self.ended else self.inner.needs_attention)
     needs_queries = property(lambda self: False if self.ended else self.inner.needs_queries)
     attention_window = property(lambda self: self.inner.attention_window)
+    # slots per appended token: the KV heads when they share one slot pool (head-adaptive budgets), else 1
+    stride = property(lambda self: getattr(self.inner, "pool_heads", None) or 1)
     rotator = property(lambda self: getattr(self.inner, "rotator", None))  # checked against the model's RoPE
 
     def configure(self, prompt_length: int) -> None:
@@ -78,8 +79,6 @@ class PromptCompressionPolicy(Policy):
         self.inner.before_read(view)
         self.base = self.inner.used_after(view.seen)
         self.start_seen = view.seen
-        # head-adaptive budgets: the heads share one slot pool, so each appended token takes a slot per head
-        self.stride = getattr(self.inner, "pool_heads", None) or 1
         view.forget_from(self.base)  # empty slots and the old trash slot are free from here on
         self.inner.reset()  # its state is never read again (see the module docstring): free it
 
@@ -150,7 +149,7 @@ class PromptCompressionPolicy(Policy):
 
     def reset(self) -> None:
         self.inner.reset()
-        self.start_seen, self.base, self.stride = None, 0, 1
+        self.start_seen, self.base = None, 0
 
     def nbytes(self) -> int:
         return self.inner.nbytes()

@@ -38,7 +38,7 @@ class ScoredPolicy(HeavyHitterPolicy):
 
     def __init__(self, budget, recent: int, sinks: int = 0, recent_share: float = 0.0, rescore_every: int = 1):
         self.budget_spec, self.recent_share, self.rescore_every = budget, recent_share, rescore_every
-        self.recent_spec = recent
+        self.recent_given = recent  # (HeavyHitterPolicy.recent_spec is the resolved window for token budgets)
         if isinstance(budget, float):
             super().__init__(budget, recent)  # resolved in configure
         else:
@@ -52,7 +52,7 @@ class ScoredPolicy(HeavyHitterPolicy):
     def _recent_for(self, budget: int) -> int:
         """The protected window: `recent`, or `recent_share` of the budget when that is more (decode-time eviction
         protects the newest tokens by default: see hf_kvcache.caches.scorers)."""
-        return max(self.recent_spec, int(round(self.recent_share * budget)))
+        return max(self.recent_given, int(round(self.recent_share * budget)))
 
     def configure(self, prompt_length: int) -> None:
         if self.heavy is None:
