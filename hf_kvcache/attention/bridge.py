@@ -93,13 +93,17 @@ def attention_column_scores(
     chunk: int = 256,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    reduce: str = "sum",
+    normalize_over: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probability received by each key column, summed over the (weighted) queries: [B, Hq, kv] float32.
 
     Computed in float32, `chunk` queries at a time so prefill memory stays bounded. `mask` is a boolean (True =
     attend) or additive mask broadcastable to [B, Hq, q, kv]; None means causal with the queries last. As the
     model's own attention does: `softcap` squashes logits (Gemma 2: softcap * tanh(logits / softcap)); `sinks`
-    [Hq] are extra logits in each softmax denominator that no key receives (GPT-OSS)."""
+    [Hq] are extra logits in each softmax denominator that no key receives (GPT-OSS). `reduce` / `normalize_over`:
+    as in hf_kvcache.attention.scored (the largest probability instead of the sum; a softmax restricted to some
+    columns)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
@@ -125,8 +129,10 @@ def attention_column_scores(
             probs = torch.softmax(torch.cat((logits, sink), -1), dim=-1)[..., :kv]
         else:
             probs = torch.softmax(logits, dim=-1)
+        if normalize_over is not None:
+            probs = probs / (probs * normalize_over[:, None, None, :]).sum(-1, keepdim=True).clamp_min(1e-30)
         probs = probs * query_weight[:, None, start:end, None]
-        total += probs.sum(2)
+        total = total + probs.sum(2) if reduce == "sum" else torch.maximum(total, probs.amax(2))
     return total
 
 
@@ -153,6 +159,7 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
         softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
         sinks=getattr(module, "sinks", None), query_weight=weight,
         score_from=q - window if window is not None and q > window else 0,
+        reduce=layer.policy.attention_reduce, normalize_over=layer.policy.score_columns,
     )
     layer.policy.observe(layer.view, scores)
     return out, None
@@ -204,6 +211,7 @@ def _make_bridge(name: str):
                     scored_query, key, scored_mask, kwargs.get("scaling", module.scaling), weight,
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
                     sinks=getattr(module, "sinks", None),
+                    reduce=layer.policy.attention_reduce, normalize_over=layer.policy.score_columns,
                 )
                 layer.policy.observe(layer.view, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)
@@ -223,6 +231,7 @@ def _pre_hook(module, args, kwargs):
     arguments = forward_arguments(module, args, kwargs)
     cache = given_cache(arguments)  # under `cache` (5.24) or `past_key_values` (5.23, or a 5.24 caller's alias)
     if isinstance(cache, ForwardAnnounced):  # one of our caches (hf_kvcache.caches.KVCache)
+        cache.before_forward(module, arguments)  # (KVzip: may run its reconstruction forwards here, nested)
         x = arguments.get("input_ids")
         if x is None:
             x = arguments.get("inputs_embeds")

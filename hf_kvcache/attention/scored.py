@@ -17,6 +17,10 @@ Contract (equal to eager attention with the layer's validity mask, `hf_kvcache.a
 - GQA: query head h reads KV head h // (Hq // Hkv);
 - scores: the probability each column received, summed over the queries from `score_from` on, each weighted by
   `query_weight` [B, q] (e.g. 0 for padding queries); per query head, so a policy aggregates a KV group its way.
+  With `reduce="max"`, the largest weighted probability any of those queries gave the column instead of the sum
+  (KVzip's score); with `normalize_over` [B, kv] bool as well, each query's probabilities are first divided by their
+  sum over those columns, i.e. a softmax restricted to them (KVzip's chunked reconstruction scores a chunk over the
+  sinks, the chunk and the reconstruction tokens only).
 
 Memory and work: queries are processed `chunk` at a time against the key columns they can see (with a causal tail,
 chunk [s, e) sees only the first kv - q + e columns, so the masked upper triangle is never computed); each chunk's
@@ -39,7 +43,10 @@ def default_chunk(batch: int, q_heads: int, kv: int) -> int:
     return max(16, CHUNK_ELEMENTS // max(1, batch * q_heads * kv))
 
 
-def _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk):
+REDUCTIONS = ("sum", "max")
+
+
+def _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk, reduce="sum", normalize_over=None):
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(f"scored_attention: `query`, `key`, `value` must be 4-D [B, H, tokens, D], got "
                          f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
@@ -62,6 +69,12 @@ def _check(query, key, value, valid, causal_tail, query_weight, score_from, chun
         raise ValueError(f"scored_attention: `score_from` must be in [0, q={q}], got {score_from}")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"scored_attention: `chunk` must be None or an int >= 1, got {chunk!r}")
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"scored_attention: `reduce` must be one of {REDUCTIONS}, got {reduce!r}")
+    if normalize_over is not None and (reduce != "max" or normalize_over.dtype != torch.bool
+                                       or tuple(normalize_over.shape) != (batch, kv)):
+        raise ValueError(f"scored_attention: `normalize_over` must be bool [B={batch}, kv={kv}] and needs "
+                         f"reduce='max', got {normalize_over.dtype} {list(normalize_over.shape)} with {reduce!r}")
 
 
 def _mask_chunk(logits, valid, causal_tail: int, start: int, end: int, kv: int) -> None:
@@ -94,10 +107,12 @@ def scored_attention(
     query_weight: torch.Tensor | None = None,
     score_from: int = 0,
     chunk: int | None = None,
+    reduce: str = "sum",
+    normalize_over: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, q, Hq, Dv] in the query dtype and column scores [B, Hq, kv] float32 (see the module
     docstring for the contract)."""
-    _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk)
+    _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk, reduce, normalize_over)
     batch, q_heads, q, dim = query.shape
     kv_heads, kv, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     groups = q_heads // kv_heads
@@ -142,13 +157,18 @@ def scored_attention(
         if end > score_from:
             first = max(start, score_from) - start
             part = probs[:, :, :, first:]
+            if normalize_over is not None:  # a softmax restricted to those columns
+                inside = normalize_over[:, None, None, None, :cols]
+                part = part / (part * inside).sum(-1, keepdim=True).clamp_min(torch.finfo(part.dtype).tiny)
             if weight is not None:
                 part = part * weight[:, None, None, start + first : end, None]
-            column_scores = part.sum(3).view(batch, q_heads, cols)
+            column_scores = (part.sum(3) if reduce == "sum" else part.amax(3)).view(batch, q_heads, cols)
             if single:  # (cols == kv: the last chunk sees every column)
                 scores = column_scores
-            else:
+            elif reduce == "sum":
                 scores[..., :cols] += column_scores
+            else:
+                scores[..., :cols] = torch.maximum(scores[..., :cols], column_scores)
     if scores is None:  # (one chunk, all of it before `score_from`)
         scores = torch.zeros(batch, q_heads, kv, dtype=torch.float32, device=device)
     return out, scores

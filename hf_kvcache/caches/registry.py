@@ -29,6 +29,7 @@ token sizes capped by the model's `max_position_embeddings` (L below; 1024 when 
 | `tova` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `snapkv` | budget 1024 tokens (a prompt ratio can fall below its 64-token window); window 64, kernel 5 | same |
 | `expected_attention` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
+| `kvzip` | budget 0.2 of the prompt; 4 sinks, chunks of 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) | same |
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -50,6 +51,7 @@ from .base import KVCache
 from .catalog import CACHE_IMPLEMENTATIONS
 from .composite import CompositeCache
 from .eviction import H2OCache, RandomEvictionCache, SinkCache, SlidingWindowCache
+from .kvzip import KVzipCache
 from .quantized import KIVICache, QuantizedFP8Cache
 from .scorers import SCORER_CACHES
 
@@ -63,6 +65,7 @@ CACHE_IMPLEMENTATIONS.update({
     QuantizedFP8Cache.cache_name: QuantizedFP8Cache,
     KIVICache.cache_name: KIVICache,
     **{cls.cache_name: cls for cls in SCORER_CACHES},
+    KVzipCache.cache_name: KVzipCache,
 })
 
 CONFIG_FILE = "kvcache_config.json"
@@ -79,6 +82,7 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "kivi": {},
     **{cls.cache_name: {"budget": 0.2} for cls in SCORER_CACHES},
     "snapkv": {"budget": 1024},  # a ratio of a short prompt can be smaller than its 64-token observation window
+    "kvzip": {"budget": 0.2},
 }
 
 #: a caller's key -> the default keys it replaces (besides itself)

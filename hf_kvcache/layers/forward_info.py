@@ -22,6 +22,11 @@ class ForwardAnnounced:
     `forward_info` (a ForwardInfo), `begin_forward(q_len, batch, device, attention_mask, position_ids)` and
     `layers`."""
 
+    def before_forward(self, model, arguments: dict) -> None:
+        """Called by the model's forward pre-hook before the forward is announced, with the model the hook is on
+        and the forward's arguments by name: a cache that needs model forwards of its own between two of the
+        caller's (KVzip's context reconstruction) runs them here. Default: nothing."""
+
 
 class ForwardInfo:
     """What one forward of the model tells the cache's layers: which new tokens are padding, and their positions.

@@ -34,6 +34,8 @@ class Policy:
     deferred = False  # True when multi-token chunks are placed only after attention (scores needed)
     needs_attention = False  # True when the bridge must hand attention column scores to `observe`
     attention_window: int | None = StaticInt()  # with needs_attention: column sums over the last w queries (None: all)
+    attention_reduce = "sum"  # with needs_attention: "max" hands the largest probability a column got, not the sum
+    score_columns: torch.Tensor | None = None  # with "max": [B, kv] bool, each query's softmax restricted to them
     needs_queries = False  # True when the bridge must hand the forward's (RoPE-rotated) queries to `observe_queries`
     reads_stored_keys = False  # True when it reads the stored keys itself (the store's dequantizing read)
     needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)

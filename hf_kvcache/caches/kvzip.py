@@ -1,0 +1,308 @@
+"""KVzip (arXiv 2505.23416): compress the prompt once, by what the model needs to reconstruct it (query-agnostic).
+
+    cache = KVzipCache(model, budget=0.2)            # keep 20% of the prompt's tokens per KV head
+    out = model.generate(**inputs, cache=cache)      # or cache_implementation="kvzip", cache_config={"budget": 0.2}
+
+What happens (hf_kvcache.policies.kvzip for the scores):
+1. The prompt (the context) is prefilled into full-precision layers that keep every token; its token ids, padding and
+   positions are recorded.
+2. At the end of the prompt - before the first one-token forward (the first decode step of `generate`), before the
+   next forward after `cache.end_prompt()`, or when the caller runs `cache.compress_context(model)` - the cache runs the
+   model's base model on the reconstruction request followed by the context, `chunk_size` context tokens per
+   forward, against the stored context: each context token scores the largest attention it gets. The request's
+   tokens are then removed again (the other layers of the model - sliding windows, layers of other caches - are
+   restored as they were).
+3. Each layer places the context at its budget by those scores (uniform per KV head, or `head_budget="adaptive"`:
+   `budget x kv_heads` per layer in one slot pool, allotted by score as AdaKV and KVzip's non-uniform heads do) and
+   frees the full-precision copy; later tokens are appended uncompressed (`compress="prompt"`).
+
+Cost: the reconstruction forwards process about the context's length again (plus the request), attending to the
+context too, so prefill costs about 2-3x a plain prefill (eval/results/kvzip); peak memory is the full context's KV
+plus one chunk's. The request is text, tokenized with `tokenizer` (a name, a path or a tokenizer object; default the
+model's own `name_or_path`, loaded at the first forward so a missing tokenizer fails before any token is generated)
+or given as ids (`request_ids`: {"first": [...], "next": [...], "suffix": [...]}, e.g. for a model without one). As
+kvpress's KVzipPress: "\\n\\nRepeat the previous context exactly." for the first chunk, "\\n\\nRepeat the part of the
+previous context exactly, starting with" plus the previous chunk's last 8 tokens for the others, then the chat
+template's assistant prefix (a newline without a template), then the chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from ..common.validation import require_choice, require_int
+from ..integration.cache_argument import cache_kwargs
+from ..layers.layer import CompressedLayer
+from ..policies.kvzip import KVzipPolicy, ReconstructionScoringPolicy
+from ..policies.prompt_mode import PromptCompressionPolicy
+from ..stores import FullPrecisionStore
+from .base import KVCache
+from .head_budget import check_head_budget, with_head_budget
+from .scorers import _budget, _recent
+
+FIRST_REQUEST = "\n\nRepeat the previous context exactly."
+NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
+PREVIOUS_TAIL = 8  # tokens of the previous chunk that start a later chunk's request
+REQUEST_KEYS = ("first", "next", "suffix")
+
+
+def request_ids_from_tokenizer(tokenizer) -> dict[str, list[int]]:
+    """The reconstruction request as token ids: the two requests, and the suffix that opens the model's answer (the
+    chat template's assistant prefix, found as kvpress does with a dummy user turn; a newline without a template)."""
+    suffix = "\n"
+    if getattr(tokenizer, "chat_template", None):
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False)
+        suffix = text.split(separator)[1]
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return {"first": encode(FIRST_REQUEST), "next": encode(NEXT_REQUEST), "suffix": encode(suffix)}
+
+
+def _check_request_ids(request_ids) -> dict[str, list[int]] | None:
+    if request_ids is None:
+        return None
+    if not isinstance(request_ids, dict) or set(request_ids) != set(REQUEST_KEYS):
+        raise ValueError(f"`request_ids` must be a dict with the keys {REQUEST_KEYS} (lists of token ids), got "
+                         f"{request_ids!r}.")
+    checked = {}
+    for key in REQUEST_KEYS:
+        ids = request_ids[key]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                         for i in ids):
+            raise ValueError(f"`request_ids[{key!r}]` must be a list of token ids (ints >= 0), got {ids!r}.")
+        checked[key] = list(ids)
+    if not checked["first"]:
+        raise ValueError("`request_ids['first']` must not be empty: it asks the model to repeat the context.")
+    return checked
+
+
+class KVzipCache(KVCache):
+    """KVzip (arXiv 2505.23416): per row and KV head, the `budget` context tokens that receive the most attention
+    while the model reconstructs the context (the first `sinks` always kept); prompt compression only (see the
+    module docstring for how, and what it costs)."""
+
+    cache_name = "kvzip"
+    size_keys = ("budget",)
+
+    def __init__(self, config_or_model, budget: int | float | None = None, sinks: int = 4, recent: int = 0,
+                 chunk_size: int = 2048, head_budget: str = "uniform", safeguard: float = 0.2,
+                 tokenizer=None, request_ids: dict | None = None, compress: str = "prompt",
+                 layers: dict | list | None = None):
+        require_choice("compress", compress, ("prompt",))  # (scores need model forwards: never at decode time)
+        self.budget = _budget(budget)
+        self.sinks = require_int("sinks", sinks, 0)
+        self.recent = _recent(recent, self.budget)
+        self.chunk_size = require_int("chunk_size", chunk_size, 1)
+        self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
+        if tokenizer is not None and not isinstance(tokenizer, str) and not callable(getattr(tokenizer, "encode", None)):
+            raise ValueError(f"`tokenizer` must be a name or path, or a tokenizer (with `encode`), got "
+                             f"{type(tokenizer).__name__}.")
+        self.tokenizer, self.request_ids = tokenizer, _check_request_ids(request_ids)
+        super().__init__(config_or_model, lambda cfg: (ReconstructionScoringPolicy(), FullPrecisionStore()), layers)
+        self.compress = "prompt"
+        self._scoring_layers = {layer.layer_idx: layer for layer in self.compressed_layers
+                                if isinstance(layer.policy, ReconstructionScoringPolicy)}
+        self._forget_context()
+        self._requests: dict[str, list[int]] | None = self.request_ids
+
+    def _layer_from_settings(self, config, settings: dict, index: int) -> CompressedLayer:
+        layer = super()._layer_from_settings(config, settings, index)
+        if isinstance(layer.policy, ReconstructionScoringPolicy):  # this layer's own budget etc. when placed
+            own = {k: v for k, v in settings.items() if k != "cache"}
+            layer.placement_settings = own
+        return layer
+
+    # -- the context ------------------------------------------------------------------------------------------
+    def _forget_context(self) -> None:
+        self._ids, self._real, self._positions = [], [], []
+        self._record_next = None  # the input ids of the forward being announced (recorded once, not per nested hook)
+        self._last_ids = None
+        self._compressed = False
+        self._ended = False  # `end_prompt()`: the next forward compresses first
+        self._reconstructing = False
+
+    @property
+    def context_length(self) -> int:
+        return sum(ids.shape[1] for ids in self._ids)
+
+    def before_forward(self, model, arguments: dict) -> None:
+        if self._reconstructing or self._compressed or not self._scoring_layers:
+            return
+        ids = arguments.get("input_ids")
+        x = ids if ids is not None else arguments.get("inputs_embeds")
+        if self._ids and (x.shape[1] == 1 or self._ended):
+            self.compress_context(model)
+            return
+        if ids is None:
+            raise ValueError("KVzipCache reconstructs the context from its token ids: call the model with "
+                             "`input_ids`, not `inputs_embeds`.")
+        if ids is self._last_ids:  # the same forward announced again by a nested model (its base model)
+            return
+        self._requests_for(model)  # a missing tokenizer fails now, before any token is generated
+        self._record_next = self._last_ids = ids
+
+    def begin_forward(self, q_len, batch, device, attention_mask=None, position_ids=None) -> None:
+        super().begin_forward(q_len, batch, device, attention_mask, position_ids)
+        if self._record_next is not None:
+            self._ids.append(self._record_next.to(device))
+            self._real.append(self.forward_info.real.clone())
+            self._positions.append(self.forward_info.positions.clone())
+            self._record_next = None
+
+    def end_prompt(self) -> None:
+        """End the context here: the next forward first compresses it (call `compress_context(model)` to do it now)."""
+        if self._compressed:
+            super().end_prompt()
+        elif self._ids:
+            self._ended = True
+
+    def _requests_for(self, model) -> dict[str, list[int]]:
+        if self._requests is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                tokenizer = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+            if isinstance(tokenizer, str):
+                from transformers import AutoTokenizer
+
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+                except Exception as error:  # noqa: BLE001  (any loading failure: say what to give instead)
+                    raise ValueError(
+                        f"KVzipCache needs a tokenizer for its reconstruction request and could not load one from "
+                        f"{tokenizer!r} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+                        "Give `tokenizer` (a name, a path or a tokenizer) or `request_ids`."
+                    ) from None
+            if tokenizer is None:
+                raise ValueError("KVzipCache needs a tokenizer for its reconstruction request: give `tokenizer` (a "
+                                 "name, a path or a tokenizer) or `request_ids`.")
+            self._requests = request_ids_from_tokenizer(tokenizer)
+        vocab = getattr(self.config, "vocab_size", None)
+        too_large = [i for ids in self._requests.values() for i in ids if vocab is not None and i >= vocab]
+        if too_large:
+            raise ValueError(f"`request_ids`: token ids {too_large[:5]} are outside the model's vocabulary "
+                             f"({vocab} tokens).")
+        return self._requests
+
+    # -- compression ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compress_context(self, model) -> None:
+        """Score the recorded context by reconstructing it with `model` and place every layer at its budget now."""
+        if self._compressed:
+            return
+        if not self._ids:
+            raise RuntimeError("KVzipCache.compress_context: no context yet; run the prompt through the model first.")
+        ids, real, positions = (torch.cat(parts, 1) for parts in (self._ids, self._real, self._positions))
+        context = ids.shape[1]
+        scoring = list(self._scoring_layers.values())
+        if any(layer.seen != context for layer in scoring):
+            raise RuntimeError(f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} context "
+                               "tokens were recorded; a forward bypassed the cache's announcement.")
+        requests = self._requests_for(model)
+        base = getattr(model, "base_model", model)
+        self._reconstructing = True
+        try:
+            for repeat, repeat_real, repeat_pos, targets, columns in self._chunks(ids, real, positions, requests):
+                others = self._snapshot_others()
+                for layer in scoring:
+                    layer.policy.begin_scoring(context, targets, columns)
+                try:
+                    base(input_ids=repeat, attention_mask=torch.cat((real, repeat_real), 1).long(),
+                         position_ids=repeat_pos, use_cache=True, **cache_kwargs(self))
+                finally:
+                    for layer in scoring:
+                        layer.policy.end_scoring()
+                        layer.crop(context - layer.seen)
+                    self._restore_others(others)
+        finally:
+            self._reconstructing = False
+        for layer in scoring:
+            self._place(layer, real, positions)
+        self._compressed = True
+        self._ids, self._real, self._positions = [], [], []
+
+    def _chunks(self, ids, real, positions, requests):
+        """Per chunk: (request + suffix + chunk ids [B, r] left-padded, their validity, position ids, the chunk's
+        context columns [B, context], the columns its scores are normalised over [B, context + r])."""
+        batch, context = ids.shape
+        rank = real.long().cumsum(1) - 1  # each real token's index among its row's real tokens
+        counts = real.sum(1).tolist()
+        last = torch.where(real, positions, -1).amax(1)
+        rows = [ids[b][real[b]].tolist() for b in range(batch)]
+        for k in range(max(1, math.ceil(max(counts) / self.chunk_size))):
+            start, end = k * self.chunk_size, (k + 1) * self.chunk_size
+            sequences = []
+            for row in rows:
+                request = requests["first"] if k == 0 else requests["next"] + row[max(0, start - PREVIOUS_TAIL):start]
+                sequences.append(request + requests["suffix"] + row[start:end])
+            width = max(len(s) for s in sequences)
+            repeat = torch.zeros(batch, width, dtype=ids.dtype, device=ids.device)
+            repeat_real = torch.zeros(batch, width, dtype=torch.bool, device=ids.device)
+            for b, sequence in enumerate(sequences):
+                if sequence:
+                    repeat[b, width - len(sequence):] = torch.tensor(sequence, dtype=ids.dtype)
+                    repeat_real[b, width - len(sequence):] = True
+            repeat_pos = (last[:, None] + repeat_real.long().cumsum(1)).masked_fill(~repeat_real, 1)
+            targets = real & (rank >= start) & (rank < end)
+            columns = torch.cat((real & ((rank < self.sinks) | targets), repeat_real), 1)
+            yield repeat, repeat_real, repeat_pos, targets, columns
+
+    def _snapshot_others(self) -> dict:
+        """Copies of the layers the reconstruction must leave as they were (all but the scoring layers: sliding
+        windows, other caches' layers), restored after each reconstruction forward."""
+        memo = {id(self.forward_info): self.forward_info}
+        return {i: copy.deepcopy(layer, memo) for i, layer in enumerate(self.layers) if i not in self._scoring_layers}
+
+    def _restore_others(self, others: dict) -> None:
+        for i, layer in others.items():
+            self.layers[i] = layer
+
+    def _place(self, layer: CompressedLayer, real: torch.Tensor, positions: torch.Tensor) -> None:
+        """Replace `layer` (every context token in full precision) by the layer that keeps the context at its
+        budget by the reconstruction scores; the full-precision copy is freed with the old layer."""
+        settings = {"budget": self.budget, "sinks": self.sinks, "recent": self.recent, "head_budget": self.head_budget,
+                    "safeguard": self.safeguard, **getattr(layer, "placement_settings", {})}
+        head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
+        scores = layer.policy.context_scores
+        policy, store = with_head_budget(
+            KVzipPolicy(_budget(settings["budget"]), scores, settings["sinks"], settings["recent"]),
+            head_budget, safeguard)
+        placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
+        placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
+        keys, values = layer.store.read(layer.seen)
+        self.forward_info.begin(keys.shape[-2], keys.shape[0], keys.device, 0, attention_mask=real,
+                                position_ids=positions)
+        placed.update(keys, values)
+        placed.policy.end_prompt(placed.view)
+        self.layers[layer.layer_idx] = placed
+        layer.reset()  # (kept, empty, for `reset()`: a new context is collected by it again)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def reset(self):
+        for index, layer in self._scoring_layers.items():  # back to the layers that collect a context
+            self.layers[index] = layer
+        super().reset()
+        self._forget_context()
+
+    def _map_context(self, fn) -> None:
+        self._ids, self._real, self._positions = ([fn(t) for t in parts]
+                                                  for parts in (self._ids, self._real, self._positions))
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._map_context(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._map_context(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self._map_context(lambda t: t[indices])

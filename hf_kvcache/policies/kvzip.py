@@ -1,0 +1,101 @@
+"""KVzip: keep the context tokens the model needs to reconstruct the context (query-agnostic).
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction" (arXiv 2505.23416): after the
+context is prefilled, the model is asked to repeat it ("Repeat the previous context exactly." followed by the
+context itself, teacher-forced); a context token's importance, per KV head, is the largest attention any query of
+that reconstruction (any query head of the KV group) gives it. Long contexts are reconstructed chunk by chunk
+(each chunk's request ends with the last tokens of the chunk before it), and a chunk is scored by a softmax
+restricted to the sinks, the chunk and the reconstruction tokens, so memory stays bounded by the chunk
+(kvpress KVzipPress's protocol, chunk 2048, 4 sinks never evicted).
+
+Two policies, one per phase of a layer (hf_kvcache.caches.kvzip runs the phases):
+- `ReconstructionScoringPolicy` while the context is collected and reconstructed: every token kept (the layer
+  grows); during a reconstruction forward it takes the bridge's max-attention column scores (`attention_reduce`
+  "max", `score_columns` the restricted softmax's columns) into `context_scores` for the chunk's columns;
+- `KVzipPolicy` when the context is placed at its budget: a scorer policy (hf_kvcache.policies.scored) whose
+  scores for the context are the reconstruction's, uniform per head or head-adaptive (the paper allots by score
+  across heads: `head_budget="adaptive"`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Placement
+from .keep_all import KeepAllPolicy
+from .scored import ScoredPolicy
+
+
+class ReconstructionScoringPolicy(KeepAllPolicy):
+    """Keep every token; during a reconstruction forward (`begin_scoring`), record for each context column the
+    largest attention the forward's queries gave it (max over the queries and the KV group's query heads)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.context_scores: torch.Tensor | None = None  # [B, Hkv, context] float32
+        self.targets: torch.Tensor | None = None  # [B, context] bool: the columns this forward scores
+        self.score_columns = None
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.targets is not None
+
+    @property
+    def may_have_holes(self) -> bool:  # while scoring, the bridge always hands the layer's validity, so the scores
+        return self.targets is not None  # come from its one-pass attention (hf_kvcache.attention.scored)
+
+    attention_reduce = "max"
+
+    def begin_scoring(self, context: int, targets: torch.Tensor, score_columns: torch.Tensor) -> None:
+        """The next forward reconstructs a chunk: score the `targets` [B, context] columns, each query's softmax
+        restricted to `score_columns` [B, context + new tokens]."""
+        if self.context_scores is None:
+            self.context_scores = torch.zeros(targets.shape[0], self.heads, context, device=targets.device)
+        self.targets, self.score_columns = targets, score_columns
+
+    def end_scoring(self) -> None:
+        self.targets = self.score_columns = None
+
+    def allocate(self, batch: int, heads: int, device) -> None:
+        self.heads = heads
+
+    def observe(self, view, column_scores: torch.Tensor) -> None:
+        batch, q_heads, _ = column_scores.shape
+        context = self.context_scores.shape[-1]
+        grouped = column_scores[..., :context].view(batch, self.heads, q_heads // self.heads, context).amax(2)
+        targets = self.targets[:, None, :]
+        self.context_scores = torch.where(targets, torch.maximum(self.context_scores, grouped), self.context_scores)
+
+    def map_batch(self, fn) -> None:
+        if self.context_scores is not None:
+            self.context_scores = fn(self.context_scores)
+
+    def reset(self) -> None:
+        self.context_scores = self.targets = self.score_columns = None
+
+    def nbytes(self) -> int:
+        return 0 if self.context_scores is None else self.context_scores.nbytes
+
+
+class KVzipPolicy(ScoredPolicy):
+    """Place the context at the budget by its reconstruction scores (`context_scores` [B, Hkv, context], given
+    before the context is written); the first `sinks` positions are never evicted. Prompt mode only: nothing is
+    scored after the context."""
+
+    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0):
+        super().__init__(budget, recent=recent, sinks=sinks)
+        self.context_scores = context_scores
+
+    def place_chunk(self, view, real, seen: int) -> Placement:
+        if self.context_scores is None or self.context_scores.shape[-1] != real.shape[1] or view.used:
+            raise RuntimeError("KVzipPolicy places one context whose reconstruction scores it was given, once.")
+        _, _, positions = view.incoming
+        scores, self.context_scores = self.context_scores, None
+        return self.select_chunk(view, real, seen, positions, scores[..., :0], scores)
+
+    def reset(self) -> None:
+        super().reset()
+        self.context_scores = None
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (0 if self.context_scores is None else self.context_scores.nbytes)

@@ -1,0 +1,207 @@
+"""KVzip (hf_kvcache.caches.kvzip, hf_kvcache.policies.kvzip): context-reconstruction scores, checked against an
+independent reference built from eager attention weights of plain forwards, and the cache's life around them."""
+
+from __future__ import annotations
+
+import model_zoo
+import pytest
+import torch
+from conftest import build_model, left_pad, random_ids
+from test_generation_modes import tiny_chat_tokenizer
+from transformers import DynamicCache
+
+from hf_kvcache import KVzipCache, cache_kwargs
+from hf_kvcache.attention.scored import scored_attention
+from hf_kvcache.caches.kvzip import FIRST_REQUEST, NEXT_REQUEST, PREVIOUS_TAIL, request_ids_from_tokenizer
+
+REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
+
+
+def reference_scores(model, ids: torch.Tensor, chunk: int, sinks: int) -> torch.Tensor:
+    """[layers, Hkv, L] KVzip scores of one row from eager attention weights (no cache): per chunk, the context
+    followed by its request and the chunk; each query's weights renormalised over sinks + chunk + request; max over
+    the queries and the KV group's query heads."""
+    config = model.config
+    kv_heads, length = config.num_key_value_heads, ids.shape[1]
+    groups = config.num_attention_heads // kv_heads
+    scores = torch.zeros(config.num_hidden_layers, kv_heads, length)
+    row = ids[0].tolist()
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        request = REQUEST["first"] if start == 0 else REQUEST["next"] + row[max(0, start - PREVIOUS_TAIL):start]
+        repeat = torch.tensor([request + REQUEST["suffix"] + row[start:end]])
+        with torch.no_grad():
+            attentions = model(torch.cat((ids, repeat), 1), output_attentions=True).attentions
+        columns = torch.zeros(length + repeat.shape[1], dtype=torch.bool)
+        columns[:sinks], columns[start:end], columns[length:] = True, True, True
+        for index, weights in enumerate(attentions):
+            rows = weights[0, :, length:]  # [Hq, r, L + r]
+            rows = rows / (rows * columns).sum(-1, keepdim=True)
+            best = rows.amax(1)[:, :length].view(kv_heads, groups, length).amax(1)
+            scores[index, :, start:end] = best[:, start:end]
+    return scores
+
+
+def kept_positions(cache, row: int = 0, first: int | None = None) -> list[list[list[int]]]:
+    """Per layer and head, the sorted position ids kept among the first `first` slots (the placed context)."""
+    out = []
+    for layer in cache.layers:
+        valid, positions = layer.slot_valid[row, :, :first], layer.slot_pos[row, :, :first]
+        out.append([sorted(positions[h][valid[h]].tolist()) for h in range(valid.shape[0])])
+    return out
+
+
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_kept_tokens_are_the_reference_top_budget(chunk):
+    """One chunk (the whole context) and several (restricted softmax, requests that quote the previous chunk)."""
+    model = build_model("llama", attn="eager")
+    ids, budget, sinks = random_ids(1, 20, seed=3), 6, 2
+    reference = reference_scores(model, ids, chunk, sinks)
+    reference[..., :sinks] = float("inf")
+    cache = KVzipCache(model, budget=budget, sinks=sinks, chunk_size=chunk, request_ids=REQUEST)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        cache.compress_context(model)
+    want = [[sorted(head.topk(budget).indices.tolist()) for head in layer] for layer in reference]
+    assert kept_positions(cache) == want
+    assert cache.get_seq_length() == 20
+
+
+def test_the_bridge_max_reduction_with_a_restricted_softmax():
+    """scored_attention(reduce="max", normalize_over=...) against the formula, with padding queries weighted out."""
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g),
+                         torch.randn(2, 2, 9, 8, generator=g))
+    columns = torch.rand(2, 9, generator=g) > 0.3
+    columns[:, -5:] = True
+    weight = torch.ones(2, 5)
+    weight[1, :2] = 0
+    _, scores = scored_attention(query, key, value, None, 5, 0.35, query_weight=weight, reduce="max",
+                                 normalize_over=columns, chunk=2)
+    logits = query.view(2, 2, 2, 5, 8) @ key[:, :, None].transpose(-1, -2) * 0.35
+    causal = torch.ones(5, 9, dtype=torch.bool).tril(4)
+    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+    probs = probs / (probs * columns[:, None, None, None]).sum(-1, keepdim=True) * weight[:, None, None, :, None]
+    torch.testing.assert_close(scores, probs.amax(3).reshape(2, 4, 9))
+    with pytest.raises(ValueError, match="`reduce` must be one of"):
+        scored_attention(query, key, value, None, 5, 0.35, reduce="mean")
+
+
+def test_left_padded_rows_keep_and_generate_as_alone():
+    model = build_model("llama")
+    rows = [random_ids(1, n, seed=20 + n)[0] for n in (18, 11)]
+    ids, mask = left_pad(rows)
+    batch = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST)
+    together = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **cache_kwargs(batch))
+    for b, row in enumerate(rows):
+        alone = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST)
+        single = model.generate(row[None], max_new_tokens=5, do_sample=False, **cache_kwargs(alone))
+        assert together[b, ids.shape[1]:].tolist() == single[0, row.numel():].tolist()
+        pad = ids.shape[1] - row.numel()
+        assert kept_positions(batch, b, 6) == kept_positions(alone, 0, 6)  # (positions count real tokens only)
+        assert pad >= 0
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "cohere2", "llama"])
+def test_a_budget_that_keeps_everything_equals_the_full_cache(arch):
+    """The reconstruction's tokens leave no trace: its request is cropped from the scoring layers and the other
+    layers (sliding windows) are restored, so at a budget of the whole prompt greedy generation equals
+    DynamicCache's with the same step logits."""
+    model = model_zoo.ZOO[arch]()
+    ids = random_ids(1, 14, seed=4)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          **cache_kwargs(DynamicCache(config=model.config)))
+    cache = KVzipCache(model, budget=14, chunk_size=6, request_ids=REQUEST)
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **cache_kwargs(cache))
+    assert got.sequences.tolist() == want.sequences.tolist()
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 14 + 5
+
+
+def test_head_adaptive_layers_hold_their_budget_and_free_the_context():
+    model = build_model("llama")
+    heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    ids = random_ids(2, 30, seed=5)
+    cache = KVzipCache(model, budget=8, head_budget="adaptive", request_ids=REQUEST)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        full = cache.nbytes()
+        cache.compress_context(model)
+    for layer in cache.layers:
+        counts = layer.slot_valid[..., : layer.used].sum(-1)
+        assert counts.sum(-1).tolist() == [8 * heads] * 2  # the layer's total, however split
+        assert (counts >= int(8 * 0.2)).all()
+        assert layer.store.keys.shape[1] == 1  # one pool
+        assert layer.store.keys.shape[2] == 8 * heads + 1  # the budget (and the trash slot), not the context
+    assert cache.nbytes() < full / 2  # the full-precision context is gone
+    splits = [tuple(row) for layer in cache.layers for row in layer.slot_valid[..., : layer.used].sum(-1).tolist()]
+    assert any(len(set(split)) > 1 for split in splits)  # heads do get different shares
+    itemsize = cache.layers[0].store.keys.element_size()
+    assert cache.layers[0].store.nbytes() == cache.layers[0].store.keys.shape[2] * 2 * 2 * head_dim * itemsize
+
+
+def test_end_prompt_appends_the_question_uncompressed():
+    """kvpress's protocol: compress the document, then append the question uncompressed."""
+    model = build_model("llama")
+    document, question = random_ids(1, 24, seed=6), random_ids(1, 5, seed=7)
+    cache = KVzipCache(model, budget=6, request_ids=REQUEST)
+    with torch.no_grad():
+        model(document, **cache_kwargs(cache))
+        cache.end_prompt()
+        model(question, **cache_kwargs(cache))  # compresses first, then appends the 5 tokens
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 29
+    assert layer.slot_valid[0, :, : layer.used].sum(-1).tolist() == [11] * model.config.num_key_value_heads
+    assert sorted(layer.slot_pos[0, 0, 6:11].tolist()) == list(range(24, 29))
+
+
+def test_reset_collects_a_new_context():
+    model = build_model("llama")
+    cache = KVzipCache(model, budget=6, request_ids=REQUEST)
+    first, second = random_ids(1, 16, seed=8), random_ids(1, 19, seed=9)
+    model.generate(first, max_new_tokens=3, do_sample=False, **cache_kwargs(cache))
+    cache.reset()
+    again = model.generate(second, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
+    fresh = model.generate(second, max_new_tokens=4, do_sample=False,
+                           **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)))
+    assert again.tolist() == fresh.tolist()
+
+
+def test_cache_implementation_name_and_the_tokenizer_request():
+    model = build_model("llama")
+    tokenizer = tiny_chat_tokenizer()
+    requests = request_ids_from_tokenizer(tokenizer)
+    assert tokenizer.decode(requests["first"]) == FIRST_REQUEST
+    assert tokenizer.decode(requests["next"]) == NEXT_REQUEST
+    assert tokenizer.decode(requests["suffix"]) == "<|im_end|>\n<|im_start|>assistant\n"  # the assistant's turn
+    ids = random_ids(1, 16, seed=10)
+    by_name = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="kvzip",
+                             cache_config={"budget": 0.5, "request_ids": requests})
+    direct = model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(
+        KVzipCache(model, budget=0.5, tokenizer=tokenizer)))
+    assert by_name.tolist() == direct.tolist()
+
+
+def test_bad_input_names_the_parameter():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=r"`compress` must be one of \('prompt',\)"):
+        KVzipCache(model, budget=4, compress="always")
+    with pytest.raises(ValueError, match="`request_ids` must be a dict with the keys"):
+        KVzipCache(model, budget=4, request_ids={"first": [1]})
+    with pytest.raises(ValueError, match=r"`request_ids\['next'\]` must be a list of token ids"):
+        KVzipCache(model, budget=4, request_ids={**REQUEST, "next": "repeat"})
+    with pytest.raises(ValueError, match="`chunk_size` must be an integer >= 1"):
+        KVzipCache(model, budget=4, chunk_size=0, request_ids=REQUEST)
+    with pytest.raises(ValueError, match="`tokenizer` must be a name or path"):
+        KVzipCache(model, budget=4, tokenizer=3)
+    ids = random_ids(1, 10, seed=1)
+    cache = KVzipCache(model, budget=4)  # no tokenizer: the random model's name_or_path is empty
+    with pytest.raises(ValueError, match="needs a tokenizer for its reconstruction request"):
+        model(ids, **cache_kwargs(cache))
+    cache = KVzipCache(model, budget=4, request_ids={**REQUEST, "suffix": [10_000]})
+    with pytest.raises(ValueError, match=r"`request_ids`: token ids \[10000\] are outside the model's vocabulary"):
+        model(ids, **cache_kwargs(cache))
+    cache = KVzipCache(model, budget=4, request_ids=REQUEST)
+    with pytest.raises(ValueError, match="`input_ids`, not `inputs_embeds`"):
+        model(inputs_embeds=model.get_input_embeddings()(ids), **cache_kwargs(cache))
