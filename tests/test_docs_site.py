@@ -19,7 +19,7 @@ import hf_kvcache.sharing.hub
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_NAMES = ("sink", "sliding", "h2o", "random_eviction", "composite", "fp8", "kivi", "knorm", "keydiff",
-               "tova", "snapkv", "expected_attention")
+               "tova", "snapkv", "expected_attention", "kvzip")
 
 
 def _installed(module: str) -> bool:

@@ -451,6 +451,7 @@ EXPECTED_DEFAULTS = {
     "kivi": (KIVICache, {"bits": 4, "group_size": 32, "residual": 128}),
     **{cls.cache_name: (cls, {"budget": 0.2}) for cls in SCORER_CACHES},
     "snapkv": (SCORER_CACHES[3], {"budget": 1024, "window": 64}),
+    "kvzip": (hf_kvcache.KVzipCache, {"budget": 0.2, "sinks": 4, "chunk_size": 2048}),
 }
 
 
@@ -461,8 +462,13 @@ def test_defaults_table_covers_every_name():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_DEFAULTS))
-def test_every_name_runs_without_cache_config(name):
+def test_every_name_runs_without_cache_config(name, tmp_path):
     model = build_model("llama")  # max_position_embeddings 1024
+    if name == "kvzip":  # its request is tokenized with the model's own tokenizer, found by name_or_path
+        from test_generation_modes import tiny_chat_tokenizer
+
+        tiny_chat_tokenizer().save_pretrained(tmp_path)
+        model.config._name_or_path = str(tmp_path)
     ids = random_ids(1, 30, seed=16)
     out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation=name,
                          return_dict_in_generate=True)

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from hf_kvcache import KVzipCache, cache_kwargs
 from hf_kvcache.attention.scored import scored_attention
 from hf_kvcache.caches.kvzip import FIRST_REQUEST, NEXT_REQUEST, PREVIOUS_TAIL, request_ids_from_tokenizer
+from hf_kvcache.policies.kvzip import layer_budgets
 
 REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
 
@@ -205,3 +206,52 @@ def test_bad_input_names_the_parameter():
     cache = KVzipCache(model, budget=4, request_ids=REQUEST)
     with pytest.raises(ValueError, match="`input_ids`, not `inputs_embeds`"):
         model(inputs_embeds=model.get_input_embeddings()(ids), **cache_kwargs(cache))
+
+
+def test_layer_budgets_are_the_model_wide_top():
+    """One row: each layer's share is exactly how many of the model's best (head, token) pairs it holds."""
+    g = torch.Generator().manual_seed(1)
+    scores = [torch.rand(1, 2, 10, generator=g) * scale for scale in (1.0, 1.5, 0.8)]
+    shares = layer_budgets(scores, [4, 4, 4], heads=2)
+    flat = torch.cat([s.flatten() for s in scores])
+    top = flat.topk(24).indices
+    counts = [int(((top >= 20 * i) & (top < 20 * (i + 1))).sum()) for i in range(3)]
+    assert min(counts) >= 2  # (so the one-token-per-head minimum does not apply)
+    assert shares == counts and sum(shares) == 24
+    assert shares[1] > shares[0] > shares[2]
+    scores[2] = scores[2] * 0.01  # a layer no pair of the model's top is in: one token per head, from the largest
+    shares = layer_budgets(scores, [4, 4, 4], heads=2)
+    assert shares[2] == 2 and sum(shares) == 24
+
+
+@pytest.mark.parametrize("head_budget", ["adaptive", "uniform"])
+def test_layer_adaptive_budgets_hold_the_models_budget(head_budget):
+    model = build_model("llama")
+    heads = model.config.num_key_value_heads
+    cache = KVzipCache(model, budget=8, head_budget=head_budget, layer_budget="adaptive", safeguard=0.0,
+                       request_ids=REQUEST)
+    ids = random_ids(1, 30, seed=5)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        cache.compress_context(model)
+    held = [int(layer.slot_valid[..., : layer.used].sum()) for layer in cache.layers]
+    assert len(set(held)) > 1  # layers get different shares
+    if head_budget == "adaptive":  # exactly the model's budget, each pool its layer's share
+        assert sum(held) == 8 * heads * len(cache.layers)
+        assert [layer.store.keys.shape[2] - 1 for layer in cache.layers] == held
+    else:  # a uniform layer keeps its share's per-head average
+        assert sum(held) <= 8 * heads * len(cache.layers)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(KVzipCache(
+        model, budget=8, head_budget=head_budget, layer_budget="adaptive", request_ids=REQUEST)))
+    assert out.shape[1] == 33
+
+
+def test_a_context_not_yet_compressed_cannot_be_saved(tmp_path):
+    from hf_kvcache import save_cache_state
+
+    model = build_model("llama")
+    cache = KVzipCache(model, budget=4, request_ids=REQUEST)
+    with torch.no_grad():
+        model(random_ids(1, 10, seed=2), **cache_kwargs(cache))
+    with pytest.raises(ValueError, match="has not compressed yet"):
+        save_cache_state(cache, tmp_path / "state.safetensors")

@@ -20,7 +20,7 @@ MAX_LINES = 410  # "no module past ~400 lines": the largest today is cli/eval_co
 #: the public API of `import hf_kvcache` (changing it is a release note, not a refactor)
 PUBLIC = {
     "CACHE_ARG", "CACHE_IMPLEMENTATIONS", "CompositeCache", "DEFAULT_CACHE_CONFIGS", "ExpectedAttentionCache",
-    "FullCache", "H2OCache", "KIVICache", "KVCache", "KVCacheConfig", "KeyDiffCache", "KnormCache",
+    "FullCache", "H2OCache", "KIVICache", "KVCache", "KVCacheConfig", "KVzipCache", "KeyDiffCache", "KnormCache",
     "QuantizedFP8Cache", "RandomEvictionCache", "SinkCache", "SlidingWindowCache", "SnapKVCache", "TOVACache",
     "UnsupportedTransformersError", "build_cache", "cache_kwargs", "default_cache_config", "enable", "enable_paged",
     "load_cache_config", "load_cache_state", "publish", "read_cache_state_header", "register", "returned_cache",
@@ -72,7 +72,7 @@ def test_public_api():
     assert hf_kvcache.CACHE_IMPLEMENTATIONS["sink"] is hf_kvcache.SinkCache
     assert set(hf_kvcache.CACHE_IMPLEMENTATIONS) == {
         "sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi", "knorm", "keydiff", "tova", "snapkv",
-        "expected_attention"}
+        "expected_attention", "kvzip"}
     assert hf_kvcache.__version__ == hf_kvcache.version.__version__
 
 

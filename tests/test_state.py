@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 import hf_kvcache
 from hf_kvcache import cache_kwargs, load_cache_state, save_cache_state
 
+KVZIP_REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
 CACHES = {
     "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6),
     "sink_original": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6, position_mode="original"),
@@ -43,6 +44,9 @@ CACHES = {
     "tova": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["tova"](m, budget=8),
     "snapkv": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["snapkv"](m, budget=8, window=4),
     "expected_attention": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["expected_attention"](m, budget=8),
+    "kvzip": lambda m: hf_kvcache.KVzipCache(m, budget=5, request_ids=KVZIP_REQUEST),
+    "kvzip_model_wide": lambda m: hf_kvcache.KVzipCache(m, budget=5, head_budget="adaptive", layer_budget="adaptive",
+                                                        request_ids=KVZIP_REQUEST),
     "composite_prompt": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12,
                                                             compress="prompt"),
     "composite_snapkv": lambda m: hf_kvcache.CompositeCache(m, regions=[

@@ -200,6 +200,14 @@ class KVCache(Cache, ForwardAnnounced):
             if isinstance(layer.policy, PromptCompressionPolicy):
                 layer.policy.end_prompt(layer.view)
 
+    def state_phase(self) -> dict:
+        """For state files (hf_kvcache.sharing.state): what a fresh cache must become before the saved layers are
+        written into it, for caches whose layers change kind during a stream (KVzip). Default: nothing."""
+        return {}
+
+    def enter_state_phase(self, phase: dict, where: str) -> None:
+        """Become what `state_phase()` described (before a state file's layers are loaded)."""
+
     def nbytes(self) -> int:
         """Bytes this cache holds: buffers as allocated, scales and metadata included, every layer type."""
         return sum(layer_nbytes(layer) for layer in self.layers)

@@ -36,7 +36,7 @@ import torch
 from ..common.validation import require_choice, require_int
 from ..integration.cache_argument import cache_kwargs
 from ..layers.layer import CompressedLayer
-from ..policies.kvzip import KVzipPolicy, ReconstructionScoringPolicy
+from ..policies.kvzip import KVzipPolicy, ReconstructionScoringPolicy, layer_budgets
 from ..policies.prompt_mode import PromptCompressionPolicy
 from ..stores import FullPrecisionStore
 from .base import KVCache
@@ -47,6 +47,7 @@ FIRST_REQUEST = "\n\nRepeat the previous context exactly."
 NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
 PREVIOUS_TAIL = 8  # tokens of the previous chunk that start a later chunk's request
 REQUEST_KEYS = ("first", "next", "suffix")
+LAYER_BUDGETS = ("uniform", "adaptive")
 
 
 def request_ids_from_tokenizer(tokenizer) -> dict[str, list[int]]:
@@ -94,14 +95,15 @@ class KVzipCache(KVCache):
 
     def __init__(self, config_or_model, budget: int | float | None = None, sinks: int = 4, recent: int = 0,
                  chunk_size: int = 2048, head_budget: str = "uniform", safeguard: float = 0.2,
-                 tokenizer=None, request_ids: dict | None = None, compress: str = "prompt",
-                 layers: dict | list | None = None):
+                 layer_budget: str = "uniform", tokenizer=None, request_ids: dict | None = None,
+                 compress: str = "prompt", layers: dict | list | None = None):
         require_choice("compress", compress, ("prompt",))  # (scores need model forwards: never at decode time)
         self.budget = _budget(budget)
         self.sinks = require_int("sinks", sinks, 0)
         self.recent = _recent(recent, self.budget)
         self.chunk_size = require_int("chunk_size", chunk_size, 1)
         self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
+        self.layer_budget = require_choice("layer_budget", layer_budget, LAYER_BUDGETS)
         if tokenizer is not None and not isinstance(tokenizer, str) and not callable(getattr(tokenizer, "encode", None)):
             raise ValueError(f"`tokenizer` must be a name or path, or a tokenizer (with `encode`), got "
                              f"{type(tokenizer).__name__}.")
@@ -223,8 +225,9 @@ class KVzipCache(KVCache):
                     self._restore_others(others)
         finally:
             self._reconstructing = False
+        totals = self._layer_totals(scoring, real) if self.layer_budget == "adaptive" else {}
         for layer in scoring:
-            self._place(layer, real, positions)
+            self._place(layer, real, positions, totals.get(layer.layer_idx))
         self._compressed = True
         self._ids, self._real, self._positions = [], [], []
 
@@ -264,18 +267,34 @@ class KVzipCache(KVCache):
         for i, layer in others.items():
             self.layers[i] = layer
 
-    def _place(self, layer: CompressedLayer, real: torch.Tensor, positions: torch.Tensor) -> None:
+    def _settings(self, layer) -> dict:
+        """The placement settings of `layer`: the cache's, with a per-layer setting (`layers`) winning."""
+        return {"budget": self.budget, "sinks": self.sinks, "recent": self.recent, "head_budget": self.head_budget,
+                "safeguard": self.safeguard, **getattr(layer, "placement_settings", {})}
+
+    def _layer_totals(self, scoring: list[CompressedLayer], real: torch.Tensor) -> dict[int, int]:
+        """Layer-adaptive budgets: each layer's share (tokens over its heads) of the model's budget, by score."""
+        scores, budgets = [], []
+        for layer in scoring:
+            settings = self._settings(layer)
+            budget = settings["budget"]
+            budgets.append(max(1, int(round(budget * real.shape[1]))) if isinstance(budget, float) else budget)
+            ranked = layer.policy.context_scores.masked_fill(~real[:, None, :], float("-inf"))
+            scores.append(ranked.masked_fill(self._sink_mask(real, settings["sinks"])[:, None, :], float("inf")))
+        shares = layer_budgets(scores, budgets, scoring[0].policy.heads)
+        return {layer.layer_idx: share for layer, share in zip(scoring, shares)}
+
+    @staticmethod
+    def _sink_mask(real: torch.Tensor, sinks: int) -> torch.Tensor:
+        return real & (real.long().cumsum(1) <= sinks)
+
+    def _place(self, layer: CompressedLayer, real: torch.Tensor, positions: torch.Tensor,
+               total: int | None = None) -> None:
         """Replace `layer` (every context token in full precision) by the layer that keeps the context at its
-        budget by the reconstruction scores; the full-precision copy is freed with the old layer."""
-        settings = {"budget": self.budget, "sinks": self.sinks, "recent": self.recent, "head_budget": self.head_budget,
-                    "safeguard": self.safeguard, **getattr(layer, "placement_settings", {})}
-        head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
-        scores = layer.policy.context_scores
-        policy, store = with_head_budget(
-            KVzipPolicy(_budget(settings["budget"]), scores, settings["sinks"], settings["recent"]),
-            head_budget, safeguard)
-        placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
-        placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
+        budget by the reconstruction scores (or at `total` tokens over its heads: layer-adaptive budgets); the
+        full-precision copy is freed with the old layer."""
+        budget = None if total is None else max(1, total // layer.policy.heads)  # a uniform layer: the average
+        placed = self._placed_layer(layer, layer.policy.context_scores, budget, total)
         keys, values = layer.store.read(layer.seen)
         self.forward_info.begin(keys.shape[-2], keys.shape[0], keys.device, 0, attention_mask=real,
                                 position_ids=positions)
@@ -283,6 +302,33 @@ class KVzipCache(KVCache):
         placed.policy.end_prompt(placed.view)
         self.layers[layer.layer_idx] = placed
         layer.reset()  # (kept, empty, for `reset()`: a new context is collected by it again)
+
+    def _placed_layer(self, layer: CompressedLayer, scores, budget: int | None, total: int | None) -> CompressedLayer:
+        """The (empty) layer that holds `layer`'s context at its budget (`budget` per head and `total` for its pool
+        when the model allots them), scored by `scores`."""
+        settings = self._settings(layer)
+        head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
+        policy, store = with_head_budget(
+            KVzipPolicy(budget or _budget(settings["budget"]), scores, settings["sinks"], settings["recent"],
+                        total=total if head_budget == "adaptive" else None),
+            head_budget, safeguard)
+        placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
+        placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
+        return placed
+
+    # -- state files ------------------------------------------------------------------------------------------
+    def state_phase(self) -> dict:
+        if self._ids and not self._compressed:
+            raise ValueError("save_cache_state: this KVzipCache holds a context it has not compressed yet (a state "
+                             "file holds no token ids to reconstruct it from); save after the first decode step or "
+                             "`cache.compress_context(model)`.")
+        return {"context_placed": self._compressed}
+
+    def enter_state_phase(self, phase: dict, where: str) -> None:
+        if phase.get("context_placed"):  # the placed layers, empty: the file's state is written into them
+            for index, layer in self._scoring_layers.items():
+                self.layers[index] = self._placed_layer(layer, None, None, None)
+            self._compressed = True
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def reset(self):

@@ -14,8 +14,10 @@ Two policies, one per phase of a layer (hf_kvcache.caches.kvzip runs the phases)
   "max", `score_columns` the restricted softmax's columns) into `context_scores` for the chunk's columns;
 - `KVzipPolicy` when the context is placed at its budget: a scorer policy (hf_kvcache.policies.scored) whose
   scores for the context are the reconstruction's, uniform per head or head-adaptive (the paper allots by score
-  across heads: `head_budget="adaptive"`).
+  across heads: `head_budget="adaptive"`), the layer's pool given (`total`) when the model allots its budget over
+  the layers too (`layer_budgets`).
 """
+
 
 from __future__ import annotations
 
@@ -24,6 +26,23 @@ import torch
 from .base import Placement
 from .keep_all import KeepAllPolicy
 from .scored import ScoredPolicy
+
+
+def layer_budgets(scores: list[torch.Tensor], budgets: list[int], heads: int) -> list[int]:
+    """KVzip's model-wide allotment: `scores` per layer [B, Hkv, n] (+inf: must stay, -inf: padding), `budgets` the
+    layers' per-head budgets. The best `sum(budgets) x heads` (head, token) pairs per row over all layers are kept;
+    a layer's pool is its share of them, averaged over the rows (exact for one row), at least one token per head
+    (taken from the largest share, so the shares add up to the model's budget)."""
+    total = sum(budgets) * heads
+    flat = torch.cat([part.flatten(1) for part in scores], 1)  # [B, sum of Hkv x n]
+    chosen = flat.topk(min(total, flat.shape[1]), dim=-1).indices
+    sizes = torch.tensor([part[0].numel() for part in scores], device=flat.device)
+    layer_of = torch.repeat_interleave(torch.arange(len(scores), device=flat.device), sizes)
+    counts = torch.bincount(layer_of[chosen].flatten(), minlength=len(scores)).double() / flat.shape[0]
+    shares = [max(heads, int(round(c))) for c in counts.tolist()]
+    largest = max(range(len(shares)), key=shares.__getitem__)
+    shares[largest] = max(heads, shares[largest] - (sum(shares) - total))
+    return shares
 
 
 class ReconstructionScoringPolicy(KeepAllPolicy):
@@ -82,9 +101,16 @@ class KVzipPolicy(ScoredPolicy):
     before the context is written); the first `sinks` positions are never evicted. Prompt mode only: nothing is
     scored after the context."""
 
-    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0):
+    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0,
+                 total: int | None = None):
         super().__init__(budget, recent=recent, sinks=sinks)
         self.context_scores = context_scores
+        self.total = total  # head-adaptive: the layer's pool, when the model allots it (layer-adaptive budgets)
+
+    def size_for(self, heads: int) -> None:
+        super().size_for(heads)
+        if self.total is not None and self.pool_heads:
+            self.capacity = self.total
 
     def place_chunk(self, view, real, seen: int) -> Placement:
         if self.context_scores is None or self.context_scores.shape[-1] != real.shape[1] or view.used:

@@ -244,6 +244,7 @@ def save_cache_state(cache: KVCache, path: str | os.PathLike) -> None:
         "layers_setting": layers_setting,
         "model": _model_shape(cache.config),
         "state": {
+            "cache": cache.state_phase(),  # what the cache's own layer set is in (KVzip: its context placed)
             "layers": state.encode(list(cache.layers), "layers"),
             "forward_info": {"has_padding": cache.forward_info.has_padding},
         },
@@ -332,6 +333,7 @@ def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type
     state = header["state"]
     if not isinstance(state, dict) or "layers" not in state:
         raise ValueError(f"{where}: field `state.layers` is missing.")
+    restored.enter_state_phase(state.get("cache") or {}, where)
     layers = decoder.value(state["layers"], list(restored.layers), "layers")
     if len(layers) != len(restored.layers):
         raise ValueError(f"{where}: field `state.layers` holds {len(layers)} layers, this cache "
