@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     from hf_kvcache.evaluation.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
-    ids = load_tokens(tokenizer, max_tokens=20000 + args.prompt)[20000:][None].to(args.device)
+    ids = load_tokens(tokenizer, max_tokens=20000 + args.prompt)[:, 20000:].to(args.device)
     configs = {
         "dynamic": (lambda: DynamicCache(config=model.config), False),
         "h2o": (lambda: hf_kvcache.H2OCache(model, heavy=args.budget / 2, recent=args.budget / 2), False),

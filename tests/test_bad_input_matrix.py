@@ -50,6 +50,7 @@ CLASSES = {
     "KnormCache": hf_kvcache.KnormCache,
     "KeyDiffCache": hf_kvcache.KeyDiffCache,
     "SnapKVCache": hf_kvcache.SnapKVCache,
+    "KVzipCache": hf_kvcache.KVzipCache,
     "QuantizedFP8Cache": hf_kvcache.QuantizedFP8Cache,
     "KIVICache": hf_kvcache.KIVICache,
 }
@@ -374,6 +375,11 @@ CASES: list[Case] = [
          attention_score="mean"),
     ctor("KeyDiffCache", match=r"`rescore_every` must be an integer >= 1", budget=8, rescore_every=0),
     ctor("SnapKVCache", match=r"`rescore_every` must be an integer", budget=80, rescore_every=2.5),
+    ctor("KVzipCache", match=r"`compress` must be one of \('prompt',\)", budget=8, compress="always"),
+    ctor("KVzipCache", match=r"`layer_budget` must be one of \('uniform', 'adaptive'\)", budget=8,
+         layer_budget="global"),
+    ctor("KVzipCache", match=r"`request_ids` must be a dict with the keys", budget=8, request_ids={"first": [1]}),
+    ctor("KVzipCache", match=r"`chunk_size` must be an integer >= 1", budget=8, chunk_size=0),
     ctor("KnormCache", match=r"`recent` must be an integer >= 0", budget=8, recent=-1),
     ctor("H2OCache", match=r"`budget` is a token count.*not ratios", budget=8, heavy=0.5),
     ctor("H2OCache", match=r"`heavy` \+ `recent` \(6 \+ 6\) must fit in `budget` \(8\)", budget=8, heavy=6, recent=6),
@@ -605,7 +611,7 @@ CASES: list[Case] = [
     file_case('{"cache": "sink", "cache": "sliding"}', r"key 'cache' appears twice in the same JSON object"),
     file_case('{"config": {"window": 8}}', r"missing field 'cache' \(the cache name, one of \['composite', 'expected_attention', 'fp8'"),
     file_case('{"cache": "lru"}', r"`cache` must be one of \['composite', 'expected_attention', 'fp8', 'h2o', 'keydiff', "
-              r"'kivi', 'knorm', 'random_eviction', 'sink', 'sliding', 'snapkv', 'tova'\], got 'lru'"),
+              r"'kivi', 'knorm', 'kvzip', 'random_eviction', 'sink', 'sliding', 'snapkv', 'tova'\], got 'lru'"),
     file_case('{"cache": "sink", "config": {"window": 8}, "extra": 1}', r"unknown field\(s\) \['extra'\]; valid fields "
               r"are \['cache', 'config', 'version', 'hf_kvcache_version'\]"),
     file_case('{"cache": "sink", "config": {"window": 8}, "version": 99}', r"version.*99"),

@@ -10,7 +10,9 @@ Each (architecture, cache) cell runs five checks, one test each:
 - `budget` (float32): at budget 8 with a 16-token prompt (eviction happens), generation runs with finite logits and
   `cache.nbytes()` is the same after 4 and after 12 new tokens, at least the budget's tokens' keys and values at the
   stored precision and at most `BOUND_FACTOR` times their full-precision bytes; layers that keep transformers' own
-  sliding-window layer add their bytes (as DynamicCache holds them) to both bounds. Keep-all quantized caches
+  sliding-window layer add their bytes (as DynamicCache holds them) to both bounds. Prompt-only caches (kvzip)
+  hold the budget plus the appended tokens: at least the budget's bytes (as above), at most `BOUND_FACTOR` times the
+  full-precision bytes of budget + new tokens, never less after 12 new tokens than after 4. Keep-all quantized caches
   instead must grow with the stream and stay below `QUANTIZED_MAX_RATIO` of the full-precision bytes of the same
   tokens (full-attention layers; plus the sliding layers' bytes).
 - `evict` (float32; caches with deterministic eviction: sink, sliding, composite sinks + window): one decode step
@@ -83,13 +85,14 @@ class Spec:
     full: dict  # a budget that keeps every token of the `equal` check (12 + 6 tokens)
     small: dict  # BUDGET tokens (keep-all caches: their own config)
     criterion: str  # "exact" or "kl"
-    memory: str  # "bounded" (evicting) or "grows" (keep-all, quantized)
+    memory: str  # "bounded" (evicting), "prompt" (the prompt compressed, then appended) or "grows" (keep-all)
     min_bytes_per_value: float  # stored precision of the smallest region at the small budget (bytes per value)
     label: str  # short description of the two configs for the legend
     evict: tuple[dict, int] | None = None  # `evict` check: (config, sinks it keeps), for caches whose eviction
     # is deterministic (sinks + window); None: not applicable (score- or seed-driven eviction, keep-all)
 
 
+KVZIP_REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
 _SINKS_WINDOW = [{"role": "sinks", "tokens": 4}, {"role": "window", "start": 0, "end": 32}]
 SPECS: dict[str, Spec] = {
     "sink": Spec({"sinks": 4, "window": 60}, {"sinks": 2, "window": 6}, "exact", "bounded", 4,
@@ -117,6 +120,9 @@ SPECS: dict[str, Spec] = {
                                f"budget 64 / {BUDGET} (query mean only)"),
     "snapkv": Spec({"budget": 64}, {"budget": BUDGET, "window": 2}, "exact", "bounded", 4,
                    f"budget 64 (window 64) / {BUDGET} (window 2)"),
+    # the reconstruction request as ids: these random models have no tokenizer
+    "kvzip": Spec({"budget": 64, "request_ids": KVZIP_REQUEST}, {"budget": BUDGET, "request_ids": KVZIP_REQUEST},
+                  "exact", "prompt", 4, f"budget 64 / {BUDGET} of the prompt, then appended (request as ids)"),
 }
 
 # (arch, cache, check) -> diagnosis, for BROKEN results we know about (fnmatch patterns allowed, e.g. "*").
@@ -342,6 +348,14 @@ def check_budget(arch: str, name: str) -> str:
             raise Broken(f"nbytes {long} outside [{low:.0f}, {high:.0f}] implied by budget {BUDGET}"
                          + (f" and the sliding layers' {sliding}" if sliding else ""))
         return f"nbytes {long} = {long / (BUDGET * per_token + sliding):.2f} x full-precision budget"
+    if spec.memory == "prompt":  # the compressed prompt, then every new token appended
+        low = BUDGET * per_token * spec.min_bytes_per_value / 4 + sliding
+        high = BOUND_FACTOR * ((BUDGET + LONG_NEW) * per_token + sliding)
+        if not (short <= long and low <= long <= high):
+            raise Broken(f"nbytes {short} -> {long}: a compressed prompt plus appended tokens must stay in "
+                         f"[{low:.0f}, {high:.0f}] and never shrink")
+        return (f"nbytes {long} = {long / ((BUDGET + LONG_NEW - 1) * per_token + sliding):.2f} x full-precision "
+                "budget + appended tokens")
     tokens = ids.shape[1] + LONG_NEW - 1  # the last generated token is never fed back
     full = tokens * per_token
     if not short < long <= QUANTIZED_MAX_RATIO * full + sliding:

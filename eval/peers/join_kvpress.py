@@ -1,7 +1,8 @@
 """Our rows next to kvpress's on the same positions: eval/results/peers_kvpress/side_by_side.md (and .json).
 
 Reads kvpress's records (eval/peers/kvpress_side_by_side.py) and ours from eval/results/scorers_decode (uniform
-budgets, prompt and "always" modes) and eval/results/head_budgets (head-adaptive, prompt mode).
+budgets, prompt and "always" modes), eval/results/head_budgets (head-adaptive, prompt mode) and eval/results/kvzip
+(KVzip, prompt mode).
 
     .venv/bin/python eval/peers/join_kvpress.py
 """
@@ -12,7 +13,7 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
-OURS = ("scorers_decode", "head_budgets")
+OURS = ("scorers_decode", "head_budgets", "kvzip")
 PEER = RESULTS / "peers_kvpress"
 
 
@@ -33,7 +34,8 @@ def main() -> None:
                      "prompt_tokens_held_layer0": r.get("prompt_tokens_held_layer0")})
     if not rows:
         raise SystemExit("no results yet: run the sweeps and eval/peers/run_kvpress.sh first")
-    rows.sort(key=lambda r: (r["budget"], r["kl_mean"]))
+    # (H2O-average's budgets are given as heavy 0.0995 + 1 recent token: the same 10 / 20 / 50% as the others)
+    rows.sort(key=lambda r: (round(r["budget"], 2), r["kl_mean"]))
     lines = ["| budget | method | by | KL mean | top-1 |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['budget']:.0%} | {r['method']} | {r['who']} | {r['kl_mean']:.4f} | "
