@@ -255,3 +255,18 @@ def test_a_context_not_yet_compressed_cannot_be_saved(tmp_path):
         model(random_ids(1, 10, seed=2), **cache_kwargs(cache))
     with pytest.raises(ValueError, match="has not compressed yet"):
         save_cache_state(cache, tmp_path / "state.safetensors")
+
+
+def test_per_layer_settings_and_kept_layers():
+    """`layers`: a layer's own budget is used when it is placed; a "keep" layer (not scored) comes back from the
+    reconstruction exactly as it was, holding the whole prompt."""
+    model = build_model("llama")
+    cache = KVzipCache(model, budget=6, request_ids=REQUEST, layers={0: "keep", 1: {"budget": 4}})
+    ids = random_ids(1, 18, seed=12)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        kept_keys = cache.layers[0].store.read(18)[0].clone()
+        cache.compress_context(model)
+    assert cache.layers[0].seen == 18 and cache.layers[0].used == 18
+    assert torch.equal(cache.layers[0].store.read(18)[0], kept_keys)
+    assert cache.layers[1].slot_valid[..., : cache.layers[1].used].sum(-1).tolist() == [[4, 4]]

@@ -104,10 +104,13 @@ class KVzipCache(KVCache):
         self.chunk_size = require_int("chunk_size", chunk_size, 1)
         self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
         self.layer_budget = require_choice("layer_budget", layer_budget, LAYER_BUDGETS)
-        if tokenizer is not None and not isinstance(tokenizer, str) and not callable(getattr(tokenizer, "encode", None)):
+        encodes = callable(getattr(tokenizer, "encode", None))
+        if tokenizer is not None and not isinstance(tokenizer, str) and not encodes:
             raise ValueError(f"`tokenizer` must be a name or path, or a tokenizer (with `encode`), got "
                              f"{type(tokenizer).__name__}.")
         self.tokenizer, self.request_ids = tokenizer, _check_request_ids(request_ids)
+        # (set after the layers are built: KVCache wraps a "prompt" cache's policies for prompt mode, and these
+        # layers collect the context instead; their placed successors are wrapped in `_placed_layer`)
         super().__init__(config_or_model, lambda cfg: (ReconstructionScoringPolicy(), FullPrecisionStore()), layers)
         self.compress = "prompt"
         self._scoring_layers = {layer.layer_idx: layer for layer in self.compressed_layers
@@ -205,8 +208,8 @@ class KVzipCache(KVCache):
         context = ids.shape[1]
         scoring = list(self._scoring_layers.values())
         if any(layer.seen != context for layer in scoring):
-            raise RuntimeError(f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} context "
-                               "tokens were recorded; a forward bypassed the cache's announcement.")
+            raise RuntimeError(f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} "
+                               "context tokens were recorded; a forward bypassed the cache's announcement.")
         requests = self._requests_for(model)
         base = getattr(model, "base_model", model)
         self._reconstructing = True
