@@ -270,3 +270,18 @@ def test_per_layer_settings_and_kept_layers():
     assert cache.layers[0].seen == 18 and cache.layers[0].used == 18
     assert torch.equal(cache.layers[0].store.read(18)[0], kept_keys)
     assert cache.layers[1].slot_valid[..., : cache.layers[1].used].sum(-1).tolist() == [[4, 4]]
+
+
+def test_generate_modes_beam_chunked_prefill_and_assisted():
+    model = build_model("llama")
+    ids = random_ids(2, 20, seed=5)
+
+    def run(**kwargs):
+        return model.generate(ids, max_new_tokens=4, **kwargs, **cache_kwargs(KVzipCache(model, budget=6,
+                                                                                         request_ids=REQUEST)))
+
+    assert torch.equal(run(do_sample=False), run(do_sample=False, prefill_chunk_size=7))  # one context either way
+    assert run(num_beams=2, do_sample=False).shape == (2, 24)
+    with pytest.raises(ValueError, match="cannot crop the context it is collecting"):
+        model.generate(ids[:1], max_new_tokens=4, do_sample=False, assistant_model=build_model("llama", seed=1),
+                       **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)))

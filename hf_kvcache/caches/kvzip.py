@@ -340,6 +340,19 @@ class KVzipCache(KVCache):
         super().reset()
         self._forget_context()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """After the context is placed, the appended tokens can be cropped; before, the context is not cropped: its
+        end is where a one-token forward (or `end_prompt`) says, and assisted generation, which verifies candidate
+        tokens in multi-token forwards and crops the rejected ones, would never let it end."""
+        if self._ids and not self._compressed and tokens_to_remove:
+            raise ValueError(
+                "KVzipCache cannot crop the context it is collecting: it is compressed before the first one-token "
+                "forward (or after `end_prompt()`), and assisted generation verifies candidates in multi-token "
+                "forwards, so the context would never end. Use another cache for assisted generation, or call "
+                "`cache.compress_context(model)` first."
+            )
+        super().crop(tokens_to_remove)
+
     def _map_context(self, fn) -> None:
         self._ids, self._real, self._positions = ([fn(t) for t in parts]
                                                   for parts in (self._ids, self._real, self._positions))
