@@ -15,6 +15,10 @@ from hf_kvcache.attention.scored import scored_attention
 from hf_kvcache.caches.kvzip import FIRST_REQUEST, NEXT_REQUEST, PREVIOUS_TAIL, request_ids_from_tokenizer
 from hf_kvcache.policies.kvzip import layer_budgets
 
+# the reconstruction runs nested forwards of the base model with the cache argument transformers names (`cache` /
+# `past_key_values`): run at both ends of the supported range
+pytestmark = pytest.mark.upstream
+
 REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
 
 
