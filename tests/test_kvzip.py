@@ -202,7 +202,7 @@ def test_bad_input_names_the_parameter():
         KVzipCache(model, budget=4, tokenizer=3)
     ids = random_ids(1, 10, seed=1)
     cache = KVzipCache(model, budget=4)  # no tokenizer: the random model's name_or_path is empty
-    with pytest.raises(ValueError, match="needs a tokenizer for its reconstruction request"):
+    with pytest.raises(ValueError, match="needs a tokenizer for its reconstruction request and the model has no"):
         model(ids, **cache_kwargs(cache))
     cache = KVzipCache(model, budget=4, request_ids={**REQUEST, "suffix": [10_000]})
     with pytest.raises(ValueError, match=r"`request_ids`: token ids \[10000\] are outside the model's vocabulary"):

@@ -20,7 +20,8 @@ PROMPT, NEW = 24, 6
 #: settings small enough that every evicting cache evicts during the smoke (prompt 24 + 6 new tokens)
 SMALL = {"sink": {"sinks": 2, "window": 10}, "sliding": {"window": 12}, "h2o": {"heavy": 6, "recent": 6},
          "random_eviction": {"heavy": 6, "recent": 6}, "composite": {"budget": 14}, "snapkv": {"budget": 12,
-         "window": 4}, "kivi": {"residual": 8, "group_size": 8}}
+         "window": 4}, "kivi": {"residual": 8, "group_size": 8},
+         "kvzip": {"budget": 12, "request_ids": {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}}}  # no tokenizer
 
 
 @pytest.mark.parametrize("name", sorted(hf_kvcache.CACHE_IMPLEMENTATIONS))

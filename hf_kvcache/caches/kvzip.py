@@ -169,8 +169,8 @@ class KVzipCache(KVCache):
     def _requests_for(self, model) -> dict[str, list[int]]:
         if self._requests is None:
             tokenizer = self.tokenizer
-            if tokenizer is None:
-                tokenizer = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+            if tokenizer is None:  # the model's own (a model built from a config has no name_or_path)
+                tokenizer = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None) or None
             if isinstance(tokenizer, str):
                 from transformers import AutoTokenizer
 
@@ -183,8 +183,9 @@ class KVzipCache(KVCache):
                         "Give `tokenizer` (a name, a path or a tokenizer) or `request_ids`."
                     ) from None
             if tokenizer is None:
-                raise ValueError("KVzipCache needs a tokenizer for its reconstruction request: give `tokenizer` (a "
-                                 "name, a path or a tokenizer) or `request_ids`.")
+                raise ValueError("KVzipCache needs a tokenizer for its reconstruction request and the model has no "
+                                 "`name_or_path` to load one from: give `tokenizer` (a name, a path or a tokenizer) "
+                                 "or `request_ids`.")
             self._requests = request_ids_from_tokenizer(tokenizer)
         vocab = getattr(self.config, "vocab_size", None)
         too_large = [i for ids in self._requests.values() for i in ids if vocab is not None and i >= vocab]
