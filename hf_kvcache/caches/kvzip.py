@@ -18,9 +18,11 @@ What happens (hf_kvcache.policies.kvzip for the scores):
 
 Cost: the reconstruction forwards process about the context's length again (plus the request), attending to the
 context too: on SmolLM2 with a 2K prompt, prefill plus reconstruction took 4.0x a plain prefill on CPU
-(eval/results/kvzip/prefill_cost.json). Peak memory is the full context's KV plus one chunk's. The request is text, tokenized with `tokenizer` (a name, a path or a tokenizer object; default the
-model's own `name_or_path`, loaded at the first forward so a missing tokenizer fails before any token is generated)
-or given as ids (`request_ids`: {"first": [...], "next": [...], "suffix": [...]}, e.g. for a model without one). As
+(eval/results/kvzip/prefill_cost.json). Peak memory is the full context's KV plus one chunk's.
+
+The request is text, tokenized with `tokenizer` (a name, a path or a tokenizer object; default the model's own
+`name_or_path`, loaded at the first forward so a missing tokenizer fails before any token is generated) or given
+as ids (`request_ids`: {"first": [...], "next": [...], "suffix": [...]}, e.g. for a model without one). As
 kvpress's KVzipPress: "\\n\\nRepeat the previous context exactly." for the first chunk, "\\n\\nRepeat the part of the
 previous context exactly, starting with" plus the previous chunk's last 8 tokens for the others, then the chat
 template's assistant prefix (a newline without a template), then the chunk.

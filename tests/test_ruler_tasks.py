@@ -1,0 +1,85 @@
+"""The generated RULER-style suite (hf_kvcache.evaluation.ruler): every task at a tiny size, seeded, within its token
+length, its answers in its context, scored as RULER scores; and one run of the protocol through a cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from test_generation_modes import tiny_chat_tokenizer
+
+from hf_kvcache import KVzipCache
+from hf_kvcache.evaluation.ruler import TASKS, make_sample, score
+from hf_kvcache.evaluation.ruler.haystack import weave
+from hf_kvcache.evaluation.ruler.protocol import prompt_parts, run_sample
+
+TOKENIZER = tiny_chat_tokenizer()  # one token per character: lengths are exact and small prompts still hold a task
+
+
+def _tokens(text: str) -> int:
+    return len(TOKENIZER(text, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_task_fits_its_length_holds_its_answers_and_is_seeded(task):
+    length = 6000 if task == "cwe" else 3000  # (characters here: the common words alone are ~2K)
+    sample = make_sample(task, length, seed=1, tokenizer=TOKENIZER)
+    total = _tokens(sample.context + sample.question + sample.answer_prefix)
+    assert length * 0.8 <= total <= length  # filled to the length, never over it
+    assert sample.answers and sample.metric in ("all", "part")
+    if task == "fwe":  # the three most frequent coded words, counted in the context
+        assert all(sample.context.count(w) >= count for w, count in zip(sample.answers, sample.meta["top_counts"]))
+    else:
+        assert all(answer in sample.context for answer in sample.answers)
+    assert sample.to_dict() == make_sample(task, length, seed=1, tokenizer=TOKENIZER).to_dict()
+    assert make_sample(task, length, seed=2, tokenizer=TOKENIZER).answers != sample.answers
+
+
+def test_needles_sit_at_their_depths_and_distractors_are_there():
+    sample = make_sample("niah_multikey_1", 4000, seed=3, tokenizer=TOKENIZER)
+    keys, asked = sample.meta["keys"], sample.meta["asked"]
+    assert len(keys) == 4 and asked == keys[:1]
+    assert all(f"for {key} is:" in sample.context for key in keys)  # three distractor needles
+    assert weave(["a", "b", "c", "d"], ["X", "Y"], [0.0, 0.5]) == "X a b Y c d"
+
+
+def test_ruler_string_match():
+    assert score("The numbers are 123 and 456.", ["123", "456", "789"], "all") == pytest.approx(2 / 3)
+    assert score("it is LYON", ["Lyon"], "part") == 1.0
+    assert score("no idea", ["Lyon", "Oslo"], "part") == 0.0
+    with pytest.raises(ValueError, match="`metric` must be one of"):
+        score("x", ["x"], "exact")
+
+
+def test_bad_task_and_length_name_the_parameter():
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        make_sample("niah_single_9", 2048, 0, TOKENIZER)
+    with pytest.raises(ValueError, match="`context_len` must be an integer >= 256"):
+        make_sample("vt", 100, 0, TOKENIZER)
+    with pytest.raises(ValueError, match="does not fit in"):
+        make_sample("cwe", 400, 0, TOKENIZER)
+
+
+def test_protocols_put_the_question_where_they_say():
+    sample = make_sample("niah_single_1", 1500, seed=0, tokenizer=TOKENIZER)
+    agnostic, tail = prompt_parts(sample, "agnostic")
+    aware, _ = prompt_parts(sample, "aware")
+    assert agnostic == sample.context and tail == sample.question + sample.answer_prefix
+    assert aware.startswith(sample.question.strip()) and aware.endswith(sample.context)
+    with pytest.raises(ValueError, match="`protocol` must be one of"):
+        prompt_parts(sample, "blind")
+
+
+def test_a_sample_runs_through_a_compressing_cache():
+    """The agnostic protocol through KVzip: the context is compressed before the question (end_prompt), the answer is
+    generated and scored; the cache held the budget plus the question and answer."""
+    model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
+    sample = make_sample("qa_records_code", 600, seed=0, tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=0.25, tokenizer=TOKENIZER)
+    result = run_sample(model, TOKENIZER, sample, cache)
+    assert 0.0 <= result["score"] <= 1.0 and result["answers"] == sample.answers
+    context = len(TOKENIZER(sample.context, add_special_tokens=False).input_ids)
+    layer = cache.layers[0]
+    held = int(layer.slot_valid[0, 0, : layer.used].sum())
+    assert held == round(0.25 * context) + result["prompt_tokens"] - context + sample.max_new_tokens - 1
+    assert torch.isfinite(torch.tensor(result["score"]))
