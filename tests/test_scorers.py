@@ -184,10 +184,12 @@ def test_bad_settings_name_the_parameter(name):
 
 @pytest.mark.parametrize("name", SCORERS)
 def test_decode_time_eviction_protects_half_the_budget_by_default(name):
-    """"always" mode keeps at least DECODE_RECENT_SHARE of the budget as a recent window when `recent` is unset (the
-    scorers' paper windows let decode-time eviction drop the newest tokens: eval/results/scorers); prompt mode
-    keeps the paper's window; a given `recent` is used as given."""
-    from hf_kvcache.caches.scorers import DECODE_RECENT_SHARE
+    """"always" mode keeps at least DECODE_RECENT_SHARE of the budget (Knorm: KNORM_DECODE_RECENT_SHARE) as a recent
+    window when `recent` is unset (the scorers' paper windows let decode-time eviction drop the newest tokens:
+    eval/results/scorers); prompt mode keeps the paper's window; a given `recent` is used as given."""
+    from hf_kvcache.caches.scorers import DECODE_RECENT_SHARE, KNORM_DECODE_RECENT_SHARE
+
+    share = KNORM_DECODE_RECENT_SHARE if name == "knorm" else DECODE_RECENT_SHARE
 
     model = build_model("llama")
     cls = CACHE_IMPLEMENTATIONS[name]
@@ -202,8 +204,9 @@ def test_decode_time_eviction_protects_half_the_budget_by_default(name):
                 model(input_ids=ids, **cache_kwargs(cache))
         tokens = budget if isinstance(budget, int) else int(budget * prompt_len)
         policy = caches["always"].layers[0].policy
-        assert policy.recent == max(paper, round(DECODE_RECENT_SHARE * tokens)) == tokens // 2
-        assert policy.heavy == tokens - tokens // 2
+        window = {0.5: tokens // 2, 0.75: tokens * 3 // 4}[share]  # (12 and 0.5 x 24 tokens: exact shares)
+        assert policy.recent == max(paper, round(share * tokens)) == window
+        assert policy.heavy == tokens - window
         assert caches["prompt"].layers[0].policy.inner.recent == paper
         assert given.layers[0].policy.recent == paper
 
