@@ -3,6 +3,8 @@ length, its answers in its context, scored as RULER scores; and one run of the p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import build_model
@@ -83,3 +85,40 @@ def test_a_sample_runs_through_a_compressing_cache():
     held = int(layer.slot_valid[0, 0, : layer.used].sum())
     assert held == round(0.25 * context) + result["prompt_tokens"] - context + sample.max_new_tokens - 1
     assert torch.isfinite(torch.tensor(result["score"]))
+
+
+def test_the_board_runs_resumes_and_summarizes(tmp_path):
+    from hf_kvcache.evaluation.cache_spec import make_cache
+    from hf_kvcache.evaluation.ruler.board import Method, jobs, plot_board, run_board, summarize
+
+    model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
+    methods = [Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
+               Method("StreamingLLM prompt", "sink", {"sinks": 2, "compress": "prompt"}, budget_key="window"),
+               Method("FP8", "fp8", {}, budget_key=None, fixed=0.75)]
+    plan = dict(compressions=[0.0, 0.5], protocols=["agnostic"], tasks=["niah_single_1", "qa_records_code"],
+                lengths=[600], samples=2)
+    build = lambda name, config, context: make_cache(model, name, config, context)  # noqa: E731
+    path = run_board(model, TOKENIZER, build, methods, out=tmp_path, **plan)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 * 2 * (1 + 2 + 1)  # tasks x seeds x (full + two budgets at 50% + FP8 at its ratio)
+    assert {r["config"].get("window") for r in records if r["cache"] == "sink"} == {0.5}  # (of the context's tokens)
+    assert {r["compression"] for r in records if r["method"] == "FP8"} == {0.75}
+    run_board(model, TOKENIZER, build, methods, out=tmp_path, **plan)  # resumed: nothing to do
+    assert len(path.read_text().splitlines()) == len(records)
+    summary = summarize(path)
+    assert len(summary["cells"]) == 2 * 4 and all(c["n"] == 2 for c in summary["cells"])
+    board = {(r["method"], r["compression"]): r for r in summary["board"]}
+    assert set(board) == {("full", 0.0), ("SnapKV prompt", 0.5), ("StreamingLLM prompt", 0.5), ("FP8", 0.75)}
+    cells = [c for c in summary["cells"] if c["method"] == "full"]
+    assert board[("full", 0.0)]["score"] == pytest.approx(sum(c["score"] for c in cells) / 2)
+    plot_board(summary["board"], tmp_path / "board.png", "tiny")
+    assert (tmp_path / "board.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="`compressions`: each must be in"):
+        list(jobs(methods, [1.0], ["agnostic"], ["vt"], [600], 1))
+
+
+def test_the_ruler_command_names_a_bad_task(capsys):
+    from hf_kvcache.cli.app import main
+
+    assert main(["ruler", "--tasks", "niah_single_9"]) == 2
+    assert "--tasks: ['niah_single_9'] are not tasks" in capsys.readouterr().err

@@ -106,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ..paged.serve_bench import add_serve_bench_command
     from .eval_commands import add_eval_commands
 
+    from .ruler_command import add_ruler_command
+
     add_eval_commands(sub)
+    add_ruler_command(sub)
     add_serve_bench_command(sub)
     return parser
 
@@ -122,6 +125,7 @@ _EPILOG = """commands:
   retrieval   pass-key and JSON-records probes at early/middle/late positions
   speed       prefill time and decode ms/token as ratios to DynamicCache, measured interleaved
   sweep       run a YAML spec (caches x budgets x metrics x context lengths), resumable, CSV/JSON/PNG
+  ruler       the RULER-style leaderboard: generated tasks x caches x compressions x protocols, resumable
   lm-eval     lm-evaluation-harness with --model hf-kvcache and the local probe tasks
   serve-bench continuous batching under a KV memory budget: model-dtype vs FP8 / INT8 pages (concurrency,
               tokens/s, TTFT, KL)

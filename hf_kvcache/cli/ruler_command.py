@@ -1,0 +1,80 @@
+"""`hf-kvcache ruler`: the RULER-style leaderboard (hf_kvcache.evaluation.ruler.board) from the command line.
+
+    hf-kvcache ruler --lengths 2048 4096 --samples 50 --out eval/results/ruler            # every default method
+    hf-kvcache ruler --method "KVzip=kvzip:head_budget=adaptive,layer_budget=adaptive" --tasks niah_single_2 ...
+
+Resumable: the answers already in OUT/results.jsonl are not recomputed. Writes OUT/cells.csv (one row per method,
+compression, protocol, task, length: mean score, 95% interval, n), OUT/board.csv and OUT/board.json (mean over the
+tasks per method, compression, protocol, length) and OUT/board.png (score vs compression, one line per method).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .args import parse_cache
+
+
+def _method(text: str):
+    """"LABEL=NAME:key=value,..." (or "NAME:..." labelled by itself); the kept share goes to `budget`, or to
+    `window` for sink and sliding."""
+    from ..evaluation.ruler.board import Method
+
+    label, _, spec = text.partition("=") if "=" in text.split(":", 1)[0] else ("", "", text)
+    _, name, config = parse_cache(spec)
+    key = "window" if name in ("sink", "sliding") else "budget"
+    return Method(label or spec, name, config, budget_key=key)
+
+
+def cmd_ruler(args) -> int:
+    from ..evaluation.cache_spec import make_cache
+    from ..evaluation.models import load_model
+    from ..evaluation.ruler import TASKS
+    from ..evaluation.ruler.board import DEFAULT_METHODS, plot_board, run_board, summarize
+
+    unknown = sorted(set(args.tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"--tasks: {unknown} are not tasks; the tasks are {sorted(TASKS)}.")
+    methods = [_method(m) for m in args.method] if args.method else DEFAULT_METHODS
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    out = Path(args.out)
+    path = run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
+                     args.compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
+                     progress=not args.quiet)
+    summary = summarize(path, args.tasks)
+    for name, rows in (("cells", summary["cells"]), ("board", summary["board"])):
+        with (out / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    (out / "board.json").write_text(json.dumps({"model": args.model, "tasks": args.tasks, **summary}, indent=1) + "\n")
+    plot_board(summary["board"], out / "board.png", f"{args.model}: generated RULER-style tasks")
+    for row in summary["board"]:
+        print(f"{row['method']:28s} {row['compression']:.2f} {row['protocol']:8s} {row['context_len']:6d} "
+              f"{row['score']:.3f} +- {row['ci95_halfwidth']:.3f} (n={row['samples']})")
+    return 0
+
+
+def add_ruler_command(sub) -> None:
+    from ..evaluation.ruler import TASKS
+    from ..evaluation.ruler.protocol import PROTOCOLS
+
+    p = sub.add_parser("ruler", help="the RULER-style leaderboard: generated tasks x caches x compressions",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a Hub id, a local directory, or smollm2 (offline)")
+    p.add_argument("--method", action="append", default=[],
+                   help='"LABEL=NAME:key=value,...", repeatable (default: every cache family, see the docs)')
+    p.add_argument("--compressions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
+    p.add_argument("--protocols", nargs="+", default=["agnostic"], choices=PROTOCOLS)
+    p.add_argument("--tasks", nargs="+", default=sorted(TASKS))
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--samples", type=int, default=50)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="ruler_results")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ruler)
