@@ -102,3 +102,31 @@ def test_records_task_scoring(setup):
                                                                       "value_match": 1}
     assert records_process_results(doc, ['{"id": "XX-0000-00", "code": 1}'])["json_parse"] == 1
     assert records_process_results(doc, ['{"id": "XX-0000-00", "code": 1}'])["exact_match"] == 0
+
+
+def test_the_generated_ruler_tasks_run_under_lm_eval():
+    """One task file per generated task (kvcache_ruler_*, group kvcache_ruler); a task's generations through the
+    full cache equal lm-eval's own `hf` model, and its score is RULER's string match."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from hf_kvcache.evaluation.ruler import TASKS
+    from hf_kvcache.evaluation.tasks import ruler_utils
+
+    assert {p.stem for p in TASKS_DIR.glob("kvcache_ruler_*.yaml")} == {f"kvcache_ruler_{t}" for t in TASKS}
+    tok, model = char_tokenizer(), build_model("llama", seed=4)
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
+                     metadata={"context_tokens": 256, "n_docs": 2})
+    task = get_task_dict(["kvcache_ruler_qa_records_code"], tm)["kvcache_ruler_qa_records_code"]
+    task.build_all_requests(limit=2, rank=0, world_size=1)
+    requests = list(task.instances)
+    for inst in requests:  # short generations for a fast test
+        inst.arguments = (inst.arguments[0], {**inst.arguments[1], "max_gen_toks": 6})
+    expected = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu").generate_until(requests,
+                                                                                              disable_tqdm=True)
+    got = HFKVCacheLM(pretrained=model, tokenizer=tok, cache="dynamic").generate_until(requests, disable_tqdm=True)
+    assert got == expected and len(got) == 2
+    doc = requests[0].doc
+    answer = ruler_utils.json.loads(doc["answers"])[0]
+    assert ruler_utils.process_results(doc, [f"it is {answer}"]) == {"score": 1.0}
+    assert ruler_utils.process_results(doc, ["no idea"]) == {"score": 0.0}

@@ -30,7 +30,8 @@ __all__ = ["METRICS", "Sample", "TASKS", "make_sample", "score"]
 
 
 def make_sample(task: str, context_len: int, seed: int, tokenizer) -> Sample:
-    """Sample `seed` of `task` for a prompt of at most `context_len` tokens of `tokenizer`."""
+    """Sample `seed` of `task` for a prompt of at most `context_len` tokens of `tokenizer` (None: ~4 characters per
+    token)."""
     if task not in TASKS:
         raise ValueError(f"`task` must be one of {sorted(TASKS)}, got {task!r}.")
     if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 256:

@@ -45,7 +45,10 @@ def score(prediction: str, answers: list[str], metric: str) -> float:
 
 
 def token_counter(tokenizer) -> Callable[[str], int]:
-    """Token count of a text by the model's tokenizer (the context length is the model's, not characters)."""
+    """Token count of a text by the model's tokenizer (the context length is the model's, not characters); without
+    one (lm-eval task files that know no model), about 4 characters per token."""
+    if tokenizer is None:
+        return lambda text: max(1, len(text) // 4)
     return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
