@@ -93,5 +93,6 @@ def niah(name: str, context_len: int, seed: int, count) -> Sample:
     budget = context_len - count(question + prefix) - 2
     n = fit(build, len(units), budget, count)
     answers = [value for key in asked for value in values[key]]
-    return Sample(name, build(n), question, prefix, answers, "all", max_new_tokens=16 * len(answers),
+    per_answer = 40 if value_kind == "uuids" else 16  # (a UUID is ~25 tokens of SmolLM2's tokenizer)
+    return Sample(name, build(n), question, prefix, answers, "all", max_new_tokens=per_answer * len(answers),
                   meta={"haystack": haystack, "keys": keys, "asked": asked, "depths": depths, "units": n})
