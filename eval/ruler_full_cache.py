@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -24,18 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stream_ppl import environment  # noqa: E402
 
 from hf_kvcache.evaluation.ruler import TASKS, make_sample  # noqa: E402
+from hf_kvcache.evaluation.ruler.board import interval95  # noqa: E402
 from hf_kvcache.evaluation.ruler.protocol import run_sample  # noqa: E402
 
 KEEP_MARGIN = 0.3  # kept when the full cache's mean is at least chance + this
-
-
-def interval(scores: list[float]) -> tuple[float, float]:
-    """95% normal-approximation interval of the mean (clipped to [0, 1])."""
-    n = len(scores)
-    mean = sum(scores) / n
-    sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.0
-    half = 1.96 * sd / math.sqrt(n)
-    return max(0.0, mean - half), min(1.0, mean + half)
 
 
 def main(argv=None) -> None:
@@ -57,7 +48,7 @@ def main(argv=None) -> None:
             results = [run_sample(model, tokenizer, make_sample(task, length, seed, tokenizer),
                                   DynamicCache(config=model.config)) for seed in range(args.samples)]
             scores = [r["score"] for r in results]
-            mean, (low, high) = sum(scores) / len(scores), interval(scores)
+            mean, (low, high) = sum(scores) / len(scores), interval95(scores)
             chance = results[0]["chance"]
             rows.append({"task": task, "context_len": length, "samples": len(scores), "mean": round(mean, 3),
                          "ci95": [round(low, 3), round(high, 3)], "chance": round(chance, 3),
