@@ -117,12 +117,12 @@ def passkey_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
                  {"key": key, "filler_units": len(fill)})
 
 
-def _record_line(r: dict) -> str:
+def record_line(r: dict) -> str:
     return (f'{{"id": "{r["id"]}", "name": "{r["name"]}", "date": "{r["date"]}", "city": "{r["city"]}", '
             f'"code": {r["code"]}}}\n')
 
 
-def _records(rng: random.Random, n: int) -> tuple[list[dict], dict]:
+def make_records(rng: random.Random, n: int) -> tuple[list[dict], dict]:
     """`n` records; the target plus distractors sharing its name, date or a near-identical id."""
     def rid():
         return f"{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}-{rng.randint(1000, 9999)}-" \
@@ -184,14 +184,14 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
     line_tokens = max(1, count('{"id": "AB-1234-56", "name": "Maria Keller", "date": "2019-04-12", "city": "Lyon", '
                                '"code": 12345}\n'))
     n = max(4, (context_len - count(RECORDS_HEADER)) // line_tokens + 4)
-    records, target = _records(rng, n)
+    records, target = make_records(rng, n)
     question = (f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\n'
                 "Answer: ")
     budget = context_len - count(question) - 2
 
     def build(rs: list[dict]) -> str:
         at = int(round(depth * len(rs)))
-        return RECORDS_HEADER + "".join(_record_line(r) for r in rs[:at] + [target] + rs[at:])
+        return RECORDS_HEADER + "".join(record_line(r) for r in rs[:at] + [target] + rs[at:])
 
     kept = _fill(records, None, build, budget, count)
     shown = kept[: int(round(depth * len(kept)))] + [target] + kept[int(round(depth * len(kept))):]
@@ -204,7 +204,7 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
 def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random.Random, count, n_records: int):
     if isinstance(n_records, bool) or not isinstance(n_records, int) or n_records < 2:
         raise ValueError(f"`n_records` must be an integer >= 2 (the target and at least one distractor), got {n_records!r}.")
-    distractors, target = _records(rng, n_records)
+    distractors, target = make_records(rng, n_records)
     at = int(round(depth * len(distractors)))
     shown = distractors[:at] + [target] + distractors[at:]
     question = (f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\n'
@@ -218,7 +218,7 @@ def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random
         parts, r = [RECORDS_HEADER], 0
         for u in range(len(fill) + 1):
             while r < len(shown) and slots[r] == u:
-                parts.append(_record_line(shown[r]))
+                parts.append(record_line(shown[r]))
                 r += 1
             if u < len(fill):
                 parts.append(fill[u])

@@ -6,7 +6,7 @@ Scored "part" (the field's value appears in the output), as RULER scores its QA 
 
 from __future__ import annotations
 
-from ..retrieval import CITIES, _record_line, _records
+from ..retrieval import CITIES, make_records, record_line
 from .sample import Sample, fit, rng_for
 
 VARIANTS = {"qa_records_city": "city", "qa_records_code": "code"}
@@ -17,7 +17,7 @@ HEADER = ("Below is a list of customer records, one per line. Each record has an
 def qa_records(name: str, context_len: int, seed: int, count) -> Sample:
     field_name = VARIANTS[name]
     rng = rng_for(name, context_len, seed)
-    records, target = _records(rng, max(8, context_len // 20))
+    records, target = make_records(rng, max(8, context_len // 20))
     depth = rng.random()
     question = f'\nQuestion: what is the {field_name} of the record with id "{target["id"]}"?'
     prefix = f" Answer: the {field_name} of the record with id \"{target['id']}\" is"
@@ -25,7 +25,7 @@ def qa_records(name: str, context_len: int, seed: int, count) -> Sample:
     def build(n: int) -> str:
         shown = records[:n]
         at = int(round(depth * n))
-        return HEADER + "".join(_record_line(r) for r in shown[:at] + [target] + shown[at:])
+        return HEADER + "".join(record_line(r) for r in shown[:at] + [target] + shown[at:])
 
     n = fit(build, len(records), context_len - count(question + prefix) - 2, count)
     return Sample(name, build(n), question, prefix, [str(target[field_name])], "part", max_new_tokens=12,
