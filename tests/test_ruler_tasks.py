@@ -105,6 +105,10 @@ def test_the_board_runs_resumes_and_summarizes(tmp_path):
     assert {r["compression"] for r in records if r["method"] == "FP8"} == {0.75}
     run_board(model, TOKENIZER, build, methods, out=tmp_path, **plan)  # resumed: nothing to do
     assert len(path.read_text().splitlines()) == len(records)
+    text = path.read_text()
+    path.write_text(text[: len(text) - 40])  # killed while writing the last answer: it is run again
+    run_board(model, TOKENIZER, build, methods, out=tmp_path, **plan)
+    assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == [r["key"] for r in records]
     summary = summarize(path)
     assert len(summary["cells"]) == 2 * 4 and all(c["n"] == 2 for c in summary["cells"])
     board = {(r["method"], r["compression"]): r for r in summary["board"]}

@@ -73,9 +73,15 @@ def jobs(methods: list[Method], compressions: list[float], protocols: list[str],
 
 
 def done_keys(path: Path) -> set[str]:
+    """Keys of the answers already in `path`. A run killed in the middle of a line leaves it without its newline:
+    that line is cut off here (its answer is run again), so appending never glues two records together."""
     if not path.exists():
         return set()
-    return {json.loads(line)["key"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
+    return {json.loads(line)["key"] for line in text.splitlines() if line.strip()}
 
 
 def run_board(model, tokenizer, make_cache: Callable[[str, dict], object], methods: list[Method],
