@@ -228,9 +228,12 @@ class KVzipCache(KVCache):
                     self._restore_others(others)
         finally:
             self._reconstructing = False
-        totals = self._layer_totals(scoring, real) if self.layer_budget == "adaptive" else {}
+        totals = self._layer_totals(scoring, real, positions) if self.layer_budget == "adaptive" else {}
+        # the context is written into the placed layers as one announced forward (each layer reads its validity and
+        # positions from it, on its own device)
+        self.forward_info.begin(context, ids.shape[0], real.device, 0, attention_mask=real, position_ids=positions)
         for layer in scoring:
-            self._place(layer, real, positions, totals.get(layer.layer_idx))
+            self._place(layer, totals.get(layer.layer_idx))
         self._compressed = True
         self._ids, self._real, self._positions = [], [], []
 
@@ -275,31 +278,27 @@ class KVzipCache(KVCache):
         return {"budget": self.budget, "sinks": self.sinks, "recent": self.recent, "head_budget": self.head_budget,
                 "safeguard": self.safeguard, **getattr(layer, "placement_settings", {})}
 
-    def _layer_totals(self, scoring: list[CompressedLayer], real: torch.Tensor) -> dict[int, int]:
-        """Layer-adaptive budgets: each layer's share (tokens over its heads) of the model's budget, by score."""
+    def _layer_totals(self, scoring: list[CompressedLayer], real: torch.Tensor,
+                      positions: torch.Tensor) -> dict[int, int]:
+        """Layer-adaptive budgets: each layer's share (tokens over its heads) of the model's budget, by score. The
+        sinks count as the placing policy will keep them (ScoredPolicy.protect: position id below `sinks`)."""
         scores, budgets = [], []
         for layer in scoring:
             settings = self._settings(layer)
             budgets.append(resolve_size("budget", settings["budget"], real.shape[1]))
+            sink = real & (positions < settings["sinks"])
             ranked = layer.policy.context_scores.masked_fill(~real[:, None, :], float("-inf"))
-            scores.append(ranked.masked_fill(self._sink_mask(real, settings["sinks"])[:, None, :], float("inf")))
+            scores.append(ranked.masked_fill(sink[:, None, :], float("inf")))
         shares = layer_budgets(scores, budgets, scoring[0].policy.heads)
         return {layer.layer_idx: share for layer, share in zip(scoring, shares)}
 
-    @staticmethod
-    def _sink_mask(real: torch.Tensor, sinks: int) -> torch.Tensor:
-        return real & (real.long().cumsum(1) <= sinks)
-
-    def _place(self, layer: CompressedLayer, real: torch.Tensor, positions: torch.Tensor,
-               total: int | None = None) -> None:
+    def _place(self, layer: CompressedLayer, total: int | None = None) -> None:
         """Replace `layer` (every context token in full precision) by the layer that keeps the context at its
         budget by the reconstruction scores (or at `total` tokens over its heads: layer-adaptive budgets); the
         full-precision copy is freed with the old layer."""
         budget = None if total is None else max(1, total // layer.policy.heads)  # a uniform layer: the average
         placed = self._placed_layer(layer, layer.policy.context_scores, budget, total)
         keys, values = layer.store.read(layer.seen)
-        self.forward_info.begin(keys.shape[-2], keys.shape[0], keys.device, 0, attention_mask=real,
-                                position_ids=positions)
         placed.update(keys, values)
         placed.policy.end_prompt(placed.view)
         self.layers[layer.layer_idx] = placed

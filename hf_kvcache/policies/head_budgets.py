@@ -43,8 +43,9 @@ def pool_destinations(kept_new: torch.Tensor, held: torch.Tensor) -> torch.Tenso
 
 def pool_victims(key: torch.Tensor, valid: torch.Tensor, floor: int) -> torch.Tensor:
     """The H pool slots [B, H] that one decode step frees for its new token in each of the H heads: empty slots
-    first (lowest first), then the lowest `key` [B, H, c] (+inf: protected) over all heads, a head losing at most as many as keep it
-    at `floor` tokens once its new token is in (count + 1 - floor). valid [B, H, c]: which head holds each slot."""
+    first (lowest first), then the lowest `key` [B, H, c] (+inf: protected) over all heads, a head losing at most as
+    many as keep it at `floor` tokens once its new token is in (count + 1 - floor). valid [B, H, c]: which head holds
+    each slot."""
     heads = valid.shape[1]
     owned = valid.any(1)  # [B, c]
     key = torch.where(valid, key, float("inf"))
