@@ -83,17 +83,22 @@ def _counter(tokenizer) -> Callable[[str], int]:
     return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def _fill(units: list[str], needle_index_fn, build: Callable[[list[str]], str], budget: int,
-          count: Callable[[str], int]) -> list[str]:
-    """Largest prefix of `units` whose built text fits `budget` tokens (binary search on the unit count)."""
-    lo, hi = 1, len(units)
+def longest_fit(build: Callable[[int], str], most: int, budget: int, count: Callable[[str], int]) -> int:
+    """The largest n in [1, most] with count(build(n)) <= budget, by binary search (build grows with n); 1 when even
+    that does not fit (callers that must fit check it)."""
+    lo, hi = 1, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if count(build(units[:mid])) <= budget:
+        if count(build(mid)) <= budget:
             lo = mid
         else:
             hi = mid - 1
-    return units[:lo]
+    return lo
+
+
+def _fill(units: list[str], build: Callable[[list[str]], str], budget: int, count: Callable[[str], int]) -> list[str]:
+    """Largest prefix of `units` whose built text fits `budget` tokens."""
+    return units[: longest_fit(lambda n: build(units[:n]), len(units), budget, count)]
 
 
 def passkey_probe(context_len: int, position="middle", seed: int = 0, tokenizer=None) -> Probe:
@@ -112,7 +117,7 @@ def passkey_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
         at = int(round(depth * len(fill)))
         return PASSKEY_HEADER + "".join(fill[:at]) + needle + "".join(fill[at:])
 
-    fill = _fill(units, None, build, budget, count)
+    fill = _fill(units, build, budget, count)
     return Probe("passkey", build(fill), question, str(key), name, depth,
                  {"key": key, "filler_units": len(fill)})
 
@@ -193,7 +198,7 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
         at = int(round(depth * len(rs)))
         return RECORDS_HEADER + "".join(record_line(r) for r in rs[:at] + [target] + rs[at:])
 
-    kept = _fill(records, None, build, budget, count)
+    kept = _fill(records, build, budget, count)
     shown = kept[: int(round(depth * len(kept)))] + [target] + kept[int(round(depth * len(kept))):]
     answer = json.dumps({"id": target["id"], "code": target["code"]})
     return Probe("records", build(kept), question, answer, name, depth,
@@ -224,7 +229,7 @@ def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random
                 parts.append(fill[u])
         return "".join(parts)
 
-    fill = _fill(units, None, build, budget, count)
+    fill = _fill(units, build, budget, count)
     if count(build(fill)) > budget:
         raise ValueError(f"{n_records} records do not fit in {context_len} tokens.")
     answer = json.dumps({"id": target["id"], "code": target["code"]})

@@ -16,6 +16,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from ..retrieval import longest_fit
+
 METRICS = ("all", "part")
 
 
@@ -53,18 +55,11 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 
 
 def fit(build: Callable[[int], str], most: int, budget: int, count: Callable[[str], int]) -> int:
-    """The largest n in [1, most] with count(build(n)) <= budget (binary search; build grows with n)."""
+    """The largest n in [1, most] with count(build(n)) <= budget (build grows with n); an error when none fits."""
     if count(build(1)) > budget:
         raise ValueError(f"the task does not fit in {budget} tokens even with the least haystack; give a longer "
                          "`context_len`.")
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(build(mid)) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return longest_fit(build, most, budget, count)
 
 
 def rng_for(task: str, context_len: int, seed: int) -> random.Random:
