@@ -91,6 +91,16 @@ PEER_PRESSES = {"ExpectedAttention": "ExpectedAttentionPress", "SnapKV": "SnapKV
 PEER_ADAPTIVE = {"ExpectedAttention": "AdaKV(ExpectedAttentionPress)", "SnapKV": "AdaKV(SnapKVPress)"}
 
 
+PEER_RESULTS = RESULTS / "peers_kvpress" / "results.jsonl"
+
+
+def _peer_records() -> list[dict]:
+    """kvpress's rows on our positions (eval/peers/), one JSON record per line; none when not run."""
+    if not PEER_RESULTS.exists():
+        return []
+    return [json.loads(line) for line in PEER_RESULTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def scorer_modes() -> str:
     """Per scorer and budget: prompt mode, decode-time ("always"), head-adaptive (prompt), and kvpress's press."""
     path = RESULTS / "scorers_decode" / "results.csv"
@@ -102,12 +112,7 @@ def scorer_modes() -> str:
     if adaptive_path.exists():
         for r in _rows(adaptive_path):
             ours[(r["label"].split(" ")[0], "adaptive", int(r["budget_tokens"]))] = r
-    peer_path = RESULTS / "peers_kvpress" / "results.jsonl"
-    peer = {}
-    if peer_path.exists():
-        for line in peer_path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            peer[(record["label"], float(record["budget"]))] = record
+    peer = {(record["label"], float(record["budget"])): record for record in _peer_records()}
 
     def kl(key):
         return _num(ours[key]["kl_mean"]) if key in ours else ""
@@ -142,7 +147,7 @@ def scorer_modes() -> str:
             "0.5.5 on the same positions (eval/peers/), AdaKV there masks dropped keys and holds the whole prompt."
             "\n\n" + _table(["budget", "scorer", "prompt", "always", "always / prompt", "always top-1",
                                "adaptive", "kvpress", "kvpress AdaKV"], body) + other_table
-            + "\n\n" + _source(path) + " " + _source(adaptive_path) + (" " + _source(peer_path) if peer else ""))
+            + "\n\n" + _source(path) + " " + _source(adaptive_path) + (" " + _source(PEER_RESULTS) if peer else ""))
 
 
 def kvzip() -> str:
@@ -159,13 +164,7 @@ def kvzip() -> str:
         if " prompt" in r["label"] and "adaptive" not in r["label"] and "model-wide" not in r["label"]:
             if share(r) not in uniform or float(r["kl_mean"]) < uniform[share(r)][0]:
                 uniform[share(r)] = (float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0])
-    peer = {}
-    peer_path = RESULTS / "peers_kvpress" / "results.jsonl"
-    if peer_path.exists():
-        for line in peer_path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            if record["label"] == "KVzipPress":
-                peer[round(float(record["budget"]), 2)] = record
+    peer = {round(float(record["budget"]), 2): record for record in _peer_records() if record["label"] == "KVzipPress"}
     rows = sorted(_rows(path), key=lambda r: (int(r["budget_tokens"]), float(r["kl_mean"])))
     body = []
     for r in rows:
