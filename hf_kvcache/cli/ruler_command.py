@@ -3,7 +3,9 @@
     hf-kvcache ruler --lengths 2048 4096 --samples 50 --out eval/results/ruler            # every default method
     hf-kvcache ruler --method "KVzip=kvzip:head_budget=adaptive,layer_budget=adaptive" --tasks niah_single_2 ...
 
-Resumable: the answers already in OUT/results.jsonl are not recomputed. Writes OUT/cells.csv (one row per method,
+    hf-kvcache ruler --device cuda --dtype bfloat16 --batch-size 25 --shard 0/4 ...       # one of 4 processes on a GPU
+
+Resumable: the answers already in OUT/results*.jsonl are not recomputed. Writes OUT/cells.csv (one row per method,
 compression, protocol, task, length: mean score, 95% interval, n), OUT/board.csv and OUT/board.json (mean over the
 tasks per method, compression, protocol, length) and OUT/board.png (score vs compression, one line per method).
 """
@@ -28,6 +30,13 @@ def _method(text: str):
     return Method(label or spec, name, config, budget_key=key)
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise ValueError(f"--shard: expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}.")
+    return int(index), int(count)
+
+
 def cmd_ruler(args) -> int:
     from ..evaluation.cache_spec import make_cache
     from ..evaluation.models import load_model
@@ -38,15 +47,26 @@ def cmd_ruler(args) -> int:
     if unknown:
         raise ValueError(f"--tasks: {unknown} are not tasks; the tasks are {sorted(TASKS)}.")
     methods = [_method(m) for m in args.method] if args.method else DEFAULT_METHODS
+    if args.only:
+        methods = [m for m in methods if any(part in m.label for part in args.only)]
+    if args.exclude:
+        methods = [m for m in methods if not any(part in m.label for part in args.exclude)]
+    if (args.only or args.exclude) and not methods:
+        raise ValueError(f"--only / --exclude: no method left of {[m.label for m in DEFAULT_METHODS]}.")
+    shard = _shard(args.shard)
     import torch
 
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
     out = Path(args.out)
-    path = run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
-                     args.compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
-                     progress=not args.quiet)
-    summary = summarize(path, args.tasks)
+    if not args.summarize_only:
+        model, tokenizer = load_model(args.model, dtype=dtypes[args.dtype], device=args.device)
+        run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
+                  args.compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
+                  progress=not args.quiet, batch_size=args.batch_size, shard=shard, keep_going=args.keep_going)
+        if shard[1] > 1:
+            return 0  # the shards' answers are summarized by one `--summarize-only` run once all have finished
+    summary = summarize(out, args.tasks)
     for name, rows in (("cells", summary["cells"]), ("board", summary["board"])):
         with (out / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -75,6 +95,16 @@ def add_ruler_command(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048])
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples of a cell generated together, left-padded (rows share the budget of their mean "
+                        "context length)")
+    p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th, writing results.IofN.jsonl")
+    p.add_argument("--only", nargs="+", default=[], help="run the default methods whose label contains one of these")
+    p.add_argument("--exclude", nargs="+", default=[], help="leave out the methods whose label contains one of these")
+    p.add_argument("--keep-going", action="store_true", help="record a failing batch in OUT/errors.jsonl and go on")
+    p.add_argument("--summarize-only", action="store_true", help="write the tables and the plot from OUT's answers")
     p.add_argument("--out", default="ruler_results")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ruler)

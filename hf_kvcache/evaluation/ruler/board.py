@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from . import make_sample
-from .protocol import PROTOCOLS, prompt_parts, run_sample
+from ..memory import cache_nbytes
+from .protocol import PROTOCOLS, prompt_parts, run_batch, tail_length
 
 
 @dataclass(frozen=True)
@@ -25,34 +26,39 @@ class Method:
     label: str
     cache: str  # a name for hf_kvcache.evaluation.cache_spec.make_cache
     config: dict = field(default_factory=dict)
-    budget_key: str | None = "budget"  # the config key the kept share goes to; None: a fixed method
-    fixed: float | None = None  # a fixed method's compression (quantized caches: 1 - their bytes / the full cache's)
+    budget_key: str | None = "budget"  # the config key the kept share goes to; None: a fixed method (see FIXED)
+    batchable: bool = True  # False: a row's result depends on the batch's other rows, so samples run one at a time
 
 
-#: the board's methods: every cache family in prompt mode (question-agnostic, kvpress's protocol), the evicting ones
-#: also at decode time ("always"), the quantized caches at a nominal byte ratio on a float32 model (stated, not
-#: measured: 1 byte of 4 for FP8, ~4.5 bits of 32 for KIVI int4 with its scales and residual)
+#: the compression point of a method with no budget (quantized caches): one point per cell, its compression measured
+#: from the bytes the cache holds against a full cache of the same tokens at the model's dtype
+FIXED = "fixed"
+
+#: the board's methods: every cache family in prompt mode (question-agnostic, kvpress's protocol), every evicting one
+#: also at decode time ("always": the budget holds through the question and the answer), the quantized caches at the
+#: byte ratio they measure
 DEFAULT_METHODS = [
-    Method("KVzip (model-wide)", "kvzip", {"head_budget": "adaptive", "layer_budget": "adaptive"}),
-    *[Method(f"{label} prompt", name, {"compress": "prompt"}) for label, name in (
+    # model-wide layer shares are averaged over a batch's rows: one sample at a time
+    Method("KVzip (model-wide)", "kvzip", {"head_budget": "adaptive", "layer_budget": "adaptive"}, batchable=False),
+    *[Method(f"{label} {mode}", name, {"compress": mode}) for mode in ("prompt", "always") for label, name in (
         ("ExpectedAttention", "expected_attention"), ("SnapKV", "snapkv"), ("TOVA", "tova"), ("KeyDiff", "keydiff"),
         ("Knorm", "knorm"), ("H2O", "h2o"))],
     Method("StreamingLLM prompt", "sink", {"sinks": 4, "compress": "prompt"}, budget_key="window"),
-    *[Method(f"{label} always", name, {"compress": "always"}) for label, name in (
-        ("ExpectedAttention", "expected_attention"), ("SnapKV", "snapkv"), ("H2O", "h2o"))],
     Method("StreamingLLM always", "sink", {"sinks": 4}, budget_key="window"),
-    Method("FP8 (E4M3)", "fp8", {}, budget_key=None, fixed=0.75),
-    Method("KIVI int4", "kivi", {}, budget_key=None, fixed=0.84),
+    Method("FP8 (E4M3)", "fp8", {}, budget_key=None),
+    Method("KIVI int4", "kivi", {}, budget_key=None, batchable=False),  # its token blocks follow the padded stream
 ]
 
 
-def cell_key(method: str, compression: float, protocol: str, task: str, length: int, seed: int) -> str:
-    return json.dumps([method, round(compression, 4), protocol, task, length, seed])
+def cell_key(method: str, compression, protocol: str, task: str, length: int, seed: int) -> str:
+    point = compression if compression == FIXED else round(compression, 4)
+    return json.dumps([method, point, protocol, task, length, seed])
 
 
 def jobs(methods: list[Method], compressions: list[float], protocols: list[str], tasks: list[str],
-         lengths: list[int], samples: int) -> Iterator[tuple[Method, float, str, str, int, int]]:
-    """Every (method, compression, protocol, task, length, seed) to run; compression 0 is the full cache (once)."""
+         lengths: list[int], samples: int) -> Iterator[tuple[Method, float | str, str, str, int, int]]:
+    """Every (method, compression, protocol, task, length, seed) to run; compression 0 is the full cache (once), a
+    method without a budget runs once per cell at FIXED."""
     for protocol in protocols:
         if protocol not in PROTOCOLS:
             raise ValueError(f"`protocols`: each must be one of {PROTOCOLS}, got {protocol!r}.")
@@ -67,9 +73,14 @@ def jobs(methods: list[Method], compressions: list[float], protocols: list[str],
                     if 0.0 in compressions:
                         yield full, 0.0, protocol, task, length, seed
                     for method in methods:
-                        points = [method.fixed] if method.budget_key is None else [c for c in compressions if c > 0]
+                        points = [FIXED] if method.budget_key is None else [c for c in compressions if c > 0]
                         for c in points:
                             yield method, c, protocol, task, length, seed
+
+
+def result_files(out: Path) -> list[Path]:
+    """Every answer file under `out`: results.jsonl and the shards' results.<i>of<n>.jsonl."""
+    return sorted(out.glob("results*.jsonl"))
 
 
 def done_keys(path: Path) -> set[str]:
@@ -84,82 +95,170 @@ def done_keys(path: Path) -> set[str]:
     return {json.loads(line)["key"] for line in text.splitlines() if line.strip()}
 
 
-def run_board(model, tokenizer, make_cache: Callable[[str, dict], object], methods: list[Method],
+def full_cache_bytes(model, batch: int, tokens: int) -> int:
+    """Bytes a full cache holds for `batch` rows of `tokens` tokens at the model's dtype (keys and values of every
+    layer), the reference of a fixed method's measured compression."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * batch * kv_heads * tokens * head_dim * itemsize
+
+
+def _batches(group: list[tuple], batch_size: int, tail_of) -> Iterator[list[tuple]]:
+    """A group's jobs in batches of at most `batch_size` whose samples share the tail's token length."""
+    by_tail: dict[int, list[tuple]] = {}
+    for job in group:
+        by_tail.setdefault(tail_of(job), []).append(job)
+    for same in by_tail.values():
+        for i in range(0, len(same), batch_size):
+            yield same[i: i + batch_size]
+
+
+def run_board(model, tokenizer, make_cache: Callable[[str, dict, int], object], methods: list[Method],
               compressions: list[float], protocols: list[str], tasks: list[str], lengths: list[int], samples: int,
-              out: Path, progress: bool = False) -> Path:
-    """Run every missing job, appending one line per answer to `out`/results.jsonl (returned). `make_cache(name,
-    config, context_tokens)` builds a fresh cache; the kept share is a fraction of the context's tokens (the text
-    compressed), resolved by the harness so every method keeps the same number of tokens."""
+              out: Path, progress: bool = False, batch_size: int = 1, shard: tuple[int, int] = (0, 1),
+              keep_going: bool = False) -> Path:
+    """Run every missing job, appending one line per answer to `out`/results.jsonl (returned; shard i of n writes
+    results.<i>of<n>.jsonl and takes every n-th cell). `make_cache(name, config, context_tokens)` builds a fresh cache;
+    the kept share is a fraction of the context's tokens, resolved by the harness so every method keeps the same number
+    of tokens. With `batch_size` > 1 the samples of a cell run as left-padded batches (`protocol.run_batch`) whose rows
+    share the token budget of their mean context length. With `keep_going` a failing batch is written to
+    errors.jsonl and the run goes on."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
+    index, count = shard
+    if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
+        raise ValueError(f"`shard` must be (i, n) with 0 <= i < n, got {shard!r}.")
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.jsonl"
-    done = done_keys(path)
-    todo = [j for j in jobs(methods, compressions, protocols, tasks, lengths, samples)
-            if cell_key(j[0].label, *j[1:]) not in done]
+    path = out / ("results.jsonl" if count == 1 else f"results.{index}of{count}.jsonl")
+    done = set().union(*(done_keys(p) for p in result_files(out))) if result_files(out) else set()
+    cells: dict[tuple, list[tuple]] = {}
+    for job in jobs(methods, compressions, protocols, tasks, lengths, samples):
+        cells.setdefault((job[0].label,) + job[1:5], []).append(job)
+    # shards split the cells in plan order (done or not, so a shard's share never moves), then drop the done jobs
+    mine = [[j for j in group if cell_key(j[0].label, *j[1:]) not in done]
+            for i, group in enumerate(cells.values()) if i % count == index]
+    mine = [group for group in mine if group]
+    memo: dict[tuple, tuple] = {}
+
+    def sample_of(job):  # (sample, context tokens, tail tokens), made once per (task, length, seed, protocol)
+        _, _, protocol, task, length, seed = job
+        if (task, length, seed, protocol) not in memo:
+            sample = make_sample(task, length, seed, tokenizer)
+            context = len(tokenizer(prompt_parts(sample, protocol)[0], add_special_tokens=False).input_ids)
+            memo[task, length, seed, protocol] = (sample, context, tail_length(tokenizer, sample, protocol))
+        return memo[task, length, seed, protocol]
+
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        todo = tqdm(todo, desc="ruler", unit="answer")
+        bar = tqdm(total=sum(len(g) for g in mine), desc="ruler", unit="answer")
     with path.open("a", encoding="utf-8") as f:
-        for method, c, protocol, task, length, seed in todo:
-            config = dict(method.config)
-            if method.budget_key is not None:
-                config[method.budget_key] = round(1.0 - c, 4)
-            sample = make_sample(task, length, seed, tokenizer)
-            context = len(tokenizer(prompt_parts(sample, protocol)[0], add_special_tokens=False).input_ids)
-            result = run_sample(model, tokenizer, sample, make_cache(method.cache, config, context), protocol)
-            record = {"key": cell_key(method.label, c, protocol, task, length, seed), "method": method.label,
-                      "cache": method.cache, "config": config, "compression": c, "protocol": protocol,
-                      "task": task, "context_len": length, "seed": seed, **result}
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        for group in mine:
+            size = batch_size if group[0][0].batchable else 1
+            for batch in _batches(group, size, lambda job: sample_of(job)[2]):
+                _run_batch(model, tokenizer, make_cache, batch, [sample_of(j) for j in batch], f, out, keep_going)
+                if bar is not None:
+                    bar.update(len(batch))
+    if bar is not None:
+        bar.close()
     return path
+
+
+def _run_batch(model, tokenizer, make_cache, batch, made, f, out: Path, keep_going: bool) -> None:
+    method, c, protocol, task, length, _ = batch[0]
+    context = round(sum(m[1] for m in made) / len(made))
+    config = dict(method.config)
+    if method.budget_key is not None:
+        config[method.budget_key] = round(1.0 - c, 4)
+    try:
+        cache = make_cache(method.cache, config, context)
+        results = run_batch(model, tokenizer, [m[0] for m in made], cache, protocol)
+    except Exception as err:  # noqa: BLE001 - recorded and skipped only when asked (`keep_going`)
+        if not keep_going:
+            raise
+        with (out / "errors.jsonl").open("a", encoding="utf-8") as e:
+            e.write(json.dumps({"method": method.label, "compression": c, "protocol": protocol, "task": task,
+                                "context_len": length, "seeds": [j[5] for j in batch],
+                                "error": f"{type(err).__name__}: {err}"}) + "\n")
+        return
+    measured = c
+    if c == FIXED:
+        full = full_cache_bytes(model, len(batch), cache.get_seq_length())
+        measured = 1.0 - cache_nbytes(cache) / full
+    for job, result in zip(batch, results):
+        record = {"key": cell_key(method.label, *job[1:]), "method": method.label, "cache": method.cache,
+                  "config": config, "point": c, "compression": measured, "protocol": protocol, "task": task,
+                  "context_len": length, "seed": job[5], "batch": len(batch), "budget_context": context, **result}
+        f.write(json.dumps(record) + "\n")
+    f.flush()
+
+
+def standard_error(scores: list[float]) -> float:
+    """Standard error of the mean score (sample standard deviation / sqrt(n); 0 for one sample)."""
+    n = len(scores)
+    mean = sum(scores) / n
+    return math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1) / n) if n > 1 else 0.0
 
 
 def interval95(scores: list[float]) -> tuple[float, float]:
     """95% normal-approximation interval of the mean score, clipped to [0, 1]."""
-    n = len(scores)
-    mean = sum(scores) / n
-    sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.0
-    return max(0.0, mean - 1.96 * sd / math.sqrt(n)), min(1.0, mean + 1.96 * sd / math.sqrt(n))
+    mean, half = sum(scores) / len(scores), 1.96 * standard_error(scores)
+    return max(0.0, mean - half), min(1.0, mean + half)
 
 
-def summarize(path: Path, tasks: list[str] | None = None) -> dict[str, list[dict]]:
-    """{"cells": per (method, compression, protocol, task, length), "board": per (method, compression, protocol,
-    length) the mean over `tasks` (all tasks seen when None) with the mean of the cells' interval half-widths}."""
-    groups: dict[tuple, list[float]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        r = json.loads(line)
-        groups.setdefault((r["method"], r["compression"], r["protocol"], r["task"], r["context_len"]), []).append(
-            r["score"])
+def records(where: Path) -> list[dict]:
+    """Every answer recorded under `where` (a board's directory: all its result files) or in one results file."""
+    paths = result_files(where) if where.is_dir() else [where]
+    return [json.loads(line) for p in paths for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def summarize(where: Path, tasks: list[str] | None = None) -> dict[str, list[dict]]:
+    """{"cells": per (method, compression, protocol, task, length) the mean score, a 95% interval and n, "board": per
+    (method, compression, protocol, length) the mean over `tasks` (all tasks seen when None) with the 95% half-width
+    of that mean (the tasks' samples independent). A fixed method's compression is the mean it measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records(where):
+        point = r.get("point", r["compression"])
+        groups.setdefault((r["method"], point, r["protocol"], r["task"], r["context_len"]), []).append(r)
     cells = []
-    for (method, c, protocol, task, length), scores in sorted(groups.items()):
+    for (method, point, protocol, task, length), rs in sorted(groups.items(), key=lambda kv: json.dumps(kv[0])):
+        scores = [r["score"] for r in rs]
         low, high = interval95(scores)
-        cells.append({"method": method, "compression": c, "protocol": protocol, "task": task, "context_len": length,
-                      "n": len(scores), "score": sum(scores) / len(scores), "ci95": [low, high]})
+        cells.append({"method": method, "compression": sum(r["compression"] for r in rs) / len(rs),
+                      "protocol": protocol, "task": task, "context_len": length, "n": len(scores),
+                      "score": sum(scores) / len(scores), "ci95": [low, high], "stderr": standard_error(scores),
+                      "point": point})
     wanted = set(tasks) if tasks is not None else {c["task"] for c in cells}
     board: dict[tuple, list[dict]] = {}
     for cell in cells:
         if cell["task"] in wanted:
-            board.setdefault((cell["method"], cell["compression"], cell["protocol"], cell["context_len"]),
-                             []).append(cell)
-    rows = [{"method": m, "compression": c, "protocol": p, "context_len": n, "tasks": len(cs),
-             "score": sum(x["score"] for x in cs) / len(cs),
-             "ci95_halfwidth": sum((x["ci95"][1] - x["ci95"][0]) / 2 for x in cs) / len(cs),
-             "samples": min(x["n"] for x in cs)}
-            for (m, c, p, n), cs in sorted(board.items())]
+            board.setdefault((cell["method"], cell["point"], cell["protocol"], cell["context_len"]), []).append(cell)
+    rows = []
+    for (m, point, p, n), cs in sorted(board.items(), key=lambda kv: json.dumps(kv[0])):
+        variance = sum(x["stderr"] ** 2 for x in cs)
+        rows.append({"method": m, "compression": sum(x["compression"] for x in cs) / len(cs), "protocol": p,
+                     "context_len": n, "tasks": len(cs), "score": sum(x["score"] for x in cs) / len(cs),
+                     "ci95_halfwidth": 1.96 * math.sqrt(variance) / len(cs), "samples": min(x["n"] for x in cs)})
+    for cell in cells:
+        del cell["point"]
     return {"cells": cells, "board": rows}
 
 
 def plot_board(rows: list[dict], path: Path, title: str) -> None:
-    """Score vs compression, one line per method (the full cache drawn as a horizontal reference), one panel per
-    (protocol, context length)."""
+    """Score vs compression, one line per method (a family's decode-time line dashed in its prompt-mode colour; a
+    fixed method one point; the full cache a horizontal reference), one panel per (protocol, context length)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["protocol"], r["context_len"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    families = sorted({r["method"].rsplit(" ", 1)[0] for r in rows if r["method"] != "full"})
+    colors = {f: plt.get_cmap("tab20")(i % 20) for i, f in enumerate(families)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, (protocol, length) in zip(axes[0], panels):
         mine = [r for r in rows if r["protocol"] == protocol and r["context_len"] == length]
         for method in sorted({r["method"] for r in mine}):
@@ -167,12 +266,13 @@ def plot_board(rows: list[dict], path: Path, title: str) -> None:
             if method == "full":
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full cache")
             else:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=method,
+                        color=colors[method.rsplit(" ", 1)[0]], linestyle="--" if method.endswith("always") else "-")
         ax.set_title(f"{protocol}, {length} tokens")
         ax.set_xlabel("compression (share of the context dropped)")
         ax.set_ylabel("score (mean over tasks)")
         ax.set_ylim(0, 1)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=6, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

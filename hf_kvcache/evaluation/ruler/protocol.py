@@ -27,20 +27,50 @@ def prompt_parts(sample: Sample, protocol: str) -> tuple[str, str]:
     return context, sample.question + sample.answer_prefix
 
 
+def tail_length(tokenizer, sample: Sample, protocol: str = "agnostic") -> int:
+    """Tokens fed after the context (question + answer prefix): samples batched together must share it."""
+    return len(tokenizer(prompt_parts(sample, protocol)[1], add_special_tokens=False).input_ids)
+
+
 @torch.inference_mode()
-def run_sample(model, tokenizer, sample: Sample, cache, protocol: str = "agnostic") -> dict:
-    """Generate the answer to `sample` through `cache` (a fresh one per sample) and score it."""
+def run_batch(model, tokenizer, samples: list[Sample], cache, protocol: str = "agnostic") -> list[dict]:
+    """Generate the answers to `samples` through `cache` (a fresh one, built for this batch) and score them.
+
+    The contexts are left-padded to one width (padding is never kept by our caches, and rows with padding generate
+    as they would alone: tests/test_batching.py), prefilled with their padding mask and position ids, and compressed
+    at `end_prompt()`; the tails must then have one token length (`tail_length`), so every row's context ends at the
+    same column and the question is fed with no padding inside the sequence. One sample is the batch of one."""
+    if not samples:
+        raise ValueError("`samples` must hold at least one sample.")
     device = next(model.parameters()).device
-    context_text, tail_text = prompt_parts(sample, protocol)
-    context = tokenizer(context_text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-    tail = tokenizer(tail_text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-    model(input_ids=context, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    parts = [prompt_parts(sample, protocol) for sample in samples]
+    contexts = [tokenizer(c, add_special_tokens=False).input_ids for c, _ in parts]
+    tails = [tokenizer(t, add_special_tokens=False).input_ids for _, t in parts]
+    if len({len(t) for t in tails}) != 1:
+        raise ValueError(f"`samples`: the question + answer prefix must have one token length in a batch, got "
+                         f"{sorted({len(t) for t in tails})}; batch samples by `tail_length`.")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(c) for c in contexts)
+    context = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    model(input_ids=context, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True,
+          logits_to_keep=1)
     if hasattr(cache, "end_prompt"):
         cache.end_prompt()
-    ids = torch.cat((context, tail), 1)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
-                         max_new_tokens=sample.max_new_tokens, do_sample=False, pad_token_id=pad)
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return {"task": sample.task, "score": score(text, sample.answers, sample.metric), "output": text,
-            "answers": sample.answers, "prompt_tokens": int(ids.shape[1]), "chance": sample.chance}
+    ids = torch.cat((context, torch.tensor(tails, device=device)), 1)
+    mask = torch.cat((mask, torch.ones_like(ids[:, width:])), 1)
+    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
+                         max_new_tokens=max(s.max_new_tokens for s in samples), pad_token_id=pad)
+    results = []
+    for row, sample in enumerate(samples):
+        text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
+        results.append({"task": sample.task, "score": score(text, sample.answers, sample.metric), "output": text,
+                        "answers": sample.answers, "prompt_tokens": len(contexts[row]) + len(tails[row]),
+                        "chance": sample.chance})
+    return results
+
+
+def run_sample(model, tokenizer, sample: Sample, cache, protocol: str = "agnostic") -> dict:
+    """Generate the answer to `sample` through `cache` (a fresh one per sample) and score it."""
+    return run_batch(model, tokenizer, [sample], cache, protocol)[0]
