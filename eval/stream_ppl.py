@@ -75,6 +75,7 @@ def environment() -> dict:
         "platform": platform.platform(),
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "git_commit": commit,
     }
 

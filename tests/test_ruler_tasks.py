@@ -180,7 +180,7 @@ def test_the_board_in_batches_and_shards_writes_what_one_process_writes(tmp_path
     """Two shards with batches of 4 answer the same jobs as one unbatched process, with the same scores; a failing
     cache is recorded in errors.jsonl under `keep_going` and the run goes on."""
     from hf_kvcache.evaluation.cache_spec import make_cache
-    from hf_kvcache.evaluation.ruler.board import Method, records, run_board, summarize
+    from hf_kvcache.evaluation.ruler.board import Method, load_samples, records, result_files, run_board, summarize
 
     model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
     methods = [Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
@@ -191,7 +191,11 @@ def test_the_board_in_batches_and_shards_writes_what_one_process_writes(tmp_path
     one = run_board(model, TOKENIZER, build, methods, out=tmp_path / "one", **plan)
     for i in range(2):
         run_board(model, TOKENIZER, build, methods, out=tmp_path / "two", batch_size=4, shard=(i, 2), **plan)
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.0of2.jsonl", "results.1of2.jsonl"]
+    assert [p.name for p in result_files(tmp_path / "two")] == ["results.0of2.jsonl", "results.1of2.jsonl"]
+    # the samples are made once: shard 0 wrote them all (its cells cover every seed), shard 1 read them back
+    assert len(load_samples(tmp_path / "two")) == 5 and not (tmp_path / "two" / "samples.1of2.jsonl").exists()
+    assert load_samples(tmp_path / "two")["qa_records_code", 600, 3] == make_sample("qa_records_code", 600, 3,
+                                                                                      TOKENIZER)
     alone = {r["key"]: r for r in records(one)}
     batched = {r["key"]: r for r in records(tmp_path / "two")}
     assert set(batched) == set(alone) and len(alone) == 5 * 4
@@ -214,3 +218,22 @@ def test_the_board_in_batches_and_shards_writes_what_one_process_writes(tmp_path
     assert {r["method"] for r in records(tmp_path / "err")} == {"full", "SnapKV prompt", "KIVI"}
     with pytest.raises(RuntimeError, match="no kernel"):
         run_board(model, TOKENIZER, failing, methods, out=tmp_path / "raise", **plan)
+
+
+def test_a_batch_out_of_device_memory_runs_as_halves(tmp_path, monkeypatch):
+    from hf_kvcache.evaluation.cache_spec import make_cache
+    from hf_kvcache.evaluation.ruler import board
+
+    real = board.run_batch
+
+    def small_device(model, tokenizer, samples, cache, protocol):
+        if len(samples) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, tokenizer, samples, cache, protocol)
+
+    monkeypatch.setattr(board, "run_batch", small_device)
+    model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
+    board.run_board(model, TOKENIZER, lambda name, config, context: make_cache(model, name, config, context), [],
+                    [0.0], ["agnostic"], ["qa_records_code"], [600], 5, tmp_path, batch_size=5)
+    rows = board.records(tmp_path)
+    assert sorted(r["seed"] for r in rows) == list(range(5)) and max(r["batch"] for r in rows) == 2

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+
 from . import make_sample
+from .sample import Sample
 from ..memory import cache_nbytes
 from .protocol import PROTOCOLS, prompt_parts, run_batch, tail_length
 
@@ -86,13 +89,36 @@ def result_files(out: Path) -> list[Path]:
 def done_keys(path: Path) -> set[str]:
     """Keys of the answers already in `path`. A run killed in the middle of a line leaves it without its newline:
     that line is cut off here (its answer is run again), so appending never glues two records together."""
+    return {json.loads(line)["key"] for line in complete_lines(path)}
+
+
+def complete_lines(path: Path) -> list[str]:
+    """The whole lines of an append-only JSONL file; a last line cut off without its newline is removed from the
+    file, so the next append starts a line of its own."""
     if not path.exists():
-        return set()
+        return []
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
         path.write_text(text, encoding="utf-8")
-    return {json.loads(line)["key"] for line in text.splitlines() if line.strip()}
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def load_samples(out: Path) -> dict[tuple, Sample]:
+    """The samples a board has made (out/samples*.jsonl), by (task, length, seed): made once, then read back (making
+    a 4K sample tokenizes its context several times; the board asks for each one per method and compression)."""
+    found = {}
+    for path in sorted(out.glob("samples*.jsonl")) if out.is_dir() else []:
+        for line in complete_lines(path):
+            r = json.loads(line)
+            found[r["task"], r["context_len"], r["seed"]] = Sample(**r["sample"])
+    return found
+
+
+def save_samples(path: Path, samples: dict[tuple, Sample]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        for (task, length, seed), sample in samples.items():
+            f.write(json.dumps({"task": task, "context_len": length, "seed": seed, "sample": sample.to_dict()}) + "\n")
 
 
 def full_cache_bytes(model, batch: int, tokens: int) -> int:
@@ -141,11 +167,16 @@ def run_board(model, tokenizer, make_cache: Callable[[str, dict, int], object], 
             for i, group in enumerate(cells.values()) if i % count == index]
     mine = [group for group in mine if group]
     memo: dict[tuple, tuple] = {}
+    made = load_samples(out)
+    sample_path = out / ("samples.jsonl" if count == 1 else f"samples.{index}of{count}.jsonl")
 
     def sample_of(job):  # (sample, context tokens, tail tokens), made once per (task, length, seed, protocol)
         _, _, protocol, task, length, seed = job
         if (task, length, seed, protocol) not in memo:
-            sample = make_sample(task, length, seed, tokenizer)
+            if (task, length, seed) not in made:
+                made[task, length, seed] = make_sample(task, length, seed, tokenizer)
+                save_samples(sample_path, {(task, length, seed): made[task, length, seed]})
+            sample = made[task, length, seed]
             context = len(tokenizer(prompt_parts(sample, protocol)[0], add_special_tokens=False).input_ids)
             memo[task, length, seed, protocol] = (sample, context, tail_length(tokenizer, sample, protocol))
         return memo[task, length, seed, protocol]
@@ -176,6 +207,15 @@ def _run_batch(model, tokenizer, make_cache, batch, made, f, out: Path, keep_goi
     try:
         cache = make_cache(method.cache, config, context)
         results = run_batch(model, tokenizer, [m[0] for m in made], cache, protocol)
+    except torch.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+        cache = None
+        torch.cuda.empty_cache()  # a batch too large for the device runs as two halves (each with its own budget)
+        half = len(batch) // 2
+        for part, got in ((batch[:half], made[:half]), (batch[half:], made[half:])):
+            _run_batch(model, tokenizer, make_cache, part, got, f, out, keep_going)
+        return
     except Exception as err:  # noqa: BLE001 - recorded and skipped only when asked (`keep_going`)
         if not keep_going:
             raise
@@ -192,7 +232,7 @@ def _run_batch(model, tokenizer, make_cache, batch, made, f, out: Path, keep_goi
         record = {"key": cell_key(method.label, *job[1:]), "method": method.label, "cache": method.cache,
                   "config": config, "point": c, "compression": measured, "protocol": protocol, "task": task,
                   "context_len": length, "seed": job[5], "batch": len(batch), "budget_context": context, **result}
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(record, default=repr) + "\n")
     f.flush()
 
 
