@@ -237,3 +237,19 @@ def test_a_batch_out_of_device_memory_runs_as_halves(tmp_path, monkeypatch):
                     [0.0], ["agnostic"], ["qa_records_code"], [600], 5, tmp_path, batch_size=5)
     rows = board.records(tmp_path)
     assert sorted(r["seed"] for r in rows) == list(range(5)) and max(r["batch"] for r in rows) == 2
+
+
+def test_the_protocol_keeps_generate_from_compiling_by_itself(monkeypatch):
+    """On CUDA, transformers' generate compiles the forward whenever the cache is compileable, recompiling per batch
+    size: the protocol turns that off (it measures answers, not speed)."""
+    model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
+    seen = {}
+    real = model.generate
+
+    def generate(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    run_sample(model, TOKENIZER, make_sample("qa_records_code", 600, 0, TOKENIZER), None)
+    assert seen["disable_compile"] is True

@@ -73,7 +73,7 @@ def cmd_ruler(args) -> int:
             writer.writeheader()
             writer.writerows(rows)
     (out / "board.json").write_text(json.dumps({"model": args.model, "tasks": args.tasks, **summary}, indent=1) + "\n")
-    plot_board(summary["board"], out / "board.png", f"{args.model}: generated RULER-style tasks")
+    plot_board(summary["board"], out / "board.png", args.title or f"{args.model}: generated RULER-style tasks")
     for row in summary["board"]:
         print(f"{row['method']:28s} {row['compression']:.2f} {row['protocol']:8s} {row['context_len']:6d} "
               f"{row['score']:.3f} +- {row['ci95_halfwidth']:.3f} (n={row['samples']})")
@@ -104,6 +104,7 @@ def add_ruler_command(sub) -> None:
     p.add_argument("--only", nargs="+", default=[], help="run the default methods whose label contains one of these")
     p.add_argument("--exclude", nargs="+", default=[], help="leave out the methods whose label contains one of these")
     p.add_argument("--keep-going", action="store_true", help="record a failing batch in OUT/errors.jsonl and go on")
+    p.add_argument("--title", default=None, help="the plot's title (default: the model and the suite)")
     p.add_argument("--summarize-only", action="store_true", help="write the tables and the plot from OUT's answers")
     p.add_argument("--out", default="ruler_results")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -11,6 +11,7 @@ leaderboard plots it (score vs compression, one line per method).
 from __future__ import annotations
 
 import json
+import lzma
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +83,9 @@ def jobs(methods: list[Method], compressions: list[float], protocols: list[str],
 
 
 def result_files(out: Path) -> list[Path]:
-    """Every answer file under `out`: results.jsonl and the shards' results.<i>of<n>.jsonl."""
-    return sorted(out.glob("results*.jsonl"))
+    """Every answer file under `out`: results.jsonl, the shards' results.<i>of<n>.jsonl, and any of them committed
+    xz-compressed (read-only: new answers go to a plain file beside it)."""
+    return sorted([*out.glob("results*.jsonl"), *out.glob("results*.jsonl.xz")])
 
 
 def done_keys(path: Path) -> set[str]:
@@ -97,6 +99,9 @@ def complete_lines(path: Path) -> list[str]:
     file, so the next append starts a line of its own."""
     if not path.exists():
         return []
+    if path.suffix == ".xz":
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            return [line for line in f.read().splitlines() if line.strip()]
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
@@ -250,15 +255,22 @@ def interval95(scores: list[float]) -> tuple[float, float]:
 
 
 def records(where: Path) -> list[dict]:
-    """Every answer recorded under `where` (a board's directory: all its result files) or in one results file."""
+    """Every answer recorded under `where` (a board's directory: all its result files) or in one results file, once
+    per key (two processes that answered the same job, e.g. a shard restarted beside its old self: the first)."""
     paths = result_files(where) if where.is_dir() else [where]
-    return [json.loads(line) for p in paths for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    found: dict[str, dict] = {}
+    for p in paths:
+        for line in complete_lines(p):
+            r = json.loads(line)
+            found.setdefault(r["key"], r)
+    return list(found.values())
 
 
 def summarize(where: Path, tasks: list[str] | None = None) -> dict[str, list[dict]]:
     """{"cells": per (method, compression, protocol, task, length) the mean score, a 95% interval and n, "board": per
     (method, compression, protocol, length) the mean over `tasks` (all tasks seen when None) with the 95% half-width
-    of that mean (the tasks' samples independent). A fixed method's compression is the mean it measured."""
+    of that mean (the tasks' samples independent), `complete` when every task has all its samples. A fixed method's
+    compression is the mean it measured."""
     groups: dict[tuple, list[dict]] = {}
     for r in records(where):
         point = r.get("point", r["compression"])
@@ -276,12 +288,16 @@ def summarize(where: Path, tasks: list[str] | None = None) -> dict[str, list[dic
     for cell in cells:
         if cell["task"] in wanted:
             board.setdefault((cell["method"], cell["point"], cell["protocol"], cell["context_len"]), []).append(cell)
+    planned = {}  # per length, the most answers any cell has: the board's sample count
+    for cell in cells:
+        planned[cell["context_len"]] = max(planned.get(cell["context_len"], 0), cell["n"])
     rows = []
     for (m, point, p, n), cs in sorted(board.items(), key=lambda kv: json.dumps(kv[0])):
         variance = sum(x["stderr"] ** 2 for x in cs)
         rows.append({"method": m, "compression": sum(x["compression"] for x in cs) / len(cs), "protocol": p,
                      "context_len": n, "tasks": len(cs), "score": sum(x["score"] for x in cs) / len(cs),
-                     "ci95_halfwidth": 1.96 * math.sqrt(variance) / len(cs), "samples": min(x["n"] for x in cs)})
+                     "ci95_halfwidth": 1.96 * math.sqrt(variance) / len(cs), "samples": min(x["n"] for x in cs),
+                     "complete": {x["task"] for x in cs} == wanted and all(x["n"] == planned[n] for x in cs)})
     for cell in cells:
         del cell["point"]
     return {"cells": cells, "board": rows}
@@ -295,10 +311,11 @@ def plot_board(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["protocol"], r["context_len"]) for r in rows})
+    rows = [r for r in rows if r.get("complete", True)]  # a mean over fewer tasks or samples is another scale
+    panels = sorted({(r["protocol"], r["context_len"]) for r in rows if r["method"] != "full"})
     families = sorted({r["method"].rsplit(" ", 1)[0] for r in rows if r["method"] != "full"})
-    colors = {f: plt.get_cmap("tab20")(i % 20) for i, f in enumerate(families)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2.5, 4.5), squeeze=False)
     for ax, (protocol, length) in zip(axes[0], panels):
         mine = [r for r in rows if r["protocol"] == protocol and r["context_len"] == length]
         for method in sorted({r["method"] for r in mine}):
@@ -312,8 +329,9 @@ def plot_board(rows: list[dict], path: Path, title: str) -> None:
         ax.set_xlabel("compression (share of the context dropped)")
         ax.set_ylabel("score (mean over tasks)")
         ax.set_ylim(0, 1)
-    axes[0][-1].legend(fontsize=6, ncol=2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

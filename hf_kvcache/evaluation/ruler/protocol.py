@@ -60,8 +60,10 @@ def run_batch(model, tokenizer, samples: list[Sample], cache, protocol: str = "a
         cache.end_prompt()
     ids = torch.cat((context, torch.tensor(tails, device=device)), 1)
     mask = torch.cat((mask, torch.ones_like(ids[:, width:])), 1)
+    # disable_compile: on CUDA, generate compiles the forward by itself for a compileable cache (ours evicting into
+    # fixed slots are), recompiling for every new batch size: on an H200 that made the board several times slower
     out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
-                         max_new_tokens=max(s.max_new_tokens for s in samples), pad_token_id=pad)
+                         max_new_tokens=max(s.max_new_tokens for s in samples), pad_token_id=pad, disable_compile=True)
     results = []
     for row, sample in enumerate(samples):
         text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
