@@ -69,7 +69,8 @@ def main(argv=None) -> None:
               f"{cell['ci95'][1]:.2f}] chance {chance:.2f} {'kept' if rows[-1]['kept'] else 'DROPPED'}  "
               f"e.g. {mine[0]['output'][:60]!r}", flush=True)
     report = {"what": "full-cache (DynamicCache) scores of the generated RULER-style tasks, greedy, agnostic protocol",
-              "model": args.model, "dtype": args.dtype, "device": args.device, "keep_rule": f"mean >= chance + {KEEP_MARGIN}",
+              "model": args.model, "dtype": args.dtype, "device": args.device,
+              "keep_rule": f"mean >= chance + {KEEP_MARGIN}",
               "rows": rows, "seconds": round(time.time() - start), "environment": environment()}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import csv
 import json
 from pathlib import Path
 
-from .args import parse_cache
+from .args import parse_cache, positive_int
 
 
 def _method(text: str):
@@ -41,7 +41,7 @@ def cmd_ruler(args) -> int:
     from ..evaluation.cache_spec import make_cache
     from ..evaluation.models import load_model
     from ..evaluation.ruler import TASKS
-    from ..evaluation.ruler.board import DEFAULT_METHODS, plot_board, run_board, summarize
+    from ..evaluation.ruler.board import DEFAULT_METHODS, plot_board, result_files, run_board, summarize
 
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown:
@@ -66,6 +66,8 @@ def cmd_ruler(args) -> int:
                   progress=not args.quiet, batch_size=args.batch_size, shard=shard, keep_going=args.keep_going)
         if shard[1] > 1:
             return 0  # the shards' answers are summarized by one `--summarize-only` run once all have finished
+    if not out.is_dir() or not result_files(out):
+        raise ValueError(f"--out {str(out)!r}: no answers to summarize (results*.jsonl) there.")
     summary = summarize(out, args.tasks)
     for name, rows in (("cells", summary["cells"]), ("board", summary["board"])):
         with (out / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
@@ -92,12 +94,12 @@ def add_ruler_command(sub) -> None:
     p.add_argument("--compressions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     p.add_argument("--protocols", nargs="+", default=["agnostic"], choices=PROTOCOLS)
     p.add_argument("--tasks", nargs="+", default=sorted(TASKS))
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    p.add_argument("--samples", type=int, default=50)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[2048])
+    p.add_argument("--samples", type=positive_int, default=50)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-size", type=int, default=1,
+    p.add_argument("--batch-size", type=positive_int, default=1,
                    help="samples of a cell generated together, left-padded (rows share the budget of their mean "
                         "context length)")
     p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th, writing results.IofN.jsonl")
