@@ -404,3 +404,76 @@ def test_triton_kernel_under_interpreter_matches_torch():
     for name, (out_err, score_err, finite) in results.items():
         assert finite, name
         assert out_err < 2e-5 and score_err < 2e-6, (name, out_err, score_err)
+
+
+# -- flash-decoding: a unit's columns in ranges, merged ------------------------------------------------------------------
+def _native(query, keys, values, valid, scaling, split, causal_tail=0, softcap=None, sinks=None, query_weight=None):
+    ks = keys if isinstance(keys, list) else [keys]
+    vs = values if isinstance(values, list) else [values]
+    n = sum(s.length for s in ks)
+    return cpu_blockwise.cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, False,
+                                                 query_weight, split_columns=split)
+
+
+@pytest.mark.parametrize("split", [7, 16, 33])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_ranges_merge_to_the_one_pass_attention(name, split):
+    """Columns split into ranges (of sizes that straddle the packing blocks, the causal tail and the holes), each
+    with its own max and sum, merged: the dense reference's output."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    query, keys, values, valid, kw = build_case(name)
+    scaling = query.shape[-1] ** -0.5
+    out = _native(query, keys, values, valid, scaling, split, **kw)
+    ref, _ = dense_attention(query, keys, values, valid, scaling, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("empty_first", [False, True])
+def test_native_ranges_across_segments(empty_first):
+    """A range that starts in the quantized segment and ends in the full-precision residual (and the tail)."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    query, keys, values, valid, kw = segments_case(empty_first)
+    for split in (5, 30, 65):
+        out = _native(query, keys, values, valid, 0.25, split, **kw)
+        ref, _ = dense_attention(query, keys, values, valid, 0.25, **kw)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_ranges_where_a_whole_range_sees_nothing():
+    """A range whose columns are all hidden contributes nothing (its max is -inf); a row that sees nothing at all
+    gets zeros, with or without sinks."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    query, keys, values, _, _ = build_case("fp8-token-decode", n=64)
+    valid = torch.ones(2, 1, 64, dtype=torch.bool)
+    valid[0, :, 16:48] = False  # ranges 1 and 2 of 4 (16 columns each) hidden in row 0
+    valid[1] = False
+    for sinks in (None, torch.zeros(query.shape[1])):
+        out = _native(query, keys, values, valid, 0.2, 16, sinks=sinks)
+        ref, _ = dense_attention(query, keys, values, valid, 0.2, sinks=sinks)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+        assert (out[1] == 0).all() and out[0].abs().sum() > 0
+
+
+def test_native_decode_splits_a_long_context_by_itself_and_not_by_threads():
+    """Batch-1 decode over 4K columns (one unit per KV head): the kernel splits the columns by itself; the result is
+    the reference's, and the same on one thread or several (the ranges follow from the shapes)."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    query, keys, values, valid, kw = build_case("fp8-token-decode", n=4096, batch=1)
+    ref, _ = dense_attention(query, keys, values, valid, 0.1, **kw)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = blockwise_attention(query, keys, values, valid, 0.1, backend="native", **kw)
+        torch.set_num_threads(max(2, threads))
+        several = blockwise_attention(query, keys, values, valid, 0.1, backend="native", **kw)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, ref, atol=2e-6, rtol=1e-5)
+    assert torch.equal(one, several)
+    whole = _native(query, keys, values, valid, 0.1, 4096, **kw)  # one range: the one-pass route
+    assert not torch.equal(one, whole)  # so the default really split (sums in another order)
+    torch.testing.assert_close(one, whole, atol=2e-6, rtol=1e-5)

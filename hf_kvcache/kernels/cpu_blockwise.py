@@ -3,7 +3,8 @@
 On CPU, eager torch ops cannot fuse "decode the codes, scale them, attend": every step the torch path writes a float32
 copy of each block and walks it again (docs/blockwise_attention.md). The kernel decodes one token's codes into a row
 that stays in L1, takes its dot products with the query rows of its KV head, and after an exact softmax adds the
-decoded value rows; one task per (batch row, KV head) on torch's intra-op threads. Same contract as the torch path
+decoded value rows; one task per (batch row, KV head) on torch's intra-op threads, its columns split into ranges
+merged afterwards when there are few such tasks and many columns (batch-1 decode, flash-decoding). Same contract as the torch path
 (every `QuantizedKV` layout, masks, causal tail, softcap, sinks, weighted column scores), same float32 arithmetic
 up to summation order.
 
@@ -106,8 +107,10 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
 
 
 def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
-                            query_weight=None):
-    """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first)."""
+                            query_weight=None, split_columns: int = 0):
+    """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first).
+    `split_columns`: columns per range of the flash-decoding split (0: chosen from the shapes, see cpu_decode.cpp;
+    tests force small ranges)."""
     k_tensors, k_meta = _flatten(ks)
     v_tensors, v_meta = _flatten(vs)
     out, scores = _module.decode_attention(
@@ -115,6 +118,7 @@ def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softc
         None if valid is None else valid.contiguous(), float(scaling),
         int(causal_tail), float(softcap or 0.0), None if sinks is None else sinks.float().contiguous(),
         bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), ks[0].heads,
+        int(split_columns),
     )
     out = out.to(query.dtype)
     return (out, scores) if column_scores else out

@@ -1,13 +1,14 @@
 // Native CPU kernel for `blockwise_attention` (hf_kvcache/kernels/cpu_blockwise.py builds and calls it).
 //
-// One task per (batch row, KV head), run by at::parallel_for. A task takes the query rows of its KV head in tiles of
-// at most TILE rows (row r of the head: query head h * groups + r / q, query r % q) and walks the key segments once,
-// decoding TOK tokens' codes at a time into float rows that stay in L1 and taking their dot products with every
-// query row of the tile; then an exact softmax per row over all the columns (the logits of a tile stay in memory:
-// TILE x n floats); then the value segments once, adding the decoded value rows into the accumulators with their
-// probabilities. Column scores are the probabilities summed over the queries of each query head (weighted). No
-// full-precision copy of a segment is ever made: the work per column is one pass over its codes for keys and one
-// for values.
+// A unit is a (batch row, KV head, tile of at most TILE query rows of that head: row r is query head h * groups + r / q,
+// query r % q). With few units and many columns (batch-1 decode: 3 units for SmolLM2) each unit's columns are split
+// into ranges (flash-decoding), so every thread works: a range walks its key columns once, decoding TOK tokens' codes
+// at a time into float rows that stay in L1 and taking their dot products with every query row of the tile; keeps
+// its largest logit m, the sum l of exp(logit - m) and the value rows accumulated with those weights; a merge per
+// unit rescales the ranges by exp(m_i - max m) (softmax stays exact). Range sizes follow from the shapes alone, never
+// from the thread count, so results do not depend on it. Column scores are the probabilities summed over the queries
+// of each query head (weighted). No full-precision copy of a segment is ever made: the work per column is one pass
+// over its codes for keys and one for values.
 //
 // Decoding follows `hf_kvcache.kernels.codes` (see QuantizedKV): FP8 bits go through float32 bit patterns times a
 // power of two (E4M3: (byte & 0x7F) << 20, x 2^120; E5M2: << 21, x 2^112; subnormals included), integers are
@@ -295,6 +296,115 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * two_k;
 }
 
+// The columns [c0, c1) of one (batch row, KV head, tile of query rows): each row's logits there (softcap and
+// visibility applied), its largest logit m (the sink included, so that one range reproduces the one-pass softmax), the
+// sum l of exp(logit - m) over the range (the sink not included) and acc = sum of exp(logit - m) x value row. `probs`
+// [nr][c1 - c0] keeps exp(logit - m).
+struct Range {
+  const std::vector<Segment>& ks;
+  const std::vector<Segment>& vs;
+  int64_t Dk, dv, n, tail, causal_tail, Q, groups;
+  const bool* vrow;
+  const float* sinkp;
+  float scale, cap;
+};
+
+// fn(segment, first token, token count, first column) for the tokens of `segs` whose columns lie in [c0, c1)
+template <typename Fn>
+void for_columns(const std::vector<Segment>& segs, int64_t c0, int64_t c1, Fn&& fn) {
+  int64_t off = 0;
+  for (const Segment& s : segs) {
+    const int64_t lo = std::max(c0, off), hi = std::min(c1, off + s.len);
+    if (lo < hi) fn(s, lo - off, hi - lo, lo);
+    off += s.len;
+  }
+}
+
+void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t c0, int64_t c1,
+                  const float* qrows, float* probs, float* m, float* l, float* acc, float* X, float* work,
+                  float* block) {
+  const int64_t w = c1 - c0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // keys: logits of every row against every column of the range, TOK tokens at a time
+  for_columns(g.ks, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
+    for (int64_t t = 0; t < count; t += TOK) {
+      const int64_t tb = std::min<int64_t>(TOK, count - t);
+      for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.Dk], work);
+      std::fill(X + tb * g.Dk, X + TOK * g.Dk, 0.0f);
+      logits_rows(qrows, X, g.Dk, nr, block);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < tb; ++i) probs[r * w + col0 - c0 + t + i] = block[r * TOK + i] * g.scale;
+    }
+  });
+  // softcap, visibility, the range's max and sum
+  for (int64_t r = 0; r < nr; ++r) {
+    float* lr = probs + r * w;
+    const int64_t qi = (r0 + r) % g.Q;
+    if (g.cap > 0.0f)
+      for (int64_t c = 0; c < w; ++c) lr[c] = std::tanh(lr[c] / g.cap) * g.cap;
+    if (g.vrow)
+      for (int64_t c = c0; c < std::min(c1, g.tail); ++c) lr[c - c0] = g.vrow[c] ? lr[c - c0] : neg_inf;
+    for (int64_t c = std::max(c0, g.tail); c < c1; ++c) {  // the tail: causal among itself, each query sees itself
+      const int64_t k = c - g.tail;
+      const bool seen = ((g.vrow ? g.vrow[c] : true) && k <= qi) || k == qi;
+      if (!seen) lr[c - c0] = neg_inf;
+    }
+    float mr = g.sinkp ? g.sinkp[h * g.groups + (r0 + r) / g.Q] : neg_inf;
+    for (int64_t c = 0; c < w; ++c) mr = lr[c] > mr ? lr[c] : mr;
+    m[r] = mr;
+    if (mr == neg_inf) {  // nothing visible in the range
+      for (int64_t c = 0; c < w; ++c) lr[c] = 0.0f;
+      l[r] = 0.0f;
+      continue;
+    }
+    float part[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= w; c += 16)
+      for (int j = 0; j < 16; ++j) {
+        const float e = exp_nonpositive(lr[c + j] - mr);
+        lr[c + j] = e;
+        part[j] += e;
+      }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; ++j) sum += part[j];
+    for (; c < w; ++c) {
+      lr[c] = exp_nonpositive(lr[c] - mr);
+      sum += lr[c];
+    }
+    l[r] = sum;
+  }
+  // values: accumulate the decoded rows with their weights exp(logit - m), TOK tokens at a time
+  std::fill(acc, acc + nr * g.dv, 0.0f);
+  for_columns(g.vs, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
+    for (int64_t t = 0; t < count; t += TOK) {
+      const int64_t tb = std::min<int64_t>(TOK, count - t);
+      bool seen = false;
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < TOK; ++i) {
+          const float p = i < tb ? probs[r * w + col0 - c0 + t + i] : 0.0f;
+          block[r * TOK + i] = p;
+          seen |= p != 0.0f;
+        }
+      if (!seen) continue;
+      for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.dv], work);
+      std::fill(X + tb * g.dv, X + TOK * g.dv, 0.0f);
+      accumulate_rows(block, X, g.dv, nr, acc);
+    }
+  });
+}
+
+// Columns per range when one (batch row, KV head, tile) is split over its columns (flash-decoding): only for long
+// contexts and few such units, and from the shapes alone, so a result never depends on the thread count.
+constexpr int64_t SPLIT_MIN = 512;   // columns of a range at least
+constexpr int64_t SPLIT_UNITS = 32;  // split while (batch rows x KV heads x tiles) is below this
+
+int64_t range_columns(int64_t n, int64_t units, int64_t forced) {
+  if (forced > 0) return forced;
+  if (units >= SPLIT_UNITS || n < 2 * SPLIT_MIN) return std::max<int64_t>(n, 1);
+  const int64_t ranges = std::min<int64_t>((SPLIT_UNITS + units - 1) / units, n / SPLIT_MIN);
+  return (n + ranges - 1) / ranges;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> decode_attention(
@@ -309,7 +419,8 @@ std::vector<at::Tensor> decode_attention(
     const std::optional<at::Tensor>& sinks,                    // float32 [Hq]
     bool column_scores,
     const std::optional<at::Tensor>& query_weight,             // float32 [B, q]
-    int64_t kv_heads) {
+    int64_t kv_heads,
+    int64_t split_columns) {                                   // columns per range; 0: chosen by size
   TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous() && query.dim() == 4,
               "hf_kvcache cpu_decode: query must be contiguous float32 [B, Hq, q, Dk]");
   const int64_t B = query.size(0), Hq = query.size(1), Q = query.size(2), Dk = query.size(3);
@@ -326,107 +437,75 @@ std::vector<at::Tensor> decode_attention(
   const int64_t v_b = valid ? valid->stride(0) : 0, v_h = valid && valid->size(1) > 1 ? valid->stride(1) : 0;
   const float* sinkp = sinks ? sinks->data_ptr<float>() : nullptr;
   const float* wp = query_weight ? query_weight->data_ptr<float>() : nullptr;
-  const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
+  const int64_t tiles = (rows + TILE - 1) / TILE;
+  const int64_t units = B * kv_heads * tiles;                  // (batch row, KV head, tile of query rows)
+  // ranges only without column scores (their probabilities would have to be kept for the merge: TILE x n per unit)
+  const int64_t span = column_scores ? std::max<int64_t>(n, 1) : range_columns(n, units, split_columns);
+  const int64_t nranges = std::max<int64_t>(1, (n + span - 1) / span);
+  const int64_t tile_rows = std::min(rows, TILE);
+  std::vector<float> M(units * nranges * tile_rows), L(units * nranges * tile_rows);  // each range's m, l, acc
+  std::vector<float> ACC(units * nranges * tile_rows * dv);
+  const Range g{ks, vs, Dk, dv, n, n - causal_tail, causal_tail, Q, groups, nullptr, sinkp,
+                static_cast<float>(scaling), static_cast<float>(softcap)};
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t tail = n - causal_tail;
 
-  at::parallel_for(0, B * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t dmax = std::max(Dk, dv);
-    // X: TOK decoded rows (zeros past a segment's end)
-    std::vector<float> X(TOK * dmax, 0.0f), work(dmax), logits(std::min(rows, TILE) * n);
-    std::vector<float> acc(std::min(rows, TILE) * dv), block(std::min(rows, TILE) * TOK);
-    std::vector<float> qrows(std::min(rows, TILE) * Dk);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const bool* vrow = vp ? vp + b * v_b + h * v_h : nullptr;
-      for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-        const int64_t nr = std::min(TILE, rows - r0);
-        for (int64_t r = 0; r < nr; ++r) {  // query head h * groups + (r0 + r) / Q, query (r0 + r) % Q
-          const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
-          std::memcpy(&qrows[r * Dk], qp + ((b * Hq + head) * Q + qi) * Dk, Dk * sizeof(float));
-        }
-        // keys: logits of every row of the tile against every column, TOK tokens at a time
-        int64_t col = 0;
-        for (const Segment& s : ks) {
-          for (int64_t t = 0; t < s.len; t += TOK, col += TOK) {
-            const int64_t tb = std::min<int64_t>(TOK, s.len - t);
-            for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t + i, &X[i * Dk], work.data());
-            std::fill(X.begin() + tb * Dk, X.begin() + TOK * Dk, 0.0f);
-            logits_rows(qrows.data(), X.data(), Dk, nr, block.data());
-            for (int64_t r = 0; r < nr; ++r)
-              for (int64_t i = 0; i < tb; ++i) logits[r * n + col + i] = block[r * TOK + i] * scale;
-          }
-          col -= (TOK - s.len % TOK) % TOK;
-        }
-        // softcap, visibility, softmax (exact: every logit of the row is here)
-        for (int64_t r = 0; r < nr; ++r) {
-          float* l = &logits[r * n];
-          const int64_t qi = (r0 + r) % Q;
-          if (cap > 0.0f)
-            for (int64_t c = 0; c < n; ++c) l[c] = std::tanh(l[c] / cap) * cap;
-          if (vrow)
-            for (int64_t c = 0; c < tail; ++c) l[c] = vrow[c] ? l[c] : neg_inf;
-          for (int64_t k = 0; k < causal_tail; ++k) {  // the tail: causal among itself, each query sees its own column
-            const bool seen = ((vrow ? vrow[tail + k] : true) && k <= qi) || k == qi;
-            if (!seen) l[tail + k] = neg_inf;
-          }
-          const float sink = sinkp ? sinkp[h * groups + (r0 + r) / Q] : neg_inf;
-          float m = sink;
-          for (int64_t c = 0; c < n; ++c) m = l[c] > m ? l[c] : m;
-          if (m == neg_inf) {  // nothing visible: zero output and scores
-            for (int64_t c = 0; c < n; ++c) l[c] = 0.0f;
-            continue;
-          }
-          float part[16] = {0};
-          int64_t c = 0;
-          for (; c + 16 <= n; c += 16)
-            for (int j = 0; j < 16; ++j) {
-              const float e = exp_nonpositive(l[c + j] - m);
-              l[c + j] = e;
-              part[j] += e;
-            }
-          float sum = sinkp ? exp_nonpositive(sink - m) : 0.0f;
-          for (int j = 0; j < 16; ++j) sum += part[j];
-          for (; c < n; ++c) {
-            l[c] = exp_nonpositive(l[c] - m);
-            sum += l[c];
-          }
-          const float inv = 1.0f / sum;
-          for (int64_t c2 = 0; c2 < n; ++c2) l[c2] *= inv;
-        }
-        // values: accumulate the decoded rows with their probabilities, TOK tokens at a time
-        std::fill(acc.begin(), acc.begin() + nr * dv, 0.0f);
-        col = 0;
-        for (const Segment& s : vs) {
-          for (int64_t t = 0; t < s.len; t += TOK, col += TOK) {
-            const int64_t tb = std::min<int64_t>(TOK, s.len - t);
-            bool seen = false;
-            for (int64_t r = 0; r < nr; ++r)
-              for (int64_t i = 0; i < TOK; ++i) {
-                const float p = i < tb ? logits[r * n + col + i] : 0.0f;
-                block[r * TOK + i] = p;
-                seen |= p != 0.0f;
-              }
-            if (!seen) continue;
-            for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t + i, &X[i * dv], work.data());
-            std::fill(X.begin() + tb * dv, X.begin() + TOK * dv, 0.0f);
-            accumulate_rows(block.data(), X.data(), dv, nr, acc.data());
-          }
-          col -= (TOK - s.len % TOK) % TOK;
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
-          std::memcpy(op + ((b * Hq + head) * Q + qi) * dv, &acc[r * dv], dv * sizeof(float));
-          if (sp) {
-            const float w = wp ? wp[b * Q + qi] : 1.0f;
-            float* srow = sp + (b * Hq + head) * n;
-            const float* l = &logits[r * n];
-            for (int64_t c = 0; c < n; ++c) srow[c] += w * l[c];
-          }
-        }
+  // out = sum_i e^(m_i - m) acc_i / (sum_i e^(m_i - m) l_i + e^(sink - m)) over the unit's ranges i; with one range
+  // (the only case with column scores) `probs` holds its exp(logit - m) rows, [nr][n]
+  auto merge = [&](int64_t unit, const float* probs, float* factor) {
+    const int64_t b = unit / (kv_heads * tiles), h = unit / tiles % kv_heads, r0 = unit % tiles * TILE;
+    const int64_t nr = std::min(TILE, rows - r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
+      float m = neg_inf;
+      for (int64_t i = 0; i < nranges; ++i) m = std::max(m, M[(unit * nranges + i) * tile_rows + r]);
+      if (m == neg_inf) continue;  // nothing visible: zero output and scores
+      float denom = sinkp ? exp_nonpositive(sinkp[head] - m) : 0.0f;
+      for (int64_t i = 0; i < nranges; ++i) {
+        const int64_t at = (unit * nranges + i) * tile_rows + r;
+        factor[i] = M[at] == neg_inf ? 0.0f : exp_nonpositive(M[at] - m);
+        denom += factor[i] * L[at];
+      }
+      const float inv = 1.0f / denom;
+      float* o = op + ((b * Hq + head) * Q + qi) * dv;
+      for (int64_t i = 0; i < nranges; ++i) {
+        const float k = factor[i] * inv;
+        const float* a = &ACC[((unit * nranges + i) * tile_rows + r) * dv];
+        if (k != 0.0f)
+          for (int64_t d = 0; d < dv; ++d) o[d] += k * a[d];
+      }
+      if (sp) {
+        const float k = (wp ? wp[b * Q + qi] : 1.0f) * factor[0] * inv;
+        float* srow = sp + (b * Hq + head) * n;
+        const float* pr = probs + r * n;
+        for (int64_t c = 0; c < n; ++c) srow[c] += k * pr[c];
       }
     }
+  };
+
+  at::parallel_for(0, units * nranges, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dmax = std::max(Dk, dv);
+    std::vector<float> X(TOK * dmax, 0.0f), work(dmax), block(tile_rows * TOK), qrows(tile_rows * Dk);
+    std::vector<float> probs(tile_rows * std::min(span, n)), factor(nranges);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t unit = job / nranges, range = job % nranges;
+      const int64_t b = unit / (kv_heads * tiles), h = unit / tiles % kv_heads, r0 = unit % tiles * TILE;
+      const int64_t nr = std::min(TILE, rows - r0), c0 = range * span, c1 = std::min(n, c0 + span);
+      for (int64_t r = 0; r < nr; ++r) {  // query head h * groups + (r0 + r) / Q, query (r0 + r) % Q
+        const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
+        std::memcpy(&qrows[r * Dk], qp + ((b * Hq + head) * Q + qi) * Dk, Dk * sizeof(float));
+      }
+      Range mine = g;
+      mine.vrow = vp ? vp + b * v_b + h * v_h : nullptr;
+      attend_range(mine, b, h, r0, nr, c0, c1, qrows.data(), probs.data(), &M[job * tile_rows], &L[job * tile_rows],
+                   &ACC[job * tile_rows * dv], X.data(), work.data(), block.data());
+      if (nranges == 1) merge(unit, probs.data(), factor.data());
+    }
   });
+  if (nranges > 1)
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> factor(nranges);
+      for (int64_t unit = begin; unit < end; ++unit) merge(unit, nullptr, factor.data());
+    });
   return {out, scores};
 }
 

@@ -1,0 +1,194 @@
+"""Long-context decode against what it reads (issue 28): per cache and context length, decode ms/token as a ratio to
+DynamicCache, and the attention kernel alone in bytes per second against a plain read of the same bytes.
+
+    python eval/bench_decode_bandwidth.py                       # 1K-16K, SmolLM2 float32, 2 threads (~15 min)
+    python eval/bench_decode_bandwidth.py --lengths 8192 --rounds 5 --out results/decode_bandwidth
+
+Part 1, the model (`decode` rows): every cache is prefilled once per context length (chunked, from the offline
+corpus), then rounds interleave the caches (order rotated per round), each timing `--steps` one-token forwards after
+a warm-up step. A cache's ratio is paired: per round its median ms/token over DynamicCache's in the same round, then
+the median over rounds (the steadiest figure on a shared machine).
+
+Part 2, the kernel alone (`kernel` rows): SmolLM2's attention shape (3 KV heads, 3 queries each, head_dim 64) over
+`--layers` separate layers' codes (so the bytes come from memory, not from cache, as in a decode step), one
+`blockwise_attention(backend="native")` call per layer. Bytes read: the keys' and values' codes and scales. The
+bound: `tensor.sum()` over float32 buffers of the same total size, timed the same way (a plain read at the machine's
+memory speed with the same threads). Both as bytes/s and their ratio.
+
+Writes OUT.json / OUT.csv and OUT.png (decode cost vs context length per cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stream_ppl import environment  # noqa: E402
+
+from hf_kvcache import cache_kwargs  # noqa: E402
+from hf_kvcache.evaluation.cache_spec import make_cache  # noqa: E402
+from hf_kvcache.kernels.blockwise import blockwise_attention  # noqa: E402
+from hf_kvcache.kernels.codes import QuantizedKV  # noqa: E402
+from hf_kvcache.stores.code_views import from_codec  # noqa: E402
+from hf_kvcache.stores.factory import make_codec  # noqa: E402
+from hf_kvcache.stores.quantization import QuantSpec  # noqa: E402
+
+#: label -> (cache name, config); "dynamic" is transformers' DynamicCache, the reference
+CACHES = {"dynamic": ("dynamic", {}), "fp8": ("fp8", {}), "kivi int4": ("kivi", {}),
+          "sink 4 + 1020": ("sink", {"sinks": 4, "window": 1020})}
+
+
+@torch.inference_mode()
+def _prefill(model, cache, ids, chunk: int) -> None:
+    for start in range(0, ids.shape[1], chunk):
+        model(input_ids=ids[:, start: start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+
+
+@torch.inference_mode()
+def _decode_ms(model, cache, token, steps: int) -> float:
+    model(input_ids=token, **cache_kwargs(cache), use_cache=True)  # warm-up step
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model(input_ids=token, **cache_kwargs(cache), use_cache=True)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def decode_rows(model, ids, lengths, caches, rounds: int, steps: int, chunk: int) -> list[dict]:
+    rows = []
+    token = ids[:, -1:]
+    for length in lengths:
+        built = {label: make_cache(model, name, dict(config)) for label, (name, config) in caches.items()}
+        for label, cache in built.items():
+            _prefill(model, cache, ids[:, :length], chunk)
+        per = {label: [] for label in built}
+        labels = list(built)
+        for r in range(rounds):
+            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                per[label].append(_decode_ms(model, built[label], token, steps))
+        for label in labels:
+            paired = [m / d for m, d in zip(per[label], per["dynamic"])]
+            rows.append({"part": "decode", "cache": label, "context": length,
+                         "decode_ms_per_token": statistics.median(per[label]),
+                         "ratio_to_dynamic": statistics.median(paired), "rounds": rounds, "steps": steps})
+            print(f"{length:6d} {label:14s} {rows[-1]['decode_ms_per_token']:8.2f} ms/token "
+                  f"{rows[-1]['ratio_to_dynamic']:.3f}x dynamic", flush=True)
+        del built
+    return rows
+
+
+def _fp8_layer(n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV, QuantizedKV, int]:
+    """One layer's keys and values as the FP8 cache stores them (E4M3, one scale per token and head)."""
+    layer = []
+    for _ in range(2):
+        codec = make_codec(QuantSpec.from_value({"format": "fp8_e4m3"}))
+        codec.allocate(1, heads, dim, n, torch.float32, "cpu")
+        codec.put(codec.encode(torch.randn(1, heads, n, dim, generator=gen)), 0)
+        layer.append(from_codec(codec, n))
+    read = sum(t.numel() * t.element_size() for s in layer for t in (s.codes, s.scale) if t is not None)
+    return layer[0], layer[1], read
+
+
+def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for n in lengths:
+        made = [_fp8_layer(n, heads, dim, gen) for _ in range(layers)]
+        query = torch.randn(1, heads * groups, 1, dim, generator=gen)
+        read = sum(m[2] for m in made)
+        plain = [torch.zeros(max(1, m[2] // 4)) + 1.0 for m in made]  # float32 buffers of the same bytes
+
+        def kernel():
+            for ks, vs, _ in made:
+                blockwise_attention(query, ks, vs, None, dim ** -0.5, backend="native")
+
+        def memory():
+            for buffer in plain:
+                buffer.sum()
+
+        kernel(), memory()  # warm-up (and the kernel's build)
+        k_times, m_times = [], []
+        for _ in range(repeats):
+            for fn, out in ((kernel, k_times), (memory, m_times)):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        k_s, m_s = statistics.median(k_times), statistics.median(m_times)
+        rows.append({"part": "kernel", "cache": "fp8 per-token (native kernel)", "context": n, "layers": layers,
+                     "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9, "read_bound_gb_per_s": read / m_s / 1e9,
+                     "share_of_bound": m_s / k_s, "repeats": repeats})
+        print(f"{n:6d} kernel {rows[-1]['kernel_gb_per_s']:.2f} GB/s, plain read {rows[-1]['read_bound_gb_per_s']:.2f}"
+              f" GB/s: {rows[-1]['share_of_bound']:.2f} of the bound", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    decode = [r for r in rows if r["part"] == "decode"]
+    for label in dict.fromkeys(r["cache"] for r in decode):
+        mine = sorted((r["context"], r["decode_ms_per_token"]) for r in decode if r["cache"] == label)
+        ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode ms/token (median)")
+    ax.set_title("SmolLM2-135M decode cost vs context")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    parser.add_argument("--layers", type=int, default=30, help="layers of the kernel-alone part")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-model", action="store_true", help="only the kernel-alone part")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "decode_bandwidth")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = kernel_rows(args.lengths, args.layers, args.repeats)
+    if not args.skip_model:
+        from hf_kvcache.evaluation.corpus import load_text
+        from hf_kvcache.evaluation.models import load_model
+
+        model, tokenizer = load_model(args.model)
+        ids = tokenizer(load_text("pydoc"), return_tensors="pt").input_ids[:, : max(args.lengths) + 1]
+        caches = {label: CACHES[label] for label in ["dynamic"] + [c for c in args.caches if c != "dynamic"]}
+        rows += decode_rows(model, ids, args.lengths, caches, args.rounds, args.steps, args.chunk)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "rows": rows,
+                                                         "environment": environment()}, indent=1) + "\n")
+    with args.out.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    if not args.skip_model:
+        plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
