@@ -29,7 +29,9 @@ from .codes import QuantizedKV
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+# -fopenmp: torch's at::parallel_for is inline OpenMP in its headers (AT_PARALLEL_OPENMP); compiled without it, the
+# pragma is dropped and every task runs on the calling thread
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _FORMAT_IDS = {"none": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 3, "int2": 3}
 _PACK_IDS = {"channel": 1, "token": 2}
 
@@ -50,8 +52,8 @@ def _build():
         logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
                        directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(directory),
-                              verbose=False)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=str(directory), verbose=False)
 
 
 def unavailable() -> str | None:

@@ -19,6 +19,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -278,6 +279,99 @@ void accumulate_rows(const float* P, const float* X, int64_t D, int64_t rows, fl
   });
 }
 
+// -- FP8 with one scale per token, decoded in registers ---------------------------------------------------------------
+// The common FP8 layout (E4M3 / E5M2, a scale per token and head, no zero point or bias, head_dim a multiple of 16)
+// never writes a decoded row: 16 codes become 16 floats in a register (zero-extended, sign and exponent-mantissa bits
+// moved into float32 position) and go straight into the dot products; a token's scale (times the power of two the
+// bit route leaves) multiplies its logit once, and multiplies its probability once on the value side, instead of
+// every element.
+// 16 codes -> 16 floats in one register: AVX-512 (one zero-extension), AVX2 (two), else a portable loop
+template <int SHIFT>
+inline v16 fp8x16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), SHIFT));
+  return reinterpret_cast<v16>(_mm512_castsi512_ps(bits));
+#elif defined(__AVX2__)
+  v16 f;
+  for (int half = 0; half < 2; ++half) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), SHIFT));
+    std::memcpy(reinterpret_cast<float*>(&f) + 8 * half, &bits, 32);
+  }
+  return f;
+#else
+  float x[16];
+  for (int d = 0; d < 16; ++d) {
+    const uint32_t c = p[d];
+    x[d] = bits_to_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << SHIFT));
+  }
+  return load16(x);
+#endif
+}
+
+bool fp8_fast(const Segment& s) {
+  return (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && s.row_scale && !s.zero && !s.bias && s.dim % 16 == 0 &&
+         s.s_tok == 1;
+}
+
+// out[r * TOK + t] = k[t] * (q_r . codes_t) for TOK tokens whose code rows start at p + t * stride
+template <int R, int SHIFT>
+void fp8_logits_block(const float* __restrict q, const uint8_t* __restrict p, int64_t stride, const float* k,
+                      int64_t D, float* __restrict out) {
+  v16 acc[R][TOK] = {};
+  for (int64_t d = 0; d < D; d += 16) {
+    v16 x[TOK];
+    for (int t = 0; t < TOK; ++t) x[t] = fp8x16<SHIFT>(p + t * stride + d);
+    for (int r = 0; r < R; ++r) {
+      const v16 qv = load16(q + r * D + d);
+      for (int t = 0; t < TOK; ++t) acc[r][t] += qv * x[t];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TOK; ++t) out[r * TOK + t] = hsum(acc[r][t]) * k[t];
+}
+
+// acc[r] += sum_t W[r * TOK + t] * codes_t (W: probabilities already times the tokens' scales)
+template <int R, int SHIFT>
+void fp8_accumulate_block(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
+                          float* __restrict acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    v16 x[TOK];
+    for (int t = 0; t < TOK; ++t) x[t] = fp8x16<SHIFT>(p + t * stride + d);
+    for (int r = 0; r < R; ++r) {
+      v16 a = load16(acc + r * D + d);
+      for (int t = 0; t < TOK; ++t) a += splat(W[r * TOK + t]) * x[t];
+      store16(acc + r * D + d, a);
+    }
+  }
+}
+
+// TOK tokens of a fast FP8 segment from token t: their code rows and scales (times the bit route's power of two)
+inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t, float* k) {
+  const float f = fp8_factor(s.fmt);
+  for (int i = 0; i < TOK; ++i) k[i] = s.scale.row(b, h, t + i)[0] * f;
+  return s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+}
+
+void fp8_logits_rows(const Segment& s, const float* q, const uint8_t* p, const float* k, int64_t rows, float* out) {
+  for_row_groups(rows, [&](auto R, int64_t r) {
+    constexpr int RR = decltype(R)::value;
+    if (s.fmt == FMT_E4M3) fp8_logits_block<RR, 20>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * TOK);
+    else fp8_logits_block<RR, 21>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * TOK);
+  });
+}
+
+void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
+  for_row_groups(rows, [&](auto R, int64_t r) {
+    constexpr int RR = decltype(R)::value;
+    if (s.fmt == FMT_E4M3) fp8_accumulate_block<RR, 20>(W + r * TOK, p, s.c_n, s.dim, acc + r * s.dim);
+    else fp8_accumulate_block<RR, 21>(W + r * TOK, p, s.c_n, s.dim, acc + r * s.dim);
+  });
+}
+
 // exp(x) for x <= 0 (or -inf -> 0), Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, 2^k from the exponent bits;
 // within 2 ulp of std::exp and vectorisable (std::exp is not without -ffast-math).
 inline float exp_nonpositive(float x) {
@@ -294,6 +388,29 @@ inline float exp_nonpositive(float x) {
   p = p * r * r + r + 1.0f;
   const float two_k = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_k;
+}
+
+// exp_nonpositive on 16 lanes (the same steps: round to nearest by the 1.5 x 2^23 trick, the same polynomial)
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline v16 exp16_nonpositive(v16 x) {
+  const v16 low = splat(-87.0f);
+  const v16 clamped = x < low ? low : x;
+  const v16 magic = splat(12582912.0f);  // 1.5 x 2^23: adding and subtracting it rounds to an integer (ties even)
+  const v16 k = (clamped * 1.44269504088896341f + magic) - magic;
+  v16 r = clamped - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 e = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  v16 two_k;
+  std::memcpy(&two_k, &e, sizeof two_k);
+  return x < low ? splat(0.0f) : p * two_k;
 }
 
 // The columns [c0, c1) of one (batch row, KV head, tile of query rows): each row's logits there (softcap and
@@ -327,11 +444,17 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // keys: logits of every row against every column of the range, TOK tokens at a time
   for_columns(g.ks, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
+    const bool fast = fp8_fast(s);
+    float k[TOK];
     for (int64_t t = 0; t < count; t += TOK) {
       const int64_t tb = std::min<int64_t>(TOK, count - t);
-      for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.Dk], work);
-      std::fill(X + tb * g.Dk, X + TOK * g.Dk, 0.0f);
-      logits_rows(qrows, X, g.Dk, nr, block);
+      if (fast && tb == TOK) {
+        fp8_logits_rows(s, qrows, fp8_rows(s, b, h, t0 + t, k), k, nr, block);
+      } else {
+        for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.Dk], work);
+        std::fill(X + tb * g.Dk, X + TOK * g.Dk, 0.0f);
+        logits_rows(qrows, X, g.Dk, nr, block);
+      }
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t i = 0; i < tb; ++i) probs[r * w + col0 - c0 + t + i] = block[r * TOK + i] * g.scale;
     }
@@ -350,23 +473,32 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
       if (!seen) lr[c - c0] = neg_inf;
     }
     float mr = g.sinkp ? g.sinkp[h * g.groups + (r0 + r) / g.Q] : neg_inf;
-    for (int64_t c = 0; c < w; ++c) mr = lr[c] > mr ? lr[c] : mr;
+    {
+      v16 mv = splat(mr);
+      int64_t c = 0;
+      for (; c + 16 <= w; c += 16) {
+        const v16 x = load16(lr + c);
+        mv = x > mv ? x : mv;
+      }
+      float lanes[16];
+      std::memcpy(lanes, &mv, sizeof lanes);
+      for (int j = 0; j < 16; ++j) mr = lanes[j] > mr ? lanes[j] : mr;
+      for (; c < w; ++c) mr = lr[c] > mr ? lr[c] : mr;
+    }
     m[r] = mr;
     if (mr == neg_inf) {  // nothing visible in the range
       for (int64_t c = 0; c < w; ++c) lr[c] = 0.0f;
       l[r] = 0.0f;
       continue;
     }
-    float part[16] = {0};
+    v16 part = {};
     int64_t c = 0;
-    for (; c + 16 <= w; c += 16)
-      for (int j = 0; j < 16; ++j) {
-        const float e = exp_nonpositive(lr[c + j] - mr);
-        lr[c + j] = e;
-        part[j] += e;
-      }
-    float sum = 0.0f;
-    for (int j = 0; j < 16; ++j) sum += part[j];
+    for (; c + 16 <= w; c += 16) {
+      const v16 e = exp16_nonpositive(load16(lr + c) - mr);
+      store16(lr + c, e);
+      part += e;
+    }
+    float sum = hsum(part);
     for (; c < w; ++c) {
       lr[c] = exp_nonpositive(lr[c] - mr);
       sum += lr[c];
@@ -376,6 +508,8 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
   // values: accumulate the decoded rows with their weights exp(logit - m), TOK tokens at a time
   std::fill(acc, acc + nr * g.dv, 0.0f);
   for_columns(g.vs, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
+    const bool fast = fp8_fast(s);
+    float k[TOK];
     for (int64_t t = 0; t < count; t += TOK) {
       const int64_t tb = std::min<int64_t>(TOK, count - t);
       bool seen = false;
@@ -386,6 +520,13 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
           seen |= p != 0.0f;
         }
       if (!seen) continue;
+      if (fast && tb == TOK) {  // the tokens' scales go into their weights, once per token
+        const uint8_t* p = fp8_rows(s, b, h, t0 + t, k);
+        for (int64_t r = 0; r < nr; ++r)
+          for (int i = 0; i < TOK; ++i) block[r * TOK + i] *= k[i];
+        fp8_accumulate_rows(s, block, p, nr, acc);
+        continue;
+      }
       for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.dv], work);
       std::fill(X + tb * g.dv, X + TOK * g.dv, 0.0f);
       accumulate_rows(block, X, g.dv, nr, acc);
