@@ -372,20 +372,27 @@ void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int
   });
 }
 
-// exp(x) for x <= 0 (or -inf -> 0), Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, 2^k from the exponent bits;
-// within 2 ulp of std::exp and vectorisable (std::exp is not without -ffast-math).
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  const float k = std::nearbyint(clamped * 1.44269504088896341f);
-  float r = clamped - k * 0.693359375f;
+// Cephes' expf core, for one float or 16 lanes: e^r for r = x - k ln2 (k = x / ln2 rounded, |r| <= ln2 / 2, ln2 in
+// two parts), by its degree-7 polynomial
+template <typename T>
+inline T exp_core(T clamped, T k) {
+  T r = clamped - k * 0.693359375f;
   r = r - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) for x <= 0 (or -inf -> 0), Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, 2^k from the exponent bits;
+// within 2 ulp of std::exp and vectorisable (std::exp is not without -ffast-math).
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float k = std::nearbyint(clamped * 1.44269504088896341f);
+  const float p = exp_core(clamped, k);
   const float two_k = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_k;
 }
@@ -398,15 +405,7 @@ inline v16 exp16_nonpositive(v16 x) {
   const v16 clamped = x < low ? low : x;
   const v16 magic = splat(12582912.0f);  // 1.5 x 2^23: adding and subtracting it rounds to an integer (ties even)
   const v16 k = (clamped * 1.44269504088896341f + magic) - magic;
-  v16 r = clamped - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const v16 p = exp_core(clamped, k);
   const i32x16 e = (__builtin_convertvector(k, i32x16) + 127) << 23;
   v16 two_k;
   std::memcpy(&two_k, &e, sizeof two_k);
