@@ -1,9 +1,11 @@
 """The leaderboard run: every method x compression x protocol x task x context length x sample, resumable.
 
 A *method* is a cache spec (hf_kvcache.evaluation.cache_spec: `(name, config)`) with the key its budget goes to;
-a compression c keeps `1 - c` of the context (c = 0: the full cache, one shared row). Every generated answer is one
-JSON line of `results.jsonl` under `out`, keyed by (method, compression, protocol, task, length, seed): a run that
-stops resumes where it stopped and never recomputes a line. `summarize` gives one row per cell (mean score over the
+a compression c keeps `1 - c` of the context (c = 0: the full cache, one shared row; a quantized cache: one point,
+its compression measured from its bytes). Every generated answer is one JSON line of `results.jsonl` under `out`
+(`results.<i>of<n>.jsonl` for shard i of n processes), keyed by (method, compression, protocol, task, length, seed):
+a run that stops resumes where it stopped and never recomputes a line. The samples of a cell can run as left-padded
+batches (`protocol.run_batch`), each sample is made once per board (`samples*.jsonl`). `summarize` gives one row per cell (mean score over the
 samples, a 95% interval, n) and per (method, compression, protocol, length) the mean over the kept tasks, as kvpress's
 leaderboard plots it (score vs compression, one line per method).
 """
@@ -19,10 +21,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import make_sample
-from .sample import Sample
 from ..memory import cache_nbytes
+from . import make_sample
 from .protocol import PROTOCOLS, prompt_parts, run_batch, tail_length
+from .sample import Sample
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def save_samples(path: Path, samples: dict[tuple, Sample]) -> None:
 
 def full_cache_bytes(model, batch: int, tokens: int) -> int:
     """Bytes a full cache holds for `batch` rows of `tokens` tokens at the model's dtype (keys and values of every
-    layer), the reference of a fixed method's measured compression."""
+    layer, standard multi-head / grouped attention), the reference of a fixed method's measured compression."""
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
