@@ -406,7 +406,7 @@ def test_triton_kernel_under_interpreter_matches_torch():
         assert out_err < 2e-5 and score_err < 2e-6, (name, out_err, score_err)
 
 
-# -- flash-decoding: a unit's columns in ranges, merged ------------------------------------------------------------------
+# -- flash-decoding: a unit's columns in ranges, merged ----------------------------------------------------------------
 def _native(query, keys, values, valid, scaling, split, causal_tail=0, softcap=None, sinks=None, query_weight=None):
     ks = keys if isinstance(keys, list) else [keys]
     vs = values if isinstance(values, list) else [values]

@@ -4,13 +4,13 @@ On CPU, eager torch ops cannot fuse "decode the codes, scale them, attend": ever
 copy of each block and walks it again (docs/blockwise_attention.md). The kernel decodes one token's codes into a row
 that stays in L1, takes its dot products with the query rows of its KV head, and after an exact softmax adds the
 decoded value rows; one task per (batch row, KV head) on torch's intra-op threads, its columns split into ranges
-merged afterwards when there are few such tasks and many columns (batch-1 decode, flash-decoding). Same contract as the torch path
-(every `QuantizedKV` layout, masks, causal tail, softcap, sinks, weighted column scores), same float32 arithmetic
-up to summation order.
+merged afterwards when there are few such tasks and many columns (batch-1 decode, flash-decoding). Same contract as
+the torch path (every `QuantizedKV` layout, masks, causal tail, softcap, sinks, weighted column scores), same float32
+arithmetic up to summation order.
 
-Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native`, once per
-source version into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); about
-a minute on 2 cores, then milliseconds. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto"
+Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native -fopenmp`,
+once per source version into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions);
+about a minute on 2 cores, then milliseconds. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto"
 keeps the torch path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
 """
 

@@ -5,9 +5,9 @@ a compression c keeps `1 - c` of the context (c = 0: the full cache, one shared 
 its compression measured from its bytes). Every generated answer is one JSON line of `results.jsonl` under `out`
 (`results.<i>of<n>.jsonl` for shard i of n processes), keyed by (method, compression, protocol, task, length, seed):
 a run that stops resumes where it stopped and never recomputes a line. The samples of a cell can run as left-padded
-batches (`protocol.run_batch`), each sample is made once per board (`samples*.jsonl`). `summarize` gives one row per cell (mean score over the
-samples, a 95% interval, n) and per (method, compression, protocol, length) the mean over the kept tasks, as kvpress's
-leaderboard plots it (score vs compression, one line per method).
+batches (`protocol.run_batch`); each sample is made once per board (`samples*.jsonl`). `summarize` gives one row per
+cell (mean score over the samples, a 95% interval, n) and per (method, compression, protocol, length) the mean over
+the kept tasks, as kvpress's leaderboard plots it (score vs compression, one line per method).
 """
 
 from __future__ import annotations
