@@ -81,6 +81,8 @@ INT8 = {"format": "int8", "granularity": "token"}
 INT4_KEYS = {"format": "int4", "granularity": "channel", "group_size": 16, "backend": "quanto"}  # KIVI keys
 INT4_VALUES = {"format": "int4", "granularity": "token", "group_size": 8, "backend": "quanto"}  # KIVI values
 INT2_HQQ = {"format": "int2", "granularity": "token", "group_size": 8, "backend": "hqq"}
+KIVI_KEYS = {"format": "int4", "granularity": "channel", "group_size": 16, "backend": "quanto"}  # KIVICache's layout
+KIVI_VALUES = {"format": "int4", "granularity": "token", "group_size": 16, "backend": "quanto"}  # (its groups are 32)
 
 # (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
 CASES = {
@@ -91,6 +93,9 @@ CASES = {
     "fp8-e8m0-sinks-gqa": (FP8_E8M0, INT8, None, 2, 4, 1, 32, 24, {"sinks": True, "holes": True}),
     "fp8-channel": (FP8_CHANNEL, FP8, None, 2, 2, 3, 32, 32, {"causal": True}),
     "kivi-int4-token-packed": (INT4_KEYS, INT4_VALUES, 16, 2, 2, 1, 32, 32, {"holes": True, "weights": True}),
+    # KIVICache's layout (token-packed blocks, value groups a multiple of 16 channels): the native kernel's INT4
+    # register route, keys and values
+    "kivi-int4-register-route": (KIVI_KEYS, KIVI_VALUES, 16, 2, 3, 1, 64, 64, {"holes": True, "sinks": True}),
     "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
     "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
 }

@@ -372,6 +372,115 @@ void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int
   });
 }
 
+// -- INT4 token pairs (KIVI): scales folded into the query (keys) and the probabilities (values) -------------------
+// An append-only integer store packs each block of `pack_block` tokens in byte rows: row j holds token j in its low
+// nibble and token j + pack_block / 2 in its high one (optimum-quanto's order). One byte row gives two tokens' codes,
+// 16 channels to a register. Keys (one scale and zero per channel for a whole block, KIVI): q . (c s + z) is
+// (q s) . c + q . z, so the query is scaled once per block and the codes enter the dot products as they are. Values
+// (one scale and zero per token and group of channels): p (c s + z) adds (p s) c + p z, per group.
+
+inline void int4x16(const uint8_t* p, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0xF))));
+  hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)));
+#else
+  float l[16], h[16];
+  for (int d = 0; d < 16; ++d) {
+    l[d] = static_cast<float>(p[d] & 0xFu);
+    h[d] = static_cast<float>(p[d] >> 4);
+  }
+  lo = load16(l);
+  hi = load16(h);
+#endif
+}
+
+bool int4_pairs(const Segment& s) {
+  return s.fmt == FMT_INT && s.per_byte == 2 && s.pack == PACK_TOKEN && !s.hqq && s.zero && !s.zero_code &&
+         !s.bias && s.dim % 16 == 0 && s.pack_block % 2 == 0;
+}
+
+bool int4_keys_fast(const Segment& s) {  // a scale and zero per channel, one per block (or per several blocks)
+  return int4_pairs(s) && s.s_ch == 1 && s.s_tok % s.pack_block == 0 && s.scale.d == 1 && s.zero.d == 1;
+}
+
+bool int4_values_fast(const Segment& s) {  // a scale and zero per token and group of 16k channels
+  return int4_pairs(s) && s.s_tok == 1 && s.s_ch % 16 == 0;
+}
+
+// out[r * 4 + i]: q'_r . codes of the tokens (j, j + 1, j + half, j + 1 + half) of byte rows p0 (token j) and p1
+template <int R>
+void int4_logits_block(const float* __restrict qs, const uint8_t* __restrict p0, const uint8_t* __restrict p1,
+                       int64_t D, float* __restrict out) {
+  v16 acc[R][4] = {};
+  for (int64_t d = 0; d < D; d += 16) {
+    v16 x[4];
+    int4x16(p0 + d, x[0], x[2]);
+    int4x16(p1 + d, x[1], x[3]);
+    for (int r = 0; r < R; ++r) {
+      const v16 qv = load16(qs + r * D + d);
+      for (int i = 0; i < 4; ++i) acc[r][i] += qv * x[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) out[r * 4 + i] = hsum(acc[r][i]);
+}
+
+// A whole block of keys from token t (a multiple of pack_block): logits[r * ld + i] for its pack_block tokens
+void int4_key_block(const Segment& s, int64_t b, int64_t h, int64_t t, const float* q, int64_t nr, float* qs,
+                    float* bias, float* block, float* logits, int64_t ld) {
+  const int64_t D = s.dim, half = s.pack_block / 2;
+  const float* sc = s.scale.row(b, h, t / s.s_tok);
+  const float* zp = s.zero.row(b, h, t / s.s_tok);
+  for (int64_t r = 0; r < nr; ++r) {
+    float z = 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      qs[r * D + d] = q[r * D + d] * sc[d];
+      z += q[r * D + d] * zp[d];
+    }
+    bias[r] = z;
+  }
+  const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  for (int64_t j = 0; j < half; j += 2) {
+    const uint8_t* p0 = base + j * s.c_n;
+    const uint8_t* p1 = j + 1 < half ? p0 + s.c_n : p0;  // an odd half: the last pair reads its row twice
+    for_row_groups(nr, [&](auto R, int64_t r) {
+      int4_logits_block<decltype(R)::value>(qs + r * D, p0, p1, D, block + r * 4);
+    });
+    const int64_t tokens[4] = {j, j + 1, j + half, j + 1 + half};
+    for (int64_t r = 0; r < nr; ++r)
+      for (int i = 0; i < 4; ++i)
+        if (i % 2 == 0 || j + 1 < half) logits[r * ld + tokens[i]] = block[r * 4 + i] + bias[r];
+  }
+}
+
+// A whole block of values from token t: acc[r] += sum over its tokens of P[r][token] (c s + z)
+void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const float* P, int64_t ld, int64_t nr,
+                      float* acc) {
+  const int64_t D = s.dim, half = s.pack_block / 2, G = s.s_ch;
+  const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  for (int64_t j = 0; j < half; ++j) {
+    const uint8_t* p = base + j * s.c_n;
+    const float* sl = s.scale.row(b, h, t + j);  // token j (low nibbles) and j + half (high nibbles)
+    const float* zl = s.zero.row(b, h, t + j);
+    const float* sh = s.scale.row(b, h, t + j + half);
+    const float* zh = s.zero.row(b, h, t + j + half);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float pl = P[r * ld + j], ph = P[r * ld + j + half];
+      if (pl == 0.0f && ph == 0.0f) continue;
+      float* a = acc + r * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const int64_t g = d / G;
+        v16 lo, hi;
+        int4x16(p + d, lo, hi);
+        const float wl = pl * sl[g * s.scale.d], wh = ph * sh[g * s.scale.d];
+        const float u = pl * zl[g * s.zero.d] + ph * zh[g * s.zero.d];
+        store16(a + d, load16(a + d) + splat(wl) * lo + splat(wh) * hi + splat(u));
+      }
+    }
+  }
+}
+
 // Cephes' expf core, for one float or 16 lanes: e^r for r = x - k ln2 (k = x / ln2 rounded, |r| <= ln2 / 2, ln2 in
 // two parts), by its degree-7 polynomial
 template <typename T>
@@ -440,13 +549,26 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
                   const float* qrows, float* probs, float* m, float* l, float* acc, float* X, float* work,
                   float* block) {
   const int64_t w = c1 - c0;
+  thread_local std::vector<float> scratch;  // INT4 keys: the query times the block's scales, its bias, 4 logits
+  scratch.resize(nr * g.Dk + nr + nr * 4);
+  float* work_q = scratch.data();
+  float* work_b = work_q + nr * g.Dk;
+  float* block4 = work_b + nr;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // keys: logits of every row against every column of the range, TOK tokens at a time
   for_columns(g.ks, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
-    const bool fast = fp8_fast(s);
+    const bool fast = fp8_fast(s), int4 = int4_keys_fast(s);
     float k[TOK];
-    for (int64_t t = 0; t < count; t += TOK) {
-      const int64_t tb = std::min<int64_t>(TOK, count - t);
+    for (int64_t t = 0, tb = 0; t < count; t += tb) {
+      if (int4 && (t0 + t) % s.pack_block == 0 && count - t >= s.pack_block) {  // a whole block
+        int4_key_block(s, b, h, t0 + t, qrows, nr, work_q, work_b, block4, probs + col0 - c0 + t, w);
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t i = 0; i < s.pack_block; ++i) probs[r * w + col0 - c0 + t + i] *= g.scale;
+        tb = s.pack_block;
+        continue;
+      }
+      tb = std::min<int64_t>(TOK, count - t);
+      if (int4) tb = std::min<int64_t>(tb, s.pack_block - (t0 + t) % s.pack_block);  // up to the next block
       if (fast && tb == TOK) {
         fp8_logits_rows(s, qrows, fp8_rows(s, b, h, t0 + t, k), k, nr, block);
       } else {
@@ -507,10 +629,16 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
   // values: accumulate the decoded rows with their weights exp(logit - m), TOK tokens at a time
   std::fill(acc, acc + nr * g.dv, 0.0f);
   for_columns(g.vs, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
-    const bool fast = fp8_fast(s);
+    const bool fast = fp8_fast(s), int4 = int4_values_fast(s);
     float k[TOK];
-    for (int64_t t = 0; t < count; t += TOK) {
-      const int64_t tb = std::min<int64_t>(TOK, count - t);
+    for (int64_t t = 0, tb = 0; t < count; t += tb) {
+      if (int4 && (t0 + t) % s.pack_block == 0 && count - t >= s.pack_block) {  // a whole block
+        int4_value_block(s, b, h, t0 + t, probs + col0 - c0 + t, w, nr, acc);
+        tb = s.pack_block;
+        continue;
+      }
+      tb = std::min<int64_t>(TOK, count - t);
+      if (int4) tb = std::min<int64_t>(tb, s.pack_block - (t0 + t) % s.pack_block);
       bool seen = false;
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t i = 0; i < TOK; ++i) {
