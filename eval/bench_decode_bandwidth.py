@@ -10,8 +10,8 @@ a warm-up step. A cache's ratio is paired: per round its median ms/token over Dy
 the median over rounds (the steadiest figure on a shared machine).
 
 Part 2, the kernel alone (`kernel` rows): SmolLM2's attention shape (3 KV heads, 3 queries each, head_dim 64) over
-`--layers` separate layers' codes (so the bytes come from memory, not from cache, as in a decode step), one
-`blockwise_attention(backend="native")` call per layer. Bytes read: the keys' and values' codes and scales. The
+`--layers` separate layers' codes (FP8 per token, and KIVI's INT4 layout) (so the bytes come from memory, not from cache, as in a decode step), one
+`blockwise_attention(backend="native")` call per layer. Bytes read: the keys' and values' codes, scales and zeros. The
 bound: `tensor.sum()` over float32 buffers of the same total size, timed the same way (a plain read at the machine's
 memory speed with the same threads). Both as bytes/s and their ratio.
 
@@ -89,48 +89,62 @@ def decode_rows(model, ids, lengths, caches, rounds: int, steps: int, chunk: int
     return rows
 
 
-def _fp8_layer(n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV, QuantizedKV, int]:
-    """One layer's keys and values as the FP8 cache stores them (E4M3, one scale per token and head)."""
+#: the kernel-alone layouts: (keys spec, values spec, tokens per packed block or None), as the caches store them
+LAYOUTS = {
+    "fp8 per-token": ({"format": "fp8_e4m3"}, {"format": "fp8_e4m3"}, None),
+    "kivi int4": ({"format": "int4", "granularity": "channel", "group_size": 32, "backend": "quanto"},
+                  {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"}, 32),
+}
+
+
+def _layer(layout: str, n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV, QuantizedKV, int]:
+    """One layer's keys and values in `layout` (LAYOUTS) and the bytes a read of them takes (codes, scales, zeros)."""
     layer = []
-    for _ in range(2):
-        codec = make_codec(QuantSpec.from_value({"format": "fp8_e4m3"}))
+    key_spec, value_spec, pack_block = LAYOUTS[layout]
+    for spec in (key_spec, value_spec):
+        codec = make_codec(QuantSpec.from_value(spec))
+        if pack_block:
+            codec.set_pack_block(pack_block)
         codec.allocate(1, heads, dim, n, torch.float32, "cpu")
         codec.put(codec.encode(torch.randn(1, heads, n, dim, generator=gen)), 0)
         layer.append(from_codec(codec, n))
-    read = sum(t.numel() * t.element_size() for s in layer for t in (s.codes, s.scale) if t is not None)
+    read = sum(t.numel() * t.element_size() for s in layer for t in (s.codes, s.scale, s.zero) if t is not None)
     return layer[0], layer[1], read
 
 
 def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for n in lengths:
-        made = [_fp8_layer(n, heads, dim, gen) for _ in range(layers)]
-        query = torch.randn(1, heads * groups, 1, dim, generator=gen)
-        read = sum(m[2] for m in made)
-        plain = [torch.zeros(max(1, m[2] // 4)) + 1.0 for m in made]  # float32 buffers of the same bytes
+    for layout in LAYOUTS:
+        for n in lengths:
+            made = [_layer(layout, n, heads, dim, gen) for _ in range(layers)]
+            query = torch.randn(1, heads * groups, 1, dim, generator=gen)
+            read = sum(m[2] for m in made)
+            plain = [torch.zeros(max(1, m[2] // 4)) + 1.0 for m in made]  # float32 buffers of the same bytes
 
-        def kernel():
-            for ks, vs, _ in made:
-                blockwise_attention(query, ks, vs, None, dim ** -0.5, backend="native")
+            def kernel():
+                for ks, vs, _ in made:
+                    blockwise_attention(query, ks, vs, None, dim ** -0.5, backend="native")
 
-        def memory():
-            for buffer in plain:
-                buffer.sum()
+            def memory():
+                for buffer in plain:
+                    buffer.sum()
 
-        kernel(), memory()  # warm-up (and the kernel's build)
-        k_times, m_times = [], []
-        for _ in range(repeats):
-            for fn, out in ((kernel, k_times), (memory, m_times)):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-        k_s, m_s = statistics.median(k_times), statistics.median(m_times)
-        rows.append({"part": "kernel", "cache": "fp8 per-token (native kernel)", "context": n, "layers": layers,
-                     "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9, "read_bound_gb_per_s": read / m_s / 1e9,
-                     "share_of_bound": m_s / k_s, "repeats": repeats})
-        print(f"{n:6d} kernel {rows[-1]['kernel_gb_per_s']:.2f} GB/s, plain read {rows[-1]['read_bound_gb_per_s']:.2f}"
-              f" GB/s: {rows[-1]['share_of_bound']:.2f} of the bound", flush=True)
+            kernel(), memory()  # warm-up (and the kernel's build)
+            k_times, m_times = [], []
+            for _ in range(repeats):
+                for fn, out in ((kernel, k_times), (memory, m_times)):
+                    t0 = time.perf_counter()
+                    fn()
+                    out.append(time.perf_counter() - t0)
+            k_s, m_s = statistics.median(k_times), statistics.median(m_times)
+            rows.append({"part": "kernel", "cache": f"{layout} (native kernel)", "context": n, "layers": layers,
+                         "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9,
+                         "read_bound_gb_per_s": read / m_s / 1e9, "share_of_bound": m_s / k_s,
+                         "kernel_ms": k_s * 1000, "repeats": repeats})
+            print(f"{n:6d} {layout:14s} kernel {k_s * 1000:.1f} ms, {rows[-1]['kernel_gb_per_s']:.2f} GB/s; plain "
+                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s: {rows[-1]['share_of_bound']:.2f} of the bound",
+                  flush=True)
     return rows
 
 
