@@ -521,17 +521,24 @@ inline v16 exp16_nonpositive(v16 x) {
   return x < low ? splat(0.0f) : p * two_k;
 }
 
-// The columns [c0, c1) of one (batch row, KV head, tile of query rows): each row's logits there (softcap and
-// visibility applied), its largest logit m (the sink included, so that one range reproduces the one-pass softmax), the
-// sum l of exp(logit - m) over the range (the sink not included) and acc = sum of exp(logit - m) x value row. `probs`
-// [nr][c1 - c0] keeps exp(logit - m).
+// What every range of one call shares: the segments, the shapes, the masks' tail, the sinks and the scalings (`vrow`:
+// the validity row of the range's (batch row, KV head)).
 struct Range {
   const std::vector<Segment>& ks;
   const std::vector<Segment>& vs;
-  int64_t Dk, dv, n, tail, causal_tail, Q, groups;
+  int64_t Dk, dv, tail, Q, groups;
   const bool* vrow;
   const float* sinkp;
   float scale, cap;
+};
+
+// A thread's buffers: the tile's query rows, TOK decoded rows (zeros past a segment's end), a row of scratch, the
+// block logits, and for INT4 keys the query times a block's scales, its bias and 4 logits per row.
+struct Scratch {
+  std::vector<float> qrows, X, work, block, qs, bias, block4;
+  Scratch(int64_t tile_rows, int64_t Dk, int64_t dmax)
+      : qrows(tile_rows * Dk), X(TOK * dmax, 0.0f), work(dmax), block(tile_rows * TOK), qs(tile_rows * Dk),
+        bias(tile_rows), block4(tile_rows * 4) {}
 };
 
 // fn(segment, first token, token count, first column) for the tokens of `segs` whose columns lie in [c0, c1)
@@ -545,15 +552,15 @@ void for_columns(const std::vector<Segment>& segs, int64_t c0, int64_t c1, Fn&& 
   }
 }
 
+// The columns [c0, c1) of one (batch row, KV head, tile of query rows; its query rows in sc.qrows): each row's
+// logits there (softcap and visibility applied), its largest logit m (the sink included, so that one range reproduces
+// the one-pass softmax), the sum l of exp(logit - m) over the range (the sink not included) and acc = sum of
+// exp(logit - m) x value row. `probs` [nr][c1 - c0] keeps exp(logit - m).
 void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t c0, int64_t c1,
-                  const float* qrows, float* probs, float* m, float* l, float* acc, float* X, float* work,
-                  float* block) {
+                  float* probs, float* m, float* l, float* acc, Scratch& sc) {
   const int64_t w = c1 - c0;
-  thread_local std::vector<float> scratch;  // INT4 keys: the query times the block's scales, its bias, 4 logits
-  scratch.resize(nr * g.Dk + nr + nr * 4);
-  float* work_q = scratch.data();
-  float* work_b = work_q + nr * g.Dk;
-  float* block4 = work_b + nr;
+  const float* qrows = sc.qrows.data();
+  float *X = sc.X.data(), *work = sc.work.data(), *block = sc.block.data();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // keys: logits of every row against every column of the range, TOK tokens at a time
   for_columns(g.ks, c0, c1, [&](const Segment& s, int64_t t0, int64_t count, int64_t col0) {
@@ -561,7 +568,8 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
     float k[TOK];
     for (int64_t t = 0, tb = 0; t < count; t += tb) {
       if (int4 && (t0 + t) % s.pack_block == 0 && count - t >= s.pack_block) {  // a whole block
-        int4_key_block(s, b, h, t0 + t, qrows, nr, work_q, work_b, block4, probs + col0 - c0 + t, w);
+        int4_key_block(s, b, h, t0 + t, qrows, nr, sc.qs.data(), sc.bias.data(), sc.block4.data(),
+                       probs + col0 - c0 + t, w);
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t i = 0; i < s.pack_block; ++i) probs[r * w + col0 - c0 + t + i] *= g.scale;
         tb = s.pack_block;
@@ -713,8 +721,8 @@ std::vector<at::Tensor> decode_attention(
   const int64_t tile_rows = std::min(rows, TILE);
   std::vector<float> M(units * nranges * tile_rows), L(units * nranges * tile_rows);  // each range's m, l, acc
   std::vector<float> ACC(units * nranges * tile_rows * dv);
-  const Range g{ks, vs, Dk, dv, n, n - causal_tail, causal_tail, Q, groups, nullptr, sinkp,
-                static_cast<float>(scaling), static_cast<float>(softcap)};
+  const Range g{ks, vs, Dk, dv, n - causal_tail, Q, groups, nullptr, sinkp, static_cast<float>(scaling),
+                static_cast<float>(softcap)};
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // out = sum_i e^(m_i - m) acc_i / (sum_i e^(m_i - m) l_i + e^(sink - m)) over the unit's ranges i; with one range
@@ -751,8 +759,7 @@ std::vector<at::Tensor> decode_attention(
   };
 
   at::parallel_for(0, units * nranges, 1, [&](int64_t begin, int64_t end) {
-    const int64_t dmax = std::max(Dk, dv);
-    std::vector<float> X(TOK * dmax, 0.0f), work(dmax), block(tile_rows * TOK), qrows(tile_rows * Dk);
+    Scratch sc(tile_rows, Dk, std::max(Dk, dv));
     std::vector<float> probs(tile_rows * std::min(span, n)), factor(nranges);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t unit = job / nranges, range = job % nranges;
@@ -760,12 +767,12 @@ std::vector<at::Tensor> decode_attention(
       const int64_t nr = std::min(TILE, rows - r0), c0 = range * span, c1 = std::min(n, c0 + span);
       for (int64_t r = 0; r < nr; ++r) {  // query head h * groups + (r0 + r) / Q, query (r0 + r) % Q
         const int64_t head = h * groups + (r0 + r) / Q, qi = (r0 + r) % Q;
-        std::memcpy(&qrows[r * Dk], qp + ((b * Hq + head) * Q + qi) * Dk, Dk * sizeof(float));
+        std::memcpy(&sc.qrows[r * Dk], qp + ((b * Hq + head) * Q + qi) * Dk, Dk * sizeof(float));
       }
       Range mine = g;
       mine.vrow = vp ? vp + b * v_b + h * v_h : nullptr;
-      attend_range(mine, b, h, r0, nr, c0, c1, qrows.data(), probs.data(), &M[job * tile_rows], &L[job * tile_rows],
-                   &ACC[job * tile_rows * dv], X.data(), work.data(), block.data());
+      attend_range(mine, b, h, r0, nr, c0, c1, probs.data(), &M[job * tile_rows], &L[job * tile_rows],
+                   &ACC[job * tile_rows * dv], sc);
       if (nranges == 1) merge(unit, probs.data(), factor.data());
     }
   });
