@@ -56,11 +56,10 @@ def cmd_ruler(args) -> int:
     shard = _shard(args.shard)
     import torch
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if not args.summarize_only:
-        model, tokenizer = load_model(args.model, dtype=dtypes[args.dtype], device=args.device)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
                   args.compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
                   progress=not args.quiet, batch_size=args.batch_size, shard=shard, keep_going=args.keep_going)

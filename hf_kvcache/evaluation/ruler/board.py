@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..memory import cache_nbytes
+from ..memory import Precision, cache_nbytes, kv_cache_bytes, shape_from_config
 from . import make_sample
 from .protocol import PROTOCOLS, prompt_parts, run_batch, tail_length
 from .sample import Sample
@@ -131,11 +131,8 @@ def save_samples(path: Path, samples: dict[tuple, Sample]) -> None:
 def full_cache_bytes(model, batch: int, tokens: int) -> int:
     """Bytes a full cache holds for `batch` rows of `tokens` tokens at the model's dtype (keys and values of every
     layer, standard multi-head / grouped attention), the reference of a fixed method's measured compression."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * batch * kv_heads * tokens * head_dim * itemsize
+    bits = next(model.parameters()).element_size() * 8
+    return int(kv_cache_bytes(shape_from_config(model.config), Precision(f"{bits}-bit", bits), tokens, batch))
 
 
 def _batches(group: list[tuple], batch_size: int, tail_of) -> Iterator[list[tuple]]:
@@ -165,7 +162,7 @@ def run_board(model, tokenizer, make_cache: Callable[[str, dict, int], object], 
         raise ValueError(f"`shard` must be (i, n) with 0 <= i < n, got {shard!r}.")
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("results.jsonl" if count == 1 else f"results.{index}of{count}.jsonl")
-    done = set().union(*(done_keys(p) for p in result_files(out))) if result_files(out) else set()
+    done = set().union(*(done_keys(p) for p in result_files(out)))
     cells: dict[tuple, list[tuple]] = {}
     for job in jobs(methods, compressions, protocols, tasks, lengths, samples):
         cells.setdefault((job[0].label,) + job[1:5], []).append(job)
