@@ -83,6 +83,8 @@ INT4_VALUES = {"format": "int4", "granularity": "token", "group_size": 8, "backe
 INT2_HQQ = {"format": "int2", "granularity": "token", "group_size": 8, "backend": "hqq"}
 KIVI_KEYS = {"format": "int4", "granularity": "channel", "group_size": 16, "backend": "quanto"}  # KIVICache's layout
 KIVI_VALUES = {"format": "int4", "granularity": "token", "group_size": 16, "backend": "quanto"}  # (its groups are 32)
+KIVI32_KEYS = {"format": "int4", "granularity": "channel", "group_size": 32, "backend": "quanto"}  # KIVICache's own
+KIVI32_VALUES = {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"}
 
 # (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
 CASES = {
@@ -96,6 +98,9 @@ CASES = {
     # KIVICache's layout (token-packed blocks, value groups a multiple of 16 channels): the native kernel's INT4
     # register route, keys and values
     "kivi-int4-register-route": (KIVI_KEYS, KIVI_VALUES, 16, 2, 3, 1, 64, 64, {"holes": True, "sinks": True}),
+    # blocks of 32 tokens (16 byte rows): the native kernel's 16-row INT4 route (logits by the reduction tree)
+    "kivi-int4-blocks-of-32": (KIVI32_KEYS, KIVI32_VALUES, 32, 2, 3, 1, 64, 64,
+                               {"holes": True, "weights": True, "whole": 32}),
     "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
     "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
 }
@@ -103,6 +108,7 @@ CASES = {
 
 def build_case(name, n=80, batch=2, seed=0, query_dtype=torch.float32):
     kspec, vspec, pack, hkv, groups, q, dk, dv, opts = CASES[name]
+    n = -(-n // opts.get("whole", 1)) * opts.get("whole", 1)  # a store of whole key groups: rounded up to them
     gen = torch.Generator().manual_seed(seed)
     query = (torch.randn(batch, hkv * groups, q, dk, generator=gen) * 1.5).to(query_dtype)
     keys = quantized(kspec, torch.randn(batch, hkv, n, dk, generator=gen) * 2 + 0.3, pack)

@@ -203,7 +203,8 @@ typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
+// a broadcast (v16{} + x would be an add of 0.0f first: not foldable, since -0.0f + 0.0f is +0.0f)
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
   float a[16];
   std::memcpy(a, &v, sizeof a);
@@ -257,10 +258,10 @@ constexpr int RG = 4;  // query rows per register group
 
 // Calls fn(std::integral_constant<int, R>{}, first row) for the groups of at most RG of `rows` query rows, so the
 // two kernels above run with R known at compile time (their accumulators stay in registers).
-template <typename Fn>
+template <int MAXR = RG, typename Fn>
 void for_row_groups(int64_t rows, Fn&& fn) {
-  for (int64_t r = 0; r < rows; r += RG) {
-    switch (std::min<int64_t>(RG, rows - r)) {
+  for (int64_t r = 0; r < rows; r += MAXR) {
+    switch (std::min<int64_t>(MAXR, rows - r)) {
       case 1: fn(std::integral_constant<int, 1>{}, r); break;
       case 2: fn(std::integral_constant<int, 2>{}, r); break;
       case 3: fn(std::integral_constant<int, 3>{}, r); break;
@@ -285,20 +286,21 @@ void accumulate_rows(const float* P, const float* X, int64_t D, int64_t rows, fl
 // moved into float32 position) and go straight into the dot products; a token's scale (times the power of two the
 // bit route leaves) multiplies its logit once, and multiplies its probability once on the value side, instead of
 // every element.
-// 16 codes -> 16 floats in one register: AVX-512 (one zero-extension), AVX2 (two), else a portable loop
+// 16 codes -> 16 floats in one register: AVX-512 (one sign extension), AVX2 (two), else a portable loop. The sign
+// extension puts the code's sign bit in bit 31 (and, shifted, in the bits above the exponent-mantissa field, which the
+// mask clears), so the bit route is three operations: extend, shift, and.
 template <int SHIFT>
 inline v16 fp8x16(const uint8_t* p) {
+  constexpr uint32_t MASK = 0x80000000u | (0x7Fu << SHIFT);
 #if defined(__AVX512F__)
-  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24),
-                                       _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), SHIFT));
+  const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(c, SHIFT), _mm512_set1_epi32(static_cast<int>(MASK)));
   return reinterpret_cast<v16>(_mm512_castsi512_ps(bits));
 #elif defined(__AVX2__)
   v16 f;
   for (int half = 0; half < 2; ++half) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24),
-                                         _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), SHIFT));
+    const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(c, SHIFT), _mm256_set1_epi32(static_cast<int>(MASK)));
     std::memcpy(reinterpret_cast<float*>(&f) + 8 * half, &bits, 32);
   }
   return f;
@@ -347,6 +349,94 @@ void fp8_accumulate_block(const float* __restrict W, const uint8_t* __restrict p
       store16(acc + r * D + d, a);
     }
   }
+}
+
+// -- 16 tokens at a time --------------------------------------------------------------------------------------------
+// Logits: a token's dot product with a query row leaves 16 partial sums in a register; instead of summing each
+// register across its lanes (a dozen operations per logit), a tree of shuffles and adds turns 16 such registers into
+// one register holding the 16 tokens' logits (15 adds for 16 logits). Levels 1-2 stay within 128-bit lanes (4 tokens
+// per register, one partial per lane), levels 3-4 cross them; the logits come out in token order.
+inline v16 tree1(v16 x, v16 y) {  // per 128-bit lane L: (x, y, x, y) partials of elements (4L, 4L+2), (4L+1, 4L+3)
+  return __builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+         __builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+}
+inline v16 tree2(v16 s, v16 u) {  // (tokens of s, tokens of u): per 128-bit lane, one sum per token
+  return __builtin_shufflevector(s, u, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(s, u, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16 tree34(v16 a, v16 b) {  // 128-bit lanes (a0 + a1, a2 + a3, b0 + b1, b2 + b3)
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+// 4 registers of 4 tokens each (tree2's output) -> the 16 tokens' sums, in order
+inline v16 tree_finish(const v16* v) { return tree34(tree34(v[0], v[1]), tree34(v[2], v[3])); }
+
+// out[r * ld + t] = k[t] * (q_r . codes_t) for 16 tokens whose code rows start at p + t * stride
+template <int R, int SHIFT>
+void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_t stride, v16 k, int64_t D,
+                  float* __restrict out, int64_t ld) {
+  v16 part[R][4];
+  for (int g = 0; g < 4; ++g) {
+    v16 acc[R][4] = {};
+    const uint8_t* pg = p + 4 * g * stride;
+    for (int64_t d = 0; d < D; d += 16) {
+      v16 x[4];
+      for (int t = 0; t < 4; ++t) x[t] = fp8x16<SHIFT>(pg + t * stride + d);
+      for (int r = 0; r < R; ++r) {
+        const v16 qv = load16(q + r * D + d);
+        for (int t = 0; t < 4; ++t) acc[r][t] += qv * x[t];
+      }
+    }
+    for (int r = 0; r < R; ++r) part[r][g] = tree2(tree1(acc[r][0], acc[r][1]), tree1(acc[r][2], acc[r][3]));
+  }
+  for (int r = 0; r < R; ++r) store16(out + r * ld, tree_finish(part[r]) * k);
+}
+
+// acc[r] += sum over 16 tokens t of W[r * 16 + t] * codes_t (W: probabilities times the tokens' scales); a channel
+// block's accumulators stay in registers across the 16 tokens, two per row (even and odd tokens) so that the adds
+// into one register do not wait on each other
+template <int R, int SHIFT>
+void fp8_accumulate16(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
+                      float* __restrict acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    v16 a[R], e[R] = {};
+    for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
+    for (int t = 0; t < 16; t += 2) {
+      const v16 x0 = fp8x16<SHIFT>(p + t * stride + d), x1 = fp8x16<SHIFT>(p + (t + 1) * stride + d);
+      for (int r = 0; r < R; ++r) {
+        a[r] += splat(W[r * 16 + t]) * x0;
+        e[r] += splat(W[r * 16 + t + 1]) * x1;
+      }
+    }
+    for (int r = 0; r < R; ++r) store16(acc + r * D + d, a[r] + e[r]);
+  }
+}
+
+// The scales of 16 tokens of a fast FP8 segment from token t, times the bit route's power of two and `extra`
+inline v16 fp8_scales16(const Segment& s, int64_t b, int64_t h, int64_t t, float extra) {
+  const float f = fp8_factor(s.fmt) * extra;
+  const float* sc = s.scale.row(b, h, t);
+  if (s.scale.n == 1) return load16(sc) * f;
+  float k[16];
+  for (int i = 0; i < 16; ++i) k[i] = sc[i * s.scale.n] * f;
+  return load16(k);
+}
+
+void fp8_logits16_rows(const Segment& s, const float* q, const uint8_t* p, v16 k, int64_t rows, float* out,
+                       int64_t ld) {
+  for_row_groups(rows, [&](auto R, int64_t r) {
+    constexpr int RR = decltype(R)::value;
+    if (s.fmt == FMT_E4M3) fp8_logits16<RR, 20>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * ld, ld);
+    else fp8_logits16<RR, 21>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * ld, ld);
+  });
+}
+
+void fp8_accumulate16_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
+  for_row_groups(rows, [&](auto R, int64_t r) {
+    constexpr int RR = decltype(R)::value;
+    if (s.fmt == FMT_E4M3) fp8_accumulate16<RR, 20>(W + r * 16, p, s.c_n, s.dim, acc + r * s.dim);
+    else fp8_accumulate16<RR, 21>(W + r * 16, p, s.c_n, s.dim, acc + r * s.dim);
+  });
 }
 
 // TOK tokens of a fast FP8 segment from token t: their code rows and scales (times the bit route's power of two)
@@ -426,21 +516,61 @@ void int4_logits_block(const float* __restrict qs, const uint8_t* __restrict p0,
     for (int i = 0; i < 4; ++i) out[r * 4 + i] = hsum(acc[r][i]);
 }
 
+// 16 byte rows from p: out_lo[r * ld + j] = q'_r . low-nibble codes of row j + bias[r], out_hi the high nibbles
+// (tokens j and j + half of a block); the logits of 16 tokens come out of the reduction tree in one register
+template <int R>
+void int4_logits16(const float* __restrict qs, const uint8_t* __restrict p, int64_t stride, int64_t D,
+                   const float* bias, float* __restrict out_lo, float* __restrict out_hi, int64_t ld) {
+  v16 part_lo[R][4], part_hi[R][4];
+  for (int g = 0; g < 4; ++g) {
+    v16 lo[R][4] = {}, hi[R][4] = {};
+    const uint8_t* pg = p + 4 * g * stride;
+    for (int64_t d = 0; d < D; d += 16) {
+      for (int t = 0; t < 4; ++t) {
+        v16 xl, xh;
+        int4x16(pg + t * stride + d, xl, xh);
+        for (int r = 0; r < R; ++r) {
+          const v16 qv = load16(qs + r * D + d);
+          lo[r][t] += qv * xl;
+          hi[r][t] += qv * xh;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      part_lo[r][g] = tree2(tree1(lo[r][0], lo[r][1]), tree1(lo[r][2], lo[r][3]));
+      part_hi[r][g] = tree2(tree1(hi[r][0], hi[r][1]), tree1(hi[r][2], hi[r][3]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store16(out_lo + r * ld, tree_finish(part_lo[r]) + splat(bias[r]));
+    store16(out_hi + r * ld, tree_finish(part_hi[r]) + splat(bias[r]));
+  }
+}
+
 // A whole block of keys from token t (a multiple of pack_block): logits[r * ld + i] for its pack_block tokens
 void int4_key_block(const Segment& s, int64_t b, int64_t h, int64_t t, const float* q, int64_t nr, float* qs,
                     float* bias, float* block, float* logits, int64_t ld) {
   const int64_t D = s.dim, half = s.pack_block / 2;
   const float* sc = s.scale.row(b, h, t / s.s_tok);
   const float* zp = s.zero.row(b, h, t / s.s_tok);
-  for (int64_t r = 0; r < nr; ++r) {
-    float z = 0.0f;
-    for (int64_t d = 0; d < D; ++d) {
-      qs[r * D + d] = q[r * D + d] * sc[d];
-      z += q[r * D + d] * zp[d];
+  for (int64_t r = 0; r < nr; ++r) {  // D is a multiple of 16 (int4_pairs)
+    v16 z = {};
+    for (int64_t d = 0; d < D; d += 16) {
+      const v16 qv = load16(q + r * D + d);
+      store16(qs + r * D + d, qv * load16(sc + d));
+      z += qv * load16(zp + d);
     }
-    bias[r] = z;
+    bias[r] = hsum(z);
   }
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  if (half % 16 == 0) {  // 16 byte rows (32 tokens) at a time; at most 3 query rows keep 24 sums in registers
+    for (int64_t j = 0; j < half; j += 16)
+      for_row_groups<3>(nr, [&](auto R, int64_t r) {
+        int4_logits16<decltype(R)::value>(qs + r * D, base + j * s.c_n, s.c_n, D, bias + r, logits + r * ld + j,
+                                          logits + r * ld + j + half, ld);
+      });
+    return;
+  }
   for (int64_t j = 0; j < half; j += 2) {
     const uint8_t* p0 = base + j * s.c_n;
     const uint8_t* p1 = j + 1 < half ? p0 + s.c_n : p0;  // an odd half: the last pair reads its row twice
@@ -454,11 +584,70 @@ void int4_key_block(const Segment& s, int64_t b, int64_t h, int64_t t, const flo
   }
 }
 
-// A whole block of values from token t: acc[r] += sum over its tokens of P[r][token] (c s + z)
+// acc[r] (one block of 16 channels, group g) += sum over the byte rows j of W[r][j] lo_j + W[r][j + half] hi_j
+// + U[r]; the accumulators stay in registers across the block's rows, two per query row (low and high tokens)
+template <int R>
+void int4_accumulate_rows(const float* __restrict W, int64_t ldw, const float* U, const uint8_t* __restrict p,
+                          int64_t stride, int64_t half, float* __restrict acc, int64_t D) {
+  v16 a[R], e[R] = {};
+  for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D) + splat(U[r]);
+  for (int64_t j = 0; j < half; ++j) {
+    v16 lo, hi;
+    int4x16(p + j * stride, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      a[r] += splat(W[r * ldw + j]) * lo;
+      e[r] += splat(W[r * ldw + j + half]) * hi;
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(acc + r * D, a[r] + e[r]);
+}
+
+// A whole block of values from token t: acc[r] += sum over its tokens of P[r][token] (c s + z). With a half block of
+// 16k byte rows, the weights P s of every (row, group, token) and the zero terms sum P z of every (row, group) are
+// made first (`work`: nr x groups x (pack_block + 1) floats), then each block of 16 channels is one register pass.
 void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const float* P, int64_t ld, int64_t nr,
-                      float* acc) {
+                      float* acc, std::vector<float>& work) {
   const int64_t D = s.dim, half = s.pack_block / 2, G = s.s_ch;
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  if (half % 16 == 0) {
+    // per (row, group): n weights, then U; after them the block's scales and zeros by (group, token)
+    const int64_t groups = D / G, n = s.pack_block, ldw = n + 1, rows_end = nr * groups * ldw;
+    work.resize(std::max<size_t>(work.size(), rows_end + 2 * groups * n));
+    bool seen = false;
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t j = 0; j < n; ++j) seen |= P[r * ld + j] != 0.0f;
+    if (!seen) return;
+    float *S = &work[rows_end], *Z = S + groups * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float *sj = s.scale.row(b, h, t + j), *zj = s.zero.row(b, h, t + j);
+      for (int64_t g = 0; g < groups; ++g) {
+        S[g * n + j] = sj[g * s.scale.d];
+        Z[g * n + j] = zj[g * s.zero.d];
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < nr; ++r) {  // n is a multiple of 32
+        float* w = &work[(r * groups + g) * ldw];
+        v16 u = {};
+        for (int64_t j = 0; j < n; j += 16) {
+          const v16 pj = load16(P + r * ld + j);
+          store16(w + j, pj * load16(S + g * n + j));
+          u += pj * load16(Z + g * n + j);
+        }
+        w[n] = hsum(u);
+      }
+    for (int64_t d = 0; d < D; d += 16) {
+      const int64_t g = d / G;
+      for_row_groups(nr, [&](auto R, int64_t r) {
+        constexpr int RR = decltype(R)::value;
+        float U[RR];
+        for (int i = 0; i < RR; ++i) U[i] = work[((r + i) * groups + g) * ldw + n];
+        int4_accumulate_rows<RR>(&work[(r * groups + g) * ldw], groups * ldw, U, base + d, s.c_n, half,
+                                 acc + r * D + d, D);
+      });
+    }
+    return;
+  }
   for (int64_t j = 0; j < half; ++j) {
     const uint8_t* p = base + j * s.c_n;
     const float* sl = s.scale.row(b, h, t + j);  // token j (low nibbles) and j + half (high nibbles)
@@ -535,10 +724,10 @@ struct Range {
 // A thread's buffers: the tile's query rows, TOK decoded rows (zeros past a segment's end), a row of scratch, the
 // block logits, and for INT4 keys the query times a block's scales, its bias and 4 logits per row.
 struct Scratch {
-  std::vector<float> qrows, X, work, block, qs, bias, block4;
+  std::vector<float> qrows, X, work, block, qs, bias, block4, w16, int4w;
   Scratch(int64_t tile_rows, int64_t Dk, int64_t dmax)
       : qrows(tile_rows * Dk), X(TOK * dmax, 0.0f), work(dmax), block(tile_rows * TOK), qs(tile_rows * Dk),
-        bias(tile_rows), block4(tile_rows * 4) {}
+        bias(tile_rows), block4(tile_rows * 4), w16(tile_rows * 16) {}
 };
 
 // fn(segment, first token, token count, first column) for the tokens of `segs` whose columns lie in [c0, c1)
@@ -573,6 +762,12 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t i = 0; i < s.pack_block; ++i) probs[r * w + col0 - c0 + t + i] *= g.scale;
         tb = s.pack_block;
+        continue;
+      }
+      if (fast && count - t >= 16) {  // 16 tokens: their logits in one register
+        fp8_logits16_rows(s, qrows, s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n,
+                          fp8_scales16(s, b, h, t0 + t, g.scale), nr, probs + col0 - c0 + t, w);
+        tb = 16;
         continue;
       }
       tb = std::min<int64_t>(TOK, count - t);
@@ -641,8 +836,21 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
     float k[TOK];
     for (int64_t t = 0, tb = 0; t < count; t += tb) {
       if (int4 && (t0 + t) % s.pack_block == 0 && count - t >= s.pack_block) {  // a whole block
-        int4_value_block(s, b, h, t0 + t, probs + col0 - c0 + t, w, nr, acc);
+        int4_value_block(s, b, h, t0 + t, probs + col0 - c0 + t, w, nr, acc, sc.int4w);
         tb = s.pack_block;
+        continue;
+      }
+      if (fast && count - t >= 16) {  // 16 tokens: weights = probabilities x scales, skipped when all are zero
+        const v16 k = fp8_scales16(s, b, h, t0 + t, 1.0f);
+        v16 any = {};
+        for (int64_t r = 0; r < nr; ++r) {
+          const v16 wr = load16(probs + r * w + col0 - c0 + t) * k;
+          store16(&sc.w16[r * 16], wr);
+          any = any + (wr != 0.0f ? splat(1.0f) : splat(0.0f));
+        }
+        if (hsum(any) != 0.0f)
+          fp8_accumulate16_rows(s, sc.w16.data(), s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n, nr, acc);
+        tb = 16;
         continue;
       }
       tb = std::min<int64_t>(TOK, count - t);
