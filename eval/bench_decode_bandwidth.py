@@ -7,11 +7,14 @@ DynamicCache, and the attention kernel alone in bytes per second against a plain
 Part 1, the model (`decode` rows): every cache is prefilled once per context length (chunked, from the offline
 corpus), then rounds interleave the caches (order rotated per round), each timing `--steps` one-token forwards after
 a warm-up step. A cache's ratio is paired: per round its median ms/token over DynamicCache's in the same round, then
-the median over rounds (the steadiest figure on a shared machine).
+the median over rounds (the steadiest figure on a shared machine). A "no cache (floor)" row times a one-token
+forward with `use_cache=False` in the same rounds: what every cache's step pays besides its attention and bookkeeping.
 
 Part 2, the kernel alone (`kernel` rows): SmolLM2's attention shape (3 KV heads, 3 queries each, head_dim 64) over
-`--layers` separate layers' codes (FP8 per token, and KIVI's INT4 layout) (so the bytes come from memory, not from cache, as in a decode step), one
-`blockwise_attention(backend="native")` call per layer. Bytes read: the keys' and values' codes, scales and zeros. The
+`--layers` separate layers' codes (FP8 per token, and KIVI's INT4 layout; separate, so the bytes come from memory,
+not from cache, as in a decode step), one call of the native entry per layer (`cpu_blockwise_attention` on validated
+inputs), and the same through `blockwise_attention(backend="native")`, whose Python input checks a step also pays.
+Bytes read: the keys' and values' codes, scales and zeros. The
 bound: `tensor.sum()` over float32 buffers of the same total size, timed the same way (a plain read at the machine's
 memory speed with the same threads). Both as bytes/s and their ratio.
 
@@ -40,6 +43,7 @@ from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import make_cache  # noqa: E402
 from hf_kvcache.kernels.blockwise import blockwise_attention  # noqa: E402
 from hf_kvcache.kernels.codes import QuantizedKV  # noqa: E402
+from hf_kvcache.kernels.cpu_blockwise import cpu_blockwise_attention, unavailable  # noqa: E402
 from hf_kvcache.stores.code_views import from_codec  # noqa: E402
 from hf_kvcache.stores.factory import make_codec  # noqa: E402
 from hf_kvcache.stores.quantization import QuantSpec  # noqa: E402
@@ -55,13 +59,19 @@ def _prefill(model, cache, ids, chunk: int) -> None:
         model(input_ids=ids[:, start: start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
 
+#: the floor row: a one-token forward with no cache at all (the weights' products and the layers' own work, which
+#: every cache's step pays on top of its attention and bookkeeping)
+NO_CACHE = "no cache (floor)"
+
+
 @torch.inference_mode()
 def _decode_ms(model, cache, token, steps: int) -> float:
-    model(input_ids=token, **cache_kwargs(cache), use_cache=True)  # warm-up step
+    kwargs = {"use_cache": False} if cache is None else {**cache_kwargs(cache), "use_cache": True}
+    model(input_ids=token, **kwargs)  # warm-up step
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        model(input_ids=token, **cache_kwargs(cache), use_cache=True)
+        model(input_ids=token, **kwargs)
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
 
@@ -73,6 +83,7 @@ def decode_rows(model, ids, lengths, caches, rounds: int, steps: int, chunk: int
         built = {label: make_cache(model, name, dict(config)) for label, (name, config) in caches.items()}
         for label, cache in built.items():
             _prefill(model, cache, ids[:, :length], chunk)
+        built[NO_CACHE] = None
         per = {label: [] for label in built}
         labels = list(built)
         for r in range(rounds):
@@ -113,6 +124,9 @@ def _layer(layout: str, n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV,
 
 
 def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64) -> list[dict]:
+    reason = unavailable()  # builds the kernel (once)
+    if reason:
+        raise SystemExit(f"the native CPU kernel cannot run here: {reason}")
     rows = []
     gen = torch.Generator().manual_seed(0)
     for layout in LAYOUTS:
@@ -122,7 +136,11 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
             read = sum(m[2] for m in made)
             plain = [torch.zeros(max(1, m[2] // 4)) + 1.0 for m in made]  # float32 buffers of the same bytes
 
-            def kernel():
+            def kernel():  # the native entry on validated inputs (what a step pays once its inputs are checked)
+                for ks, vs, _ in made:
+                    cpu_blockwise_attention(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
+
+            def checked():  # the same through blockwise_attention (its input checks and backend choice per call)
                 for ks, vs, _ in made:
                     blockwise_attention(query, ks, vs, None, dim ** -0.5, backend="native")
 
@@ -130,21 +148,22 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
                 for buffer in plain:
                     buffer.sum()
 
-            kernel(), memory()  # warm-up (and the kernel's build)
-            k_times, m_times = [], []
+            kernel(), checked(), memory()  # warm-up (and the kernel's build)
+            k_times, c_times, m_times = [], [], []
             for _ in range(repeats):
-                for fn, out in ((kernel, k_times), (memory, m_times)):
+                for fn, out in ((kernel, k_times), (checked, c_times), (memory, m_times)):
                     t0 = time.perf_counter()
                     fn()
                     out.append(time.perf_counter() - t0)
-            k_s, m_s = statistics.median(k_times), statistics.median(m_times)
+            k_s, c_s, m_s = (statistics.median(t) for t in (k_times, c_times, m_times))
             rows.append({"part": "kernel", "cache": f"{layout} (native kernel)", "context": n, "layers": layers,
                          "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9,
                          "read_bound_gb_per_s": read / m_s / 1e9, "share_of_bound": m_s / k_s,
-                         "kernel_ms": k_s * 1000, "repeats": repeats})
+                         "kernel_ms": k_s * 1000, "through_blockwise_attention_ms": c_s * 1000,
+                         "share_of_bound_through_blockwise_attention": m_s / c_s, "repeats": repeats})
             print(f"{n:6d} {layout:14s} kernel {k_s * 1000:.1f} ms, {rows[-1]['kernel_gb_per_s']:.2f} GB/s; plain "
-                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s: {rows[-1]['share_of_bound']:.2f} of the bound",
-                  flush=True)
+                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s: {rows[-1]['share_of_bound']:.2f} of the bound "
+                  f"({m_s / c_s:.2f} through blockwise_attention's checks)", flush=True)
     return rows
 
 
