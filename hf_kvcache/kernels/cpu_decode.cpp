@@ -2,8 +2,9 @@
 //
 // A unit is a (batch row, KV head, tile of at most TILE query rows of that head: row r is query head h * groups + r / q,
 // query r % q). With few units and many columns (batch-1 decode: 3 units for SmolLM2) each unit's columns are split
-// into ranges (flash-decoding), so every thread works: a range walks its key columns once, decoding TOK tokens' codes
-// at a time into float rows that stay in L1 and taking their dot products with every query row of the tile; keeps
+// into ranges (flash-decoding), so every thread works: a range walks its key columns once (16 tokens at a time in
+// registers for FP8 per-token codes and KIVI's INT4 blocks, else TOK tokens' codes at a time decoded into float rows
+// that stay in L1) taking their dot products with every query row of the tile; keeps
 // its largest logit m, the sum l of exp(logit - m) and the value rows accumulated with those weights; a merge per
 // unit rescales the ranges by exp(m_i - max m) (softmax stays exact). Range sizes follow from the shapes alone, never
 // from the thread count, so results do not depend on it. Column scores are the probabilities summed over the queries
