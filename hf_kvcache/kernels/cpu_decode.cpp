@@ -337,18 +337,19 @@ void fp8_logits_block(const float* __restrict q, const uint8_t* __restrict p, in
     for (int t = 0; t < TOK; ++t) out[r * TOK + t] = hsum(acc[r][t]) * k[t];
 }
 
-// acc[r] += sum_t W[r * TOK + t] * codes_t (W: probabilities already times the tokens' scales)
-template <int R, int SHIFT>
-void fp8_accumulate_block(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
-                          float* __restrict acc) {
+// acc[r] += sum over T tokens t of W[r * T + t] * codes_t (W: probabilities already times the tokens' scales); a
+// channel block's accumulators stay in registers across the T tokens
+template <int T, int R, int SHIFT>
+void fp8_accumulate(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
+                    float* __restrict acc) {
   for (int64_t d = 0; d < D; d += 16) {
-    v16 x[TOK];
-    for (int t = 0; t < TOK; ++t) x[t] = fp8x16<SHIFT>(p + t * stride + d);
-    for (int r = 0; r < R; ++r) {
-      v16 a = load16(acc + r * D + d);
-      for (int t = 0; t < TOK; ++t) a += splat(W[r * TOK + t]) * x[t];
-      store16(acc + r * D + d, a);
+    v16 a[R];
+    for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
+    for (int t = 0; t < T; ++t) {
+      const v16 x = fp8x16<SHIFT>(p + t * stride + d);
+      for (int r = 0; r < R; ++r) a[r] += splat(W[r * T + t]) * x;
     }
+    for (int r = 0; r < R; ++r) store16(acc + r * D + d, a[r]);
   }
 }
 
@@ -393,26 +394,6 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
   for (int r = 0; r < R; ++r) store16(out + r * ld, tree_finish(part[r]) * k);
 }
 
-// acc[r] += sum over 16 tokens t of W[r * 16 + t] * codes_t (W: probabilities times the tokens' scales); a channel
-// block's accumulators stay in registers across the 16 tokens, two per row (even and odd tokens) so that the adds
-// into one register do not wait on each other
-template <int R, int SHIFT>
-void fp8_accumulate16(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
-                      float* __restrict acc) {
-  for (int64_t d = 0; d < D; d += 16) {
-    v16 a[R], e[R] = {};
-    for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
-    for (int t = 0; t < 16; t += 2) {
-      const v16 x0 = fp8x16<SHIFT>(p + t * stride + d), x1 = fp8x16<SHIFT>(p + (t + 1) * stride + d);
-      for (int r = 0; r < R; ++r) {
-        a[r] += splat(W[r * 16 + t]) * x0;
-        e[r] += splat(W[r * 16 + t + 1]) * x1;
-      }
-    }
-    for (int r = 0; r < R; ++r) store16(acc + r * D + d, a[r] + e[r]);
-  }
-}
-
 // The scales of 16 tokens of a fast FP8 segment from token t, times the bit route's power of two and `extra`
 inline v16 fp8_scales16(const Segment& s, int64_t b, int64_t h, int64_t t, float extra) {
   const float f = fp8_factor(s.fmt) * extra;
@@ -432,14 +413,6 @@ void fp8_logits16_rows(const Segment& s, const float* q, const uint8_t* p, v16 k
   });
 }
 
-void fp8_accumulate16_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
-  for_row_groups(rows, [&](auto R, int64_t r) {
-    constexpr int RR = decltype(R)::value;
-    if (s.fmt == FMT_E4M3) fp8_accumulate16<RR, 20>(W + r * 16, p, s.c_n, s.dim, acc + r * s.dim);
-    else fp8_accumulate16<RR, 21>(W + r * 16, p, s.c_n, s.dim, acc + r * s.dim);
-  });
-}
-
 // TOK tokens of a fast FP8 segment from token t: their code rows and scales (times the bit route's power of two)
 inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t, float* k) {
   const float f = fp8_factor(s.fmt);
@@ -455,11 +428,13 @@ void fp8_logits_rows(const Segment& s, const float* q, const uint8_t* p, const f
   });
 }
 
+// fp8_accumulate over T tokens for every query row (W [rows][T])
+template <int T>
 void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    if (s.fmt == FMT_E4M3) fp8_accumulate_block<RR, 20>(W + r * TOK, p, s.c_n, s.dim, acc + r * s.dim);
-    else fp8_accumulate_block<RR, 21>(W + r * TOK, p, s.c_n, s.dim, acc + r * s.dim);
+    if (s.fmt == FMT_E4M3) fp8_accumulate<T, RR, 20>(W + r * T, p, s.c_n, s.dim, acc + r * s.dim);
+    else fp8_accumulate<T, RR, 21>(W + r * T, p, s.c_n, s.dim, acc + r * s.dim);
   });
 }
 
@@ -850,7 +825,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
           any = any + (wr != 0.0f ? splat(1.0f) : splat(0.0f));
         }
         if (hsum(any) != 0.0f)
-          fp8_accumulate16_rows(s, sc.w16.data(), s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n, nr, acc);
+          fp8_accumulate_rows<16>(s, sc.w16.data(), s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n, nr, acc);
         tb = 16;
         continue;
       }
@@ -868,7 +843,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
         const uint8_t* p = fp8_rows(s, b, h, t0 + t, k);
         for (int64_t r = 0; r < nr; ++r)
           for (int i = 0; i < TOK; ++i) block[r * TOK + i] *= k[i];
-        fp8_accumulate_rows(s, block, p, nr, acc);
+        fp8_accumulate_rows<TOK>(s, block, p, nr, acc);
         continue;
       }
       for (int64_t i = 0; i < tb; ++i) load_row(s, b, h, t0 + t + i, &X[i * g.dv], work);
