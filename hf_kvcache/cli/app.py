@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
     demo.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
     demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
-    demo.add_argument("--offset", type=non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens")
+    demo.add_argument("--offset", type=non_negative_int, default=20000,
+                      help="where the prompt starts in the corpus, in tokens")
     demo.add_argument("--out", default="demo_results", help="directory for demo.csv / .json / .png (default "
                       "demo_results)")
     demo.set_defaults(func=_demo)
@@ -107,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval_commands import add_eval_commands
 
     from .ruler_command import add_ruler_command
+    from .serve_command import add_serve_command
 
     add_eval_commands(sub)
     add_ruler_command(sub)
     add_serve_bench_command(sub)
+    add_serve_command(sub)
     return parser
 
 
@@ -129,6 +132,7 @@ _EPILOG = """commands:
   lm-eval     lm-evaluation-harness with --model hf-kvcache and the local probe tasks
   serve-bench continuous batching under a KV memory budget: model-dtype vs FP8 / INT8 pages (concurrency,
               tokens/s, TTFT, KL)
+  serve       transformers' OpenAI-compatible server with FP8 / INT8 / INT4 KV pages in a given KV memory
 
 Run `hf-kvcache COMMAND --help` for the options of each."""
 

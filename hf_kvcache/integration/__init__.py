@@ -29,7 +29,7 @@ Modules (what each wraps):
 - `models`: model facts read from private attributes (tensor-parallel plan and mesh, RoPE init functions).
 """
 
-from . import attention, cache_argument, cache_layers, continuous_batching, generation, models  # noqa: F401
+from . import attention, cache_argument, cache_layers, continuous_batching, generation, models, serving  # noqa: F401
 from .cache_argument import CACHE_ARG, cache_kwargs, returned_cache
 from .contracts import CONTRACTS, require
 from .versions import SUPPORTED_RANGE_TEXT, TESTED_MINORS, UnsupportedTransformersError

@@ -35,7 +35,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
     FullAttentionCacheAllocator,
     SlidingAttentionCacheAllocator,
 )
-from transformers.generation.continuous_batching.utils import find_head_dim
+from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
 from .cache_argument import CACHE_ARG
 from .contracts import contract, parameters, require, source
@@ -81,6 +81,11 @@ def _check_cache_init() -> str | None:
         return "_infer_max_decode_fast_path_length no longer reads supports_block_table"
     if parameters(cls.update) != ["self", "key_states", "value_states", "layer_idx", "kwargs"]:
         return f"update takes {parameters(cls.update)}"
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    helper = parameters(DistributedHelper.__init__)
+    if helper[:3] != ["self", "device_mesh", "cpu_group_timeout"]:
+        return f"DistributedHelper.__init__ takes {helper}, expected (device_mesh, cpu_group_timeout, ...)"
     return None
 
 
@@ -147,8 +152,9 @@ def _check_update_caller() -> str | None:
 
 
 @contract(SCHEDULER, "manager.batch_processor has inputs_and_outputs.requests_in_batch (state.request_id, "
-          "has_new_token, query_length), scheduler.waiting_requests / max_requests_per_batch, max_batch_tokens; "
-          "RequestState has initial_tokens, _true_initial_tokens, generated_len()", "serve-bench (the scheduler trace)")
+          "has_new_token, query_length), scheduler.active_requests / waiting_requests / max_requests_per_batch, "
+          "max_batch_tokens; RequestState has initial_tokens, _true_initial_tokens, generated_len()",
+          "serve-bench (the scheduler trace), hf-kvcache serve (GET /v1/kv_cache)")
 def _check_scheduler() -> str | None:
     from transformers.generation.continuous_batching.requests import RequestState
 
@@ -156,6 +162,11 @@ def _check_scheduler() -> str | None:
     missing = [f for f in ("request_id", "initial_tokens", "_true_initial_tokens") if f not in fields]
     if missing or not hasattr(RequestState, "generated_len"):
         return f"RequestState lacks {missing or ['generated_len']}"
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+
+    text = source(Scheduler)
+    if "self.active_requests" not in text or "self.waiting_requests" not in text:
+        return "Scheduler no longer keeps active_requests / waiting_requests"
     return None
 
 
@@ -216,7 +227,52 @@ def scheduler_state(processor) -> tuple[int, int, int]:
     return len(scheduler.waiting_requests), scheduler.max_requests_per_batch, processor.max_batch_tokens
 
 
+def pages_in_use(processor) -> tuple[int, int]:
+    """(pages held by requests, pages in all) over the cache's allocators. A page is a `page_size`-token block of
+    every layer of its allocator; the complete pages a finished request leaves for prefix sharing are free (the pool
+    reclaims them on demand). Read while the generation thread runs: the block tables are copied first."""
+    held = total = 0
+    for allocator in processor.cache.cache_allocators.values():
+        for _ in range(10):  # the generation thread may resize the table while it is copied
+            try:
+                tables = list(allocator.block_table.values())
+                break
+            except RuntimeError:
+                continue
+        held += len({block for table in tables for block in table})
+        total += allocator.num_blocks
+    return held, total
+
+
+def request_counts(processor) -> tuple[int, int]:
+    """(requests holding pages, requests waiting) of a running batch processor."""
+    scheduler = processor.scheduler
+    return len(scheduler.active_requests), len(scheduler.waiting_requests)
+
+
+def model_dtype_block_bytes(config, dtype, page_size: int) -> int:
+    """Bytes of one of transformers' `num_blocks` blocks: `page_size` tokens of keys and values for every layer in
+    `dtype` (PagedAttentionCache.__init__'s `bytes_per_block`, which turns num_blocks into bytes)."""
+    return config.num_hidden_layers * FullAttentionCacheAllocator.get_bytes_per_page(
+        find_num_key_value_heads(config), find_head_dim(config), dtype, page_size)
+
+
+def cache_on_meta(cache_class, config, continuous_batching_config, dtype):
+    """`cache_class` (a PagedAttentionCache) built on the meta device, so no memory is taken: its page geometry and
+    capacity, as a run with this config would have them (transformers sizes `num_blocks` without touching memory;
+    an unset `max_memory_percent` counts as 1.0 here)."""
+    import copy
+
+    import torch
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    cb_config = copy.deepcopy(continuous_batching_config)
+    if cb_config.max_memory_percent is None:
+        cb_config.max_memory_percent = 1.0
+    return cache_class(config, cb_config, torch.device("meta"), DistributedHelper(None, None), dtype)
+
+
 __all__ = ["CacheAllocator", "ContinuousBatchingConfig", "FullAttentionCacheAllocator", "PagedAttentionCache",
            "QUANTIZED_PAGES", "SlidingAttentionCacheAllocator", "allocator_factories", "batch_processor",
-           "cb_config_of", "find_head_dim", "install_cache_class", "request_step", "requests_in_batch",
-           "scheduler_state", "update_caller"]
+           "cache_on_meta", "cb_config_of", "find_head_dim", "install_cache_class", "model_dtype_block_bytes",
+           "pages_in_use", "request_counts", "request_step", "requests_in_batch", "scheduler_state", "update_caller"]

@@ -1,0 +1,129 @@
+"""What `hf-kvcache serve` refuses, and how: request fields of the wrong type or range, and requests that need more
+KV memory than the server has. Both are HTTP 400 answers in OpenAI's error shape, naming the field:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": ...}}
+
+so the `openai` client raises `BadRequestError` with that message, and the server keeps serving. transformers'
+handlers already answer 422 for fields the endpoint does not know; these checks add the values.
+
+- `check_body(body, endpoint)`: the sampling and length fields (`max_tokens`, `max_completion_tokens`,
+  `max_output_tokens`: integers >= 1; `temperature`: a number in [0, 2]; `top_p`: in (0, 1]; `seed`: an integer;
+  `stream`: a boolean; `n`: 1, the one choice the server returns), `messages` (chat: a non-empty list of objects
+  with a string `role`) and `prompt` (completions: a non-empty string).
+- `admit(limit, label)`: wraps a continuous-batching manager's `add_request` so a request whose prompt plus
+  `max_tokens` exceeds what the pages can ever hold (`limit` tokens: all of the KV memory for one request) is
+  refused before it is queued; without it such a request would wait for pages that never come.
+"""
+
+from __future__ import annotations
+
+import math
+
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+class RequestRejected(ValueError):
+    """A request the server answers with HTTP 400, naming `param`."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def payload(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                          "code": self.code}}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def check_body(body, endpoint: str) -> None:
+    """Raise RequestRejected for the first field of `body` with a value the server cannot honour (see the module
+    docstring); `endpoint` is 'chat_completion', 'completion' or 'response'."""
+    if not isinstance(body, dict):
+        raise RequestRejected(f"the request body must be a JSON object, got {type(body).__name__}", "body")
+    for field in LENGTH_FIELDS:
+        value = body.get(field)
+        if value is not None and not (_is_int(value) and value >= 1):
+            raise RequestRejected(f"`{field}` must be an integer >= 1, got {value!r}", field)
+    temperature = body.get("temperature")
+    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
+        raise RequestRejected(f"`temperature` must be a number in [0, 2], got {temperature!r}", "temperature")
+    top_p = body.get("top_p")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise RequestRejected(f"`top_p` must be a number in (0, 1], got {top_p!r}", "top_p")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestRejected(f"`seed` must be an integer, got {seed!r}", "seed")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestRejected(f"`stream` must be true or false, got {stream!r}", "stream")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise RequestRejected(f"`n` must be 1 (this server returns one choice per request), got {n!r}", "n")
+    if endpoint == "chat_completion":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestRejected(f"`messages` must be a non-empty list of messages, got {messages!r}", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RequestRejected(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
+                                      f"messages[{i}]")
+    if endpoint == "completion":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestRejected(f"`prompt` must be a non-empty string, got {prompt!r}", "prompt")
+
+
+def checked_handler(aliases: dict[str, str] | None = None):
+    """A wrapper for `handle_request(body, request_id)` of transformers' handlers: check_body first, and a
+    `model` named by one of `aliases` (e.g. 'smollm2') renamed to the model the server holds."""
+    aliases = aliases or {}
+
+    def wrap(handle_request, endpoint: str):
+        async def handle(body, request_id):
+            check_body(body, endpoint)
+            if body.get("model") in aliases:
+                body["model"] = aliases[body["model"]]
+            return await handle_request(body, request_id)
+
+        return handle
+
+    return wrap
+
+
+def admit(manager, limit: int, label: str) -> None:
+    """Refuse (RequestRejected, code 'context_length_exceeded') requests needing more than `limit` tokens of pages;
+    `label` says what holds them (e.g. '64 MiB of fp8_e4m3 pages')."""
+    add_request = manager.add_request
+
+    def checked_add_request(input_ids, *args, max_new_tokens=None, **kwargs):
+        new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        need = len(input_ids) + (new or 0)
+        if need > limit:
+            raise RequestRejected(
+                f"this request needs {need} tokens of KV cache (a {len(input_ids)}-token prompt + max_tokens {new}), "
+                f"but the server's KV memory ({label}) holds at most {limit} tokens for one request: shorten the "
+                f"prompt or lower `max_tokens`", "max_tokens" if len(input_ids) < limit else "messages",
+                "context_length_exceeded")
+        return add_request(input_ids, *args, max_new_tokens=max_new_tokens, **kwargs)
+
+    manager.add_request = checked_add_request
+
+
+def admitting(model, limit: int, label: str) -> None:
+    """Every continuous-batching manager `model` starts from now on refuses requests too long for `limit` (admit)."""
+    start = model.init_continuous_batching
+
+    def init_continuous_batching(*args, **kwargs):
+        manager = start(*args, **kwargs)
+        admit(manager, limit, label)
+        return manager
+
+    model.init_continuous_batching = init_continuous_batching
