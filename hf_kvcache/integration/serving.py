@@ -34,7 +34,8 @@ SERVE = "transformers.cli.serve.Serve (wiring, generation state, handlers)"
 ADMISSION = "transformers.cli.serving.utils.CBGenerateManager (add_request, cancel on disconnect)"
 #: the Serve parameters hf-kvcache serve sets itself (the rest pass through as flags)
 OWN_PARAMETERS = ("force_model", "continuous_batching", "cb_num_blocks", "non_blocking")
-HANDLERS = ("_chat_handler", "_completion_handler", "_response_handler")
+#: the handler attributes of Serve, by endpoint (/v1/chat/completions, /v1/completions, /v1/responses)
+HANDLERS = {"chat_completion": "_chat_handler", "completion": "_completion_handler", "response": "_response_handler"}
 
 
 def _serve_class():
@@ -54,7 +55,7 @@ def _check_serve() -> str | None:
         return f"Serve.__init__ no longer takes {missing}"
     text = source(serve.__init__)
     for needle in ("self.start_server()", "self._generation_state = GenerationState(", "cb_config=cb_config",
-                   "self._model_manager = ModelManager(", "self.server = uvicorn.Server(", *HANDLERS):
+                   "self._model_manager = ModelManager(", "self.server = uvicorn.Server(", *HANDLERS.values()):
         if needle not in text:
             return f"Serve.__init__ no longer contains `{needle}`"
     from transformers.cli.serving import model_manager, utils
@@ -149,10 +150,10 @@ def app(serve):
 
 
 def wrap_handlers(serve, wrapper) -> None:
-    """Route every request body through `wrapper(handle_request, endpoint)`; endpoint is e.g. 'chat_completion'."""
-    for name in HANDLERS:
+    """Route every request body through `wrapper(handle_request, endpoint)`; endpoint is a key of HANDLERS."""
+    for endpoint, name in HANDLERS.items():
         handler = getattr(serve, name)
-        handler.handle_request = wrapper(handler.handle_request, name.strip("_").removesuffix("_handler"))
+        handler.handle_request = wrapper(handler.handle_request, endpoint)
 
 
 def running_manager(serve):
