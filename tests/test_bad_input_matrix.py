@@ -226,6 +226,17 @@ def cli_case(argv: list[str], match: str, case_id: str | None = None) -> Case:
                 r"exit status 2: .*" + match)
 
 
+# -- request bodies of hf-kvcache serve (HTTP 400; tests/test_serve_http.py sends them over HTTP) ----------------------
+def serve_body_case(endpoint: str, fields: dict, match: str) -> Case:
+    from hf_kvcache.paged.serve_requests import RequestRejected, check_body
+
+    base = {"chat_completion": {"messages": [{"role": "user", "content": "hi"}]}, "completion": {"prompt": "hi"}}
+    body = {**base[endpoint], **fields}
+    path = {"chat_completion": "/v1/chat/completions", "completion": "/v1/completions"}[endpoint]
+    return Case(f"serve-{endpoint}-{fields!r}", "hf-kvcache serve requests (HTTP 400)", f"POST {path} {fields!r}",
+                lambda: check_body(body, endpoint), RequestRejected, match)
+
+
 # -- sweep specs (eval/specs/*.yaml) ------------------------------------------------------------------------------------
 _SPEC_BASE = {
     "name": "smoke", "model": "smollm2", "threads": 1, "text": "pydoc", "context_lengths": [1024],
@@ -736,6 +747,19 @@ CASES: list[Case] = [
     cli_case(["ruler", "--batch-size", "0"], r"argument --batch-size: expected a positive integer, got 0"),
     cli_case(["ruler", "--only", "NoSuchMethod"], r"--only / --exclude: no method left of \['KVzip \(model-wide\)'"),
     cli_case(["ruler", "--summarize-only", "--out", "{tmp}/empty"], r"--out '.*empty': no answers to summarize"),
+    cli_case(["serve", "--kv-memory", "12XB"], r"argument --kv-memory: expected a size such as 512MiB, 2GiB, 1\.5GB "
+             r"or a number of bytes \(units: .*\), got '12XB'"),
+    cli_case(["serve", "--kv-memory", "0"], r"argument --kv-memory: expected a size such as 512MiB.*got '0'"),
+    cli_case(["serve", "--kv-cache-dtype", "fp6"], r"argument --kv-cache-dtype: invalid choice: 'fp6' \(choose from "
+             r"'auto', 'model', 'fp8_e4m3', 'fp8_e5m2', 'int8', 'int4'\)"),
+    cli_case(["serve", "--kv-cache-quantization", "group_size=8"], r"argument --kv-cache-quantization: expected a "
+             r"JSON object, got 'group_size=8'"),
+    cli_case(["serve", "--kv-cache-quantization", '{"group_size": 0}'], r"`kv_cache_quantization\.group_size` must "
+             r"be a positive integer or None, got 0"),
+    cli_case(["serve", "--kv-cache-dtype", "auto", "--kv-cache-quantization", '{"group_size": 32}'],
+             r"`kv_cache_quantization` .* was given but `kv_cache_dtype` is 'model'"),
+    cli_case(["serve", "--typical-request-tokens", "0"], r"argument --typical-request-tokens: expected a positive "
+             r"integer, got 0"),
     cli_case(["sweep", "/no/such/spec.yaml"], r"spec: file '/no/such/spec\.yaml' does not exist"),
     cli_case(["sweep", "eval/specs/smoke.yaml", "--dry-run", "--report-only"],
              r"argument --report-only: not allowed with argument --dry-run"),
@@ -747,6 +771,19 @@ CASES: list[Case] = [
     cli_case(["nope"], r"argument COMMAND: invalid choice: 'nope' \(choose from 'demo', 'export-hub', 'caches'"),
     cli_case(["caches", "--extra"], r"unrecognized arguments: --extra"),
     cli_case([], r"the following arguments are required: COMMAND", case_id="cli-no-command"),
+    # -- hf-kvcache serve: request bodies answered with HTTP 400 naming the field ------------------------------------
+    serve_body_case("chat_completion", {"max_tokens": 0}, r"`max_tokens` must be an integer >= 1, got 0"),
+    serve_body_case("chat_completion", {"max_completion_tokens": "8"}, r"`max_completion_tokens` must be an integer "
+                    r">= 1, got '8'"),
+    serve_body_case("chat_completion", {"temperature": 3}, r"`temperature` must be a number in \[0, 2\], got 3"),
+    serve_body_case("chat_completion", {"top_p": 0}, r"`top_p` must be a number in \(0, 1\], got 0"),
+    serve_body_case("chat_completion", {"seed": "x"}, r"`seed` must be an integer, got 'x'"),
+    serve_body_case("chat_completion", {"stream": 1}, r"`stream` must be true or false, got 1"),
+    serve_body_case("chat_completion", {"n": 3}, r"`n` must be 1 \(this server returns one choice per request\)"),
+    serve_body_case("chat_completion", {"messages": "hi"}, r"`messages` must be a non-empty list of messages"),
+    serve_body_case("chat_completion", {"messages": [{"content": "hi"}]}, r"`messages\[0\]` must be an object with "
+                    r"a string `role`"),
+    serve_body_case("completion", {"prompt": ["a", "b"]}, r"`prompt` must be a non-empty string"),
     # -- sweep spec fields (what eval/specs/*.yaml hold), checked before any model is loaded ------------------------------
     spec_case("name", "a b", r"^name: must be a simple name \(letters, digits, \._-\), got 'a b'"),
     spec_case("model", None, r"^model: missing \(a Hub id, a local path or 'smollm2'\)", remove=True),

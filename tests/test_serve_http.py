@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 import torch
+
+from hf_kvcache.paged.serve_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -37,60 +35,15 @@ PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow.
 NEW_TOKENS = 16
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`hf-kvcache serve` in a subprocess; `url`, `client` (openai), `kv_cache()` (GET /v1/kv_cache)."""
+class Server(ServerProcess):
+    """The server on CPU; `client` the openai client, a failed start a test failure."""
 
     def __init__(self, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "hf_kvcache.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--device", "cpu", *flags]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + START_TIMEOUT
-        while not self._healthy():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"hf-kvcache serve did not start: {self.output()[-3000:]}")
-            time.sleep(0.5)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT, max_retries=0)
-
-    def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def kv_cache(self) -> dict:
-        with urllib.request.urlopen(self.url + "/v1/kv_cache", timeout=10) as response:
-            return json.load(response)
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
-                return response.status, json.load(response)
-        except urllib.error.HTTPError as error:
-            return error.code, json.load(error)
-
-    def output(self) -> str:
-        return self.process.stdout.read() if self.process.poll() is not None else ""
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            super().__init__("--device", "cpu", *flags, start_timeout=START_TIMEOUT, request_timeout=REQUEST_TIMEOUT)
+        except RuntimeError as error:
+            pytest.fail(str(error))
+        self.client = self.openai_client()
 
 
 @pytest.fixture(scope="module")

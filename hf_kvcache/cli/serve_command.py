@@ -9,7 +9,8 @@ import json
 import re
 import sys
 
-from ..paged.spec import KV_DTYPES
+from ..paged.spec import KV_DTYPES, PagedKVSpec
+from .args import positive_int
 
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # auto (as in vLLM) and model: pages in the model's dtype
 DEFAULT_KV_MEMORY = "1GiB"
@@ -57,7 +58,7 @@ def add_serve_command(sub) -> None:
                    help=f"bytes of KV pages, e.g. 512MiB or 20GiB (default {DEFAULT_KV_MEMORY})")
     p.add_argument("--kv-cache-quantization", type=json_object, default=None, metavar="JSON",
                    help="page format details: group_size, scale_dtype, key_rotation (docs/serving.md)")
-    p.add_argument("--typical-request-tokens", type=int, default=1024, metavar="N",
+    p.add_argument("--typical-request-tokens", type=positive_int, default=1024, metavar="N",
                    help="prompt + output tokens of the typical request in the start-up summary (default 1024)")
     upstream = p.add_argument_group("transformers serve options")
     for option in serve_options():
@@ -77,12 +78,11 @@ def _serve(args) -> int:
     from ..integration.serving import run
     from ..paged.server import DEFAULT_PAGE_SIZE, build_server
 
-    if args.typical_request_tokens < 1:
-        raise ValueError(f"--typical-request-tokens must be >= 1, got {args.typical_request_tokens}")
+    kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads
     options = {name: getattr(args, name) for name in args.serve_option_names}
     page_size = options.pop("cb_block_size", None) or DEFAULT_PAGE_SIZE
     model = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
-    kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     serve, plan = build_server(model, kv_dtype, args.kv_memory, args.kv_cache_quantization, page_size, options,
                                alias=args.model)
     for line in plan.lines(args.typical_request_tokens):

@@ -27,6 +27,8 @@ Modules (what each wraps):
 - `cache_layers`: transformers' cache layer classes and layer types, what of them is state.
 - `continuous_batching`: the paged cache, its allocators, who updates it, the scheduler's state.
 - `models`: model facts read from private attributes (tensor-parallel plan and mesh, RoPE init functions).
+- `serving`: `transformers serve` (its `Serve` built but not started, the continuous-batching config it passes,
+  its handlers and FastAPI app), for `hf-kvcache serve`.
 """
 
 from . import attention, cache_argument, cache_layers, continuous_batching, generation, models, serving  # noqa: F401

@@ -7,7 +7,9 @@ checked in hf_kvcache.integration.continuous_batching), `agreement` (teacher-for
 scheduler did at each forward, for the benchmark), `concurrency` (requests held at once in a run's memory-bound
 steady state), `serve_bench` (`hf-kvcache serve-bench`: the command) with `serve_workload` (its settings and
 requests), `serve_runner` (the interleaved runs), `serve_kl` (KL of quantized pages) and `serve_report` (summary,
-files).
+files); `server` (`hf-kvcache serve`: transformers' HTTP server with these pages, sized from a KV memory) with
+`serve_requests` (what it refuses with HTTP 400) and `serve_process` (the server in a subprocess, for tests and
+eval/bench_serve_http.py).
 """
 
 from ..integration.versions import UnsupportedTransformersError

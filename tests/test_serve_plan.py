@@ -1,0 +1,98 @@
+"""`hf-kvcache serve` without a server: the KV memory plan (what --kv-memory holds per page format), the admission
+check on a continuous-batching manager, --kv-memory parsing, and the refusal when transformers' server changed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import build_model
+
+from hf_kvcache.cli.serve_command import memory_size
+from hf_kvcache.integration import serving
+from hf_kvcache.integration.contracts import broken
+from hf_kvcache.integration.versions import UnsupportedTransformersError
+from hf_kvcache.paged.serve_requests import RequestRejected, admit
+from hf_kvcache.paged.server import build_server, plan_memory
+
+
+@pytest.mark.parametrize("text, size", [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
+                                        ("64M", 64_000_000), ("4096", 4096), (" 1 kib ", 1024)])
+def test_memory_size(text, size):
+    assert memory_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-1GiB", "0", "GiB", "1e9"])
+def test_memory_size_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a size such as 512MiB"):
+        memory_size(text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_counts_the_tokens_each_format_holds(dtype):
+    model = build_model("llama").to(dtype)  # 2 layers, 2 KV heads of head_dim 16
+    config = model.config
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * 16 * dtype.itemsize
+    plan = plan_memory(model, 1000 * token_bytes, "fp8_e4m3", page_size=16)
+    assert plan.num_blocks == 1000 // 16  # transformers' blocks: whole pages of model-dtype tokens
+    assert plan.model_dtype_tokens == plan.num_blocks * 16
+    # FP8: one byte per channel plus a bfloat16 scale per (token, KV head, key or value) row of 16 channels
+    fp8_token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * (16 + 2)
+    expected = 1000 * token_bytes // fp8_token_bytes
+    assert expected - 2 * 16 <= plan.tokens <= expected + 16  # whole pages, one sector of rounding
+    assert plan.tokens % 16 == 0 and plan.tokens > plan.model_dtype_tokens
+    text = "\n".join(plan.lines(64))
+    assert f"{plan.tokens:,} tokens = {plan.tokens // 64:,} requests of 64 tokens   <- serving" in text
+    assert f"model-dtype ({str(dtype)[6:]}) pages" in text
+
+
+def test_plan_refuses_memory_without_one_page():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=r"--kv-memory: 100 bytes hold no page: one page of 256 tokens"):
+        plan_memory(model, 100, "int8")
+
+
+class FakeManager:
+    class generation_config:
+        max_new_tokens = 50
+
+    def __init__(self):
+        self.added = []
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kwargs):
+        self.added.append((len(input_ids), max_new_tokens))
+        return request_id
+
+
+def test_admission_refuses_what_the_pages_cannot_hold():
+    manager = FakeManager()
+    admit(manager, limit=100, label="1 MiB of int8 pages")
+    assert manager.add_request(list(range(60)), request_id="a", max_new_tokens=40) == "a"
+    with pytest.raises(RequestRejected, match=r"needs 101 tokens .* \(1 MiB of int8 pages\) holds at most 100 "
+                                              r"tokens") as error:
+        manager.add_request(list(range(61)), request_id="b", max_new_tokens=40)
+    assert error.value.param == "max_tokens" and error.value.code == "context_length_exceeded"
+    with pytest.raises(RequestRejected, match="needs 101 tokens") as error:  # the manager's default max_new_tokens
+        manager.add_request(list(range(51)), request_id="c")
+    with pytest.raises(RequestRejected) as error:
+        manager.add_request(list(range(120)), request_id="d", max_new_tokens=1)
+    assert error.value.param == "messages"
+    assert manager.added == [(60, 40)]  # nothing refused reached the manager
+    assert error.value.payload()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("contract", [serving.SERVE, serving.ADMISSION])
+def test_changed_server_internals_raise_before_loading(contract):
+    with broken(contract, "faked by a test"), pytest.raises(UnsupportedTransformersError, match="faked by a test"):
+        build_server("/no/such/model", "fp8_e4m3", 2**20)
+
+
+def test_every_transformers_serve_option_is_a_flag():
+    from hf_kvcache.cli import build_parser
+
+    names = {o.name for o in serving.serve_options()}
+    assert {"host", "port", "device", "dtype", "cb_max_batch_tokens", "attn_implementation"} <= names
+    assert not names & set(serving.OWN_PARAMETERS)
+    args = build_parser().parse_args(["serve", "--port", "9000", "--no-enable-cors", "--cb-max-batch-tokens", "64"])
+    assert (args.port, args.enable_cors, args.cb_max_batch_tokens, args.kv_cache_dtype) == (9000, False, 64, "fp8_e4m3")
