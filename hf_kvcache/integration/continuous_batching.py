@@ -239,6 +239,8 @@ def pages_in_use(processor) -> tuple[int, int]:
                 break
             except RuntimeError:
                 continue
+        else:
+            raise RuntimeError("the block table kept changing while it was read (10 tries)")
         held += len({block for table in tables for block in table})
         total += allocator.num_blocks
     return held, total

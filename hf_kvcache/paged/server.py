@@ -15,11 +15,12 @@ KV memory budget. Nothing here is a second HTTP server: hf_kvcache.integration.s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..integration import serving
 from ..integration.continuous_batching import (
     ContinuousBatchingConfig,
+    batch_processor,
     cache_on_meta,
     model_dtype_block_bytes,
     pages_in_use,
@@ -59,9 +60,6 @@ class MemoryPlan:
             out.append(f"  {name:<{width}}  {tokens:>10,} tokens = {self.requests(tokens_per_request, tokens):,} "
                        f"requests of {tokens_per_request:,} tokens{mark}")
         return out
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def page_config(kv_dtype: str, options: dict | None, page_size: int, num_blocks: int, base=None):
@@ -103,7 +101,7 @@ def kv_cache_state(serve, plan: MemoryPlan) -> dict:
              "tokens_capacity": plan.tokens, "started": False, "pages_total": None, "pages_in_use": None,
              "requests_active": 0, "requests_waiting": 0}
     manager = serving.running_manager(serve)
-    processor = None if manager is None else manager.batch_processor
+    processor = None if manager is None else batch_processor(manager)
     if processor is not None:
         held, total = pages_in_use(processor)
         active, waiting = request_counts(processor)
