@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,9 +126,29 @@ def build_case(name, n=80, batch=2, seed=0, query_dtype=torch.float32):
     return query, keys, values, valid, kwargs
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel():
+    """The native kernel built for AVX2 without AVX-512 (-march=x86-64-v3): its 16-lane values are pairs of 256-bit
+    registers (cpu_decode.cpp, HF_KVCACHE_V16_PAIR), code this machine's own build (-march=native) does not run."""
+    if not _has_avx2() or cpu_blockwise.unavailable() is not None:
+        pytest.skip("needs an AVX2 CPU and a C++ toolchain")
+    flags = [f for f in cpu_blockwise.FLAGS if not f.startswith("-march=")] + ["-march=x86-64-v3"]
+    return cpu_blockwise._build(flags)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "native-avx2"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_dequantize_then_attend(name, backend):
+def test_matches_dequantize_then_attend(name, backend, request, monkeypatch):
+    if backend == "native-avx2":
+        monkeypatch.setattr(cpu_blockwise, "_module", request.getfixturevalue("avx2_kernel"))
+        backend = "native"
     query, keys, values, valid, kw = build_case(name)
     scaling = query.shape[-1] ** -0.5
     out, scores = blockwise_attention(query, keys, values, valid, scaling, block=32, return_column_scores=True,

@@ -40,19 +40,20 @@ _module = None
 _failure: str | None = None
 
 
-def _build():
+def _build(flags: list[str] = FLAGS):
     """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source
-    and flags, so an edited source never loads a stale build)."""
+    and flags, so an edited source never loads a stale build). Tests build other targets with `flags` (e.g.
+    -march=x86-64-v3: the AVX2 code of a CPU without AVX-512)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
     name = f"hf_kvcache_cpu_decode_{digest}"
     directory = Path(cpp_extension.get_default_build_root()) / name
     if not any(directory.glob(f"{name}*.so")):
         logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
                        directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               build_directory=str(directory), verbose=False)
 
 

@@ -199,13 +199,59 @@ void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restri
   }
 }
 
-// 16 floats; GCC / Clang lower it to the machine's vectors (one AVX-512 register, two AVX2 ones, ...)
+// 16 floats. With AVX-512 (or no AVX2) a GCC / Clang vector of 16 lanes, one AVX-512 register; with AVX2 and no
+// AVX-512, two 8-lane vectors in a struct: a 64-byte vector type there has no machine mode of its own, so GCC keeps
+// such values in memory and moves them 8 bytes at a time through general registers (measured 7x slower), while a
+// struct of two native vectors is split into registers once inlined.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define HF_KVCACHE_V16_PAIR 1
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+struct v16 {
+  v8 lo, hi;
+};
+inline v16 operator+(v16 a, v16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v16 operator-(v16 a, v16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline v16 operator*(v16 a, v16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v16 operator+(v16 a, float b) { return {a.lo + b, a.hi + b}; }
+inline v16 operator-(v16 a, float b) { return {a.lo - b, a.hi - b}; }
+inline v16 operator*(v16 a, float b) { return {a.lo * b, a.hi * b}; }
+inline v16& operator+=(v16& a, v16 b) {
+  a.lo += b.lo;
+  a.hi += b.hi;
+  return a;
+}
+inline v16 load16(const float* p) {
+  v8 lo, hi;
+  std::memcpy(&lo, p, sizeof lo);
+  std::memcpy(&hi, p + 8, sizeof hi);
+  return {lo, hi};
+}
+inline void store16(float* p, v16 v) {
+  std::memcpy(p, &v.lo, sizeof v.lo);
+  std::memcpy(p + 8, &v.hi, sizeof v.hi);
+}
+inline v16 splat(float x) {
+  const v8 h = {x, x, x, x, x, x, x, x};
+  return {h, h};
+}
+inline v8 vmax8(v8 a, v8 b) { return a > b ? a : b; }
+inline v16 vmax(v16 a, v16 b) { return {vmax8(a.lo, b.lo), vmax8(a.hi, b.hi)}; }
+inline v8 ones8(v8 a) { return a != 0.0f ? v8{} + 1.0f : v8{}; }
+inline v16 ones_where_nonzero(v16 a) { return {ones8(a.lo), ones8(a.hi)}; }
+inline float hsum(v16 v) {
+  const v8 s = v.lo + v.hi;
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+#else
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 // a broadcast (v16{} + x would be an add of 0.0f first: not foldable, since -0.0f + 0.0f is +0.0f)
 inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline v16 ones_where_nonzero(v16 a) { return a != 0.0f ? splat(1.0f) : splat(0.0f); }  // 1 where a != 0, else 0
 inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
   float a[16];
   std::memcpy(a, &v, sizeof a);
@@ -213,6 +259,7 @@ inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
   for (int j = 0; j < 4; ++j) a[j] += a[j + 4];
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
+#endif
 
 constexpr int TOK = 4;  // tokens decoded, then multiplied together (their rows stay in registers / L1)
 
@@ -297,14 +344,12 @@ inline v16 fp8x16(const uint8_t* p) {
   const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(c, SHIFT), _mm512_set1_epi32(static_cast<int>(MASK)));
   return reinterpret_cast<v16>(_mm512_castsi512_ps(bits));
-#elif defined(__AVX2__)
-  v16 f;
-  for (int half = 0; half < 2; ++half) {
-    const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
-    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(c, SHIFT), _mm256_set1_epi32(static_cast<int>(MASK)));
-    std::memcpy(reinterpret_cast<float*>(&f) + 8 * half, &bits, 32);
-  }
-  return f;
+#elif defined(HF_KVCACHE_V16_PAIR)
+  const __m256i m = _mm256_set1_epi32(static_cast<int>(MASK));
+  const __m256i c0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i c1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return {reinterpret_cast<v8>(_mm256_and_si256(_mm256_slli_epi32(c0, SHIFT), m)),
+          reinterpret_cast<v8>(_mm256_and_si256(_mm256_slli_epi32(c1, SHIFT), m))};
 #else
   float x[16];
   for (int d = 0; d < 16; ++d) {
@@ -358,6 +403,26 @@ void fp8_accumulate(const float* __restrict W, const uint8_t* __restrict p, int6
 // register across its lanes (a dozen operations per logit), a tree of shuffles and adds turns 16 such registers into
 // one register holding the 16 tokens' logits (15 adds for 16 logits). Levels 1-2 stay within 128-bit lanes (4 tokens
 // per register, one partial per lane), levels 3-4 cross them; the logits come out in token order.
+#if defined(HF_KVCACHE_V16_PAIR)  // the same shuffles per 256-bit half (tree1, tree2); tree34 joins the halves
+inline v16 tree1(v16 x, v16 y) {
+  return {__builtin_shufflevector(x.lo, y.lo, 0, 8, 1, 9, 4, 12, 5, 13) +
+              __builtin_shufflevector(x.lo, y.lo, 2, 10, 3, 11, 6, 14, 7, 15),
+          __builtin_shufflevector(x.hi, y.hi, 0, 8, 1, 9, 4, 12, 5, 13) +
+              __builtin_shufflevector(x.hi, y.hi, 2, 10, 3, 11, 6, 14, 7, 15)};
+}
+inline v16 tree2(v16 s, v16 u) {
+  return {__builtin_shufflevector(s.lo, u.lo, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(s.lo, u.lo, 2, 3, 10, 11, 6, 7, 14, 15),
+          __builtin_shufflevector(s.hi, u.hi, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(s.hi, u.hi, 2, 3, 10, 11, 6, 7, 14, 15)};
+}
+inline v16 tree34(v16 a, v16 b) {
+  return {__builtin_shufflevector(a.lo, a.hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a.lo, a.hi, 4, 5, 6, 7, 12, 13, 14, 15),
+          __builtin_shufflevector(b.lo, b.hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(b.lo, b.hi, 4, 5, 6, 7, 12, 13, 14, 15)};
+}
+#else
 inline v16 tree1(v16 x, v16 y) {  // per 128-bit lane L: (x, y, x, y) partials of elements (4L, 4L+2), (4L+1, 4L+3)
   return __builtin_shufflevector(x, y, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
          __builtin_shufflevector(x, y, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
@@ -370,6 +435,7 @@ inline v16 tree34(v16 a, v16 b) {  // 128-bit lanes (a0 + a1, a2 + a3, b0 + b1, 
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
+#endif
 // 4 registers of 4 tokens each (tree2's output) -> the 16 tokens' sums, in order
 inline v16 tree_finish(const v16* v) { return tree34(tree34(v[0], v[1]), tree34(v[2], v[3])); }
 
@@ -450,6 +516,14 @@ inline void int4x16(const uint8_t* p, v16& lo, v16& hi) {
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0xF))));
   hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)));
+#elif defined(HF_KVCACHE_V16_PAIR)
+  const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i low = _mm256_set1_epi32(0xF);
+  lo = {reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_and_si256(c0, low))),
+        reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_and_si256(c1, low)))};
+  hi = {reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4))),
+        reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)))};
 #else
   float l[16], h[16];
   for (int d = 0; d < 16; ++d) {
@@ -672,6 +746,18 @@ inline float exp_nonpositive(float x) {
 }
 
 // exp_nonpositive on 16 lanes (the same steps: round to nearest by the 1.5 x 2^23 trick, the same polynomial)
+#if defined(HF_KVCACHE_V16_PAIR)
+inline v8 exp8_nonpositive(v8 x) {
+  const v8 low = v8{} - 87.0f;
+  const v8 clamped = x < low ? low : x;
+  const v8 magic = v8{} + 12582912.0f;
+  const v8 k = (clamped * 1.44269504088896341f + magic) - magic;
+  const v8 p = exp_core(clamped, k);
+  const i32x8 e = (__builtin_convertvector(k, i32x8) + 127) << 23;
+  return x < low ? v8{} : p * reinterpret_cast<v8>(e);
+}
+inline v16 exp16_nonpositive(v16 x) { return {exp8_nonpositive(x.lo), exp8_nonpositive(x.hi)}; }
+#else
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline v16 exp16_nonpositive(v16 x) {
@@ -685,6 +771,7 @@ inline v16 exp16_nonpositive(v16 x) {
   std::memcpy(&two_k, &e, sizeof two_k);
   return x < low ? splat(0.0f) : p * two_k;
 }
+#endif
 
 // What every range of one call shares: the segments, the shapes, the masks' tail, the sinks and the scalings (`vrow`:
 // the validity row of the range's (batch row, KV head)).
@@ -778,7 +865,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
       int64_t c = 0;
       for (; c + 16 <= w; c += 16) {
         const v16 x = load16(lr + c);
-        mv = x > mv ? x : mv;
+        mv = vmax(x, mv);
       }
       float lanes[16];
       std::memcpy(lanes, &mv, sizeof lanes);
@@ -822,7 +909,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
         for (int64_t r = 0; r < nr; ++r) {
           const v16 wr = load16(probs + r * w + col0 - c0 + t) * k;
           store16(&sc.w16[r * 16], wr);
-          any = any + (wr != 0.0f ? splat(1.0f) : splat(0.0f));
+          any = any + ones_where_nonzero(wr);
         }
         if (hsum(any) != 0.0f)
           fp8_accumulate_rows<16>(s, sc.w16.data(), s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n, nr, acc);
