@@ -96,3 +96,11 @@ def test_every_transformers_serve_option_is_a_flag():
     assert not names & set(serving.OWN_PARAMETERS)
     args = build_parser().parse_args(["serve", "--port", "9000", "--no-enable-cors", "--cb-max-batch-tokens", "64"])
     assert (args.port, args.enable_cors, args.cb_max_batch_tokens, args.kv_cache_dtype) == (9000, False, 64, "fp8_e4m3")
+
+
+def test_serve_without_the_serving_extra_says_what_to_install(monkeypatch, capsys):
+    from hf_kvcache.cli import main, serve_command
+
+    monkeypatch.setattr(serve_command, "SERVING_PACKAGES", ("fastapi", "no_such_serving_package"))
+    assert main(["serve", "--kv-memory", "1MiB"]) == 2
+    assert "needs ['no_such_serving_package']: pip install 'hf-kvcache[serving]'" in capsys.readouterr().err

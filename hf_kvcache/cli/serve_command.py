@@ -5,6 +5,7 @@ memory (hf_kvcache.paged.server). Every `transformers serve` option is a flag he
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -14,6 +15,7 @@ from .args import positive_int
 
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # auto (as in vLLM) and model: pages in the model's dtype
 DEFAULT_KV_MEMORY = "1GiB"
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai")  # transformers[serving], which transformers serve checks
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -80,6 +82,11 @@ def _serve(args) -> int:
 
     kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads
+    missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"hf-kvcache serve: error: the server needs {missing}: pip install 'hf-kvcache[serving]' (or "
+              "'transformers[serving]')", file=sys.stderr)
+        return 2
     options = {name: getattr(args, name) for name in args.serve_option_names}
     page_size = options.pop("cb_block_size", None) or DEFAULT_PAGE_SIZE
     model = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
