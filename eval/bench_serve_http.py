@@ -39,14 +39,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hf_kvcache.paged.serve_bench import parse_range  # noqa: E402
 from hf_kvcache.paged.serve_process import ServerProcess  # noqa: E402
 
 
-def parse_range(text: str, flag: str) -> tuple[int, int]:
+def token_range(text: str, flag: str) -> tuple[int, int]:
+    """(MIN, MAX) from the flag's 'MIN-MAX' (hf-kvcache serve-bench's parser), with 1 <= MIN <= MAX."""
     try:
-        low, high = (int(x) for x in text.split("-"))
-    except ValueError:
-        raise SystemExit(f"{flag}: expected MIN-MAX (integers), got {text!r}") from None
+        low, high = parse_range(text, flag.removeprefix("--"))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     if not 1 <= low <= high:
         raise SystemExit(f"{flag}: expected 1 <= MIN <= MAX, got {text!r}")
     return low, high
@@ -195,8 +197,8 @@ def main(argv=None) -> dict:
 
     path = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)
-    requests = make_prompts(tokenizer, args.requests, parse_range(args.prompt_tokens, "--prompt-tokens"),
-                            parse_range(args.new_tokens, "--new-tokens"), args.seed)
+    requests = make_prompts(tokenizer, args.requests, token_range(args.prompt_tokens, "--prompt-tokens"),
+                            token_range(args.new_tokens, "--new-tokens"), args.seed)
     common = ["--dtype", args.dtype, "--device", args.device, "--kv-memory", args.kv_memory, "--cb-block-size",
               str(args.page_size), "--cb-max-batch-tokens", str(args.max_batch_tokens), "--log-level", "error"]
     servers = {}

@@ -63,7 +63,8 @@ def add_serve_command(sub) -> None:
     p.add_argument("--typical-request-tokens", type=positive_int, default=1024, metavar="N",
                    help="prompt + output tokens of the typical request in the start-up summary (default 1024)")
     upstream = p.add_argument_group("transformers serve options")
-    for option in serve_options():
+    options = serve_options()
+    for option in options:
         flag = "--" + option.name.replace("_", "-")
         text = option.help.replace("%", "%%")
         if option.type is bool:
@@ -72,7 +73,7 @@ def add_serve_command(sub) -> None:
         else:
             upstream.add_argument(flag, dest=option.name, type=option.type, default=option.default,
                                   choices=option.choices, help=f"{text} (default {option.default})")
-    p.set_defaults(func=_serve, serve_option_names=[o.name for o in serve_options()])
+    p.set_defaults(func=_serve, serve_option_names=[o.name for o in options])
 
 
 def _serve(args) -> int:
@@ -96,6 +97,5 @@ def _serve(args) -> int:
         print(line)
     print(f"Serving {args.model} on http://{options.get('host')}:{options.get('port')}/v1 (OpenAI API); "
           "GET /v1/kv_cache reports pages and requests.", flush=True)
-    sys.stdout.flush()
     run(serve)
     return 0

@@ -28,6 +28,7 @@ __all__ = [
     "add_serve_bench_command",
     "make_workload",
     "parse_format",
+    "parse_range",
     "run_once",
     "run_serve_bench",
     "summarize",
@@ -70,7 +71,8 @@ def add_serve_bench_command(sub) -> None:
     p.set_defaults(func=_serve_bench_cli)
 
 
-def _range(text: str, name: str) -> tuple[int, int]:
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """(MIN, MAX) from 'MIN-MAX'; a ValueError naming --`name` otherwise (the bounds are the caller's to check)."""
     try:
         low, high = (int(x) for x in text.split("-"))
     except ValueError:
@@ -79,8 +81,8 @@ def _range(text: str, name: str) -> tuple[int, int]:
 
 
 def _serve_bench_cli(args) -> int:
-    prompt_min, prompt_max = _range(args.prompt_lengths, "prompt-lengths")
-    new_min, new_max = _range(args.new_tokens, "new-tokens")
+    prompt_min, prompt_max = parse_range(args.prompt_lengths, "prompt-lengths")
+    new_min, new_max = parse_range(args.new_tokens, "new-tokens")
     try:
         scales = tuple(float(x) for x in args.budget_scales.split(","))
     except ValueError:
