@@ -3,6 +3,8 @@ DynamicCache, and the attention kernel alone in bytes per second against a plain
 
     python eval/bench_decode_bandwidth.py                       # 1K-16K, SmolLM2 float32, 2 threads (~15 min)
     python eval/bench_decode_bandwidth.py --lengths 8192 --rounds 5 --out results/decode_bandwidth
+    python eval/bench_decode_bandwidth.py --device cuda --model meta-llama/Llama-3.1-8B-Instruct \
+        --lengths 4096 16384 65536 --out eval/results/decode_bandwidth_h200   # the GPU table (bfloat16, Triton)
 
 Part 1, the model (`decode` rows): every cache is prefilled once per context length (chunked, from the offline
 corpus), then rounds interleave the caches (order rotated per round), each timing `--steps` one-token forwards after
@@ -10,13 +12,17 @@ a warm-up step. A cache's ratio is paired: per round its median ms/token over Dy
 the median over rounds (the steadiest figure on a shared machine). A "no cache (floor)" row times a one-token
 forward with `use_cache=False` in the same rounds: what every cache's step pays besides its attention and bookkeeping.
 
-Part 2, the kernel alone (`kernel` rows): SmolLM2's attention shape (3 KV heads, 3 queries each, head_dim 64) over
-`--layers` separate layers' codes (FP8 per token, and KIVI's INT4 layout; separate, so the bytes come from memory,
-not from cache, as in a decode step), one call of the native entry per layer (`cpu_blockwise_attention` on validated
-inputs), and the same through `blockwise_attention(backend="native")`, whose Python input checks a step also pays.
+Part 2, the kernel alone (`kernel` rows): the model's attention shape (SmolLM2: 3 KV heads, 3 queries each, head_dim
+64) over `--layers` separate layers' codes (FP8 per token, and KIVI's INT4 layout; separate, so the bytes come from
+memory, not from cache, as in a decode step), one call of the kernel's entry per layer on validated inputs (on CPU the
+native kernel, `cpu_blockwise_attention`; on CUDA the Triton kernel, `triton_blockwise_attention`), and the same
+through `blockwise_attention`, whose Python input checks a step also pays.
 Bytes read: the keys' and values' codes, scales and zeros. The
 bound: `tensor.sum()` over float32 buffers of the same total size, timed the same way (a plain read at the machine's
-memory speed with the same threads). Both as bytes/s and their ratio.
+memory speed with the same threads, or the GPU's). Both as bytes/s and their ratio.
+
+On CUDA (`--device cuda`): the model in `--dtype` (bfloat16 by default there), each timing between
+`torch.cuda.synchronize()` calls; absolute times are then the GPU's, and the results name it.
 
 Writes OUT.json / OUT.csv and OUT.png (decode cost vs context length per cache).
 """
@@ -42,7 +48,6 @@ from stream_ppl import environment  # noqa: E402
 from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import make_cache  # noqa: E402
 from hf_kvcache.kernels.blockwise import blockwise_attention  # noqa: E402
-from hf_kvcache.kernels.codes import QuantizedKV  # noqa: E402
 from hf_kvcache.kernels.cpu_blockwise import cpu_blockwise_attention, unavailable  # noqa: E402
 from hf_kvcache.stores.code_views import from_codec  # noqa: E402
 from hf_kvcache.stores.factory import make_codec  # noqa: E402
@@ -64,14 +69,21 @@ def _prefill(model, cache, ids, chunk: int) -> None:
 NO_CACHE = "no cache (floor)"
 
 
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def _decode_ms(model, cache, token, steps: int) -> float:
     kwargs = {"use_cache": False} if cache is None else {**cache_kwargs(cache), "use_cache": True}
     model(input_ids=token, **kwargs)  # warm-up step
     times = []
     for _ in range(steps):
+        _sync(token.device)
         t0 = time.perf_counter()
         model(input_ids=token, **kwargs)
+        _sync(token.device)
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
 
@@ -108,7 +120,7 @@ LAYOUTS = {
 }
 
 
-def _layer(layout: str, n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV, QuantizedKV, int]:
+def _layer(layout: str, n: int, heads: int, dim: int, gen, device="cpu", dtype=torch.float32):
     """One layer's keys and values in `layout` (LAYOUTS) and the bytes a read of them takes (codes, scales, zeros)."""
     layer = []
     key_spec, value_spec, pack_block = LAYOUTS[layout]
@@ -116,33 +128,44 @@ def _layer(layout: str, n: int, heads: int, dim: int, gen) -> tuple[QuantizedKV,
         codec = make_codec(QuantSpec.from_value(spec))
         if pack_block:
             codec.set_pack_block(pack_block)
-        codec.allocate(1, heads, dim, n, torch.float32, "cpu")
-        codec.put(codec.encode(torch.randn(1, heads, n, dim, generator=gen)), 0)
+        codec.allocate(1, heads, dim, n, dtype, device)
+        codec.put(codec.encode(torch.randn(1, heads, n, dim, generator=gen).to(device, dtype)), 0)
         layer.append(from_codec(codec, n))
     read = sum(t.numel() * t.element_size() for s in layer for t in (s.codes, s.scale, s.zero) if t is not None)
     return layer[0], layer[1], read
 
 
-def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64) -> list[dict]:
+def _kernel_entry(device) -> tuple[str, object]:
+    """(backend name, the kernel's entry on validated inputs) for `device`: the native CPU kernel, or Triton on CUDA."""
+    if torch.device(device).type == "cuda":
+        from hf_kvcache.kernels.triton_blockwise import triton_blockwise_attention
+
+        return "triton", triton_blockwise_attention
     reason = unavailable()  # builds the kernel (once)
     if reason:
         raise SystemExit(f"the native CPU kernel cannot run here: {reason}")
+    return "native", cpu_blockwise_attention
+
+
+def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64, device="cpu",
+                dtype=torch.float32) -> list[dict]:
+    backend, entry = _kernel_entry(device)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for layout in LAYOUTS:
         for n in lengths:
-            made = [_layer(layout, n, heads, dim, gen) for _ in range(layers)]
-            query = torch.randn(1, heads * groups, 1, dim, generator=gen)
+            made = [_layer(layout, n, heads, dim, gen, device, dtype) for _ in range(layers)]
+            query = torch.randn(1, heads * groups, 1, dim, generator=gen).to(device, dtype)
             read = sum(m[2] for m in made)
-            plain = [torch.zeros(max(1, m[2] // 4)) + 1.0 for m in made]  # float32 buffers of the same bytes
+            plain = [torch.ones(max(1, m[2] // 4), device=device) for m in made]  # float32 buffers of the same bytes
 
-            def kernel():  # the native entry on validated inputs (what a step pays once its inputs are checked)
+            def kernel():  # the kernel's entry on validated inputs (what a step pays once its inputs are checked)
                 for ks, vs, _ in made:
-                    cpu_blockwise_attention(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
+                    entry(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
 
             def checked():  # the same through blockwise_attention (its input checks and backend choice per call)
                 for ks, vs, _ in made:
-                    blockwise_attention(query, ks, vs, None, dim ** -0.5, backend="native")
+                    blockwise_attention(query, ks, vs, None, dim ** -0.5, backend=backend)
 
             def memory():
                 for buffer in plain:
@@ -152,11 +175,13 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
             k_times, c_times, m_times = [], [], []
             for _ in range(repeats):
                 for fn, out in ((kernel, k_times), (checked, c_times), (memory, m_times)):
+                    _sync(device)
                     t0 = time.perf_counter()
                     fn()
+                    _sync(device)
                     out.append(time.perf_counter() - t0)
             k_s, c_s, m_s = (statistics.median(t) for t in (k_times, c_times, m_times))
-            rows.append({"part": "kernel", "cache": f"{layout} (native kernel)", "context": n, "layers": layers,
+            rows.append({"part": "kernel", "cache": f"{layout} ({backend} kernel)", "context": n, "layers": layers,
                          "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9,
                          "read_bound_gb_per_s": read / m_s / 1e9, "share_of_bound": m_s / k_s,
                          "kernel_ms": k_s * 1000, "through_blockwise_attention_ms": c_s * 1000,
@@ -167,7 +192,18 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def attention_shape(config) -> dict:
+    """The kernel-alone part's shape from a model config: KV heads, query heads per KV head, head dim."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    heads = config.num_key_value_heads or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {"heads": heads, "groups": config.num_attention_heads // heads, "dim": dim}
+
+
+def plot(rows: list[dict], path: Path, title: str = "SmolLM2-135M decode cost vs context") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,7 +217,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode ms/token (median)")
-    ax.set_title("SmolLM2-135M decode cost vs context")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -196,31 +232,43 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
-    parser.add_argument("--layers", type=int, default=30, help="layers of the kernel-alone part")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the kernel-alone part (default: the model's; 30 with --skip-model)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-model", action="store_true", help="only the kernel-alone part")
+    parser.add_argument("--device", default="cpu", help="cpu (the native kernel) or cuda (Triton)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="model and query dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--skip-model", action="store_true", help="only the kernel-alone part (SmolLM2's shape)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "decode_bandwidth")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = kernel_rows(args.lengths, args.layers, args.repeats)
+    dtype = DTYPES[args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")]
+    shape, model = {}, None
     if not args.skip_model:
         from hf_kvcache.evaluation.corpus import load_text
         from hf_kvcache.evaluation.models import load_model
 
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+        shape = attention_shape(model.config)
+    layers = args.layers or (model.config.num_hidden_layers if model is not None else 30)
+    rows = kernel_rows(args.lengths, layers, args.repeats, device=args.device, dtype=dtype, **shape)
+    if model is not None:
         ids = tokenizer(load_text("pydoc"), return_tensors="pt").input_ids[:, : max(args.lengths) + 1]
         caches = {label: CACHES[label] for label in ["dynamic"] + [c for c in args.caches if c != "dynamic"]}
-        rows += decode_rows(model, ids, args.lengths, caches, args.rounds, args.steps, args.chunk)
+        rows += decode_rows(model, ids.to(args.device), args.lengths, caches, args.rounds, args.steps, args.chunk)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "rows": rows,
-                                                         "environment": environment()}, indent=1) + "\n")
+    info = {"threads": args.threads, "device": args.device, "dtype": str(dtype).removeprefix("torch."),
+            "model": args.model}
+    args.out.with_suffix(".json").write_text(json.dumps({**info, "rows": rows, "environment": environment()},
+                                                        indent=1) + "\n")
     with args.out.with_suffix(".csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
     if not args.skip_model:
-        plot(rows, args.out.with_suffix(".png"))
+        name = "SmolLM2-135M" if args.model == "smollm2" else args.model
+        plot(rows, args.out.with_suffix(".png"), f"{name} ({info['dtype']}, {args.device}) decode cost vs context")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ GPU command lines (nothing here was run on a GPU yet):
     .venv/bin/python eval/bench_gpu.py --device cuda --modes eager --prompt-tokens 8192 --batch 4 \
         --cache composite:preset=sinks_heavy_recent,budget=0.25,attention=blockwise \
         --cache composite:preset=sinks_heavy_recent,budget=0.25,attention=dequantize --cache h2o:budget=0.25
+    # issue 28's table on the GPU: decode ms/token vs DynamicCache per context length (bfloat16), and the Triton
+    # kernel alone in bytes/s against a plain read of the same bytes (HBM)
+    .venv/bin/python eval/bench_gpu.py --device cuda --decode-bandwidth 4096 16384 32768 --out eval/results \
+        --name h200
 CPU (the committed results in eval/results/gpu_bench_cpu/; a few minutes each):
 
     # every cache eager and compiled with inductor, on the random 2-layer Llama (inductor needs 10-90 s per cache
@@ -502,6 +506,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write NAME.csv and NAME.json here")
     parser.add_argument("--name", default="gpu_bench", help="output file stem (default gpu_bench)")
+    parser.add_argument("--decode-bandwidth", type=int, nargs="+", metavar="TOKENS", default=None,
+                        help="instead of the table above: issue 28's decode-against-what-it-reads table at these "
+                             "context lengths (eval/bench_decode_bandwidth.py on --device in --dtype: ms/token vs "
+                             "DynamicCache, and the attention kernel's bytes/s against a plain read)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -522,8 +530,22 @@ def parse_args(argv=None):
     return args
 
 
+def decode_bandwidth(args) -> dict:
+    """The decode-against-what-it-reads table (eval/bench_decode_bandwidth.py) on this device and dtype, written as
+    OUT/NAME_decode_bandwidth.{json,csv,png}."""
+    import bench_decode_bandwidth
+
+    out = (args.out or ROOT / "eval" / "results") / f"{args.name}_decode_bandwidth"
+    bench_decode_bandwidth.main(["--device", args.device, "--dtype", args.dtype, "--model", args.model,
+                                 "--rounds", str(args.rounds), "--threads", str(args.threads or 1), "--out", str(out),
+                                 "--lengths", *map(str, args.decode_bandwidth)])
+    return json.loads(out.with_suffix(".json").read_text())
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.decode_bandwidth:
+        return decode_bandwidth(args)
     cuda = args.device.startswith("cuda")
     if args.threads or not cuda:
         torch.set_num_threads(args.threads or 1)

@@ -31,7 +31,7 @@ def seq(start: int, n: int) -> torch.Tensor:
 
 
 class EncodeCounter:
-    """Counts the tokens each codec quantizes."""
+    """Counts the tokens each codec quantizes (through `encode` or its native `write_tokens`)."""
 
     def __init__(self, store):
         self.tokens = 0
@@ -43,6 +43,15 @@ class EncodeCounter:
             return original(x)
 
         codec.encode = counted
+        native = codec.write_tokens  # (FP8 on CPU: a decode step's tokens quantized natively, not through encode)
+
+        def counted_native(keys, values, slot):
+            written = native(keys, values, slot)
+            if written:
+                self.tokens += keys.shape[2]
+            return written
+
+        codec.write_tokens = counted_native
 
 
 @needs_packer

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..kernels import blockwise_attention
+from ..kernels import blockwise_attention, cpu_blockwise
 from ..layers.codes_read import DEFAULT_BLOCK
 
 
@@ -24,6 +24,11 @@ def block_size(layer, segments) -> int:
             f"cover {align} tokens), got {block}."
         )
     return block
+
+
+def native_decode() -> bool:
+    """Whether a decode step here goes to the native CPU kernel (eager code, and the kernel builds)."""
+    return not torch.compiler.is_compiling() and cpu_blockwise.unavailable() is None
 
 
 def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict):
@@ -56,6 +61,16 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
         window = layer.policy.attention_window
         if window is not None and q > window:  # column scores from the last `window` queries only (SnapKV, TOVA)
             weight = torch.cat((torch.zeros_like(weight[:, : q - window]), weight[:, q - window :]), 1)
+    if not needs_scores and q == 1 and query.device.type == "cpu" and native_decode():
+        # an eager CPU decode step: the native kernel straight away (the layer's own segments, consistent by
+        # construction: blockwise_attention's checks and backend choice cost ~30 us a layer for nothing here)
+        if getattr(layer, "attention_block", None) is not None:
+            block_size(layer, read.keys + read.values)  # (a setting the native kernel does not use, checked alike)
+        n = sum(s.length for s in read.keys)
+        result = cpu_blockwise.cpu_blockwise_attention(query, read.keys, read.values, n, None if spec is None else
+                                                       spec[0], float(scaling), 0, softcap or None,
+                                                       getattr(module, "sinks", None), False)
+        return result.transpose(1, 2).contiguous(), None
     result = blockwise_attention(
         query, read.keys, read.values, None if spec is None else spec[0], float(scaling),
         block=block_size(layer, read.keys + read.values), causal_tail=q if q > 1 else 0, softcap=softcap or None,

@@ -8,6 +8,8 @@ merged afterwards when there are few such tasks and many columns (batch-1 decode
 the torch path (every `QuantizedKV` layout, masks, causal tail, softcap, sinks, weighted column scores), same float32
 arithmetic up to summation order.
 
+The same extension holds the FP8 write of a decode step's new tokens (`cpu_encode.cpp`, hf_kvcache.kernels.cpu_encode).
+
 Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native -fopenmp`,
 once per source version into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions);
 about a minute on 2 cores, then milliseconds. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto"
@@ -28,7 +30,8 @@ from .codes import QuantizedKV
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+#: attention (cpu_decode.cpp, which holds the bindings) and the FP8 write of new tokens (cpu_encode.cpp), one extension
+SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_encode.cpp")]
 # -fopenmp: torch's at::parallel_for is inline OpenMP in its headers (AT_PARALLEL_OPENMP); compiled without it, the
 # pragma is dropped and every task runs on the calling thread
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
@@ -46,15 +49,15 @@ def _build(flags: list[str] = FLAGS):
     -march=x86-64-v3: the AVX2 code of a CPU without AVX-512)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode()).hexdigest()[:10]
     name = f"hf_kvcache_cpu_decode_{digest}"
     directory = Path(cpp_extension.get_default_build_root()) / name
     if not any(directory.glob(f"{name}*.so")):
         logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
                        directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=str(directory), verbose=False)
+    return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
 def unavailable() -> str | None:

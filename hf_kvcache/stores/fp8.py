@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..common.tensor_parallel import SINGLE_PROCESS, TensorParallel
+from ..kernels import cpu_encode
 from .opaque_widen import scales_to_float32
 from .quantization import FP8_DTYPES, SCALE_DTYPES, Codec, QuantSpec
 
@@ -162,6 +163,19 @@ class FP8Codec(Codec):
             self.scale = (amax / self.fmax).clamp_(min=torch.finfo(torch.float32).tiny)
             self.shared = {"scale": self.scale}
         return {"data": (x / self.scale).clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).view(torch.uint8)}
+
+    def write_tokens(self, keys: torch.Tensor, values: torch.Tensor | None, slot: int) -> bool | None:
+        """`encode` + `put` of a decode step's tokens at slots [slot, slot + n) in one native call on CPU
+        (hf_kvcache.kernels.cpu_encode, bit for bit the same), keys in rows [0, B) and values (a joint codec) in
+        [B, 2B): True when written; False when an input is not finite (nothing written); None when the native
+        write does not take this layout or these tensors (then encode and put)."""
+        if self.spec.granularity != "token" or self.pow2:
+            return None
+        data, scale = self.slot["data"], self.slot["scale"]
+        if cpu_encode.unsupported(keys, data, scale) is not None:
+            return None
+        return cpu_encode.fp8_write_tokens(keys, values, data, scale, slot, self.fp8_dtype,
+                                           self.spec.channel_group(self.head_dim))
 
     # -- dequantize -------------------------------------------------------------------------------------------
     def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:

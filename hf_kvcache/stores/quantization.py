@@ -298,9 +298,10 @@ class Codec:
             return
         keep = min(capacity, self.capacity)
         for name, t in self.slot.items():
-            new = t.new_zeros(t.shape[0], t.shape[1], self._rows(name, capacity), *t.shape[3:])
+            new = t.new_empty(t.shape[0], t.shape[1], self._rows(name, capacity), *t.shape[3:])
             rows = self._rows(name, keep)
             new[:, :, :rows] = t[:, :, :rows]
+            new[:, :, rows:] = 0  # (the new part only: zeroing all of it first would write the kept part twice)
             self.slot[name] = new
             fixed_shape(new)
         self.capacity = capacity
@@ -308,6 +309,12 @@ class Codec:
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [B, H, n, D] (n a multiple of `block`) -> slot tensors for those n slots."""
         raise NotImplementedError
+
+    def write_tokens(self, keys: torch.Tensor, values: torch.Tensor | None, slot: int) -> bool | None:
+        """A native `encode` + `put` of a decode step's tokens (keys in rows [0, B), values of a joint codec in
+        [B, 2B)): True when written, False when an input is not finite (nothing written), None when this codec has
+        none for these tensors (the default; FP8Codec has one on CPU)."""
+        return None
 
     def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None,
             rows: slice | None = None, index: torch.Tensor | None = None, block: torch.Tensor | None = None):

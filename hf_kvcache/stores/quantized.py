@@ -257,22 +257,32 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
             self._write_ring_token(slot, keys, values, index)
             return
         if self.joint and self.fp_k is None and (self.key_mean is not None or not self.key_smoothing):
-            # decode step with keys and values quantized together right away: as few ops as possible
-            both = self._joint_checked(keys, values)
-            if self.append_only and self.fixed_slots:
-                # the slot is the token's index: nothing grows, nothing to truncate after a crop (later slots are
-                # overwritten, and reads mask what is not valid); no comparison of host counters either, which
-                # torch.compile would turn into guards
-                self.qlen = slot + 1
-            elif self.append_only:
+            # decode step with keys and values quantized together right away: as few ops as possible (on CPU one
+            # native call, hf_kvcache.kernels.cpu_encode, which checks and writes; when the growing layout must
+            # first crop or grow, the inputs are checked before anything changes)
+            native = not self.key_smoothing
+            growing = self.append_only and not self.fixed_slots and (
+                slot != self.length or self.qlen >= self.keys_codec.capacity)
+            both = self._joint_checked(keys, values) if growing or not native else None
+            if self.append_only and not self.fixed_slots:
                 if slot != self.length:
                     self._truncate(slot)
                 self._reserve(self.qlen + 1)
-                slot, self.qlen = self.qlen, self.qlen + 1
-            if self.key_smoothing:
-                both = both.float()
-                both[: self.batch] -= self.key_mean
-            self.keys_codec.put(self.keys_codec.encode(both), slot, index=index if self.fixed_slots else None)
+                slot = self.qlen
+            # (fixed slots: the slot is the token's index: nothing grows, nothing to truncate after a crop, later
+            # slots are overwritten and reads mask what is not valid; no comparison of host counters either, which
+            # torch.compile would turn into guards)
+            written = self.keys_codec.write_tokens(keys, values, slot) if native else None
+            if written is False:  # an input is not finite: nothing was written; raise the checked path's error
+                self._joint_checked(keys, values)
+            if written is None:
+                both = self._joint_checked(keys, values) if both is None else both
+                if self.key_smoothing:
+                    both = both.float()
+                    both[: self.batch] -= self.key_mean
+                self.keys_codec.put(self.keys_codec.encode(both), slot, index=index if self.fixed_slots else None)
+            if self.append_only:
+                self.qlen = slot + 1
             return
         check_finite(keys, values, self.where)
         if self.append_only:
