@@ -127,3 +127,23 @@ def test_fp8_cache_decodes_the_same_with_and_without_the_native_write(monkeypatc
     with pytest.raises(NonFiniteError, match="non-finite keys"):
         layer.store.write_slot(layer.store.length, keys, torch.randn_like(keys))
     assert (layer.seen, layer.store.qlen) == state[:2] and torch.equal(layer.store.keys_codec.slot["data"], state[2])
+
+
+def test_finite_check_of_a_decode_step_is_native_and_agrees_with_torch():
+    """`tensors_finite` (the stores' check for a decode step's numbers on CPU) says what torch.isfinite says, for
+    every float dtype, non-contiguous views and a NaN / inf in keys or values; it leaves large or non-CPU inputs
+    to torch (None)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        keys = torch.randn(2, 3, 1, 64, generator=gen).to(dtype)
+        values = torch.randn(2, 3, 1, 64, generator=gen).to(dtype)
+        assert cpu_encode.tensors_finite(keys, values) is True
+        assert cpu_encode.tensors_finite(keys.transpose(1, 3), None) is True
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for which in ("keys", "values"):
+                k, v = keys.clone(), values.clone()
+                (k if which == "keys" else v)[1, 2, 0, 63] = bad
+                assert cpu_encode.tensors_finite(k, v) is False, (dtype, bad, which)
+    big = torch.zeros(cpu_encode.FINITE_NATIVE_MAX + 1)
+    assert cpu_encode.tensors_finite(big, None) is None
+    assert cpu_encode.tensors_finite(torch.zeros(4, device="meta"), None) is None

@@ -13,6 +13,7 @@ Tests fake a broken contract with `broken(name, reason)` (a context manager), an
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable
@@ -99,8 +100,18 @@ def markdown_table() -> str:
 
 
 def parameters(fn) -> list[str]:
-    """Parameter names of `fn` as declared (decorators that use functools.wraps are looked through)."""
-    return list(inspect.signature(fn).parameters)
+    """Parameter names of `fn` as declared (decorators that use functools.wraps are looked through). Remembered
+    per function object (`cache_kwargs` asks at every call, and inspect.signature takes ~90 us; a function patched
+    in, as tests do, is another object)."""
+    try:
+        return list(_signature_names(fn))
+    except TypeError:  # (an unhashable callable)
+        return list(inspect.signature(fn).parameters)
+
+
+@functools.lru_cache(maxsize=512)
+def _signature_names(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
 
 
 def source(fn) -> str:

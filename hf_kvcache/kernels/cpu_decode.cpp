@@ -1059,7 +1059,10 @@ std::vector<at::Tensor> decode_attention(
 bool fp8_write_tokens(torch::Tensor keys, c10::optional<torch::Tensor> values, torch::Tensor data,
                       torch::Tensor scale, int64_t slot, int64_t fmt, int64_t group, double fmax, double up);
 
+bool tensors_finite(torch::Tensor keys, c10::optional<torch::Tensor> values);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Softmax attention over quantized key/value segments (CPU)");
   m.def("fp8_write_tokens", &fp8_write_tokens, "A decode step's tokens quantized into FP8 slot buffers (CPU)");
+  m.def("tensors_finite", &tensors_finite, "Whether every element of keys (and values) is finite (CPU)");
 }

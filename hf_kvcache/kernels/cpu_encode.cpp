@@ -83,6 +83,12 @@ bool all_finite(const torch::Tensor& x) {
 
 }  // namespace
 
+// Whether every element of keys (and values) is finite: the stores' check before quantizing, in one call for the
+// few hundred numbers of a decode step (torch's isfinite / all / and / assert are five dispatches).
+bool tensors_finite(torch::Tensor keys, c10::optional<torch::Tensor> values) {
+  return all_finite(keys.contiguous()) && (!values || all_finite(values->contiguous()));
+}
+
 // keys (and values) [B, H, n, D] written at slots [slot, slot + n) of rows [0, B) (values: rows [B, 2B)) of
 // `data` [R, H, capacity, D] uint8 and `scale` [R, H, capacity, D / group] (float32, bfloat16 or float16).
 // `up`: (1 + eps of the scale dtype) / fmax, computed by the caller as torch's scalar multiply sees it.

@@ -43,4 +43,20 @@ def fp8_write_tokens(keys: torch.Tensor, values: torch.Tensor | None, data: torc
         _FP8_IDS[fp8_dtype], int(group), fmax, up)
 
 
-__all__ = ["fp8_write_tokens", "unsupported"]
+#: above this many elements torch's own (vectorised, threaded) isfinite is as fast as one native pass
+FINITE_NATIVE_MAX = 1 << 16
+
+
+def tensors_finite(keys: torch.Tensor, values: torch.Tensor | None) -> bool | None:
+    """Whether every element of keys (and values) is finite, in one native call for a decode step's few numbers on
+    CPU (the stores' check before quantizing; torch's is five dispatches); None where it does not apply (other
+    devices, compiled code, large inputs, non-float tensors, no native build): check with torch then."""
+    if keys.numel() > FINITE_NATIVE_MAX or keys.device.type != "cpu" or not keys.is_floating_point() or (
+            values is not None and (values.device.type != "cpu" or not values.is_floating_point())):
+        return None
+    if torch.compiler.is_compiling() or cpu_blockwise.unavailable() is not None:
+        return None
+    return cpu_blockwise._module.tensors_finite(keys, values)
+
+
+__all__ = ["FINITE_NATIVE_MAX", "fp8_write_tokens", "tensors_finite", "unsupported"]

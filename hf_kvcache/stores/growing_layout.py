@@ -3,9 +3,11 @@ slots too when there is no ring, where nothing grows and a write past the maximu
 in order, the most recent `residual` (+ up to `flush - 1`) kept in full precision and the older ones quantized `flush`
 at a time (whole blocks for per-channel keys, KIVI), each quantized once: an append costs O(new tokens).
 
-Physical buffers grow by a small factor (`GROWTH`, 1/256) at block granularity, so the bytes held stay within 0.4%
-(+ one block) of the content. Amortised, a growth copies 256 tokens' worth per appended token: small next to reading
-the whole cache at every decode step. A crop (`_truncate`) forgets tokens from a length on; it cannot split a
+Physical buffers grow by a small factor (`GROWTH`, 1/256), by at least `GROWTH_TOKENS` (8) tokens or one block, so
+the bytes held stay within 0.4% (+ 8 tokens or one block) of the content. Amortised, a growth copies 256 tokens'
+worth per appended token: small next to reading the whole cache at every decode step; the floor keeps a short cache
+from reallocating at every step (below 2K tokens 1/256 is less than 8 tokens; a growth step also costs a decode step
+its native FP8 write's single pass, since the inputs are checked before anything grows). A crop (`_truncate`) forgets tokens from a length on; it cannot split a
 quantized block (`QuantizedStore.check_crop` refuses first).
 
 `GrowingLayout` is a mixin of `QuantizedStore`: it holds the appends, crops and growth; the store keeps the state
@@ -20,18 +22,20 @@ import math
 import torch
 
 GROWTH = 1 / 256
+GROWTH_TOKENS = 8
 
 
 class GrowingLayout:
     def _reserve(self, tokens: int) -> None:
-        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/256 (amortised)."""
+        """Physical capacity for `tokens` quantized tokens: exact at the first write, then +1/256, at least
+        +GROWTH_TOKENS (amortised)."""
         cap = self.keys_codec.capacity
         if tokens <= cap:
             return
         if self.fixed_slots:
             raise ValueError(f"{self.where}: {tokens} tokens do not fit the fixed maximum length of {cap - 1}.")
         if cap:
-            tokens = max(tokens, cap + max(self.flush, math.ceil(cap * self.growth)))
+            tokens = max(tokens, cap + max(self.flush, GROWTH_TOKENS, math.ceil(cap * self.growth)))
         tokens = -(-tokens // self.flush) * self.flush
         for codec in self._codecs():
             codec.resize(tokens)

@@ -34,6 +34,7 @@ import torch
 
 from ..common.compile_static import fixed_shape
 from ..common.validation import check_keys, require_choice, require_int
+from ..kernels import cpu_encode
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "none")
 GRANULARITIES = ("tensor", "head", "token", "channel")
@@ -239,7 +240,10 @@ def check_finite(keys: torch.Tensor, values: torch.Tensor | None, where: str) ->
 
     The check never makes an accelerator wait for the host (it runs in every layer of every forward): it is a
     `torch._assert_async`, which raises at once on the CPU (the store is left unchanged) and, on a GPU, fails the
-    stream asynchronously (a device-side assert, reported at the next synchronisation)."""
+    stream asynchronously (a device-side assert, reported at the next synchronisation). A decode step's few numbers
+    on CPU are checked in one native call (hf_kvcache.kernels.cpu_encode.tensors_finite)."""
+    if cpu_encode.tensors_finite(keys, values):
+        return
     ok = torch.isfinite(keys).all()
     if values is not None:
         ok = ok & torch.isfinite(values).all()
