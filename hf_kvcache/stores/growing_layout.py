@@ -7,8 +7,8 @@ Physical buffers grow by a small factor (`GROWTH`, 1/256), by at least `GROWTH_T
 the bytes held stay within 0.4% (+ 8 tokens or one block) of the content. Amortised, a growth copies 256 tokens'
 worth per appended token: small next to reading the whole cache at every decode step; the floor keeps a short cache
 from reallocating at every step (below 2K tokens 1/256 is less than 8 tokens; a growth step also costs a decode step
-its native FP8 write's single pass, since the inputs are checked before anything grows). A crop (`_truncate`) forgets tokens from a length on; it cannot split a
-quantized block (`QuantizedStore.check_crop` refuses first).
+its native FP8 write's single pass, since the inputs are checked before anything grows). A crop (`_truncate`)
+forgets tokens from a length on; it cannot split a quantized block (`QuantizedStore.check_crop` refuses first).
 
 `GrowingLayout` is a mixin of `QuantizedStore`: it holds the appends, crops and growth; the store keeps the state
 they work on (`fp_k`/`fp_v`: the full-precision residual; `qlen`, `fp_len`, `residual`, `flush`, `growth`,
