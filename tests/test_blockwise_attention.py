@@ -86,6 +86,7 @@ KIVI_KEYS = {"format": "int4", "granularity": "channel", "group_size": 16, "back
 KIVI_VALUES = {"format": "int4", "granularity": "token", "group_size": 16, "backend": "quanto"}  # (its groups are 32)
 KIVI32_KEYS = {"format": "int4", "granularity": "channel", "group_size": 32, "backend": "quanto"}  # KIVICache's own
 KIVI32_VALUES = {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"}
+FULL = {"format": "none"}
 
 # (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
 CASES = {
@@ -104,6 +105,9 @@ CASES = {
                                {"holes": True, "weights": True, "whole": 32}),
     "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
     "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
+    # full-precision segments (sinks, windows, residuals): the native kernel's float32 register route
+    "full-precision-gqa": (FULL, FULL, None, 2, 3, 1, 64, 64, {"holes": True, "sinks": True, "weights": True}),
+    "full-keys-fp8-values-causal": (FULL, FP8, None, 2, 2, 3, 32, 32, {"causal": True, "softcap": 2.5}),
 }
 
 

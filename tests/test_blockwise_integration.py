@@ -275,3 +275,31 @@ def test_region_store_segments_match_its_read():
         torch.testing.assert_close(torch.cat([dequantize(s) for s in values], 2), read_v, atol=1e-6, rtol=0)
     with pytest.raises(TypeError, match="no `segments` method"):
         store_segments(object(), 3)
+
+
+def test_eviction_caches_decode_through_the_native_kernel_on_cpu(llama, kernel, monkeypatch):
+    """A cache without the `attention` option over a float32 full-precision store (SinkCache, SlidingWindowCache)
+    reads its keys through the native kernel's float32 route in eager CPU decode steps (`full_precision_native`),
+    with the same logits as SDPA on the same cache (prefill, wrapped ring, sinks re-rotated); not where the kernel is
+    off (HF_KVCACHE_NATIVE=0), for H2O (its own scored pass), nor for a bfloat16 model."""
+    from hf_kvcache import H2OCache, SinkCache, SlidingWindowCache
+    from hf_kvcache.layers import codes_read
+
+    ids = random_ids(2, 64, seed=5)
+    for make in (lambda m: SinkCache(m, sinks=4, window=20), lambda m: SlidingWindowCache(m, window=24)):
+        cache = make(llama)
+        native = run(llama, cache, ids)
+        assert all(layer.attention_from_codes == (kernel == "native") for layer in cache.layers)
+        with monkeypatch.context() as patched:
+            patched.setattr(codes_read, "full_precision_native", lambda layer, device: False)
+            sdpa_cache = make(llama)
+            sdpa = run(llama, sdpa_cache, ids)
+        assert not any(layer.attention_from_codes for layer in sdpa_cache.layers)
+        torch.testing.assert_close(native, sdpa, atol=2e-5, rtol=1e-5)
+    h2o = H2OCache(llama, budget=24)
+    run(llama, h2o, ids)
+    assert not any(layer.attention_from_codes for layer in h2o.layers)
+    bf16 = tiny_llama().to(torch.bfloat16)
+    sink = SinkCache(bf16, sinks=4, window=20)
+    run(bf16, sink, ids)
+    assert not any(layer.attention_from_codes for layer in sink.layers)

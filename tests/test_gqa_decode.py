@@ -13,6 +13,7 @@ import hf_kvcache
 from hf_kvcache import cache_kwargs
 from hf_kvcache.attention import gqa_decode
 from hf_kvcache.attention.gqa_decode import packed_decode_attention
+from hf_kvcache.layers import codes_read
 
 
 class _Module(torch.nn.Module):
@@ -101,6 +102,9 @@ def test_bridge_decodes_packed_and_matches_unpacked(monkeypatch, make_cache):
     ids = random_ids(2, 10)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    # (on CPU the sink cache's float32 decode steps read through the native kernel instead, tested in
+    # test_blockwise_integration; the packed SDPA path is what they take on a GPU, in bfloat16 and compiled)
+    monkeypatch.setattr(codes_read, "full_precision_native", lambda layer, device: False)
     calls = []
     original = gqa_decode.packed_decode_attention
 

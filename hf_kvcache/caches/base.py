@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..common.architecture import COMPRESSED_TYPE, check_supported_config, layer_plan
+from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
 from ..integration.cache_layers import Cache, upstream_layer_class
@@ -143,9 +143,12 @@ class KVCache(Cache, ForwardAnnounced):
                 built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
             else:
                 built.append(self._layer_from_settings(config, spec, i))
+        latent = is_latent_attention(config)
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
                 layer.size_parameters = self.size_keys or ("max_length",)
+            if isinstance(layer, CompressedLayer):  # (the model expands a latent before attention: codes_read)
+                layer.latent_attention = latent
         if not any(isinstance(layer, CompressedLayer) for layer in built):
             logger.warning(
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "

@@ -360,9 +360,34 @@ inline v16 fp8x16(const uint8_t* p) {
 #endif
 }
 
+// Channels [d, d + 16) of a code row starting at byte `row`: FP8 codes through the bit route (SHIFT 20: E4M3, 21:
+// E5M2), or float32 values as they are (SHIFT 0: a full-precision segment, which takes the same register route with
+// a scale of 1)
+template <int SHIFT>
+inline v16 codes16(const uint8_t* row, int64_t d) {
+  if constexpr (SHIFT == 0) return load16(reinterpret_cast<const float*>(row) + d);
+  else return fp8x16<SHIFT>(row + d);
+}
+
+// The register route: FP8 with one scale per token (and head or channel group covering the row), or float32 values
 bool fp8_fast(const Segment& s) {
+  if (s.fmt == FMT_NONE) return !s.bias && s.dim % 16 == 0;
   return (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && s.row_scale && !s.zero && !s.bias && s.dim % 16 == 0 &&
          s.s_tok == 1;
+}
+
+// Bytes per code of a register-route segment, and the byte address of token t's row of (b, h)
+inline int64_t code_bytes(const Segment& s) { return s.fmt == FMT_NONE ? 4 : 1; }
+inline const uint8_t* code_row(const Segment& s, int64_t b, int64_t h, int64_t t) {
+  return s.codes + (b * s.c_b + h * s.c_h + t * s.c_n) * code_bytes(s);
+}
+
+// Calls fn(std::integral_constant<int, SHIFT>{}) for a register-route segment's format
+template <typename Fn>
+inline void with_shift(const Segment& s, Fn fn) {
+  if (s.fmt == FMT_E4M3) fn(std::integral_constant<int, 20>{});
+  else if (s.fmt == FMT_E5M2) fn(std::integral_constant<int, 21>{});
+  else fn(std::integral_constant<int, 0>{});
 }
 
 // out[r * TOK + t] = k[t] * (q_r . codes_t) for TOK tokens whose code rows start at p + t * stride
@@ -372,7 +397,7 @@ void fp8_logits_block(const float* __restrict q, const uint8_t* __restrict p, in
   v16 acc[R][TOK] = {};
   for (int64_t d = 0; d < D; d += 16) {
     v16 x[TOK];
-    for (int t = 0; t < TOK; ++t) x[t] = fp8x16<SHIFT>(p + t * stride + d);
+    for (int t = 0; t < TOK; ++t) x[t] = codes16<SHIFT>(p + t * stride, d);
     for (int r = 0; r < R; ++r) {
       const v16 qv = load16(q + r * D + d);
       for (int t = 0; t < TOK; ++t) acc[r][t] += qv * x[t];
@@ -391,7 +416,7 @@ void fp8_accumulate(const float* __restrict W, const uint8_t* __restrict p, int6
     v16 a[R];
     for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
     for (int t = 0; t < T; ++t) {
-      const v16 x = fp8x16<SHIFT>(p + t * stride + d);
+      const v16 x = codes16<SHIFT>(p + t * stride, d);
       for (int r = 0; r < R; ++r) a[r] += splat(W[r * T + t]) * x;
     }
     for (int r = 0; r < R; ++r) store16(acc + r * D + d, a[r]);
@@ -449,7 +474,7 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
     const uint8_t* pg = p + 4 * g * stride;
     for (int64_t d = 0; d < D; d += 16) {
       v16 x[4];
-      for (int t = 0; t < 4; ++t) x[t] = fp8x16<SHIFT>(pg + t * stride + d);
+      for (int t = 0; t < 4; ++t) x[t] = codes16<SHIFT>(pg + t * stride, d);
       for (int r = 0; r < R; ++r) {
         const v16 qv = load16(q + r * D + d);
         for (int t = 0; t < 4; ++t) acc[r][t] += qv * x[t];
@@ -462,6 +487,7 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
 
 // The scales of 16 tokens of a fast FP8 segment from token t, times the bit route's power of two and `extra`
 inline v16 fp8_scales16(const Segment& s, int64_t b, int64_t h, int64_t t, float extra) {
+  if (s.fmt == FMT_NONE) return splat(extra);
   const float f = fp8_factor(s.fmt) * extra;
   const float* sc = s.scale.row(b, h, t);
   if (s.scale.n == 1) return load16(sc) * f;
@@ -474,23 +500,29 @@ void fp8_logits16_rows(const Segment& s, const float* q, const uint8_t* p, v16 k
                        int64_t ld) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    if (s.fmt == FMT_E4M3) fp8_logits16<RR, 20>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * ld, ld);
-    else fp8_logits16<RR, 21>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * ld, ld);
+    with_shift(s, [&](auto S) {
+      fp8_logits16<RR, decltype(S)::value>(q + r * s.dim, p, s.c_n * code_bytes(s), k, s.dim, out + r * ld, ld);
+    });
   });
 }
 
 // TOK tokens of a fast FP8 segment from token t: their code rows and scales (times the bit route's power of two)
 inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t, float* k) {
-  const float f = fp8_factor(s.fmt);
-  for (int i = 0; i < TOK; ++i) k[i] = s.scale.row(b, h, t + i)[0] * f;
-  return s.codes + b * s.c_b + h * s.c_h + t * s.c_n;
+  if (s.fmt == FMT_NONE) {
+    for (int i = 0; i < TOK; ++i) k[i] = 1.0f;
+  } else {
+    const float f = fp8_factor(s.fmt);
+    for (int i = 0; i < TOK; ++i) k[i] = s.scale.row(b, h, t + i)[0] * f;
+  }
+  return code_row(s, b, h, t);
 }
 
 void fp8_logits_rows(const Segment& s, const float* q, const uint8_t* p, const float* k, int64_t rows, float* out) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    if (s.fmt == FMT_E4M3) fp8_logits_block<RR, 20>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * TOK);
-    else fp8_logits_block<RR, 21>(q + r * s.dim, p, s.c_n, k, s.dim, out + r * TOK);
+    with_shift(s, [&](auto S) {
+      fp8_logits_block<RR, decltype(S)::value>(q + r * s.dim, p, s.c_n * code_bytes(s), k, s.dim, out + r * TOK);
+    });
   });
 }
 
@@ -499,8 +531,9 @@ template <int T>
 void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    if (s.fmt == FMT_E4M3) fp8_accumulate<T, RR, 20>(W + r * T, p, s.c_n, s.dim, acc + r * s.dim);
-    else fp8_accumulate<T, RR, 21>(W + r * T, p, s.c_n, s.dim, acc + r * s.dim);
+    with_shift(s, [&](auto S) {
+      fp8_accumulate<T, RR, decltype(S)::value>(W + r * T, p, s.c_n * code_bytes(s), s.dim, acc + r * s.dim);
+    });
   });
 }
 
@@ -828,7 +861,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
         continue;
       }
       if (fast && count - t >= 16) {  // 16 tokens: their logits in one register
-        fp8_logits16_rows(s, qrows, s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n,
+        fp8_logits16_rows(s, qrows, code_row(s, b, h, t0 + t),
                           fp8_scales16(s, b, h, t0 + t, g.scale), nr, probs + col0 - c0 + t, w);
         tb = 16;
         continue;
@@ -912,7 +945,7 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
           any = any + ones_where_nonzero(wr);
         }
         if (hsum(any) != 0.0f)
-          fp8_accumulate_rows<16>(s, sc.w16.data(), s.codes + b * s.c_b + h * s.c_h + (t0 + t) * s.c_n, nr, acc);
+          fp8_accumulate_rows<16>(s, sc.w16.data(), code_row(s, b, h, t0 + t), nr, acc);
         tb = 16;
         continue;
       }

@@ -24,7 +24,10 @@ composite of full-precision regions keeps SDPA) and the keys are on CUDA (the Tr
 one-token decode steps when the native kernel builds (`kernels.cpu_blockwise`; prefill chunks and compiled steps
 dequantize there: MKL's SDPA on a dequantized copy beats any block walk for many queries, and inductor fuses the
 dequantization; docs/blockwise_attention.md); resolved per layer at its first update, from the keys' device
-(`resolve_attention`), then per forward (`codes_now`). Any store with `segments` attends from codes except the
+(`resolve_attention`), then per forward (`codes_now`). Caches without the option (the eviction caches: sinks,
+windows, heavy hitters in full precision) read their float32 keys the same way in eager CPU decode steps
+(`full_precision_native`: the native kernel's float32 register route is ~2x SDPA's CPU kernel for one query token).
+Any store with `segments` attends from codes except the
 quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
 including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
 segments in slot order).
@@ -88,7 +91,9 @@ def resolve_attention(layer, device) -> bool:
     """Whether `layer`'s decode steps attend from its codes, from its `attention` mode and the device of its keys
     ("auto" also needs something quantized to read: over full-precision regions only, SDPA does better than the
     block walk; and on CPU the native kernel, built here on first use)."""
-    mode = getattr(layer, "attention", "dequantize")
+    mode = getattr(layer, "attention", None)
+    if mode is None:  # a cache without the option (the eviction caches)
+        return full_precision_native(layer, device)
     if mode == "dequantize" or (mode == "auto" and not holds_codes(layer.store)):
         return False
     if not reads_codes(layer.store):
@@ -103,9 +108,23 @@ def resolve_attention(layer, device) -> bool:
     return torch.device(device).type == "cpu" and cpu_blockwise.unavailable() is None
 
 
+def full_precision_native(layer, device) -> bool:
+    """Whether a layer of a cache without the `attention` option (the eviction caches: sinks, windows, heavy hitters
+    in full precision) attends in its eager CPU decode steps through the native kernel's float32 route, as "auto"
+    does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than SDPA's CPU
+    kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32 stores only (a bfloat16 one would
+    be converted at every step), not latent attention (the model expands its latent before attention), not policies
+    that take the attention scores or the queries (their own pass already reads the keys)."""
+    return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) == torch.float32
+            and not getattr(layer, "latent_attention", True) and not holds_codes(layer.store)
+            and reads_codes(layer.store) and not layer.policy.needs_attention and not layer.policy.needs_queries
+            and cpu_blockwise.unavailable() is None)
+
+
 def _decode_only(layer) -> bool:
-    """Whether `layer` attends from its codes in (some) decode steps only: "auto" on CPU (see `codes_now`)."""
-    return layer.attention == "auto" and layer.device.type == "cpu"
+    """Whether `layer` attends from its codes in (some) decode steps only: "auto" on CPU, and layers without the
+    option (`full_precision_native`; see `codes_now`)."""
+    return getattr(layer, "attention", None) in ("auto", None) and layer.device.type == "cpu"
 
 
 def dequantizes(layer) -> bool:
