@@ -53,8 +53,8 @@ class CompressedLayer(CacheLayerMixin):
         # (keys, values, position ids) of the tokens being placed, during `policy.place` and the write (key scorers)
         self.incoming: tuple | None = None
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
-        # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.layers.codes_read), resolved at allocation;
-        # None: the cache has no such option (eviction caches: `full_precision_native` decides)
+        # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.layers.codes_read), resolved at
+        # allocation; None: the cache has no such option (eviction caches: `full_precision_native` decides)
         self.attention, self.attention_block, self.attention_from_codes, self.codes_read = None, None, False, None
         self.view = LayerSlotView(self)  # all the policy is given of this layer (hf_kvcache.policies.view)
 
