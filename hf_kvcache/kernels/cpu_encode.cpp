@@ -62,7 +62,8 @@ void encode_rows(const torch::Tensor& x, int64_t row0, torch::Tensor& data, torc
         const int64_t at = ((row0 + b) * H + h) * cap + slot + t;
         for (int64_t g = 0; g < G; ++g) {
           float amax = 0.0f;
-          for (int64_t d = g * group; d < (g + 1) * group; ++d) amax = std::max(amax, std::abs(static_cast<float>(row[d])));
+          for (int64_t d = g * group; d < (g + 1) * group; ++d)
+            amax = std::max(amax, std::abs(static_cast<float>(row[d])));
           const float s = stored_scale<S>(amax, fmax, up, sp + at * G + g);
           for (int64_t d = g * group; d < (g + 1) * group; ++d) {
             const float q = static_cast<float>(row[d]) / s;
@@ -97,8 +98,11 @@ bool fp8_write_tokens(torch::Tensor keys, c10::optional<torch::Tensor> values, t
                       torch::Tensor scale, int64_t slot, int64_t fmt, int64_t group, double fmax, double up) {
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && data.is_contiguous() && scale.is_contiguous(),
               "fp8_write_tokens: contiguous 4-D tensors expected");
-  TORCH_CHECK(data.scalar_type() == at::kByte && keys.size(3) % group == 0 && scale.size(3) == keys.size(3) / group,
-              "fp8_write_tokens: data must be uint8 and scale [R, H, capacity, D / group]");
+  TORCH_CHECK(data.scalar_type() == at::kByte && keys.size(3) % group == 0 && data.dim() == 4 && scale.dim() == 4 &&
+                  data.size(1) == keys.size(1) && data.size(3) == keys.size(3) && scale.size(0) == data.size(0) &&
+                  scale.size(1) == data.size(1) && scale.size(2) == data.size(2) &&
+                  scale.size(3) == keys.size(3) / group,
+              "fp8_write_tokens: data must be uint8 [R, H, capacity, D] and scale [R, H, capacity, D / group]");
   const int64_t rows = keys.size(0) * (values ? 2 : 1);
   TORCH_CHECK(data.size(0) >= rows && slot >= 0 && slot + keys.size(2) <= data.size(2),
               "fp8_write_tokens: the tokens do not fit the slot buffers");
