@@ -45,6 +45,7 @@ import torch
 
 from ..common.validation import require_choice, require_int
 from ..kernels import QuantizedKV, cpu_blockwise
+from ..policies.keep_all import KeepAllPolicy
 
 ATTENTION_MODES = ("auto", "blockwise", "dequantize")
 #: tokens dequantized at a time (rounded up to the segments' token alignment); the Triton kernel ignores it
@@ -114,8 +115,11 @@ def full_precision_native(layer, device) -> bool:
     does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than SDPA's CPU
     kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32 stores only (a bfloat16 one would
     be converted at every step), not latent attention (the model expands its latent before attention), not policies
-    that take the attention scores or the queries (their own pass already reads the keys)."""
+    that take the attention scores or the queries (their own pass already reads the keys), and not keep-all: a
+    full-precision layer that keeps everything is the full cache, the reference the others are measured against,
+    and stays the model's own attention bit for bit."""
     return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) == torch.float32
+            and not isinstance(layer.policy, KeepAllPolicy)
             and not getattr(layer, "latent_attention", True) and not holds_codes(layer.store)
             and reads_codes(layer.store) and not layer.policy.needs_attention and not layer.policy.needs_queries
             and cpu_blockwise.unavailable() is None)
