@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stream_ppl import environment  # noqa: E402
 
 from hf_kvcache import cache_kwargs  # noqa: E402
+from hf_kvcache.common.architecture import attention_head_dim  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import make_cache  # noqa: E402
 from hf_kvcache.kernels.blockwise import blockwise_attention  # noqa: E402
 from hf_kvcache.kernels.cpu_blockwise import cpu_blockwise_attention, unavailable  # noqa: E402
@@ -199,8 +200,7 @@ def attention_shape(config) -> dict:
     """The kernel-alone part's shape from a model config: KV heads, query heads per KV head, head dim."""
     config = getattr(config, "get_text_config", lambda: config)()
     heads = config.num_key_value_heads or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"heads": heads, "groups": config.num_attention_heads // heads, "dim": dim}
+    return {"heads": heads, "groups": config.num_attention_heads // heads, "dim": attention_head_dim(config)}
 
 
 def plot(rows: list[dict], path: Path, title: str = "SmolLM2-135M decode cost vs context") -> None:

@@ -108,7 +108,7 @@ bool fp8_write_tokens(torch::Tensor keys, c10::optional<torch::Tensor> values, t
               "fp8_write_tokens: the tokens do not fit the slot buffers");
   TORCH_CHECK(!values || (values->sizes() == keys.sizes() && values->scalar_type() == keys.scalar_type() &&
                           values->is_contiguous()), "fp8_write_tokens: values must be like keys");
-  if (!all_finite(keys) || (values && !all_finite(*values))) return false;
+  if (!tensors_finite(keys, values)) return false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "fp8_write_tokens", [&] {
     using X = scalar_t;
     auto run = [&](auto s_tag) {

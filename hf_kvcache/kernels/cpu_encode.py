@@ -43,7 +43,8 @@ def fp8_write_tokens(keys: torch.Tensor, values: torch.Tensor | None, data: torc
         _FP8_IDS[fp8_dtype], int(group), fmax, up)
 
 
-#: above this many elements torch's own (vectorised, threaded) isfinite is as fast as one native pass
+#: the native pass is one thread, meant for a decode step's few numbers (measured: 0.3 vs 7.3 us for torch's check
+#: at 384 numbers, 38 vs 95 us at 64K); larger inputs (prefill chunks) keep torch's check
 FINITE_NATIVE_MAX = 1 << 16
 
 
