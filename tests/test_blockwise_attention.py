@@ -178,6 +178,30 @@ def test_half_precision_queries(dtype):
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kernel", ["native", "native-avx2"])
+@pytest.mark.parametrize("dim", [64, 24])  # 64: the register route (16 channels at a time); 24: decoded rows
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_reads_half_precision_values_as_they_are(dtype, dim, kernel, request, monkeypatch):
+    """Full-precision segments in bfloat16 / float16 (a bfloat16 model's sinks, windows and residuals) are read in
+    their dtype and widened in registers, exactly: the same result, bit for bit, as the same values in float32."""
+    if cpu_blockwise.unavailable() is not None:
+        pytest.skip("needs the native kernel")
+    if kernel == "native-avx2":
+        monkeypatch.setattr(cpu_blockwise, "_module", request.getfixturevalue("avx2_kernel"))
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 6, 1, dim, generator=gen)
+    k, v = (torch.randn(2, 2, 70, dim, generator=gen).to(dtype) for _ in range(2))
+    valid = torch.rand(2, 2, 70, generator=gen) > 0.3
+    meta = cpu_blockwise._flatten([QuantizedKV(k, "none")])[1]
+    assert meta[1] == {torch.bfloat16: 4, torch.float16: 5}[dtype]  # no float32 copy was made
+    out = blockwise_attention(query, QuantizedKV(k, "none"), QuantizedKV(v, "none"), valid, 0.125, backend="native")
+    ref = blockwise_attention(query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125,
+                              backend="native")
+    assert torch.equal(out, ref)
+    dense, _ = dense_attention(query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125)
+    torch.testing.assert_close(out, dense, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block", [1, 7, 80, 1000])
 def test_block_size_does_not_change_the_result(block):
     query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa")

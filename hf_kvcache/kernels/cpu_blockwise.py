@@ -37,6 +37,8 @@ SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name(
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _FORMAT_IDS = {"none": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 3, "int2": 3}
 _PACK_IDS = {"channel": 1, "token": 2}
+#: full-precision ("none") codes the kernel reads in their own dtype (widened to float32 in registers, exactly)
+_FULL_PRECISION_IDS = {torch.float32: 0, torch.bfloat16: 4, torch.float16: 5}
 
 _lock = threading.Lock()
 _module = None
@@ -90,7 +92,11 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
     codes contiguous along channels) and nine ints each (see cpu_decode.cpp)."""
     tensors, meta = [], []
     for s in segments:
-        codes = s.codes.float() if s.format == "none" else s.codes
+        codes, fmt = s.codes, _FORMAT_IDS[s.format]
+        if s.format == "none":  # float32, bfloat16 and float16 values are read as they are; others as float32
+            fmt = _FULL_PRECISION_IDS.get(codes.dtype)
+            if fmt is None:
+                codes, fmt = codes.float(), 0
         if codes.stride(-1) != 1:
             codes = codes.contiguous()
         scale = s.scale
@@ -106,7 +112,7 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
             s_tok, s_ch = 1, s.head_dim
         packed = s.per_byte > 1
         tensors += [codes, scale, zero, bias]
-        meta += [s.length, _FORMAT_IDS[s.format], s.per_byte, int(s.pack_order == "hqq"),
+        meta += [s.length, fmt, s.per_byte, int(s.pack_order == "hqq"),
                  _PACK_IDS[s.packing] if packed else 0, (s.pack_block or 1) if packed else 1, s_tok, s_ch,
                  int(s.zero_is_code)]
     return tensors, meta

@@ -3,7 +3,8 @@
 // A unit is a (batch row, KV head, tile of at most TILE query rows of that head: row r is query head h * groups + r / q,
 // query r % q). With few units and many columns (batch-1 decode: 3 units for SmolLM2) each unit's columns are split
 // into ranges (flash-decoding), so every thread works: a range walks its key columns once (16 tokens at a time in
-// registers for FP8 per-token codes and KIVI's INT4 blocks, else TOK tokens' codes at a time decoded into float rows
+// registers for FP8 per-token codes, KIVI's INT4 blocks and full-precision values in float32, bfloat16 or float16,
+// else TOK tokens' codes at a time decoded into float rows
 // that stay in L1) taking their dot products with every query row of the tile; keeps
 // its largest logit m, the sum l of exp(logit - m) and the value rows accumulated with those weights; a merge per
 // unit rescales the ranges by exp(m_i - max m) (softmax stays exact). Range sizes follow from the shapes alone, never
@@ -35,7 +36,8 @@ namespace {
 constexpr int64_t TILE = 64;       // query rows whose logits are held at once
 constexpr int64_t META = 9;        // ints per segment, in this order:
 enum { M_LEN, M_FMT, M_PER_BYTE, M_HQQ, M_PACK, M_PACK_BLOCK, M_S_TOK, M_S_CH, M_ZERO_CODE };
-enum { FMT_NONE = 0, FMT_E4M3 = 1, FMT_E5M2 = 2, FMT_INT = 3 };
+// FMT_NONE: float32 values; FMT_BF16 / FMT_F16: bfloat16 / float16 values, widened to float32 as they are read
+enum { FMT_NONE = 0, FMT_E4M3 = 1, FMT_E5M2 = 2, FMT_INT = 3, FMT_BF16 = 4, FMT_F16 = 5 };
 enum { PACK_NONE = 0, PACK_CHANNEL = 1, PACK_TOKEN = 2 };
 
 // A float tensor [B or 1, H or 1, rows, C] (scales, zero points, bias), with zero strides along its size-1
@@ -56,7 +58,7 @@ Strided strided(const std::optional<at::Tensor>& t) {
 struct Segment {
   int64_t len = 0, fmt = 0, per_byte = 1, hqq = 0, pack = 0, pack_block = 1, s_tok = 1, s_ch = 1, zero_code = 0;
   int64_t dim = 0;                                  // channels after unpacking
-  const uint8_t* codes = nullptr;                   // FMT_NONE: float32 values; contiguous along the channels
+  const uint8_t* codes = nullptr;                   // full precision: the values; contiguous along the channels
   int64_t c_b = 0, c_h = 0, c_n = 0;
   Strided scale, zero, bias;
   bool row_scale = false;                           // one scale (and zero) covers a token's whole row
@@ -76,7 +78,11 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
     const at::Tensor& c = *tensors[4 * i];
     TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1, "hf_kvcache cpu_decode: codes must be 4-D, contiguous along the "
                 "channels");
-    s.codes = s.fmt == FMT_NONE ? reinterpret_cast<const uint8_t*>(c.data_ptr<float>()) : c.data_ptr<uint8_t>();
+    const at::ScalarType dtype = s.fmt == FMT_NONE ? at::kFloat : s.fmt == FMT_BF16 ? at::kBFloat16
+                                 : s.fmt == FMT_F16 ? at::kHalf : at::kByte;
+    TORCH_CHECK(c.scalar_type() == dtype, "hf_kvcache cpu_decode: segment ", i, " of format ", s.fmt, " takes ",
+                dtype, " codes, got ", c.scalar_type());
+    s.codes = static_cast<const uint8_t*>(c.const_data_ptr());
     s.c_b = c.stride(0); s.c_h = c.stride(1); s.c_n = c.stride(2);
     s.scale = strided(tensors[4 * i + 1]);
     s.zero = strided(tensors[4 * i + 2]);
@@ -87,6 +93,12 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
 }
 
 inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bits); }
+
+// A bfloat16 (its bits are float32's top half) or float16 (c10's conversion) value as float32, exactly
+inline float half_to_float(uint16_t bits, int64_t fmt) {
+  if (fmt == FMT_BF16) return bits_to_float(static_cast<uint32_t>(bits) << 16);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 // The power of two FP8's bit route leaves the value off by (exponent bias 127 of float32 vs 7 / 15).
 inline float fp8_factor(int64_t fmt) { return fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f; }
@@ -185,6 +197,9 @@ void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restri
   if (s.fmt == FMT_NONE) {
     const float* p = reinterpret_cast<const float*>(s.codes) + b * s.c_b + h * s.c_h + t * s.c_n;
     for (int64_t d = 0; d < D; ++d) x[d] = p[d];
+  } else if (s.fmt == FMT_BF16 || s.fmt == FMT_F16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(s.codes) + b * s.c_b + h * s.c_h + t * s.c_n;
+    for (int64_t d = 0; d < D; ++d) x[d] = half_to_float(p[d], s.fmt);
   } else if ((s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && !s.zero && s.row_scale) {
     // the common case (FP8, one scale per token) in one pass: scaled while the row is in registers (a second pass
     // reloading the row just stored costs as much as the decoding)
@@ -360,44 +375,81 @@ inline v16 fp8x16(const uint8_t* p) {
 #endif
 }
 
-// Channels [d, d + 16) of a code row starting at byte `row`: FP8 codes through the bit route (SHIFT 20: E4M3, 21:
-// E5M2), or float32 values as they are (SHIFT 0: a full-precision segment, which takes the same register route with
-// a scale of 1)
-template <int SHIFT>
-inline v16 codes16(const uint8_t* row, int64_t d) {
-  if constexpr (SHIFT == 0) return load16(reinterpret_cast<const float*>(row) + d);
-  else return fp8x16<SHIFT>(row + d);
+// 16 bfloat16 (BF16 true) or float16 values -> 16 floats, exactly: bfloat16 is float32's top half (zero-extend,
+// shift); float16 through the F16C conversion where the CPU has it
+template <bool BF16>
+inline v16 half16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (BF16) {
+    return reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  } else {
+    return reinterpret_cast<v16>(_mm512_cvtph_ps(h));
+  }
+#elif defined(HF_KVCACHE_V16_PAIR) && defined(__F16C__)
+  const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i h1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  if constexpr (BF16)
+    return {reinterpret_cast<v8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16)),
+            reinterpret_cast<v8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16))};
+  else return {reinterpret_cast<v8>(_mm256_cvtph_ps(h0)), reinterpret_cast<v8>(_mm256_cvtph_ps(h1))};
+#else
+  float x[16];
+  uint16_t bits[16];
+  std::memcpy(bits, p, sizeof bits);
+  for (int d = 0; d < 16; ++d) x[d] = half_to_float(bits[d], BF16 ? FMT_BF16 : FMT_F16);
+  return load16(x);
+#endif
 }
 
-// The register route: FP8 with one scale per token (and head or channel group covering the row), or float32 values
+// The register routes' code kinds (the template argument ROUTE below): FP8 through the bit route (its shift, 20: E4M3,
+// 21: E5M2), or full-precision values taken as they are with a scale of 1 (float32, bfloat16, float16)
+enum { ROUTE_F32 = 0, ROUTE_BF16 = 1, ROUTE_F16 = 2, ROUTE_E4M3 = 20, ROUTE_E5M2 = 21 };
+
+// Channels [d, d + 16) of a code row starting at byte `row`
+template <int ROUTE>
+inline v16 codes16(const uint8_t* row, int64_t d) {
+  if constexpr (ROUTE == ROUTE_F32) return load16(reinterpret_cast<const float*>(row) + d);
+  else if constexpr (ROUTE == ROUTE_BF16 || ROUTE == ROUTE_F16) return half16<ROUTE == ROUTE_BF16>(row + 2 * d);
+  else return fp8x16<ROUTE>(row + d);
+}
+
+inline bool full_precision(const Segment& s) {
+  return s.fmt == FMT_NONE || s.fmt == FMT_BF16 || s.fmt == FMT_F16;
+}
+
+// The register route: FP8 with one scale per token (and head or channel group covering the row), or full-precision
+// values
 bool fp8_fast(const Segment& s) {
-  if (s.fmt == FMT_NONE) return !s.bias && s.dim % 16 == 0;
+  if (full_precision(s)) return !s.bias && s.dim % 16 == 0;
   return (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && s.row_scale && !s.zero && !s.bias && s.dim % 16 == 0 &&
          s.s_tok == 1;
 }
 
 // Bytes per code of a register-route segment, and the byte address of token t's row of (b, h)
-inline int64_t code_bytes(const Segment& s) { return s.fmt == FMT_NONE ? 4 : 1; }
+inline int64_t code_bytes(const Segment& s) { return s.fmt == FMT_NONE ? 4 : full_precision(s) ? 2 : 1; }
 inline const uint8_t* code_row(const Segment& s, int64_t b, int64_t h, int64_t t) {
   return s.codes + (b * s.c_b + h * s.c_h + t * s.c_n) * code_bytes(s);
 }
 
-// Calls fn(std::integral_constant<int, SHIFT>{}) for a register-route segment's format
+// Calls fn(std::integral_constant<int, ROUTE>{}) for a register-route segment's format
 template <typename Fn>
-inline void with_shift(const Segment& s, Fn fn) {
-  if (s.fmt == FMT_E4M3) fn(std::integral_constant<int, 20>{});
-  else if (s.fmt == FMT_E5M2) fn(std::integral_constant<int, 21>{});
-  else fn(std::integral_constant<int, 0>{});
+inline void with_route(const Segment& s, Fn fn) {
+  if (s.fmt == FMT_E4M3) fn(std::integral_constant<int, ROUTE_E4M3>{});
+  else if (s.fmt == FMT_E5M2) fn(std::integral_constant<int, ROUTE_E5M2>{});
+  else if (s.fmt == FMT_BF16) fn(std::integral_constant<int, ROUTE_BF16>{});
+  else if (s.fmt == FMT_F16) fn(std::integral_constant<int, ROUTE_F16>{});
+  else fn(std::integral_constant<int, ROUTE_F32>{});
 }
 
 // out[r * TOK + t] = k[t] * (q_r . codes_t) for TOK tokens whose code rows start at p + t * stride
-template <int R, int SHIFT>
+template <int R, int ROUTE>
 void fp8_logits_block(const float* __restrict q, const uint8_t* __restrict p, int64_t stride, const float* k,
                       int64_t D, float* __restrict out) {
   v16 acc[R][TOK] = {};
   for (int64_t d = 0; d < D; d += 16) {
     v16 x[TOK];
-    for (int t = 0; t < TOK; ++t) x[t] = codes16<SHIFT>(p + t * stride, d);
+    for (int t = 0; t < TOK; ++t) x[t] = codes16<ROUTE>(p + t * stride, d);
     for (int r = 0; r < R; ++r) {
       const v16 qv = load16(q + r * D + d);
       for (int t = 0; t < TOK; ++t) acc[r][t] += qv * x[t];
@@ -409,14 +461,14 @@ void fp8_logits_block(const float* __restrict q, const uint8_t* __restrict p, in
 
 // acc[r] += sum over T tokens t of W[r * T + t] * codes_t (W: probabilities already times the tokens' scales); a
 // channel block's accumulators stay in registers across the T tokens
-template <int T, int R, int SHIFT>
+template <int T, int R, int ROUTE>
 void fp8_accumulate(const float* __restrict W, const uint8_t* __restrict p, int64_t stride, int64_t D,
                     float* __restrict acc) {
   for (int64_t d = 0; d < D; d += 16) {
     v16 a[R];
     for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
     for (int t = 0; t < T; ++t) {
-      const v16 x = codes16<SHIFT>(p + t * stride, d);
+      const v16 x = codes16<ROUTE>(p + t * stride, d);
       for (int r = 0; r < R; ++r) a[r] += splat(W[r * T + t]) * x;
     }
     for (int r = 0; r < R; ++r) store16(acc + r * D + d, a[r]);
@@ -465,7 +517,7 @@ inline v16 tree34(v16 a, v16 b) {  // 128-bit lanes (a0 + a1, a2 + a3, b0 + b1, 
 inline v16 tree_finish(const v16* v) { return tree34(tree34(v[0], v[1]), tree34(v[2], v[3])); }
 
 // out[r * ld + t] = k[t] * (q_r . codes_t) for 16 tokens whose code rows start at p + t * stride
-template <int R, int SHIFT>
+template <int R, int ROUTE>
 void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_t stride, v16 k, int64_t D,
                   float* __restrict out, int64_t ld) {
   v16 part[R][4];
@@ -474,7 +526,7 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
     const uint8_t* pg = p + 4 * g * stride;
     for (int64_t d = 0; d < D; d += 16) {
       v16 x[4];
-      for (int t = 0; t < 4; ++t) x[t] = codes16<SHIFT>(pg + t * stride, d);
+      for (int t = 0; t < 4; ++t) x[t] = codes16<ROUTE>(pg + t * stride, d);
       for (int r = 0; r < R; ++r) {
         const v16 qv = load16(q + r * D + d);
         for (int t = 0; t < 4; ++t) acc[r][t] += qv * x[t];
@@ -487,7 +539,7 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
 
 // The scales of 16 tokens of a fast FP8 segment from token t, times the bit route's power of two and `extra`
 inline v16 fp8_scales16(const Segment& s, int64_t b, int64_t h, int64_t t, float extra) {
-  if (s.fmt == FMT_NONE) return splat(extra);
+  if (full_precision(s)) return splat(extra);
   const float f = fp8_factor(s.fmt) * extra;
   const float* sc = s.scale.row(b, h, t);
   if (s.scale.n == 1) return load16(sc) * f;
@@ -500,7 +552,7 @@ void fp8_logits16_rows(const Segment& s, const float* q, const uint8_t* p, v16 k
                        int64_t ld) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    with_shift(s, [&](auto S) {
+    with_route(s, [&](auto S) {
       fp8_logits16<RR, decltype(S)::value>(q + r * s.dim, p, s.c_n * code_bytes(s), k, s.dim, out + r * ld, ld);
     });
   });
@@ -508,7 +560,7 @@ void fp8_logits16_rows(const Segment& s, const float* q, const uint8_t* p, v16 k
 
 // TOK tokens of a fast FP8 segment from token t: their code rows and scales (times the bit route's power of two)
 inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t, float* k) {
-  if (s.fmt == FMT_NONE) {
+  if (full_precision(s)) {
     for (int i = 0; i < TOK; ++i) k[i] = 1.0f;
   } else {
     const float f = fp8_factor(s.fmt);
@@ -520,7 +572,7 @@ inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t
 void fp8_logits_rows(const Segment& s, const float* q, const uint8_t* p, const float* k, int64_t rows, float* out) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    with_shift(s, [&](auto S) {
+    with_route(s, [&](auto S) {
       fp8_logits_block<RR, decltype(S)::value>(q + r * s.dim, p, s.c_n * code_bytes(s), k, s.dim, out + r * TOK);
     });
   });
@@ -531,7 +583,7 @@ template <int T>
 void fp8_accumulate_rows(const Segment& s, const float* W, const uint8_t* p, int64_t rows, float* acc) {
   for_row_groups(rows, [&](auto R, int64_t r) {
     constexpr int RR = decltype(R)::value;
-    with_shift(s, [&](auto S) {
+    with_route(s, [&](auto S) {
       fp8_accumulate<T, RR, decltype(S)::value>(W + r * T, p, s.c_n * code_bytes(s), s.dim, acc + r * s.dim);
     });
   });
@@ -696,11 +748,11 @@ void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const f
     // per (row, group): n weights, then U; after them the block's scales and zeros by (group, token)
     const int64_t groups = D / G, n = s.pack_block, ldw = n + 1, rows_end = nr * groups * ldw;
     work.resize(std::max<size_t>(work.size(), rows_end + 2 * groups * n));
-    bool seen = false;
+    v16 any = {};
     for (int64_t r = 0; r < nr; ++r)
-      for (int64_t j = 0; j < n; ++j) seen |= P[r * ld + j] != 0.0f;
-    if (!seen) return;
-    float *S = &work[rows_end], *Z = S + groups * n;
+      for (int64_t j = 0; j < n; j += 16) any = any + ones_where_nonzero(load16(P + r * ld + j));
+    if (hsum(any) == 0.0f) return;  // every weight of the block is zero (masked or evicted columns)
+    float *S = &work[rows_end], *Z = S + groups * n;  // the block's scales and zeros by (group, token)
     for (int64_t j = 0; j < n; ++j) {
       const float *sj = s.scale.row(b, h, t + j), *zj = s.zero.row(b, h, t + j);
       for (int64_t g = 0; g < groups; ++g) {

@@ -25,10 +25,9 @@ one-token decode steps when the native kernel builds (`kernels.cpu_blockwise`; p
 dequantize there: MKL's SDPA on a dequantized copy beats any block walk for many queries, and inductor fuses the
 dequantization; docs/blockwise_attention.md); resolved per layer at its first update, from the keys' device
 (`resolve_attention`), then per forward (`codes_now`). Caches without the option (the eviction caches: sinks,
-windows, heavy hitters in full precision) read their float32 keys the same way in eager CPU decode steps
-(`full_precision_native`: the native kernel's float32 register route is ~2x SDPA's CPU kernel for one query token).
-Any store with `segments` attends from codes except the
-quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
+windows, heavy hitters in full precision) read their keys the same way in eager CPU decode steps
+(`full_precision_native`: the native kernel's full-precision register route is ~2x SDPA's CPU kernel for one query
+token). Any store with `segments` attends from codes except the quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
 including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
 segments in slot order).
 Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
@@ -48,6 +47,8 @@ from ..kernels import QuantizedKV, cpu_blockwise
 from ..policies.keep_all import KeepAllPolicy
 
 ATTENTION_MODES = ("auto", "blockwise", "dequantize")
+#: full-precision store dtypes the native CPU kernel reads as they are (`full_precision_native`)
+FULL_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tokens dequantized at a time (rounded up to the segments' token alignment); the Triton kernel ignores it
 DEFAULT_BLOCK = 1024
 
@@ -111,14 +112,14 @@ def resolve_attention(layer, device) -> bool:
 
 def full_precision_native(layer, device) -> bool:
     """Whether a layer of a cache without the `attention` option (the eviction caches: sinks, windows, heavy hitters
-    in full precision) attends in its eager CPU decode steps through the native kernel's float32 route, as "auto"
-    does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than SDPA's CPU
-    kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32 stores only (a bfloat16 one would
-    be converted at every step), not latent attention (the model expands its latent before attention), not policies
+    in full precision) attends in its eager CPU decode steps through the native kernel's full-precision route, as
+    "auto" does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than SDPA's CPU
+    kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32, bfloat16 and float16 stores (the
+    kernel reads them in their dtype and widens them in registers, exactly), not latent attention (the model expands its latent before attention), not policies
     that take the attention scores or the queries (their own pass already reads the keys), and not keep-all: a
     full-precision layer that keeps everything is the full cache, the reference the others are measured against,
     and stays the model's own attention bit for bit."""
-    return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) == torch.float32
+    return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) in FULL_PRECISION_DTYPES
             and not isinstance(layer.policy, KeepAllPolicy)
             and not getattr(layer, "latent_attention", True) and not holds_codes(layer.store)
             and reads_codes(layer.store) and not layer.policy.needs_attention and not layer.policy.needs_queries
