@@ -27,9 +27,10 @@ dequantization; docs/blockwise_attention.md); resolved per layer at its first up
 (`resolve_attention`), then per forward (`codes_now`). Caches without the option (the eviction caches: sinks,
 windows, heavy hitters in full precision) read their keys the same way in eager CPU decode steps
 (`full_precision_native`: the native kernel's full-precision register route is ~2x SDPA's CPU kernel for one query
-token). Any store with `segments` attends from codes except the quantized ring layout (`max_length` with a residual or token blocks): append-only stores (keep-all) and slot stores,
-including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy hitters, each region's
-segments in slot order).
+token; float32, bfloat16 and float16, and ~20x SDPA's bfloat16 CPU kernel). Any store with `segments` attends from
+codes except the quantized ring layout (`max_length` with a residual or token blocks): append-only stores
+(keep-all) and slot stores, including CompositeCache's region stores (full-precision sinks, FP8 windows and heavy
+hitters, each region's segments in slot order).
 Decode writes the new token, then reads views of the codes; a prefill chunk attends to the past as it was
 before the chunk's writes (`stable` segments: a slot store, which evictions overwrite in place, copies its codes, a
 quarter of the dequantized bytes for FP8). Column scores (H2O, and SnapKV / TOVA over their last `attention_window`
@@ -113,12 +114,12 @@ def resolve_attention(layer, device) -> bool:
 def full_precision_native(layer, device) -> bool:
     """Whether a layer of a cache without the `attention` option (the eviction caches: sinks, windows, heavy hitters
     in full precision) attends in its eager CPU decode steps through the native kernel's full-precision route, as
-    "auto" does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than SDPA's CPU
-    kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32, bfloat16 and float16 stores (the
-    kernel reads them in their dtype and widens them in registers, exactly), not latent attention (the model expands its latent before attention), not policies
-    that take the attention scores or the queries (their own pass already reads the keys), and not keep-all: a
-    full-precision layer that keeps everything is the full cache, the reference the others are measured against,
-    and stays the model's own attention bit for bit."""
+    "auto" does for quantized layers: one query token per KV head row against the stored keys, ~2x faster than
+    SDPA's CPU kernel for SmolLM2's shape (1K-8K tokens, docs/blockwise_attention.md). Float32, bfloat16 and float16
+    stores (the kernel reads them in their dtype and widens them in registers, exactly), not latent attention (the
+    model expands its latent before attention), not policies that take the attention scores or the queries (their
+    own pass already reads the keys), and not keep-all: a full-precision layer that keeps everything is the full
+    cache, the reference the others are measured against, and stays the model's own attention bit for bit."""
     return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) in FULL_PRECISION_DTYPES
             and not isinstance(layer.policy, KeepAllPolicy)
             and not getattr(layer, "latent_attention", True) and not holds_codes(layer.store)
