@@ -7,6 +7,7 @@ is imported). Peak extra memory is measured with a TorchDispatchMode that tracks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -200,6 +201,51 @@ def test_native_reads_half_precision_values_as_they_are(dtype, dim, kernel, requ
     assert torch.equal(out, ref)
     dense, _ = dense_attention(query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125)
     torch.testing.assert_close(out, dense, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-avx2"])
+@pytest.mark.parametrize("name", ["fp8-token-decode", "fp8-channel", "int8-keys-fp8-values-mla-softcap",
+                                  "full-keys-fp8-values-causal"])
+def test_native_reads_half_precision_scales(name, kernel, request, monkeypatch):
+    """FP8 scales are bfloat16 by default: the kernel reads them as they are on its FP8 register route (one scale per
+    token and row) and converts them itself elsewhere (channel groups), never through a float32 copy made in Python
+    at every step; the result is bit for bit that of float32 scales of the same values."""
+    if cpu_blockwise.unavailable() is not None:
+        pytest.skip("needs the native kernel")
+    if kernel == "native-avx2":
+        monkeypatch.setattr(cpu_blockwise, "_module", request.getfixturevalue("avx2_kernel"))
+    query, keys, values, valid, kw = build_case(name)
+    kw.pop("query_weight", None)
+    as_float32 = lambda s: dataclasses.replace(s, scale=s.scale.float()) if s.scale is not None and (
+        s.scale.dtype in (torch.bfloat16, torch.float16)) else s
+    halves = [s for s in (keys, values) if s.scale is not None and s.scale.dtype in (torch.bfloat16, torch.float16)]
+    assert halves  # the case has half-precision scales
+    flat = cpu_blockwise.flatten_views([halves[0]])
+    assert flat is not None and flat[0][1] is halves[0].scale  # handed over as they are
+    out = blockwise_attention(query, keys, values, valid, 0.2, backend="native", **kw)
+    ref = blockwise_attention(query, as_float32(keys), as_float32(values), valid, 0.2, backend="native", **kw)
+    assert torch.equal(out, ref)
+
+
+def test_native_refuses_lengths_beyond_the_buffers():
+    """A caller may hand whole buffers and shorter lengths (codes_read.KernelView); a length past a buffer is an
+    error naming the segment, never a read out of bounds."""
+    if cpu_blockwise.unavailable() is not None:
+        pytest.skip("needs the native kernel")
+    query, keys, values, valid, kw = build_case("fp8-token-decode", n=40)
+    flat_k, flat_v = cpu_blockwise._flatten([keys]), cpu_blockwise._flatten([values])
+    out = cpu_blockwise.attend_flat(query, flat_k, flat_v, 32, 2, None, 0.2)
+    ref = blockwise_attention(query, keys, values, None, 0.2, backend="native")
+    assert torch.equal(out, ref)
+    shorter = (flat_k[0], cpu_blockwise.with_lengths(flat_k[1], [30]))
+    out = cpu_blockwise.attend_flat(query, shorter, (flat_v[0], cpu_blockwise.with_lengths(flat_v[1], [30])), 32, 2,
+                                    None, 0.2)
+    first = [QuantizedKV(s.codes[:, :, :30], s.format, s.scale[:, :, :30], "token", s.group_size)
+             for s in (keys, values)]
+    assert torch.equal(out, blockwise_attention(query, *first, None, 0.2, backend="native"))
+    with pytest.raises(RuntimeError, match="segment 0 reads 41 tokens, its codes hold 40"):
+        cpu_blockwise.attend_flat(query, (flat_k[0], cpu_blockwise.with_lengths(flat_k[1], [41])), flat_v, 32, 2,
+                                  None, 0.2)
 
 
 @pytest.mark.parametrize("block", [1, 7, 80, 1000])

@@ -313,3 +313,44 @@ def test_eviction_caches_decode_through_the_native_kernel_on_cpu(llama, kernel, 
         sdpa16 = run(bf16, SinkCache(bf16, sinks=4, window=20), ids).float()
     error, sdpa_error = ((x - reference).abs().mean() for x in (native16, sdpa16))
     assert error <= 1.05 * sdpa_error and error < 0.05 * reference.abs().mean()
+
+
+def test_decode_keeps_the_kernel_view_of_the_store(llama, kernel, monkeypatch):
+    """An eager CPU decode step hands the native kernel the layer's kept view of its store (codes_read.KernelView:
+    whole buffers flattened once, this step's lengths): the same logits bit for bit as fresh segments every step,
+    rebuilt only when a buffer is replaced (growth), dropped by a prefill (it would hold replaced buffers) and
+    made for FP8 (bfloat16 scales read as they are), KIVI (codes, scales, zero points, residual) and sinks."""
+    from hf_kvcache import SinkCache
+    from hf_kvcache.layers import codes_read
+
+    if kernel != "native":
+        pytest.skip("the view is the native kernel's")
+    ids = random_ids(2, 72, seed=7)
+    makes = {"fp8": lambda: QuantizedFP8Cache(llama), "sink": lambda: SinkCache(llama, sinks=4, window=20)}
+    if KIVI_BACKENDS:
+        makes["kivi"] = lambda: KIVICache(llama, backend=KIVI_BACKENDS[0], residual=8, group_size=16)
+    built = []
+    real_of = codes_read.KernelView.of
+
+    def counting_of(store, kept):
+        view = real_of(store, kept)
+        if view is not kept:
+            built.append(view)
+        return view
+
+    for name, make in makes.items():
+        built.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(codes_read.KernelView, "of", staticmethod(counting_of))
+            cache = make()
+            kept = run(llama, cache, ids)
+        steps = ids.shape[1] - 40
+        assert built and all(v.keys is not None for v in built), name  # the view was made and used
+        assert len(built) < steps * len(cache.layers) / 2, (name, len(built))  # and kept across steps
+        with monkeypatch.context() as patched:
+            patched.setattr(codes_read.KernelView, "of", staticmethod(lambda store, kept: None))
+            fresh = run(llama, make(), ids)
+        assert torch.equal(kept, fresh), name
+        with torch.no_grad():  # a multi-token forward drops the views
+            llama(input_ids=ids[:, :3], **cache_kwargs(cache), use_cache=True)
+        assert all(layer.kernel_view is None for layer in cache.layers), name

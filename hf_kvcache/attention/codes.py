@@ -45,7 +45,7 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
             "before attention (e.g. latent attention expanding its latent), so attention cannot read them from the "
             "codes. Use attention='dequantize' with this model."
         )
-    if read.keys is None:
+    if read.keys is None and read.flat is None:
         return None
     if module.training and kwargs.get("dropout", 0.0):
         raise ValueError("attention='blockwise' has no attention dropout (training); use attention='dequantize'.")
@@ -65,15 +65,19 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
         # an eager CPU decode step: the native kernel straight away (the layer's own segments, consistent by
         # construction: blockwise_attention's checks and backend choice cost ~30 us a layer for nothing here)
         if getattr(layer, "attention_block", None) is not None:
-            block_size(layer, read.keys + read.values)  # (a setting the native kernel does not use, checked alike)
-        n = sum(s.length for s in read.keys)
-        result = cpu_blockwise.cpu_blockwise_attention(query, read.keys, read.values, n, None if spec is None else
-                                                       spec[0], float(scaling), 0, softcap or None,
-                                                       getattr(module, "sinks", None), False)
+            block_size(layer, sum(read.segments(), []))  # (a setting the native kernel does not use, checked alike)
+        valid, sinks = None if spec is None else spec[0], getattr(module, "sinks", None)
+        if read.flat is not None:  # the layer's kept view of its store (codes_read.KernelView)
+            result = cpu_blockwise.attend_flat(query, *read.flat, valid, float(scaling), 0, softcap or None, sinks)
+        else:
+            n = sum(s.length for s in read.keys)
+            result = cpu_blockwise.cpu_blockwise_attention(query, read.keys, read.values, n, valid, float(scaling), 0,
+                                                           softcap or None, sinks, False)
         return result.transpose(1, 2).contiguous(), None
+    keys, values = read.segments()
     result = blockwise_attention(
-        query, read.keys, read.values, None if spec is None else spec[0], float(scaling),
-        block=block_size(layer, read.keys + read.values), causal_tail=q if q > 1 else 0, softcap=softcap or None,
+        query, keys, values, None if spec is None else spec[0], float(scaling),
+        block=block_size(layer, keys + values), causal_tail=q if q > 1 else 0, softcap=softcap or None,
         sinks=getattr(module, "sinks", None), return_column_scores=needs_scores, query_weight=weight,
     )
     if needs_scores:

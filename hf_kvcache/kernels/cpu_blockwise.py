@@ -37,6 +37,7 @@ SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name(
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _FORMAT_IDS = {"none": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 3, "int2": 3}
 _PACK_IDS = {"channel": 1, "token": 2}
+_META = 9  # ints per segment in the kernel's metadata, its token count first (cpu_decode.cpp)
 #: full-precision ("none") codes the kernel reads in their own dtype (widened to float32 in registers, exactly)
 _FULL_PRECISION_IDS = {torch.float32: 0, torch.bfloat16: 4, torch.float16: 5}
 
@@ -99,8 +100,8 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
                 codes, fmt = codes.float(), 0
         if codes.stride(-1) != 1:
             codes = codes.contiguous()
-        scale = s.scale
-        if scale is not None:
+        scale = s.scale  # (float32; bfloat16 / float16 the kernel reads as they are or converts, cpu_decode.cpp)
+        if scale is not None and (s.scale_pow2 or scale.dtype not in _FULL_PRECISION_IDS):
             scale = torch.exp2(scale.float()) if s.scale_pow2 else scale.float()
         zero = None if s.zero is None else s.zero.float()
         bias = None if s.bias is None else s.bias.float()
@@ -118,22 +119,44 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
     return tensors, meta
 
 
+def flatten_views(segments: list[QuantizedKV]) -> tuple[list, list[int]] | None:
+    """`_flatten`, or None where it would convert or copy a tensor (the kernel's view must stay a view of the
+    segments' buffers to be kept across writes: `with_lengths`)."""
+    tensors, meta = _flatten(segments)
+    originals = [t for s in segments for t in (s.codes, s.scale, s.zero, s.bias)]
+    return (tensors, meta) if all(a is b for a, b in zip(tensors, originals)) else None
+
+
+def with_lengths(meta: list[int], lengths: list[int]) -> list[int]:
+    """`meta` of flattened segments with each segment's token count replaced by `lengths` (the kernel reads tokens
+    [0, length) of each; cpu_decode.cpp checks that they fit its buffers)."""
+    meta = list(meta)
+    meta[::_META] = lengths
+    return meta
+
+
 def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
                             query_weight=None, split_columns: int = 0):
     """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first).
     `split_columns`: columns per range of the flash-decoding split (0: chosen from the shapes, see cpu_decode.cpp;
     tests force small ranges)."""
-    k_tensors, k_meta = _flatten(ks)
-    v_tensors, v_meta = _flatten(vs)
+    return attend_flat(query, _flatten(ks), _flatten(vs), vs[0].head_dim, ks[0].heads, valid, scaling, causal_tail,
+                       softcap, sinks, column_scores, query_weight, split_columns)
+
+
+def attend_flat(query, keys, values, value_dim, heads, valid, scaling, causal_tail=0, softcap=None, sinks=None,
+                column_scores=False, query_weight=None, split_columns: int = 0):
+    """`cpu_blockwise_attention` over flattened segments (`keys`, `values`: `_flatten`'s (tensors, meta) pairs, or
+    `flatten_views` with `with_lengths`); `value_dim` and `heads`: the values' head dim and the KV heads."""
     out, scores = _module.decode_attention(
-        query.float().contiguous(), k_tensors, k_meta, v_tensors, v_meta, vs[0].head_dim,
+        query.float().contiguous(), keys[0], keys[1], values[0], values[1], value_dim,
         None if valid is None else valid.contiguous(), float(scaling),
         int(causal_tail), float(softcap or 0.0), None if sinks is None else sinks.float().contiguous(),
-        bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), ks[0].heads,
+        bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), heads,
         int(split_columns),
     )
     out = out.to(query.dtype)
     return (out, scores) if column_scores else out
 
 
-__all__ = ["cpu_blockwise_attention", "unavailable", "unsupported"]
+__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "unavailable", "unsupported", "with_lengths"]

@@ -41,18 +41,24 @@ enum { FMT_NONE = 0, FMT_E4M3 = 1, FMT_E5M2 = 2, FMT_INT = 3, FMT_BF16 = 4, FMT_
 enum { PACK_NONE = 0, PACK_CHANNEL = 1, PACK_TOKEN = 2 };
 
 // A float tensor [B or 1, H or 1, rows, C] (scales, zero points, bias), with zero strides along its size-1
-// dimensions so that broadcast ones read the same element.
+// dimensions so that broadcast ones read the same element. Float32, except the scales of a segment on the FP8
+// register route, which may stay bfloat16 / float16 (`half`: FMT_BF16 / FMT_F16; read through `at`, widened).
 struct Strided {
   const float* p = nullptr;
-  int64_t b = 0, h = 0, n = 0, d = 0;
-  explicit operator bool() const { return p != nullptr; }
+  const uint16_t* q = nullptr;  // the half-precision elements (`half` set)
+  int64_t b = 0, h = 0, n = 0, d = 0, half = 0;
+  explicit operator bool() const { return p != nullptr || q != nullptr; }
   const float* row(int64_t bi, int64_t hi, int64_t ni) const { return p + bi * b + hi * h + ni * n; }
+  float at(int64_t bi, int64_t hi, int64_t ni) const;  // element 0 of row (bi, hi, ni), in either precision
 };
 
-Strided strided(const std::optional<at::Tensor>& t) {
+Strided strided(const at::Tensor* t) {
   if (!t) return {};
   auto stride = [&](int64_t dim) { return t->size(dim) == 1 ? 0 : t->stride(dim); };
-  return {t->data_ptr<float>(), stride(0), stride(1), stride(2), stride(3)};
+  Strided out{nullptr, nullptr, stride(0), stride(1), stride(2), stride(3), 0};
+  if (t->scalar_type() == at::kFloat) out.p = t->data_ptr<float>();
+  else out.q = static_cast<const uint16_t*>(t->const_data_ptr());
+  return out;
 }
 
 struct Segment {
@@ -64,8 +70,10 @@ struct Segment {
   bool row_scale = false;                           // one scale (and zero) covers a token's whole row
 };
 
+// The segments of one call. Scales, zero points and bias are read as float32, except the scales of a segment on the
+// FP8 register route (fp8_fast), read in bfloat16 / float16 as they are; others are converted here into `keep`.
 std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& meta,
-                              int64_t dim) {
+                              int64_t dim, std::vector<at::Tensor>& keep) {
   const int64_t count = static_cast<int64_t>(meta.size()) / META;
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 4 * count, "hf_kvcache cpu_decode: 4 tensors per segment");
   std::vector<Segment> out(count);
@@ -84,10 +92,32 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
                 dtype, " codes, got ", c.scalar_type());
     s.codes = static_cast<const uint8_t*>(c.const_data_ptr());
     s.c_b = c.stride(0); s.c_h = c.stride(1); s.c_n = c.stride(2);
-    s.scale = strided(tensors[4 * i + 1]);
-    s.zero = strided(tensors[4 * i + 2]);
-    s.bias = strided(tensors[4 * i + 3]);
-    s.row_scale = s.scale.d == 0 || s.s_ch >= dim;
+    // the tokens read must lie in the buffers (a caller may pass whole buffers and a shorter length)
+    const int64_t held = c.size(2) * (s.per_byte > 1 && s.pack == PACK_TOKEN ? s.per_byte : 1);
+    TORCH_CHECK(s.len >= 0 && s.len <= held, "hf_kvcache cpu_decode: segment ", i, " reads ", s.len,
+                " tokens, its codes hold ", held);
+    for (int64_t j = 1; j < 3; ++j) {
+      const auto& t = tensors[4 * i + j];
+      TORCH_CHECK(!t || t->size(2) == 1 || (s.len + s.s_tok - 1) / s.s_tok <= t->size(2), "hf_kvcache cpu_decode: ",
+                  "segment ", i, " reads ", s.len, " tokens, its scales or zero points cover ", t->size(2) * s.s_tok);
+    }
+    const auto& scale = tensors[4 * i + 1];
+    s.row_scale = !scale || scale->size(3) == 1 || s.s_ch >= dim;
+    const bool fp8_route = (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && s.row_scale && !tensors[4 * i + 2] &&
+                           !tensors[4 * i + 3] && dim % 16 == 0 && s.s_tok == 1;
+    Strided* fields[3] = {&s.scale, &s.zero, &s.bias};
+    for (int64_t j = 1; j < 4; ++j) {
+      const auto& t = tensors[4 * i + j];
+      if (!t) continue;
+      const at::ScalarType type = t->scalar_type();
+      if (type == at::kFloat || (j == 1 && fp8_route && (type == at::kBFloat16 || type == at::kHalf))) {
+        *fields[j - 1] = strided(&*t);
+        fields[j - 1]->half = type == at::kBFloat16 ? FMT_BF16 : type == at::kHalf ? FMT_F16 : 0;
+      } else {
+        keep.push_back(t->to(at::kFloat));
+        *fields[j - 1] = strided(&keep.back());
+      }
+    }
   }
   return out;
 }
@@ -98,6 +128,11 @@ inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bit
 inline float half_to_float(uint16_t bits, int64_t fmt) {
   if (fmt == FMT_BF16) return bits_to_float(static_cast<uint32_t>(bits) << 16);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline float Strided::at(int64_t bi, int64_t hi, int64_t ni) const {
+  const int64_t i = bi * b + hi * h + ni * n;
+  return half ? half_to_float(q[i], half) : p[i];
 }
 
 // The power of two FP8's bit route leaves the value off by (exponent bias 127 of float32 vs 7 / 15).
@@ -203,7 +238,7 @@ void load_row(const Segment& s, int64_t b, int64_t h, int64_t t, float* __restri
   } else if ((s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && !s.zero && s.row_scale) {
     // the common case (FP8, one scale per token) in one pass: scaled while the row is in registers (a second pass
     // reloading the row just stored costs as much as the decoding)
-    const float k = s.scale.row(b, h, t / s.s_tok)[0] * fp8_factor(s.fmt);
+    const float k = s.scale.at(b, h, t / s.s_tok) * fp8_factor(s.fmt);
     fp8_row(s.codes + b * s.c_b + h * s.c_h + t * s.c_n, D, s.fmt, k, x);
   } else {
     scale_row(s, b, h, t, decode_codes(s, b, h, t, x), x, work);
@@ -541,10 +576,13 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
 inline v16 fp8_scales16(const Segment& s, int64_t b, int64_t h, int64_t t, float extra) {
   if (full_precision(s)) return splat(extra);
   const float f = fp8_factor(s.fmt) * extra;
-  const float* sc = s.scale.row(b, h, t);
-  if (s.scale.n == 1) return load16(sc) * f;
+  if (s.scale.half && s.scale.n == 1) {  // 16 contiguous half-precision scales, widened in a register
+    const uint8_t* sc = reinterpret_cast<const uint8_t*>(s.scale.q + b * s.scale.b + h * s.scale.h + t);
+    return (s.scale.half == FMT_BF16 ? half16<true>(sc) : half16<false>(sc)) * f;
+  }
+  if (!s.scale.half && s.scale.n == 1) return load16(s.scale.row(b, h, t)) * f;
   float k[16];
-  for (int i = 0; i < 16; ++i) k[i] = sc[i * s.scale.n] * f;
+  for (int i = 0; i < 16; ++i) k[i] = s.scale.at(b, h, t + i) * f;
   return load16(k);
 }
 
@@ -564,7 +602,7 @@ inline const uint8_t* fp8_rows(const Segment& s, int64_t b, int64_t h, int64_t t
     for (int i = 0; i < TOK; ++i) k[i] = 1.0f;
   } else {
     const float f = fp8_factor(s.fmt);
-    for (int i = 0; i < TOK; ++i) k[i] = s.scale.row(b, h, t + i)[0] * f;
+    for (int i = 0; i < TOK; ++i) k[i] = s.scale.at(b, h, t + i) * f;
   }
   return code_row(s, b, h, t);
 }
@@ -1057,7 +1095,8 @@ std::vector<at::Tensor> decode_attention(
               "hf_kvcache cpu_decode: query must be contiguous float32 [B, Hq, q, Dk]");
   const int64_t B = query.size(0), Hq = query.size(1), Q = query.size(2), Dk = query.size(3);
   const int64_t groups = Hq / kv_heads, rows = groups * Q;
-  const std::vector<Segment> ks = segments(k_tensors, k_meta, Dk), vs = segments(v_tensors, v_meta, dv);
+  std::vector<at::Tensor> keep;  // scales, zero points or bias converted to float32 for this call
+  const std::vector<Segment> ks = segments(k_tensors, k_meta, Dk, keep), vs = segments(v_tensors, v_meta, dv, keep);
   int64_t n = 0;
   for (const Segment& s : ks) n += s.len;
   auto out = at::zeros({B, Hq, Q, dv}, query.options());

@@ -56,6 +56,7 @@ class CompressedLayer(CacheLayerMixin):
         # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.layers.codes_read), resolved at
         # allocation; None: the cache has no such option (eviction caches: `full_precision_native` decides)
         self.attention, self.attention_block, self.attention_from_codes, self.codes_read = None, None, False, None
+        self.kernel_view = None  # the native CPU kernel's view of the store, kept across decode steps (codes_read)
         self.view = LayerSlotView(self)  # all the policy is given of this layer (hf_kvcache.policies.view)
 
     @property
@@ -184,6 +185,7 @@ class CompressedLayer(CacheLayerMixin):
             return self._decode_read()
 
         # Prefill or a multi-token chunk: attend to the stored past plus every new token, then keep the survivors.
+        self.kernel_view = None  # (not kept through it: its writes may replace the buffers the view holds)
         self.policy.before_read(self.view)
         past_valid = self.slot_valid[..., : self.used]
         if codes_now(self, q):  # stand-ins: the bridge attends from the codes, new tokens in full precision
@@ -305,6 +307,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.store.map_batch(fn)
+        self.kernel_view = None
         self.slot_valid = fn(self.slot_valid)
         if self.slot_pos is not None:
             self.slot_pos = fn(self.slot_pos)
@@ -322,7 +325,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store.reset()
         self.policy.reset()
-        self.slot_pos = self.slot_valid = self._attention_columns = self.codes_read = None
+        self.slot_pos = self.slot_valid = self._attention_columns = self.codes_read = self.kernel_view = None
         self.seen = self.used = 0
         self._pending = None
         self._served_forward = -1

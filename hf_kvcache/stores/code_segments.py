@@ -2,9 +2,11 @@
 `hf_kvcache.kernels.QuantizedKV` runs (the quantized slots, then the append-only layout's full-precision residual),
 views of the codes with no dequantization and no workspace, for the kernels of hf_kvcache.kernels.
 
-`CodeSegments` is a mixin of `QuantizedStore`: it holds `segments`; the store keeps the codecs and state it reads
-(`keys_codec`/`values_codec`, `joint`, `fp_k`/`fp_v`, `key_mean`, `key_smoothing`, `append_only`, `ring`) and
-`_quantized_slots`, shared with `read`. The ring layout (hf_kvcache.stores.ring_layout) is not read this way.
+`CodeSegments` is a mixin of `QuantizedStore`: it holds `segments` (and `capacity_buffers` / `capacity_segments` /
+`segment_lengths`: the same runs over whole buffers, for a reader that keeps them across decode steps); the store
+keeps the codecs and state it reads (`keys_codec`/`values_codec`, `joint`, `fp_k`/`fp_v`, `key_mean`,
+`key_smoothing`, `append_only`, `ring`) and `_quantized_slots`, shared with `read`. The ring layout
+(hf_kvcache.stores.ring_layout) is not read this way.
 """
 
 from __future__ import annotations
@@ -47,3 +49,43 @@ class CodeSegments:
             keys.append(QuantizedKV(rest_k, "none"))
             values.append(QuantizedKV(rest_v, "none"))
         return keys, values
+
+    def capacity_buffers(self) -> tuple | None:
+        """The tensors `capacity_segments` views, for a reader that keeps those runs across decode steps (the native
+        CPU kernel's arguments): while the store holds the same objects (compared by identity) the runs stay valid
+        and only how much of each is content changes (`segment_lengths`); a write that replaces a buffer (growth, a
+        crop, a reset) changes them. None where a run would hold a tensor derived from the store's state (the
+        smoothed keys' bias, a fixed FP8 scale) or for the ring layout: there, use `segments`."""
+        codecs = self._codecs()
+        if self.ring or (self.key_smoothing and self.key_mean is not None) or any(
+                c.spec.granularity not in ("token", "channel") for c in codecs):
+            return None
+        buffers = tuple(t for codec in codecs for t in codec.slot.values())
+        return buffers if self.fp_k is None else buffers + (self.fp_k, self.fp_v)
+
+    def capacity_segments(self):
+        """(key segments, value segments): the runs `segments` returns, each over its buffers' whole capacity (call
+        where `capacity_buffers` is not None)."""
+        import math
+
+        from .code_views import QuantizedKV, from_codec
+
+        keys, values = [], []
+        for codec in self._codecs():
+            align = math.lcm(codec.block, codec.pack_block if getattr(codec, "token_pairs", False) else 1)
+            whole = codec.capacity - codec.capacity % align
+            if self.joint:
+                keys.append(from_codec(codec, whole, slice(0, self.batch)))
+                values.append(from_codec(codec, whole, slice(self.batch, 2 * self.batch)))
+            else:
+                (keys if codec is self.keys_codec else values).append(from_codec(codec, whole))
+        if self.fp_k is not None:
+            keys.append(QuantizedKV(self.fp_k, "none"))
+            values.append(QuantizedKV(self.fp_v, "none"))
+        return keys, values
+
+    def segment_lengths(self, used: int) -> list[int]:
+        """How many tokens of each run of `capacity_segments` slots [0, used) cover (the quantized slots, then the
+        residual's)."""
+        quantized = self._quantized_slots(used)
+        return [quantized] if self.fp_k is None else [quantized, used - quantized]

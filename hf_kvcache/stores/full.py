@@ -87,3 +87,16 @@ class FullPrecisionStore:
         if stable:
             keys, values = keys.clone(), values.clone()
         return [QuantizedKV(keys, "none")], [QuantizedKV(values, "none")]
+
+    def capacity_buffers(self) -> tuple:
+        """The buffers `capacity_segments` views (see `CodeSegments.capacity_buffers`)."""
+        return self.keys, self.values
+
+    def capacity_segments(self):
+        """`segments` over the whole buffers (see `CodeSegments.capacity_segments`)."""
+        from ..kernels.codes import QuantizedKV
+
+        return [QuantizedKV(self.keys, "none")], [QuantizedKV(self.values, "none")]
+
+    def segment_lengths(self, used: int) -> list[int]:
+        return [used]
