@@ -124,6 +124,7 @@ class KeyRotator:
                 f"({type(config).__name__}) has no RoPE parameters; use `{parameter}='original'`."
             )
         self.parameter = parameter
+        self._signed: dict[tuple[int, str], torch.Tensor] = {}  # signed_frequencies, per (layer, device)
         self.model_type = getattr(config, "model_type", None)
         self.convention = "interleaved" if self.model_type in INTERLEAVED_MODEL_TYPES else "half"
         layer_types, _ = layer_plan(config)
@@ -176,6 +177,15 @@ class KeyRotator:
     def applies(self, layer_idx: int) -> bool:
         """Whether `rotate` changes the keys of layer `layer_idx` (False on layers without RoPE)."""
         return self.plan(layer_idx) is not None
+
+    def signed_frequencies(self, layer_idx: int, device) -> torch.Tensor:
+        """[2, r/2] = (-inv_freq | inv_freq) of layer `layer_idx`'s RoPE on `device` (a layer with RoPE), made once:
+        the angles of a rotation written as x * cos + flip(x) * sin over the rotary pairs (policies/sinks.py)."""
+        key = (layer_idx, str(device))
+        if key not in self._signed:
+            freq = self.plan(layer_idx).inv_freq.to(device)
+            self._signed[key] = torch.stack((-freq, freq))
+        return self._signed[key]
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """keys [B, H, n, D] of layer `layer_idx` rotated by delta [B, n] (all heads) or [B, H, n] positions.

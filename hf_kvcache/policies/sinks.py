@@ -30,7 +30,6 @@ class SinkMemory:
         self.keys: torch.Tensor | None = None  # [B, H, sinks + 1, D] keys as they arrived (+1 trash)
         self.pos: torch.Tensor | None = None  # [B, sinks + 1] original position ids
         self.index: torch.Tensor | None = None  # [B, sinks + 1] stream indices (for crop)
-        self._signed_freq: torch.Tensor | None = None  # `_rotate_into`'s (-inv_freq | inv_freq), from the rotator
         self._shift: torch.Tensor | None = None  # [B, 1, sinks] `_rotate_into`'s (i - sinks) - pos_i (_update_shift)
 
     def allocate(self, batch: int, device) -> None:
@@ -94,21 +93,13 @@ class SinkMemory:
         delta = target - original  # [B, Hm, s]: rotate broadcasts Hm = 1 over the KV heads
         view.write_keys(0, self.rotator.rotate(self.keys[:, :, :s], delta, view.layer_idx))
 
-    def _frequencies(self, plan, device) -> torch.Tensor:
-        """Signed frequencies [2, r/2] = (-inv_freq | inv_freq) of this layer's RoPE on `device`: a constant of the
-        rotator, made once (not stream state: state files leave it out)."""
-        if self._signed_freq is None or self._signed_freq.device != torch.device(device):
-            freq = plan.inv_freq.to(device)
-            self._signed_freq = torch.stack((-freq, freq))
-        return self._signed_freq
-
     def _rotate_into(self, slots: torch.Tensor, layer_idx: int, oldest: torch.Tensor, has_other) -> None:
         """`reposition_before` writing into `slots` [B, H, s, D], the store's sink key slots (full precision). With x
         the rotary pairs (x1 | x2) of the arrived keys and angles (-a | a): x * cos + flip(x) * sin is
         (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
         plan = self.rotator.plan(layer_idx)
         s, r = self.sinks, plan.rotary_dim
-        signed_freq = self._frequencies(plan, oldest.device)
+        signed_freq = self.rotator.signed_frequencies(layer_idx, oldest.device)
         if self._shift is None:  # (sinks set by hand, or a state file from before `_shift` existed)
             self._update_shift()
         batch, hm = oldest.shape

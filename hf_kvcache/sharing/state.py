@@ -50,7 +50,7 @@ _TRANSIENT = frozenset({
     "forward_info", "_served_forward", "_attention_columns", "_attention_query_len", "codes_read", "_key_mean_cast",
     "kernel_view",  # the native kernel's view of a layer's store (codes_read.KernelView), remade from the buffers
     "_moved", "_moved_key", "workspace", "rotator", "tensor_parallel",
-    "_signed_freq",  # SinkMemory's RoPE frequencies: a constant of the rotator (itself not saved), made again on use
+    "_signed_freq",  # SinkMemory's RoPE frequencies in files from before they moved to the rotator (not saved)
     "_static_values",  # the holder of StaticInt values, saved as the owner's own fields (static_values)
 })
 _SCALARS = (type(None), bool, int, float, str)

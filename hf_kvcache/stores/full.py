@@ -62,6 +62,13 @@ class FullPrecisionStore:
         value_index = slots[..., None].expand(index.shape[:-1] + (self.values.shape[-1],))
         return self.keys.gather(2, index), self.values.gather(2, value_index)
 
+    def key_slots(self, start: int, n: int) -> torch.Tensor | None:
+        """A writable view [B, H, n, D] of the keys of slots [start, start + n) (the sinks, re-rotated in place at
+        every decode step: policies/sinks.py), or None before the first write."""
+        if self.keys is None or start + n > self.keys.shape[2]:
+            return None
+        return self.keys[:, :, start : start + n]
+
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         """Overwrite keys of slots [start, start + n) (re-rotated sinks)."""
         self.keys[:, :, start : start + keys.shape[2]] = keys
