@@ -79,7 +79,8 @@ class KernelView:
     """The native CPU kernel's arguments for a layer's store, kept across decode steps: its segments over whole
     buffers, flattened once (`cpu_blockwise.flatten_views`), valid while the store holds the same buffer objects;
     each step only sets how much of each segment is content. Building the segments and their kernel form at every
-    step cost ~100 us a layer (views, checks, conversions that change nothing), ~3 ms of SmolLM2's decode step."""
+    step cost ~100 us a layer (views, checks, conversions that change nothing): 2.6 ms (FP8) and 5.1 ms (KIVI) of
+    SmolLM2's decode step at 8K tokens, measured side by side."""
 
     buffers: tuple
     keys: tuple | None
@@ -233,8 +234,7 @@ def read_codes(layer, used: int, new_keys: torch.Tensor | None = None, new_value
 def _stand_ins(layer, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the right shape, dtype and device holding no memory (expanded views of one element)."""
     anchor = torch.zeros((), dtype=layer.dtype, device=layer.device)
-    return (anchor.expand(batch, layer.heads, n, layer.head_dim), anchor.expand(batch, layer.heads, n,
-                                                                                  layer.value_dim))
+    return anchor.expand(batch, layer.heads, n, layer.head_dim), anchor.expand(batch, layer.heads, n, layer.value_dim)
 
 
 def native_decode_read(layer) -> bool:
