@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..kernels import blockwise_attention, cpu_blockwise
-from ..layers.codes_read import DEFAULT_BLOCK
+from ..layers.codes_read import DEFAULT_BLOCK, native_decode
 
 
 def block_size(layer, segments) -> int:
@@ -24,11 +24,6 @@ def block_size(layer, segments) -> int:
             f"cover {align} tokens), got {block}."
         )
     return block
-
-
-def native_decode() -> bool:
-    """Whether a decode step here goes to the native CPU kernel (eager code, and the kernel builds)."""
-    return not torch.compiler.is_compiling() and cpu_blockwise.unavailable() is None
 
 
 def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict):

@@ -45,7 +45,7 @@ enum { PACK_NONE = 0, PACK_CHANNEL = 1, PACK_TOKEN = 2 };
 // register route, which may stay bfloat16 / float16 (`half`: FMT_BF16 / FMT_F16; read through `at`, widened).
 struct Strided {
   const float* p = nullptr;
-  const uint16_t* q = nullptr;  // the half-precision elements (`half` set)
+  const uint16_t* q = nullptr;  // another dtype's elements: read only as bfloat16 / float16 (`half` set)
   int64_t b = 0, h = 0, n = 0, d = 0, half = 0;
   explicit operator bool() const { return p != nullptr || q != nullptr; }
   const float* row(int64_t bi, int64_t hi, int64_t ni) const { return p + bi * b + hi * h + ni * n; }
@@ -69,6 +69,8 @@ struct Segment {
   Strided scale, zero, bias;
   bool row_scale = false;                           // one scale (and zero) covers a token's whole row
 };
+
+bool fp8_fast(const Segment& s);  // (below: the register route)
 
 // The segments of one call. Scales, zero points and bias are read as float32, except the scales of a segment on the
 // FP8 register route (fp8_fast), read in bfloat16 / float16 as they are; others are converted here into `keep`.
@@ -101,18 +103,17 @@ std::vector<Segment> segments(const std::vector<std::optional<at::Tensor>>& tens
       TORCH_CHECK(!t || t->size(2) == 1 || (s.len + s.s_tok - 1) / s.s_tok <= t->size(2), "hf_kvcache cpu_decode: ",
                   "segment ", i, " reads ", s.len, " tokens, its scales or zero points cover ", t->size(2) * s.s_tok);
     }
-    const auto& scale = tensors[4 * i + 1];
-    s.row_scale = !scale || scale->size(3) == 1 || s.s_ch >= dim;
-    const bool fp8_route = (s.fmt == FMT_E4M3 || s.fmt == FMT_E5M2) && s.row_scale && !tensors[4 * i + 2] &&
-                           !tensors[4 * i + 3] && dim % 16 == 0 && s.s_tok == 1;
     Strided* fields[3] = {&s.scale, &s.zero, &s.bias};
+    for (int64_t j = 1; j < 4; ++j)
+      if (tensors[4 * i + j]) *fields[j - 1] = strided(&*tensors[4 * i + j]);
+    s.row_scale = !s.scale || s.scale.d == 0 || s.s_ch >= dim;
+    const bool route = fp8_fast(s);  // (what is present is known now: its precision is settled below)
     for (int64_t j = 1; j < 4; ++j) {
       const auto& t = tensors[4 * i + j];
-      if (!t) continue;
+      if (!t || t->scalar_type() == at::kFloat) continue;
       const at::ScalarType type = t->scalar_type();
-      if (type == at::kFloat || (j == 1 && fp8_route && (type == at::kBFloat16 || type == at::kHalf))) {
-        *fields[j - 1] = strided(&*t);
-        fields[j - 1]->half = type == at::kBFloat16 ? FMT_BF16 : type == at::kHalf ? FMT_F16 : 0;
+      if (j == 1 && route && (type == at::kBFloat16 || type == at::kHalf)) {
+        s.scale.half = type == at::kBFloat16 ? FMT_BF16 : FMT_F16;
       } else {
         keep.push_back(t->to(at::kFloat));
         *fields[j - 1] = strided(&keep.back());
@@ -790,7 +791,7 @@ void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const f
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t j = 0; j < n; j += 16) any = any + ones_where_nonzero(load16(P + r * ld + j));
     if (hsum(any) == 0.0f) return;  // every weight of the block is zero (masked or evicted columns)
-    float *S = &work[rows_end], *Z = S + groups * n;  // the block's scales and zeros by (group, token)
+    float *S = &work[rows_end], *Z = S + groups * n;
     for (int64_t j = 0; j < n; ++j) {
       const float *sj = s.scale.row(b, h, t + j), *zj = s.zero.row(b, h, t + j);
       for (int64_t g = 0; g < groups; ++g) {

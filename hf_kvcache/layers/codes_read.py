@@ -237,8 +237,12 @@ def _stand_ins(layer, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return anchor.expand(batch, layer.heads, n, layer.head_dim), anchor.expand(batch, layer.heads, n, layer.value_dim)
 
 
+def native_decode() -> bool:
+    """Whether a CPU decode step here can go to the native kernel (eager code, and the kernel builds)."""
+    return not torch.compiler.is_compiling() and cpu_blockwise.unavailable() is None
+
+
 def native_decode_read(layer) -> bool:
     """Whether this decode step of `layer` attends through the native CPU kernel without scores (what
-    `attention.codes.attend` checks again with the query): its keys on CPU, eager, the kernel built."""
-    return (layer.device.type == "cpu" and not layer.policy.needs_attention and not torch.compiler.is_compiling()
-            and cpu_blockwise.unavailable() is None)
+    `attention.codes.attend` checks again with the query): its keys on CPU, no scores, `native_decode()`."""
+    return layer.device.type == "cpu" and not layer.policy.needs_attention and native_decode()

@@ -11,6 +11,8 @@ keeps the codecs and state it reads (`keys_codec`/`values_codec`, `joint`, `fp_k
 
 from __future__ import annotations
 
+import math
+
 
 class CodeSegments:
     def segments(self, used: int, stable: bool = False):
@@ -66,8 +68,6 @@ class CodeSegments:
     def capacity_segments(self):
         """(key segments, value segments): the runs `segments` returns, each over its buffers' whole capacity (call
         where `capacity_buffers` is not None)."""
-        import math
-
         from .code_views import QuantizedKV, from_codec
 
         keys, values = [], []
