@@ -583,3 +583,19 @@ def test_native_decode_splits_a_long_context_by_itself_and_not_by_threads():
     whole = _native(query, keys, values, valid, 0.1, 4096, **kw)  # one range: the one-pass route
     assert not torch.equal(one, whole)  # so the default really split (sums in another order)
     torch.testing.assert_close(one, whole, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, aligned, unaligned", [("kivi-int4-blocks-of-32", 640, 600),
+                                                      ("fp8-token-decode", 640, 600)])
+def test_native_decode_ranges_end_on_whole_blocks(name, aligned, unaligned):
+    """A split batch-1 decode cuts its columns at multiples of 64 (and of the INT4 packing block): 3000 columns over
+    2 KV heads make 5 ranges of 600, rounded up to 640, so no range edge falls inside a block or a 16-token group
+    (an edge there sent the block's tokens through the slow decoded-row route)."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    query, keys, values, valid, kw = build_case(name, n=3000, batch=1)
+    auto = blockwise_attention(query, keys, values, valid, 0.1, backend="native", **kw)
+    assert torch.equal(auto, _native(query, keys, values, valid, 0.1, aligned, **kw))
+    assert not torch.equal(auto, _native(query, keys, values, valid, 0.1, unaligned, **kw))
+    ref, _ = dense_attention(query, keys, values, valid, 0.1, **kw)
+    torch.testing.assert_close(auto, ref, atol=2e-6, rtol=1e-5)

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -1065,15 +1066,23 @@ void attend_range(const Range& g, int64_t b, int64_t h, int64_t r0, int64_t nr, 
 }
 
 // Columns per range when one (batch row, KV head, tile) is split over its columns (flash-decoding): only for long
-// contexts and few such units, and from the shapes alone, so a result never depends on the thread count.
+// contexts and few such units, and from the shapes alone, so a result never depends on the thread count. A range
+// spans a multiple of SPLIT_ALIGN columns and of every segment's packing block, so that its edges fall on the register
+// routes' 16-token groups and on whole INT4 blocks: an edge inside a block sent up to a block's tokens on each side
+// through decoded rows (KIVI's kernel alone at 8K: 8.5 -> 7.2 ms once aligned).
 constexpr int64_t SPLIT_MIN = 512;   // columns of a range at least
 constexpr int64_t SPLIT_UNITS = 32;  // split while (batch rows x KV heads x tiles) is below this
+constexpr int64_t SPLIT_ALIGN = 64;
 
-int64_t range_columns(int64_t n, int64_t units, int64_t forced) {
+int64_t range_columns(int64_t n, int64_t units, int64_t forced, const std::vector<Segment>& ks,
+                      const std::vector<Segment>& vs) {
   if (forced > 0) return forced;
   if (units >= SPLIT_UNITS || n < 2 * SPLIT_MIN) return std::max<int64_t>(n, 1);
+  int64_t align = SPLIT_ALIGN;
+  for (const auto* segs : {&ks, &vs})
+    for (const Segment& s : *segs) align = std::lcm(align, std::max<int64_t>(s.pack_block, 1));
   const int64_t ranges = std::min<int64_t>((SPLIT_UNITS + units - 1) / units, n / SPLIT_MIN);
-  return (n + ranges - 1) / ranges;
+  return ((n + ranges - 1) / ranges + align - 1) / align * align;
 }
 
 }  // namespace
@@ -1112,7 +1121,7 @@ std::vector<at::Tensor> decode_attention(
   const int64_t tiles = (rows + TILE - 1) / TILE;
   const int64_t units = B * kv_heads * tiles;                  // (batch row, KV head, tile of query rows)
   // ranges only without column scores (their probabilities would have to be kept for the merge: TILE x n per unit)
-  const int64_t span = column_scores ? std::max<int64_t>(n, 1) : range_columns(n, units, split_columns);
+  const int64_t span = column_scores ? std::max<int64_t>(n, 1) : range_columns(n, units, split_columns, ks, vs);
   const int64_t nranges = std::max<int64_t>(1, (n + span - 1) / span);
   const int64_t tile_rows = std::min(rows, TILE);
   std::vector<float> M(units * nranges * tile_rows), L(units * nranges * tile_rows);  // each range's m, l, acc
