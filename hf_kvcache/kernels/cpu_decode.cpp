@@ -315,6 +315,15 @@ inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
 
 constexpr int TOK = 4;  // tokens decoded, then multiplied together (their rows stay in registers / L1)
 
+// Software prefetch of the code rows PREFETCH tokens ahead of the register routes (the next 16-token group but one;
+// INT4 blocks: the next block). The hardware prefetcher alone left the FP8 kernel waiting on memory: 30 layers of
+// SmolLM2's shape at 8K, 2 threads, interleaved: 16 tokens ahead 0.965x, 32 0.93x, 48 0.94x, 64 0.98x; KIVI 0.97x.
+// A prefetch never faults, so reading ahead past a segment's end is harmless.
+constexpr int PREFETCH = 32;
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
+}
+
 // out[r * TOK + t] = q_r . X_t for R query rows q [R][D] and TOK decoded tokens X [TOK][D]
 template <int R>
 void logits_block(const float* __restrict q, const float* __restrict X, int64_t D, float* __restrict out) {
@@ -443,6 +452,10 @@ inline v16 half16(const uint8_t* p) {
 // 21: E5M2), or full-precision values taken as they are with a scale of 1 (float32, bfloat16, float16)
 enum { ROUTE_F32 = 0, ROUTE_BF16 = 1, ROUTE_F16 = 2, ROUTE_E4M3 = 20, ROUTE_E5M2 = 21 };
 
+// Bytes per code of a route
+template <int ROUTE>
+constexpr int64_t code_size() { return ROUTE == ROUTE_F32 ? 4 : ROUTE == ROUTE_BF16 || ROUTE == ROUTE_F16 ? 2 : 1; }
+
 // Channels [d, d + 16) of a code row starting at byte `row`
 template <int ROUTE>
 inline v16 codes16(const uint8_t* row, int64_t d) {
@@ -505,6 +518,7 @@ void fp8_accumulate(const float* __restrict W, const uint8_t* __restrict p, int6
     v16 a[R];
     for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + d);
     for (int t = 0; t < T; ++t) {
+      if (d == 0) prefetch_row(p + (PREFETCH + t) * stride, D * code_size<ROUTE>());
       const v16 x = codes16<ROUTE>(p + t * stride, d);
       for (int r = 0; r < R; ++r) a[r] += splat(W[r * T + t]) * x;
     }
@@ -561,6 +575,7 @@ void fp8_logits16(const float* __restrict q, const uint8_t* __restrict p, int64_
   for (int g = 0; g < 4; ++g) {
     v16 acc[R][4] = {};
     const uint8_t* pg = p + 4 * g * stride;
+    for (int t = 0; t < 4; ++t) prefetch_row(pg + (PREFETCH + t) * stride, D * code_size<ROUTE>());
     for (int64_t d = 0; d < D; d += 16) {
       v16 x[4];
       for (int t = 0; t < 4; ++t) x[t] = codes16<ROUTE>(pg + t * stride, d);
@@ -738,6 +753,7 @@ void int4_key_block(const Segment& s, int64_t b, int64_t h, int64_t t, const flo
     bias[r] = hsum(z);
   }
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  for (int64_t j = 0; j < half; ++j) prefetch_row(base + (half + j) * s.c_n, D);  // the next block
   if (half % 16 == 0) {  // 16 byte rows (32 tokens) at a time; at most 3 query rows keep 24 sums in registers
     for (int64_t j = 0; j < half; j += 16)
       for_row_groups<3>(nr, [&](auto R, int64_t r) {
@@ -784,6 +800,7 @@ void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const f
                       float* acc, std::vector<float>& work) {
   const int64_t D = s.dim, half = s.pack_block / 2, G = s.s_ch;
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + (t / s.pack_block) * half * s.c_n;
+  for (int64_t j = 0; j < half; ++j) prefetch_row(base + (half + j) * s.c_n, D);  // the next block
   if (half % 16 == 0) {
     // per (row, group): n weights, then U; after them the block's scales and zeros by (group, token)
     const int64_t groups = D / G, n = s.pack_block, ldw = n + 1, rows_end = nr * groups * ldw;
