@@ -295,6 +295,12 @@ inline float hsum(v16 v) {
   const v8 s = v.lo + v.hi;
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
+inline void deinterleave(v16 a, v16 b, v16& even, v16& odd) {
+  even = {__builtin_shufflevector(a.lo, a.hi, 0, 2, 4, 6, 8, 10, 12, 14),
+          __builtin_shufflevector(b.lo, b.hi, 0, 2, 4, 6, 8, 10, 12, 14)};
+  odd = {__builtin_shufflevector(a.lo, a.hi, 1, 3, 5, 7, 9, 11, 13, 15),
+         __builtin_shufflevector(b.lo, b.hi, 1, 3, 5, 7, 9, 11, 13, 15)};
+}
 #else
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -311,7 +317,12 @@ inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
   for (int j = 0; j < 4; ++j) a[j] += a[j + 4];
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
+inline void deinterleave(v16 a, v16 b, v16& even, v16& odd) {
+  even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 #endif
+// (deinterleave: the 32 floats of a, b as pairs -> their first elements, in order, and their second ones)
 
 constexpr int TOK = 4;  // tokens decoded, then multiplied together (their rows stay in registers / L1)
 
@@ -810,11 +821,25 @@ void int4_value_block(const Segment& s, int64_t b, int64_t h, int64_t t, const f
       for (int64_t j = 0; j < n; j += 16) any = any + ones_where_nonzero(load16(P + r * ld + j));
     if (hsum(any) == 0.0f) return;  // every weight of the block is zero (masked or evicted columns)
     float *S = &work[rows_end], *Z = S + groups * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float *sj = s.scale.row(b, h, t + j), *zj = s.zero.row(b, h, t + j);
-      for (int64_t g = 0; g < groups; ++g) {
-        S[g * n + j] = sj[g * s.scale.d];
-        Z[g * n + j] = zj[g * s.zero.d];
+    if (groups == 2 && s.scale.n == 2 && s.scale.d == 1 && s.zero.n == 2 && s.zero.d == 1) {
+      // two groups a token (KIVI's 32 of 64 channels), token-major: a vector transpose, not 4n scalar moves
+      const float *sp = s.scale.row(b, h, t), *zp = s.zero.row(b, h, t);
+      for (int64_t j = 0; j < n; j += 16) {
+        v16 even, odd;
+        deinterleave(load16(sp + 2 * j), load16(sp + 2 * j + 16), even, odd);
+        store16(S + j, even);
+        store16(S + n + j, odd);
+        deinterleave(load16(zp + 2 * j), load16(zp + 2 * j + 16), even, odd);
+        store16(Z + j, even);
+        store16(Z + n + j, odd);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const float *sj = s.scale.row(b, h, t + j), *zj = s.zero.row(b, h, t + j);
+        for (int64_t g = 0; g < groups; ++g) {
+          S[g * n + j] = sj[g * s.scale.d];
+          Z[g * n + j] = zj[g * s.zero.d];
+        }
       }
     }
     for (int64_t g = 0; g < groups; ++g)
