@@ -295,6 +295,7 @@ inline float hsum(v16 v) {
   const v8 s = v.lo + v.hi;
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
+// the 32 floats of a, b as 16 pairs -> the pairs' first elements, in order (even), and their second ones (odd)
 inline void deinterleave(v16 a, v16 b, v16& even, v16& odd) {
   even = {__builtin_shufflevector(a.lo, a.hi, 0, 2, 4, 6, 8, 10, 12, 14),
           __builtin_shufflevector(b.lo, b.hi, 0, 2, 4, 6, 8, 10, 12, 14)};
@@ -317,12 +318,12 @@ inline float hsum(v16 v) {  // a tree, not a chain of 16 dependent adds
   for (int j = 0; j < 4; ++j) a[j] += a[j + 4];
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
+// the 32 floats of a, b as 16 pairs -> the pairs' first elements, in order (even), and their second ones (odd)
 inline void deinterleave(v16 a, v16 b, v16& even, v16& odd) {
   even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 #endif
-// (deinterleave: the 32 floats of a, b as pairs -> their first elements, in order, and their second ones)
 
 constexpr int TOK = 4;  // tokens decoded, then multiplied together (their rows stay in registers / L1)
 
