@@ -78,3 +78,63 @@ def test_quantized_sinks_region_offers_no_key_slots():
     assert regions.key_slots(0, SINKS) is None
     assert regions.key_slots(SINKS, 8).shape == (1, HEADS, 8, HEAD_DIM)
     assert regions.key_slots(SINKS - 1, 2) is None  # across two regions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_row", "per_head"])
+@pytest.mark.parametrize("rotary_dim", [HEAD_DIM, HEAD_DIM // 2], ids=["full_rotary", "partial_rotary"])
+@pytest.mark.parametrize("convention", ["half", "interleaved"])
+def test_native_in_place_rotation_equals_the_torch_one(convention, rotary_dim, per_head, dtype, monkeypatch):
+    """On CPU the in-place rotation is one native call (hf_kvcache.kernels.cpu_rope); it writes what the torch ops
+    of `_rotate_into` write (float32 arithmetic; cos / sin may differ in the last bit), leaves rows with no other
+    token and the non-rotary dims as they are, and is really taken (counted)."""
+    from hf_kvcache.kernels import cpu_blockwise, cpu_rope
+    from hf_kvcache.policies import sinks
+
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    rotator = KeyRotator(build_model("llama").config, parameter="sink_positions")
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    rotator.layers[0] = LayerRope(inv_freq, convention)
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(BATCH, HEADS, SINKS, HEAD_DIM, generator=gen).to(dtype)
+    positions = torch.tensor([[0, 1, 2], [5, 6, 9]])
+    shape = (BATCH, HEADS) if per_head else (BATCH,)
+    oldest = torch.randint(10, 50000, shape, generator=gen)
+    has_other = torch.ones(shape, dtype=torch.bool)
+    has_other[0] = False
+    results, calls = [], []
+
+    def counted(*args):
+        calls.append(True)
+        return cpu_rope.rotate_sinks_into(*args)
+
+    for native in (counted, lambda *args: False):  # the native call, then the torch ops
+        monkeypatch.setattr(sinks, "rotate_sinks_into", native)
+        regions = RegionStore([SINKS, 8], [FullPrecisionStore(), FullPrecisionStore()])
+        regions.allocate(BATCH, HEADS, HEAD_DIM, SINKS + 8 + 1, dtype, "cpu")
+        regions.stores[0].keys[:, :, :SINKS] = keys
+        _memory(rotator, keys, positions).reposition_before(_view(regions), oldest, has_other)
+        results.append(regions.stores[0].keys[:, :, :SINKS].clone())
+    native, torch_ops = results
+    assert calls == [True]
+    torch.testing.assert_close(native.float(), torch_ops.float(), **(
+        {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)))  # (16-bit: one rounding either side)
+    torch.testing.assert_close(native[0], keys[0], rtol=0, atol=0)  # no other token: unchanged
+    torch.testing.assert_close(native[..., rotary_dim:], keys[..., rotary_dim:], rtol=0, atol=0)
+    assert not torch.equal(native[1], keys[1])
+
+
+def test_native_rotation_refuses_a_wrong_shape():
+    """The native call checks its shapes: a `shift` for another number of sinks is an error naming it, never a read
+    out of bounds."""
+    from hf_kvcache.kernels import cpu_blockwise, cpu_rope
+
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    keys = torch.randn(1, HEADS, SINKS + 1, HEAD_DIM)
+    target = torch.zeros(1, HEADS, SINKS, HEAD_DIM)
+    oldest = torch.tensor([[40]])
+    with pytest.raises(RuntimeError, match="shift"):
+        cpu_rope.rotate_sinks_into(keys, target, oldest, torch.zeros(1, 1, SINKS + 2, dtype=torch.long), None,
+                                   torch.ones(HEAD_DIM // 2), "half")

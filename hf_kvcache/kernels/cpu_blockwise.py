@@ -30,8 +30,9 @@ from .codes import QuantizedKV
 
 logger = logging.getLogger(__name__)
 
-#: attention (cpu_decode.cpp, which holds the bindings) and the FP8 write of new tokens (cpu_encode.cpp), one extension
-SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_encode.cpp")]
+#: attention (cpu_decode.cpp, which holds the bindings), the FP8 write of new tokens (cpu_encode.cpp) and the sinks'
+#: re-rotation (cpu_rope.cpp), one extension
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_encode.cpp", "cpu_rope.cpp")]
 # -fopenmp: torch's at::parallel_for is inline OpenMP in its headers (AT_PARALLEL_OPENMP); compiled without it, the
 # pragma is dropped and every task runs on the calling thread
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

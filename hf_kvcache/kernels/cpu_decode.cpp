@@ -1238,8 +1238,13 @@ bool fp8_write_tokens(torch::Tensor keys, c10::optional<torch::Tensor> values, t
 
 bool tensors_finite(torch::Tensor keys, c10::optional<torch::Tensor> values);
 
+// (cpu_rope.cpp)
+void rotate_sinks(torch::Tensor keys, torch::Tensor target, torch::Tensor oldest, torch::Tensor shift,
+                  c10::optional<torch::Tensor> has_other, torch::Tensor inv_freq, bool interleaved);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Softmax attention over quantized key/value segments (CPU)");
   m.def("fp8_write_tokens", &fp8_write_tokens, "A decode step's tokens quantized into FP8 slot buffers (CPU)");
   m.def("tensors_finite", &tensors_finite, "Whether every element of keys (and values) is finite (CPU)");
+  m.def("rotate_sinks", &rotate_sinks, "Attention sinks re-rotated into a store's sink slots (CPU)");
 }

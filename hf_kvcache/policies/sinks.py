@@ -9,7 +9,9 @@ When the store offers a writable full-precision view of the sink slots (`key_slo
 full-precision sinks region), the rotation is written straight into it: the arrived keys' rotary pairs x = (x1 | x2)
 and angles (-a | a) give x * cos + flip(x) * sin = (x1 cos a - x2 sin a | x2 cos a + x1 sin a), one multiply-add and
 one strided copy. The same rotation as `KeyRotator.rotate` (float32 arithmetic, one rounding to the store's dtype)
-in about a third of the operations; a decode step runs it in every layer.
+in about a third of the operations; a decode step runs it in every layer. On CPU in eager code it is one native call
+(hf_kvcache.kernels.cpu_rope) instead of those dozen ops: SmolLM2 at 8K, a sink cache 10.5 -> 7.2 ms per step above
+the no-cache floor.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from ..common.compile_static import StaticInt
 from ..common.rope import KeyRotator
+from ..kernels.cpu_rope import rotate_sinks_into
 
 
 class SinkMemory:
@@ -99,9 +102,11 @@ class SinkMemory:
         (x1 cos a - x2 sin a | x2 cos a + x1 sin a), the rotation of `KeyRotator.rotate`, in float32."""
         plan = self.rotator.plan(layer_idx)
         s, r = self.sinks, plan.rotary_dim
-        signed_freq = self.rotator.signed_frequencies(layer_idx, oldest.device)
         if self._shift is None:  # (sinks set by hand, or a state file from before `_shift` existed)
             self._update_shift()
+        if rotate_sinks_into(self.keys, slots, oldest, self._shift, has_other, plan.inv_freq, plan.convention):
+            return  # (CPU, eager: one native call, hf_kvcache.kernels.cpu_rope)
+        signed_freq = self.rotator.signed_frequencies(layer_idx, oldest.device)
         batch, hm = oldest.shape
         delta = oldest.view(batch, hm, 1) + self._shift  # [B, Hm, s]: sink i to just before `oldest`
         if has_other is not None:  # no other token kept: the sinks keep their original positions (delta 0)
