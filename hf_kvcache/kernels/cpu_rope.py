@@ -24,14 +24,14 @@ def rotate_sinks_into(keys: torch.Tensor, target: torch.Tensor, oldest: torch.Te
     "interleaved"). Returns False, having done nothing, where the native call does not apply (then use torch)."""
     if torch.compiler.is_compiling() or convention not in ("half", "interleaved"):
         return False
-    if keys.dtype != target.dtype or target.dtype not in _DTYPES or oldest.dtype != torch.long:
+    if keys.dtype != target.dtype or target.dtype not in _DTYPES or oldest.is_floating_point():
         return False
     if any(t.device.type != "cpu" for t in (keys, target, oldest, shift, inv_freq)):
         return False
     if keys.stride(-1) != 1 or target.stride(-1) != 1 or cpu_blockwise.unavailable() is not None:
         return False
-    cpu_blockwise._module.rotate_sinks(keys, target, oldest, shift, has_other, inv_freq.float().contiguous(),
-                                       convention == "interleaved")
+    cpu_blockwise._module.rotate_sinks(keys, target, oldest.long(), shift, has_other, inv_freq.float().contiguous(),
+                                       convention == "interleaved")  # (padded rows' oldest positions are int32)
     return True
 
 
