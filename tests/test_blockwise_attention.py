@@ -599,3 +599,23 @@ def test_native_decode_ranges_end_on_whole_blocks(name, aligned, unaligned):
     assert not torch.equal(auto, _native(query, keys, values, valid, 0.1, unaligned, **kw))
     ref, _ = dense_attention(query, keys, values, valid, 0.1, **kw)
     torch.testing.assert_close(auto, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_decode_rotates_the_query_inside_the_call():
+    """A cache that stores its keys rotated (FP8's Hadamard key rotation) hands the kernel its rotation with the
+    unrotated query: the kernel's output equals that of the query rotated beforehand (to float32 rounding: the
+    product's sums run in another order), and a rotation of the wrong shape is an error naming it."""
+    if cpu_blockwise.unavailable():
+        pytest.skip(cpu_blockwise.unavailable())
+    from hf_kvcache.common.rotation import rotation_matrix
+
+    query, keys, values, valid, kw = build_case("fp8-head-gqa-causal-holes", n=300, batch=2)
+    kw = {k: v for k, v in kw.items() if k != "query_weight"}
+    rotation = rotation_matrix("hadamard", query.shape[-1])
+    args = ([keys], [values], keys.length, valid, 0.2, kw["causal_tail"], kw["softcap"], None, False)
+    inside = cpu_blockwise.cpu_blockwise_attention(query, *args, query_rotation=rotation)
+    before = cpu_blockwise.cpu_blockwise_attention(query @ rotation, *args)
+    torch.testing.assert_close(inside, before, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(inside, cpu_blockwise.cpu_blockwise_attention(query, *args), atol=1e-3)
+    with pytest.raises(RuntimeError, match="query_rotation"):
+        cpu_blockwise.cpu_blockwise_attention(query, *args, query_rotation=rotation[:-1])

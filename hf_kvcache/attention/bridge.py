@@ -173,15 +173,20 @@ def _make_bridge(name: str):
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
-            if layer.key_rotation is not None:  # stored keys are rotated: rotate the queries alike (q.k unchanged)
-                query = rotate(query, layer.key_rotation)
+            # stored keys are rotated: rotate the queries alike (q.k unchanged); reading from codes, `attend` does it
+            # (the native kernel inside its call)
+            rotation = layer.key_rotation
+            if rotation is not None and (layer.codes_read is None or layer.policy.needs_queries):
+                query, rotation = rotate(query, rotation), None
             spec = layer.attention_validity()
             if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
                 layer.policy.observe_queries(layer.view, query)
             if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.layers.codes_read)
-                out = attend(module, layer, query, key, value, spec, kwargs)
+                out = attend(module, layer, query, key, value, spec, kwargs, rotation)
                 if out is not None:  # None: the first prefill, nothing stored yet: attend to the new tokens as usual
                     return out
+            if rotation is not None:
+                query = rotate(query, rotation)
             if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
                 not sdpa and attention_weights_requested()  # eager then returns the weights itself
             ):  # output and column scores from one pass (hf_kvcache.attention.scored)

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..common.rotation import rotate
 from ..kernels import blockwise_attention, cpu_blockwise
 from ..layers.codes_read import DEFAULT_BLOCK, native_decode
 
@@ -26,11 +27,13 @@ def block_size(layer, segments) -> int:
     return block
 
 
-def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict):
+def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict,
+           rotation: torch.Tensor | None = None):
     """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) of
-    the (already rotated) `query` over the segments the layer's last update recorded; None when that update had
-    nothing stored (the first prefill: the caller attends to the new tokens as usual). `spec`: the layer's
-    `attention_validity()` for that update."""
+    `query` over the segments the layer's last update recorded; None when that update had nothing stored (the first
+    prefill: the caller attends to the new tokens as usual). `spec`: the layer's `attention_validity()` for that
+    update. `rotation`: the layer's key rotation when the query is not rotated yet (the native kernel rotates it
+    inside its call; the other routes first)."""
     read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
     if read is None or key is not read.key or value is not read.value:
         config = getattr(module, "config", None)
@@ -63,12 +66,15 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
             block_size(layer, sum(read.segments(), []))  # (a setting the native kernel does not use, checked alike)
         valid, sinks = None if spec is None else spec[0], getattr(module, "sinks", None)
         if read.flat is not None:  # the layer's kept view of its store (codes_read.KernelView)
-            result = cpu_blockwise.attend_flat(query, *read.flat, valid, float(scaling), 0, softcap or None, sinks)
+            result = cpu_blockwise.attend_flat(query, *read.flat, valid, float(scaling), 0, softcap or None, sinks,
+                                               query_rotation=rotation)
         else:
             n = sum(s.length for s in read.keys)
             result = cpu_blockwise.cpu_blockwise_attention(query, read.keys, read.values, n, valid, float(scaling), 0,
-                                                           softcap or None, sinks, False)
+                                                           softcap or None, sinks, False, query_rotation=rotation)
         return result.transpose(1, 2).contiguous(), None
+    if rotation is not None:
+        query = rotate(query, rotation)
     keys, values = read.segments()
     result = blockwise_attention(
         query, keys, values, None if spec is None else spec[0], float(scaling),

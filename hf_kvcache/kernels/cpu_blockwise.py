@@ -137,24 +137,26 @@ def with_lengths(meta: list[int], lengths: list[int]) -> list[int]:
 
 
 def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
-                            query_weight=None, split_columns: int = 0):
+                            query_weight=None, split_columns: int = 0, query_rotation=None):
     """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first).
     `split_columns`: columns per range of the flash-decoding split (0: chosen from the shapes, see cpu_decode.cpp;
-    tests force small ranges)."""
+    tests force small ranges). `query_rotation`: see `attend_flat`."""
     return attend_flat(query, _flatten(ks), _flatten(vs), vs[0].head_dim, ks[0].heads, valid, scaling, causal_tail,
-                       softcap, sinks, column_scores, query_weight, split_columns)
+                       softcap, sinks, column_scores, query_weight, split_columns, query_rotation)
 
 
 def attend_flat(query, keys, values, value_dim, heads, valid, scaling, causal_tail=0, softcap=None, sinks=None,
-                column_scores=False, query_weight=None, split_columns: int = 0):
+                column_scores=False, query_weight=None, split_columns: int = 0, query_rotation=None):
     """`cpu_blockwise_attention` over flattened segments (`keys`, `values`: `_flatten`'s (tensors, meta) pairs, or
-    `flatten_views` with `with_lengths`); `value_dim` and `heads`: the values' head dim and the KV heads."""
+    `flatten_views` with `with_lengths`); `value_dim` and `heads`: the values' head dim and the KV heads.
+    `query_rotation` [Dk, Dk]: attend with `query @ query_rotation` (a cache that stores its keys rotated), rotated
+    inside the call: in a decode step a separate matmul costs ~15 us a layer, cold."""
     out, scores = _module.decode_attention(
         query.float().contiguous(), keys[0], keys[1], values[0], values[1], value_dim,
         None if valid is None else valid.contiguous(), float(scaling),
         int(causal_tail), float(softcap or 0.0), None if sinks is None else sinks.float().contiguous(),
         bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), heads,
-        int(split_columns),
+        int(split_columns), None if query_rotation is None else query_rotation.float().contiguous(),
     )
     out = out.to(query.dtype)
     return (out, scores) if column_scores else out

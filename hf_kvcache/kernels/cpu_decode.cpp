@@ -1143,7 +1143,8 @@ std::vector<at::Tensor> decode_attention(
     bool column_scores,
     const std::optional<at::Tensor>& query_weight,             // float32 [B, q]
     int64_t kv_heads,
-    int64_t split_columns) {                                   // columns per range; 0: chosen by size
+    int64_t split_columns,                                     // columns per range; 0: chosen by size
+    const std::optional<at::Tensor>& query_rotation) {         // float32 [Dk, Dk]: attend with query @ it
   TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous() && query.dim() == 4,
               "hf_kvcache cpu_decode: query must be contiguous float32 [B, Hq, q, Dk]");
   const int64_t B = query.size(0), Hq = query.size(1), Q = query.size(2), Dk = query.size(3);
@@ -1155,6 +1156,20 @@ std::vector<at::Tensor> decode_attention(
   auto out = at::zeros({B, Hq, Q, dv}, query.options());
   at::Tensor scores = column_scores ? at::zeros({B, Hq, n}, query.options()) : at::Tensor();
   const float* qp = query.data_ptr<float>();
+  std::vector<float> rotated;
+  if (query_rotation) {  // the cache stores its keys rotated (key_rotation): q . k is (q R) . (k R)
+    TORCH_CHECK(query_rotation->dtype() == at::kFloat && query_rotation->is_contiguous() &&
+                    query_rotation->dim() == 2 && query_rotation->size(0) == Dk && query_rotation->size(1) == Dk,
+                "hf_kvcache cpu_decode: query_rotation must be contiguous float32 [Dk, Dk]");
+    const float* R = query_rotation->data_ptr<float>();
+    rotated.assign(B * Hq * Q * Dk, 0.0f);
+    for (int64_t row = 0; row < B * Hq * Q; ++row)  // out[j] = sum_i q[i] R[i][j], i in order
+      for (int64_t i = 0; i < Dk; ++i) {
+        const float qi = qp[row * Dk + i];
+        for (int64_t j = 0; j < Dk; ++j) rotated[row * Dk + j] += qi * R[i * Dk + j];
+      }
+    qp = rotated.data();
+  }
   float* op = out.data_ptr<float>();
   float* sp = column_scores ? scores.data_ptr<float>() : nullptr;
   const bool* vp = valid ? valid->data_ptr<bool>() : nullptr;
