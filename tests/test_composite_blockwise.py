@@ -47,10 +47,11 @@ class AttendChecker:
         self.worst = {"output": 0.0, "scores": 0.0}
         original = bridge.attend
 
-        def checked(module, layer, query, key, value, spec, kwargs):
+        def checked(module, layer, query, key, value, spec, kwargs, rotation=None):
             read = layer.codes_read
             if read is None or read.keys is None:  # the first prefill: attention as usual
-                return original(module, layer, query, key, value, spec, kwargs)
+                return original(module, layer, query, key, value, spec, kwargs, rotation)
+            rotated = query if rotation is None else query.float() @ rotation  # (the bridge defers a key rotation)
             # the reference in float32 (the kernels' contract: dequantize, then softmax attention in float32)
             keys = torch.cat([dequantize(s).float() for s in read.keys], 2)
             values = torch.cat([dequantize(s).float() for s in read.values], 2)
@@ -58,7 +59,7 @@ class AttendChecker:
             window = layer.policy.attention_window
             valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
             reference, reference_scores = scored_attention(
-                query.float(), keys, values, valid, causal_tail, kwargs.get("scaling") or module.scaling,
+                rotated.float(), keys, values, valid, causal_tail, kwargs.get("scaling") or module.scaling,
                 query_weight=layer.forward_info.real.float(),
                 softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
                 sinks=getattr(module, "sinks", None), score_from=q - window if window is not None and q > window else 0)
@@ -66,7 +67,7 @@ class AttendChecker:
             observe = layer.policy.observe
             layer.policy.observe = lambda lay, scores: (seen.append(scores.clone()), observe(lay, scores))[1]
             try:
-                out, _ = original(module, layer, query, key, value, spec, kwargs)
+                out, _ = original(module, layer, query, key, value, spec, kwargs, rotation)
             finally:
                 del layer.policy.observe
             self.calls["decode" if q == 1 else "chunk"] += 1
