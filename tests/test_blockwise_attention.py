@@ -92,6 +92,11 @@ FULL = {"format": "none"}
 # (keys spec, values spec, pack block, Hkv, groups, q, Dk, Dv, options)
 CASES = {
     "fp8-token-decode": (FP8, FP8, None, 2, 1, 1, 32, 32, {}),
+    # head dims the native kernel's FP8 register route compiles as constants (64: its query rows in registers with
+    # 3 rows per KV head; 128 with 1 and 4 rows; values 64 channels at a time)
+    "fp8-token-d64-gqa3": (FP8, FP8, None, 2, 3, 1, 64, 64, {"holes": True, "weights": True}),
+    "fp8-token-d128-mha": (FP8, FP8, None, 2, 1, 1, 128, 128, {"holes": True}),
+    "fp8-token-d128-gqa4": (FP8, FP8, None, 1, 4, 1, 128, 128, {"sinks": True}),
     "fp8-head-gqa-causal-holes": (FP8_HEAD, FP8_TENSOR, None, 2, 3, 4, 32, 32,
                                   {"holes": True, "causal": True, "weights": True}),
     "int8-keys-fp8-values-mla-softcap": (INT8, FP8_E5M2_G8, None, 1, 4, 2, 48, 16, {"softcap": 3.0}),
@@ -160,8 +165,9 @@ def test_matches_dequantize_then_attend(name, backend, request, monkeypatch):
                                       backend=backend, **kw)
     ref_out, ref_scores = dense_attention(query, keys, values, valid, scaling, **kw)
     assert out.shape == ref_out.shape and out.dtype == query.dtype
-    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
+    atol = 2e-6 * max(1.0, query.shape[-1] / 64)  # (float32 sums of head_dim products: their rounding grows with it)
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, atol=atol, rtol=1e-5)
     # the scores are attention probabilities: each query row sums to 1 (minus what the sinks took), times its weight
     weight = kw.get("query_weight", torch.ones(query.shape[0], query.shape[2]))
     total = weight.sum(1)[:, None].expand(-1, query.shape[1])
