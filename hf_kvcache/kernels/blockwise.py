@@ -196,13 +196,6 @@ def _triton_reason(query, ks, vs) -> str | None:
     return triton_blockwise.unsupported(query, ks, vs)
 
 
-def native_reason(query, ks, vs) -> str | None:
-    """Why the native CPU kernel cannot run these inputs here (None: it can); builds it on the first call."""
-    if torch.compiler.is_compiling():
-        return "the code is being compiled (torch.compile traces the torch path)"
-    return cpu_blockwise.unsupported(query, ks, vs) or cpu_blockwise.unavailable()
-
-
 def blockwise_attention(
     query: torch.Tensor,
     keys: QuantizedKV | Sequence[QuantizedKV],
@@ -239,7 +232,7 @@ def blockwise_attention(
         if backend == "triton":
             raise RuntimeError(f"blockwise_attention(backend='triton') cannot run here: {reason}")
     if backend == "native" or (backend == "auto" and query.device.type == "cpu" and not torch.compiler.is_compiling()):
-        reason = native_reason(query, ks, vs)
+        reason = cpu_blockwise.unsupported(query, ks, vs)
         if reason is None:
             return cpu_blockwise.cpu_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail,
                                                          softcap, sinks, return_column_scores, query_weight)

@@ -81,12 +81,21 @@ def unavailable() -> str | None:
     return _failure
 
 
-def unsupported(query, ks, vs) -> str | None:
-    """Why these inputs are outside the kernel's range (None: inside)."""
-    tensors = [t for s in list(ks) + list(vs) for t in (s.codes, s.scale, s.zero, s.bias) if t is not None]
-    if query.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors):
+def unusable(*tensors: torch.Tensor) -> str | None:
+    """Why a native call cannot take `tensors` here (None: it can): compiled code traces the torch path instead, the
+    native code runs on CPU tensors, and the extension must build (`unavailable`, built on the first call). The one
+    check of the attention kernel, the FP8 write (cpu_encode) and the sinks' re-rotation (cpu_rope)."""
+    if torch.compiler.is_compiling():
+        return "the code is being compiled (torch.compile traces the torch path)"
+    if not all(t.is_cpu for t in tensors):
         return "the native kernel runs on CPU tensors"
-    return None
+    return unavailable()
+
+
+def unsupported(query, ks, vs) -> str | None:
+    """Why the native kernel cannot run these inputs here (None: it can); builds it on the first call."""
+    return unusable(query, *(t for s in list(ks) + list(vs) for t in (s.codes, s.scale, s.zero, s.bias)
+                             if t is not None))
 
 
 def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
@@ -162,4 +171,5 @@ def attend_flat(query, keys, values, value_dim, heads, valid, scaling, causal_ta
     return (out, scores) if column_scores else out
 
 
-__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "unavailable", "unsupported", "with_lengths"]
+__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "unavailable", "unsupported", "unusable",
+           "with_lengths"]

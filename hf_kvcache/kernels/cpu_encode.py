@@ -20,14 +20,10 @@ _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def unsupported(keys: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> str | None:
     """Why the native write cannot take these tensors here (None: it can); builds the extension on first use."""
-    if torch.compiler.is_compiling():
-        return "the code is being compiled (torch.compile traces the torch path)"
-    if any(t.device.type != "cpu" for t in (keys, data, scale)):
-        return "the native write runs on CPU tensors"
     if scale.dtype not in _SCALE_DTYPES or not keys.is_floating_point():
         return (f"scales {scale.dtype} / inputs {keys.dtype}: it takes float inputs and float32 / bfloat16 / float16 "
                 "scales")
-    return cpu_blockwise.unavailable()
+    return cpu_blockwise.unusable(keys, data, scale)
 
 
 def fp8_write_tokens(keys: torch.Tensor, values: torch.Tensor | None, data: torch.Tensor, scale: torch.Tensor,
@@ -52,10 +48,10 @@ def tensors_finite(keys: torch.Tensor, values: torch.Tensor | None) -> bool | No
     """Whether every element of keys (and values) is finite, in one native call for a decode step's few numbers on
     CPU (the stores' check before quantizing; torch's is five dispatches); None where it does not apply (other
     devices, compiled code, large inputs, non-float tensors, no native build): check with torch then."""
-    if keys.numel() > FINITE_NATIVE_MAX or keys.device.type != "cpu" or not keys.is_floating_point() or (
-            values is not None and (values.device.type != "cpu" or not values.is_floating_point())):
+    if keys.numel() > FINITE_NATIVE_MAX or not keys.is_floating_point() or (
+            values is not None and not values.is_floating_point()):
         return None
-    if torch.compiler.is_compiling() or cpu_blockwise.unavailable() is not None:
+    if cpu_blockwise.unusable(*(t for t in (keys, values) if t is not None)) is not None:
         return None
     return cpu_blockwise._module.tensors_finite(keys, values)
 

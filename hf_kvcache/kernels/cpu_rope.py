@@ -22,13 +22,11 @@ def rotate_sinks_into(keys: torch.Tensor, target: torch.Tensor, oldest: torch.Te
     to sit just before `oldest` [B, Hm] (sink i by oldest + shift[:, 0, i], or not at all where `has_other` is
     False), with RoPE frequencies `inv_freq` [r / 2] on the first r dims in `convention` ("half" or
     "interleaved"). Returns False, having done nothing, where the native call does not apply (then use torch)."""
-    if torch.compiler.is_compiling() or convention not in ("half", "interleaved"):
+    if convention not in ("half", "interleaved") or keys.dtype != target.dtype or target.dtype not in _DTYPES:
         return False
-    if keys.dtype != target.dtype or target.dtype not in _DTYPES or oldest.is_floating_point():
+    if oldest.is_floating_point() or keys.stride(-1) != 1 or target.stride(-1) != 1:
         return False
-    if any(t.device.type != "cpu" for t in (keys, target, oldest, shift, inv_freq)):
-        return False
-    if keys.stride(-1) != 1 or target.stride(-1) != 1 or cpu_blockwise.unavailable() is not None:
+    if cpu_blockwise.unusable(keys, target, oldest, shift, inv_freq) is not None:
         return False
     cpu_blockwise._module.rotate_sinks(keys, target, oldest.long(), shift, has_other, inv_freq.float().contiguous(),
                                        convention == "interleaved")  # (padded rows' oldest positions are int32)

@@ -239,7 +239,7 @@ def _stand_ins(layer, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def native_decode() -> bool:
     """Whether a CPU decode step here can go to the native kernel (eager code, and the kernel builds)."""
-    return not torch.compiler.is_compiling() and cpu_blockwise.unavailable() is None
+    return cpu_blockwise.unusable() is None
 
 
 def native_decode_read(layer) -> bool:
