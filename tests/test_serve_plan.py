@@ -82,7 +82,33 @@ def test_admission_refuses_what_the_pages_cannot_hold():
     assert error.value.payload()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("contract", [serving.SERVE, serving.ADMISSION])
+@pytest.mark.upstream
+def test_refused_request_leaves_no_result_handler():
+    """transformers registers a non-streaming request's result handler before add_request, and only a finished result
+    removes it: a refused request must not leave its entry behind (one per refusal, for the server's lifetime)."""
+    import asyncio
+
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    manager = FakeManager()
+    manager.output_router = type("Router", (), {})()
+    manager.output_router._lock, manager.output_router.result_handlers = __import__("threading").Lock(), {}
+
+    async def register(request_id):  # transformers' own method on our manager (it needs a running loop)
+        ContinuousBatchingManager.register_result_handler(manager, request_id, lambda result: None)
+
+    admit(manager, limit=100, label="1 MiB of int8 pages")
+    for request_id in ("kept", "refused", "refused-positional"):
+        asyncio.run(register(request_id))
+    manager.add_request(list(range(10)), request_id="kept", max_new_tokens=4)
+    with pytest.raises(RequestRejected):
+        manager.add_request(list(range(200)), request_id="refused", max_new_tokens=4)
+    with pytest.raises(RequestRejected):
+        manager.add_request(list(range(200)), "refused-positional", 4)
+    assert list(manager.output_router.result_handlers) == ["kept"]
+
+
+@pytest.mark.parametrize("contract", [serving.SERVE, serving.ADMISSION, serving.RESULT_HANDLERS])
 def test_changed_server_internals_raise_before_loading(contract):
     with broken(contract, "faked by a test"), pytest.raises(UnsupportedTransformersError, match="faked by a test"):
         build_server("/no/such/model", "fp8_e4m3", 2**20)

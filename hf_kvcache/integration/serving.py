@@ -18,6 +18,10 @@ relies on:
    cancels its request (`streamer.cancel()` -> `cancel_request`).
 6. `serve._generation_state._cb_manager._cb` is the running ContinuousBatchingManager (None before the first
    request).
+7. A non-streaming request registers its result handler (`register_result_handler`: an entry of
+   `output_router.result_handlers`, under `output_router._lock`) before `add_request`, and only a finished result
+   removes it: a request our admission refuses never finishes, so `forget_result_handler` removes its entry
+   (otherwise one per refused request stays for the server's lifetime).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ ADMISSION = "transformers.cli.serving.utils.CBGenerateManager (add_request, canc
 #: the Serve parameters hf-kvcache serve sets itself (the rest pass through as flags)
 OWN_PARAMETERS = ("force_model", "continuous_batching", "cb_num_blocks", "non_blocking")
 #: the handler attributes of Serve, by endpoint (/v1/chat/completions, /v1/completions, /v1/responses)
+RESULT_HANDLERS = "transformers ContinuousBatchingManager.register_result_handler (output_router.result_handlers)"
 HANDLERS = {"chat_completion": "_chat_handler", "completion": "_completion_handler", "response": "_response_handler"}
 
 
@@ -86,6 +91,28 @@ def _check_admission() -> str | None:
     return None
 
 
+@contract(RESULT_HANDLERS, "register_result_handler stores the callback in self.output_router.result_handlers[request_id] "
+          "under self.output_router._lock, and only a finished result removes it", USED_BY)
+def _check_result_handlers() -> str | None:
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    text = source(getattr(ContinuousBatchingManager, "register_result_handler", None))
+    for needle in ("self.output_router.result_handlers[request_id]", "self.output_router._lock"):
+        if needle not in text:
+            return f"ContinuousBatchingManager.register_result_handler no longer contains `{needle}`"
+    return None
+
+
+def forget_result_handler(manager, request_id) -> None:
+    """Remove the result handler a request registered before `add_request` refused it (7. above); nothing when it
+    registered none. `manager`: a ContinuousBatchingManager."""
+    router = getattr(manager, "output_router", None)
+    if router is None or request_id is None:
+        return
+    with router._lock:
+        router.result_handlers.pop(request_id, None)
+
+
 @dataclass(frozen=True)
 class ServeOption:
     """One `transformers serve` option, read from Serve's typer annotations."""
@@ -118,7 +145,7 @@ def serve_options() -> list[ServeOption]:
 
 def build_serve(force_model: str, cb_num_blocks: int, **options):
     """transformers' server for `force_model` with continuous batching, wired but not started (see `run`)."""
-    require(SERVE, ADMISSION)
+    require(SERVE, ADMISSION, RESULT_HANDLERS)
     serve_class = _serve_class()
     serve = serve_class.__new__(serve_class)
     serve.start_server = lambda: None  # Serve.__init__ ends with start_server() when non_blocking: not yet
@@ -170,5 +197,6 @@ def run(serve) -> None:
         serve._generation_state.shutdown()
 
 
-__all__ = ["ADMISSION", "SERVE", "app", "build_serve", "continuous_batching_config", "run", "running_manager",
-           "ServeOption", "serve_options", "served_model", "wrap_handlers"]
+__all__ = ["ADMISSION", "RESULT_HANDLERS", "SERVE", "app", "build_serve", "continuous_batching_config",
+           "forget_result_handler", "run", "running_manager", "ServeOption", "serve_options", "served_model",
+           "wrap_handlers"]

@@ -12,12 +12,16 @@ handlers already answer 422 for fields the endpoint does not know; these checks 
   with a string `role`) and `prompt` (completions: a non-empty string).
 - `admit(limit, label)`: wraps a continuous-batching manager's `add_request` so a request whose prompt plus
   `max_tokens` exceeds what the pages can ever hold (`limit` tokens: all of the KV memory for one request) is
-  refused before it is queued; without it such a request would wait for pages that never come.
+  refused before it is queued; without it such a request would wait for pages that never come. A refused request
+  leaves no result handler behind (transformers registers a non-streaming request's handler before `add_request`;
+  `hf_kvcache.integration.serving.forget_result_handler`).
 """
 
 from __future__ import annotations
 
 import math
+
+from ..integration.serving import forget_result_handler
 
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -107,6 +111,7 @@ def admit(manager, limit: int, label: str) -> None:
         new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         need = len(input_ids) + (new or 0)
         if need > limit:
+            forget_result_handler(manager, kwargs.get("request_id", args[0] if args else None))
             raise RequestRejected(
                 f"this request needs {need} tokens of KV cache (a {len(input_ids)}-token prompt + max_tokens {new}), "
                 f"but the server's KV memory ({label}) holds at most {limit} tokens for one request: shorten the "
