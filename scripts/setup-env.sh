@@ -19,7 +19,7 @@ TORCH="torch==${HF_KVCACHE_TORCH:-2.13.0}"  # an unpinned torch pulls several GB
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
-stamp="$venv/.hf_kvcache-$extras-$mode-$(cat setup.cfg scripts/setup-env.sh requirements/lock.txt | sha1sum | cut -c1-12)"
+stamp="$venv/.hf_kvcache-$extras-$mode-$( (cat setup.cfg scripts/setup-env.sh requirements/lock.txt; echo "$TORCH") | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -42,6 +42,8 @@ case "$mode" in
     "${pip[@]}" --upgrade --upgrade-strategy eager -e ".[$extras]" 2>&1 | quiet
     # the newest transformers even past our declared range: this is how drift is seen first
     "${pip[@]}" --upgrade transformers 2>&1 | quiet
+    # and the torch asked for, even past our declared range (the project's own pin just put torch back inside it)
+    "${pip[@]}" "$TORCH" 2>&1 | quiet
     ;;
   *) echo "setup-env.sh: MODE must be lock, oldest or latest, got '$mode'" >&2; exit 2 ;;
 esac
