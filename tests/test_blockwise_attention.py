@@ -397,6 +397,19 @@ def test_native_backend_says_why_it_cannot_run_and_auto_falls_back(monkeypatch):
     assert "CPU tensors" in cpu_blockwise.unsupported(meta, [keys], [values])
 
 
+def test_native_build_is_named_for_its_torch_and_python(monkeypatch):
+    """A build made against one torch must never load in another: an in-place torch upgrade keeps every path, so the
+    extension's name (its folder in torch's shared extension cache) carries torch's and Python's versions."""
+    name = cpu_blockwise.module_name()
+    assert name == cpu_blockwise.module_name()  # (stable: built once, then loaded)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    upgraded = cpu_blockwise.module_name()
+    assert upgraded != name and upgraded.startswith("hf_kvcache_cpu_decode_")
+    monkeypatch.setattr(cpu_blockwise.sys, "version_info", (3, 99, 0))
+    assert cpu_blockwise.module_name() not in (name, upgraded)
+    assert cpu_blockwise.module_name(["-O0"]) != cpu_blockwise.module_name()
+
+
 def test_native_kernel_is_the_same_on_one_thread_or_several():
     query, keys, values, valid, kw = build_case("fp8-head-gqa-causal-holes", n=70, batch=3)
     threads = torch.get_num_threads()

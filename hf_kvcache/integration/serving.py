@@ -91,8 +91,9 @@ def _check_admission() -> str | None:
     return None
 
 
-@contract(RESULT_HANDLERS, "register_result_handler stores the callback in self.output_router.result_handlers[request_id] "
-          "under self.output_router._lock, and only a finished result removes it", USED_BY)
+@contract(RESULT_HANDLERS, "register_result_handler stores the callback in "
+          "self.output_router.result_handlers[request_id] under self.output_router._lock, and only a finished result "
+          "removes it", USED_BY)
 def _check_result_handlers() -> str | None:
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 

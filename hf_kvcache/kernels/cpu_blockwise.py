@@ -11,9 +11,10 @@ arithmetic up to summation order.
 The same extension holds the FP8 write of a decode step's new tokens (`cpu_encode.cpp`, hf_kvcache.kernels.cpu_encode).
 
 Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native -fopenmp`,
-once per source version into torch's extension cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions);
-about a minute on 2 cores, then milliseconds. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto"
-keeps the torch path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
+once per version of the sources, torch and Python (`module_name`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`,
+by default ~/.cache/torch_extensions); about a minute on 2 cores, then milliseconds. No compiler, or
+`HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch path. Eager only: under `torch.compile`
+the torch path is traced (inductor writes its own kernels).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -47,14 +49,27 @@ _module = None
 _failure: str | None = None
 
 
+def build_key(flags: list[str]) -> str:
+    """What a build depends on besides its sources: the flags, torch's version (its headers and ABI: a module built
+    against one torch must not load in another, as it would after an in-place upgrade that keeps every path) and the
+    Python version. Two environments on one machine share torch's extension folder, each with its own builds."""
+    return " ".join([*flags, f"torch={torch.__version__}", f"python={sys.version_info[0]}.{sys.version_info[1]}"])
+
+
+def module_name(flags: list[str] = FLAGS) -> str:
+    """The extension's name (and its folder's): a digest of the sources and `build_key`."""
+    digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + build_key(flags).encode()).hexdigest()[:10]
+    return f"hf_kvcache_cpu_decode_{digest}"
+
+
 def _build(flags: list[str] = FLAGS):
-    """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source
-    and flags, so an edited source never loads a stale build). Tests build other targets with `flags` (e.g.
-    -march=x86-64-v3: the AVX2 code of a CPU without AVX-512)."""
+    """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source,
+    the flags and the torch and Python it is built for (`build_key`), so an edited source or an upgraded torch never
+    loads a stale build). Tests build other targets with `flags` (e.g. -march=x86-64-v3: the AVX2 code of a CPU
+    without AVX-512)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode()).hexdigest()[:10]
-    name = f"hf_kvcache_cpu_decode_{digest}"
+    name = module_name(flags)
     directory = Path(cpp_extension.get_default_build_root()) / name
     if not any(directory.glob(f"{name}*.so")):
         logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
@@ -171,5 +186,5 @@ def attend_flat(query, keys, values, value_dim, heads, valid, scaling, causal_ta
     return (out, scores) if column_scores else out
 
 
-__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "unavailable", "unsupported", "unusable",
-           "with_lengths"]
+__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "module_name", "unavailable", "unsupported",
+           "unusable", "with_lengths"]
