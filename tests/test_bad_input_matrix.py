@@ -29,7 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import transformers
-from conftest import build_config, build_model, random_ids, skip_unless_locked_transformers
+from conftest import build_config, build_model, random_ids, skip_unless_locked_versions
 
 import hf_kvcache
 from hf_kvcache import CACHE_ARG, cache_kwargs
@@ -978,7 +978,7 @@ def test_docs_table_is_current():
     if WRITE:
         DOC.write_text(text)
         return
-    skip_unless_locked_transformers("docs/bad_inputs.md")
+    skip_unless_locked_versions("docs/bad_inputs.md")
     assert DOC.exists() and DOC.read_text() == text, (
         "docs/bad_inputs.md is stale: run `HF_KVCACHE_WRITE_BAD_INPUTS=1 pytest tests/test_bad_input_matrix.py` "
         "and commit it"

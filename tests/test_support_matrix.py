@@ -48,7 +48,7 @@ import model_zoo
 import pytest
 import torch
 import transformers
-from conftest import skip_unless_locked_transformers
+from conftest import skip_unless_locked_versions
 from transformers import DynamicCache
 
 import hf_kvcache
@@ -639,7 +639,7 @@ def test_docs_table_is_current():
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(text)
         return
-    skip_unless_locked_transformers("docs/support_matrix.md")
+    skip_unless_locked_versions("docs/support_matrix.md")
     assert DOC.exists(), "docs/support_matrix.md missing: run scripts/support_matrix.py"
     assert DOC.read_text() == text, (
         "docs/support_matrix.md is stale (results changed): run `python scripts/support_matrix.py` and commit it"
