@@ -25,7 +25,8 @@ fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
-stamp="$venv/.hf_kvcache-$extras-$mode-$( (cat setup.cfg scripts/setup-env.sh requirements/lock.txt; echo "$TORCH") | sha1sum | cut -c1-12)"
+inputs="$( (cat setup.cfg scripts/setup-env.sh requirements/lock.txt; echo "$TORCH") | sha1sum | cut -c1-12)"
+stamp="$venv/.hf_kvcache-$extras-$mode-$inputs"
 if [ -f "$stamp" ]; then
   exit 0
 fi

@@ -36,10 +36,10 @@ from .contracts import contract, parameters, require, source
 USED_BY = "hf-kvcache serve"
 SERVE = "transformers.cli.serve.Serve (wiring, generation state, handlers)"
 ADMISSION = "transformers.cli.serving.utils.CBGenerateManager (add_request, cancel on disconnect)"
+RESULT_HANDLERS = "transformers ContinuousBatchingManager.register_result_handler (output_router.result_handlers)"
 #: the Serve parameters hf-kvcache serve sets itself (the rest pass through as flags)
 OWN_PARAMETERS = ("force_model", "continuous_batching", "cb_num_blocks", "non_blocking")
 #: the handler attributes of Serve, by endpoint (/v1/chat/completions, /v1/completions, /v1/responses)
-RESULT_HANDLERS = "transformers ContinuousBatchingManager.register_result_handler (output_router.result_handlers)"
 HANDLERS = {"chat_completion": "_chat_handler", "completion": "_completion_handler", "response": "_response_handler"}
 
 
