@@ -128,7 +128,8 @@ collect() {
   shopt -s nullglob
   local new=("$out"/results*.jsonl)
   [ ${#new[@]} -gt 0 ] || { echo "ruler_offline_gpu.sh collect: no new answers (results*.jsonl) in $out" >&2; exit 1; }
-  cat "${new[@]}" | xz -9 > "$dest/results.new.jsonl.xz"
+  local compress='import lzma, sys; sys.stdout.buffer.write(lzma.compress(sys.stdin.buffer.read(), preset=9))'
+  cat "${new[@]}" | "$PYTHON" -c "$compress" > "$dest/results.new.jsonl.xz"  # (Python's lzma: an image may lack xz)
   for name in board.csv board.json cells.csv board.png; do
     if [ -f "$out/$name" ]; then cp "$out/$name" "$dest/"; fi
   done
