@@ -4,6 +4,8 @@ check on a continuous-batching manager, --kv-memory parsing, and the refusal whe
 from __future__ import annotations
 
 import argparse
+import threading
+import types
 
 import pytest
 import torch
@@ -91,8 +93,7 @@ def test_refused_request_leaves_no_result_handler():
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
     manager = FakeManager()
-    manager.output_router = type("Router", (), {})()
-    manager.output_router._lock, manager.output_router.result_handlers = __import__("threading").Lock(), {}
+    manager.output_router = types.SimpleNamespace(_lock=threading.Lock(), result_handlers={})
 
     async def register(request_id):  # transformers' own method on our manager (it needs a running loop)
         ContinuousBatchingManager.register_result_handler(manager, request_id, lambda result: None)
