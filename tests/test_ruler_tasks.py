@@ -131,6 +131,36 @@ def test_the_ruler_command_names_a_bad_task(capsys):
     assert "--tasks: ['niah_single_9'] are not tasks" in capsys.readouterr().err
 
 
+def test_only_and_exclude_select_the_full_cache_by_its_label(monkeypatch):
+    """`--only KVzip KIVI` runs those two alone: the full cache (compression 0) is the method labelled "full", so
+    processes split by method (eval/ruler_offline_gpu.sh: `--exclude KVzip KIVI` beside `--only KVzip KIVI`) run it
+    once; `--only full` runs it alone; a filter that leaves nothing names every label, "full" included."""
+    from hf_kvcache.cli.app import main
+    from hf_kvcache.cli.ruler_command import select_methods
+    from hf_kvcache.evaluation import models
+    from hf_kvcache.evaluation.ruler import board
+    from hf_kvcache.evaluation.ruler.board import DEFAULT_METHODS, FULL_LABEL
+
+    every = [m.label for m in DEFAULT_METHODS]
+    left, full = select_methods(DEFAULT_METHODS, ["KVzip", "KIVI"], [])
+    assert ([m.label for m in left], full) == (["KVzip (model-wide)", "KIVI int4"], False)
+    left, full = select_methods(DEFAULT_METHODS, [], ["KVzip", "KIVI"])
+    assert ([m.label for m in left], full) == ([x for x in every if x not in ("KVzip (model-wide)", "KIVI int4")], True)
+    assert select_methods(DEFAULT_METHODS, [FULL_LABEL], []) == ([], True)
+    assert select_methods(DEFAULT_METHODS, [], [FULL_LABEL]) == (DEFAULT_METHODS, False)
+    with pytest.raises(ValueError, match=r"no method left of \[.*'KIVI int4', 'full'\]"):
+        select_methods(DEFAULT_METHODS, ["NoSuchMethod"], [])
+
+    planned = []
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(board, "run_board", lambda model, tok, build, methods, compressions, *args, **kwargs:
+                        planned.append(([m.label for m in methods], compressions)))
+    for flags, full_runs in ((["--only", "KVzip", "KIVI"], False), (["--exclude", "KVzip", "KIVI"], True)):
+        assert main(["ruler", "--shard", "0/2", "--quiet", *flags]) == 0
+        methods, compressions = planned.pop()
+        assert (0.0 in compressions) is full_runs and [c for c in compressions if c] == [0.25, 0.5, 0.75, 0.9]
+        assert ("KIVI int4" in methods) is not full_runs
+
 def _same_tail(task, length, seeds, count):
     """`count` samples of `task` whose question + answer prefix have one token length (a batch of them)."""
     from hf_kvcache.evaluation.ruler.protocol import tail_length

@@ -37,6 +37,22 @@ def _shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
+def select_methods(methods: list, only: list[str], exclude: list[str]) -> tuple[list, bool]:
+    """(the methods `--only` / `--exclude` leave, whether the full cache runs): a method runs when its label contains
+    one of `only` (if given) and none of `exclude`; the full cache (compression 0) is the method labelled "full", so
+    `--only KVzip` runs KVzip alone (processes split by method then never both run the full cache) and `--only full`
+    the full cache alone."""
+    from ..evaluation.ruler.board import FULL_LABEL
+
+    def kept(label: str) -> bool:
+        return (not only or any(part in label for part in only)) and not any(part in label for part in exclude)
+
+    left, full = [m for m in methods if kept(m.label)], kept(FULL_LABEL)
+    if not left and not full:
+        raise ValueError(f"--only / --exclude: no method left of {[m.label for m in methods] + [FULL_LABEL]}.")
+    return left, full
+
+
 def cmd_ruler(args) -> int:
     from ..evaluation.cache_spec import make_cache
     from ..evaluation.models import load_model
@@ -47,12 +63,8 @@ def cmd_ruler(args) -> int:
     if unknown:
         raise ValueError(f"--tasks: {unknown} are not tasks; the tasks are {sorted(TASKS)}.")
     methods = [_method(m) for m in args.method] if args.method else DEFAULT_METHODS
-    if args.only:
-        methods = [m for m in methods if any(part in m.label for part in args.only)]
-    if args.exclude:
-        methods = [m for m in methods if not any(part in m.label for part in args.exclude)]
-    if (args.only or args.exclude) and not methods:
-        raise ValueError(f"--only / --exclude: no method left of {[m.label for m in DEFAULT_METHODS]}.")
+    methods, full = select_methods(methods, args.only, args.exclude)
+    compressions = args.compressions if full else [c for c in args.compressions if c != 0.0]
     shard = _shard(args.shard)
     import torch
 
@@ -61,7 +73,7 @@ def cmd_ruler(args) -> int:
     if not args.summarize_only:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
-                  args.compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
+                  compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
                   progress=not args.quiet, batch_size=args.batch_size, shard=shard, keep_going=args.keep_going)
         if shard[1] > 1:
             return 0  # the shards' answers are summarized by one `--summarize-only` run once all have finished

@@ -56,6 +56,10 @@ DEFAULT_METHODS = [
 ]
 
 
+#: the label of the full cache, the method every board runs at compression 0
+FULL_LABEL = "full"
+
+
 def cell_key(method: str, compression, protocol: str, task: str, length: int, seed: int) -> str:
     point = compression if compression == FIXED else round(compression, 4)
     return json.dumps([method, point, protocol, task, length, seed])
@@ -71,7 +75,7 @@ def jobs(methods: list[Method], compressions: list[float], protocols: list[str],
     for c in compressions:
         if not 0.0 <= c < 1.0:
             raise ValueError(f"`compressions`: each must be in [0, 1), got {c!r}.")
-    full = Method("full", "dynamic", {}, None)
+    full = Method(FULL_LABEL, "dynamic", {}, None)
     for protocol in protocols:
         for length in lengths:
             for task in tasks:
@@ -311,15 +315,15 @@ def plot_board(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("complete", True)]  # a mean over fewer tasks or samples is another scale
-    panels = sorted({(r["protocol"], r["context_len"]) for r in rows if r["method"] != "full"})
-    families = sorted({r["method"].rsplit(" ", 1)[0] for r in rows if r["method"] != "full"})
+    panels = sorted({(r["protocol"], r["context_len"]) for r in rows if r["method"] != FULL_LABEL})
+    families = sorted({r["method"].rsplit(" ", 1)[0] for r in rows if r["method"] != FULL_LABEL})
     colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2.5, 4.5), squeeze=False)
     for ax, (protocol, length) in zip(axes[0], panels):
         mine = [r for r in rows if r["protocol"] == protocol and r["context_len"] == length]
         for method in sorted({r["method"] for r in mine}):
             points = sorted((r["compression"], r["score"]) for r in mine if r["method"] == method)
-            if method == "full":
+            if method == FULL_LABEL:
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full cache")
             else:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=method,
