@@ -186,6 +186,22 @@ def stablelm(seed=0, dtype=torch.float32):
     return _build(transformers.StableLmConfig, transformers.StableLmForCausalLM, seed, dtype, qk_layernorm=True)
 
 
+def qwen3_next(seed=0, dtype=torch.float32):
+    """Qwen3-Next: gated DeltaNet linear-attention layers (their recurrent and conv states stay transformers'
+    layers) + gated full-attention layers with partial rotary (25%) and QK-norm, sparse MoE with a shared expert."""
+    return _build(transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, seed, dtype, head_dim=16,
+                  layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                  linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def lfm2(seed=0, dtype=torch.float32):
+    """LFM2 (Liquid): short gated convolution layers (conv state: transformers' layer) + GQA attention layers with
+    QK-norm."""
+    return _build(transformers.Lfm2Config, transformers.Lfm2ForCausalLM, seed, dtype, head_dim=16,
+                  layer_types=["conv", "full_attention"], block_dim=64, block_ff_dim=128, conv_L_cache=3)
+
+
 ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "llama": llama,
     "mistral": mistral,
@@ -209,6 +225,8 @@ ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "starcoder2": starcoder2,
     "gpt_neox": gpt_neox,
     "stablelm": stablelm,
+    "qwen3_next": qwen3_next,
+    "lfm2": lfm2,
 }
 
 
@@ -244,6 +262,10 @@ def features(model) -> list[str]:
     if layer_types is not None and "sliding_attention" in layer_types:
         kinds = "+".join(t.replace("_attention", "") for t in dict.fromkeys(layer_types))
         out.append(f"layers {kinds} (window {window})")
+    elif layer_types is not None and set(layer_types) - {"full_attention"}:
+        kinds = "+".join(t.replace("_attention", "") for t in dict.fromkeys(layer_types))
+        others = "+".join(t.replace("_attention", "") for t in dict.fromkeys(layer_types) if t != "full_attention")
+        out.append(f"layers {kinds} ({others} layers keep transformers' own state)")
     elif layer_types is None and window and getattr(config, "use_sliding_window", True):
         out.append(f"sliding window {window} (all layers)")
     ropes = _rope_parameters(config)

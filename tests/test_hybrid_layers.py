@@ -1,7 +1,9 @@
-"""Hybrid models (sliding + full attention layers), per-layer settings, and latent attention (MLA) head sizes.
+"""Hybrid models (sliding + full attention layers; linear-attention / convolution + full attention layers), per-layer
+settings, and latent attention (MLA) head sizes.
 
-Full-attention layers get the cache's policy x store; sliding layers keep exactly the model's window through
-transformers' own layer class; `layers` gives per-layer-type or per-index settings."""
+Full-attention layers get the cache's policy x store; sliding layers keep exactly the model's window, and
+linear-attention / convolution layers their states, through transformers' own layer classes; `layers` gives
+per-layer-type or per-index settings."""
 
 from __future__ import annotations
 
@@ -73,6 +75,34 @@ def test_hybrid_small_budget_bytes_are_window_plus_budget():
         assert all(layer.keys.shape[-2] <= model.config.sliding_window for layer in sliding)
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1]  # flat: neither the sliding layers nor ours grow with the stream
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2"])
+def test_linear_attention_hybrids_count_their_tokens_and_states(arch):
+    """Qwen3-Next (gated DeltaNet layers) and LFM2 (convolution layers) put a layer without keys first: the cache's
+    length is its first attention layer's (as transformers' Cache says; generate asks for it before the first
+    forward), and `nbytes` counts the linear layers' conv / recurrent states, which DynamicCache holds alike."""
+    import model_zoo
+    from transformers.cache_utils import LinearAttentionLayer
+
+    model = model_zoo.build(arch)
+    ids = random_ids(2, 12, seed=3)
+    reference = DynamicCache(config=model.config)
+    for cache in (SinkCache(model, sinks=2, window=60), QuantizedFP8Cache(model)):
+        assert isinstance(cache.layers[0], LinearAttentionLayer) and cache.get_seq_length() == 0
+        with torch.no_grad():
+            model(ids, **cache_kwargs(cache), use_cache=True)
+        assert cache.get_seq_length() == 12
+        states = sum(t.nbytes for t in (*cache.layers[0].conv_states.values(),
+                                        *cache.layers[0].recurrent_states.values()) if t is not None)
+        assert states > 0
+        rotation = getattr(cache, "rotation_matrix", None)  # (FP8's key rotation, counted once)
+        assert cache.nbytes() == states + sum(layer.nbytes() for layer in cache.compressed_layers) + (
+            0 if rotation is None else rotation.nbytes)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(reference), use_cache=True)
+    assert states == sum(t.nbytes for t in (*reference.layers[0].conv_states.values(),
+                                            *reference.layers[0].recurrent_states.values()) if t is not None)
 
 
 def test_per_layer_settings_by_type_and_index():

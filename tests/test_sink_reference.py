@@ -378,6 +378,26 @@ def test_rotator_reproduces_the_models_own_keys(arch):
     assert all(error <= 1e-5 for error in errors.values()), errors
 
 
+@pytest.mark.parametrize("model_type", ["exaone4", "exaone_moe", "kolibri1", "flint", "cohere2"])
+def test_models_whose_full_layers_have_no_rope_are_planned_so(model_type):
+    """EXAONE 4 / EXAONE-MoE / Kolibri (`if self.sliding_window is None or self.is_sliding`) and Flint / Cohere2
+    (`if self.sliding_window is not None`) rotate only their sliding layers' keys: the full layers, the ones our
+    caches compress, are NoPE, and the rotator reproduces the model's own keys there (a rotate-half plan was off by
+    ~1 and refused by the first forward's check)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128, head_dim=16,
+                                  num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                  max_position_embeddings=256, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    rotator = KeyRotator(model.config)
+    assert _plans(rotator) == {1: None}  # layer 0 slides (transformers' own layer), layer 1 is NoPE
+    errors = check_rotator_against_model(model, rotator)
+    assert list(errors) == [1] and errors[1] <= 1e-5, errors
+
+
 def _one_rotate_half_for_all(rotator, model) -> None:
     """What KeyRotator did before it knew layers: the rotate-half RoPE of the config on every compressed layer."""
     head_dim = attention_head_dim(model.config)

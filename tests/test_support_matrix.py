@@ -241,6 +241,10 @@ def kv_bytes(arch: str) -> tuple[int, int]:
         if getattr(layer, "is_sliding", False):
             assert layer.keys.shape[-2] == layer.sliding_window - 1 < ids.shape[1]
             sliding += layer.keys.nbytes + layer.values.nbytes
+        elif not hasattr(layer, "keys"):  # linear attention / convolution: fixed-size states, counted with `sliding`
+            states = [t for d in (layer.conv_states, layer.recurrent_states) for t in d.values() if t is not None]
+            assert states, f"{arch}: a layer without keys holds no state either"
+            sliding += sum(t.nbytes for t in states)
         else:
             (b, hk, _, dk), (_, hv, _, dv) = layer.keys.shape, layer.values.shape
             per_token += b * (hk * dk + hv * dv) * 4
@@ -369,7 +373,8 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
     full-attention layers hold the first `sinks` tokens' keys/values recomputed at the positions just before the
     window ("positions inside the cache": exact, since sinks attend only to sinks, so their states do not depend on
     a common shift) and the last window - 1 prompt tokens' keys/values of a normal prefill (computed with every
-    token visible, as our caches' prefill does); sliding layers keep the model's own window."""
+    token visible, as our caches' prefill does); sliding layers keep the model's own window, and linear-attention /
+    convolution layers their state after every token."""
     model = model_zoo.build(arch)
     length = ids.shape[1] - 1
     shift = length - (window - 1) - sinks
@@ -381,7 +386,7 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
             model(ids[:, :sinks], position_ids=torch.arange(shift, shift + sinks)[None], **cache_kwargs(moved),
                   use_cache=True)
         for i, layer in enumerate(prefill.layers):
-            if getattr(layer, "is_sliding", False):
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):  # (linear layers: every token)
                 continue
             keep = slice(length - (window - 1), length)
             parts_k, parts_v = [layer.keys[:, :, keep]], [layer.values[:, :, keep]]

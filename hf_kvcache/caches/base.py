@@ -12,7 +12,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
-from ..integration.cache_layers import Cache, upstream_layer_class
+from ..integration.cache_layers import Cache, upstream_layer_class, upstream_layer_nbytes
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -84,12 +84,11 @@ def _layer_specs(layers, layer_types: list[str]) -> list:
 
 
 def layer_nbytes(layer) -> int:
-    """Bytes held by one cache layer: ours count everything they hold; transformers' layers their keys and values."""
+    """Bytes held by one cache layer: ours count everything they hold; transformers' layers their keys and values,
+    or a linear-attention / convolution layer's states (`upstream_layer_nbytes`)."""
     if hasattr(layer, "nbytes"):
         return layer.nbytes()
-    if not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
-        return 0
-    return layer.keys.nbytes + layer.values.nbytes
+    return upstream_layer_nbytes(layer)
 
 
 class KVCache(Cache, ForwardAnnounced):
@@ -186,9 +185,6 @@ class KVCache(Cache, ForwardAnnounced):
     @property
     def compressed_layers(self) -> list[CompressedLayer]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
     def begin_forward(self, q_len, batch, device, attention_mask=None, position_ids=None) -> None:
         seen = next((layer.seen for layer in self.compressed_layers), None)

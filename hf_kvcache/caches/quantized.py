@@ -106,7 +106,7 @@ class _QuantizedKeepAllCache(KVCache):
     def nbytes(self) -> int:
         """The layers' bytes plus the shared key rotation matrix (once)."""
         extra = self.rotation_matrix.nbytes if self.rotation_matrix is not None else 0
-        return super().nbytes() + (extra if any(layer.is_initialized for layer in self.layers) else 0)
+        return super().nbytes() + (extra if any(layer.is_initialized for layer in self.compressed_layers) else 0)
 
     def _set_attention(self, config_or_model, attention: str, attention_block: int | None) -> None:
         """The `attention` option of the layers (hf_kvcache.layers.codes_read): "dequantize" (the whole layer into the

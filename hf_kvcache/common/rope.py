@@ -53,12 +53,13 @@ INTERLEAVED_MODEL_TYPES = frozenset(
 def _rope_on_sliding_layers_only(config, index: int, layer_type: str) -> bool | None:
     """Model types whose attention applies RoPE depending on the layer: True/False for them, None for the rest.
 
-    cohere2: `if self.sliding_window is not None` (set only on sliding layers). cohere2_moe: the same, or
-    `force_rope` (dense MLP layer with prefix_dense_sliding_window_pattern == 1). exaone4: `if self.sliding_window
-    is None or self.is_sliding` (a model with a sliding window has NoPE full layers)."""
+    cohere2, flint: `if self.sliding_window is not None` (set only on sliding layers). cohere2_moe: the same, or
+    `force_rope` (dense MLP layer with prefix_dense_sliding_window_pattern == 1). exaone4 (and EXAONE 4.5's text
+    model), exaone_moe, kolibri1: `if self.sliding_window is None or self.is_sliding` (a model with a sliding window
+    has NoPE full layers)."""
     model_type = getattr(config, "model_type", None)
     sliding = layer_type == "sliding_attention"
-    if model_type == "cohere2":
+    if model_type in ("cohere2", "flint"):
         return sliding
     if model_type == "cohere2_moe":
         mlp_types = getattr(config, "mlp_layer_types", None)
@@ -68,7 +69,7 @@ def _rope_on_sliding_layers_only(config, index: int, layer_type: str) -> bool | 
             and getattr(config, "prefix_dense_sliding_window_pattern", None) == 1
         )
         return sliding or forced
-    if model_type == "exaone4":
+    if model_type in ("exaone4", "exaone_moe", "kolibri1"):
         return getattr(config, "sliding_window", None) is None or sliding
     return None
 

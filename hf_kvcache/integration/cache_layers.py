@@ -59,6 +59,37 @@ def known_layer_types() -> list[str]:
     return sorted(DYNAMIC_LAYER_TYPE_MAPPING)
 
 
+LINEAR_STATES = "LinearAttentionLayer states"
+
+
+@contract(LINEAR_STATES, "a linear-attention / convolution layer (DYNAMIC_LAYER_TYPE_MAPPING['linear_attention'], "
+          "['conv']) holds its states in `conv_states` and `recurrent_states`, dicts of tensors (or None)",
+          "nbytes() of hybrid models (Qwen3-Next, LFM2)")
+def _check_linear_states() -> str | None:
+    layer_class = DYNAMIC_LAYER_TYPE_MAPPING.get("linear_attention")
+    if layer_class is None:
+        return "DYNAMIC_LAYER_TYPE_MAPPING has no 'linear_attention'"
+    layer = layer_class()
+    missing = [name for name in ("conv_states", "recurrent_states") if not isinstance(getattr(layer, name, None), dict)]
+    return f"{layer_class.__name__}() has no dict {missing}" if missing else None
+
+
+def upstream_layer_nbytes(layer) -> int:
+    """Bytes one of transformers' layers holds: its keys and values once initialized (full, sliding, chunked), and a
+    linear-attention / convolution layer's conv and recurrent states (`conv_states` / `recurrent_states`, dicts of
+    tensors or None, on 5.23 and 5.24 alike; fixed-size, whatever the stream's length)."""
+    if hasattr(layer, "conv_states"):
+        require(LINEAR_STATES)
+    total = 0
+    if getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
+        total += layer.keys.nbytes + layer.values.nbytes
+    for name in ("conv_states", "recurrent_states"):
+        states = getattr(layer, name, None)
+        if isinstance(states, dict):
+            total += sum(t.nbytes for t in states.values() if t is not None)
+    return total
+
+
 def is_upstream_layer_object(obj) -> bool:
     """Objects of transformers' cache module whose attributes hf_kvcache.state walks."""
     return type(obj).__module__ == UPSTREAM_MODULE
@@ -78,4 +109,4 @@ def restore_derived(layer) -> None:
 
 
 __all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
-           "layer_types_and_kwargs", "restore_derived", "upstream_layer_class"]
+           "layer_types_and_kwargs", "restore_derived", "upstream_layer_class", "upstream_layer_nbytes"]
