@@ -202,6 +202,12 @@ def lfm2(seed=0, dtype=torch.float32):
                   layer_types=["conv", "full_attention"], block_dim=64, block_ff_dim=128, conv_L_cache=3)
 
 
+def diffllama(seed=0, dtype=torch.float32):
+    """DiffLlama: differential attention, two softmaxes over the same keys, its values regrouped into two halves
+    after the cache update (so attention never sees the cached values as they are)."""
+    return _build(transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, seed, dtype, head_dim=16)
+
+
 ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "llama": llama,
     "mistral": mistral,
@@ -227,6 +233,7 @@ ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "stablelm": stablelm,
     "qwen3_next": qwen3_next,
     "lfm2": lfm2,
+    "diffllama": diffllama,
 }
 
 
@@ -298,6 +305,8 @@ def features(model) -> list[str]:
         or getattr(config, "n_routed_experts", None)
     if experts and "experts" in names:
         out.append(f"MoE {experts}x top-{config.num_experts_per_tok}")
+    if type(config).__name__ == "DiffLlamaConfig":
+        out.append("differential attention (values regrouped after the cache)")
     if getattr(config, "attention_multiplier", None) not in (None, 1.0):
         out.append(f"attention multiplier {config.attention_multiplier:g}")
     return out

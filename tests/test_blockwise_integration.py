@@ -202,6 +202,26 @@ def test_latent_attention_is_refused_by_name():
     assert torch.allclose(logits, reference, atol=0.1)
 
 
+def test_a_model_that_regroups_its_values_reads_them_dequantized():
+    """DiffLlama regroups the cached values after the cache's update, so attention never gets them as they are: the
+    first prefill shows it (the bridge compares what attention receives with what the update handed out), "auto" and
+    the eviction caches' native route then read dequantized keys and values from that layer on (before, the first
+    decode step raised), and an explicit 'blockwise' raises naming the attention class at that prefill."""
+    import model_zoo
+
+    model = model_zoo.build("diffllama")
+    ids = random_ids(1, 10)
+    with pytest.raises(RuntimeError, match=r"DiffLlamaAttention .*transformed the cached keys / values"):
+        model(ids, **cache_kwargs(QuantizedFP8Cache(model, attention="blockwise")))
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(DynamicCache(config=model.config)))
+    for cache in (hf_kvcache.SinkCache(model, sinks=2, window=60), QuantizedFP8Cache(model)):
+        layer = cache.layers[0]
+        got = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(cache))
+        assert layer.is_initialized and not layer.attention_from_codes and layer.codes_read is None
+        if isinstance(cache, hf_kvcache.SinkCache):  # every token kept: DynamicCache's tokens exactly
+            assert torch.equal(got, want)
+
+
 def test_model_off_the_bridge_is_refused(llama):
     model = tiny_llama()
     cache = QuantizedFP8Cache(model, key_rotation="none", attention="blockwise")
@@ -234,7 +254,9 @@ def test_auto_resolves_from_the_device(llama, kernel, monkeypatch):
     layer = cache.layers[0]
     # CPU: the native kernel in decode steps, a dequantized copy for the prefill; without it, always dequantize
     assert layer.attention == "auto" and layer.attention_from_codes == (kernel == "native")
-    assert reads == ([0, 1] if kernel == "native" else [])  # the one decode step of each layer, not the prefill
+    # per layer, the prefill's check that attention gets its keys and values as they are (then the dequantized
+    # copy), and the one decode step; without the kernel, never
+    assert reads == ([0, 1, 0, 1] if kernel == "native" else [])
     assert codes_now(layer, 1) == (kernel == "native") and not codes_now(layer, 2)
     assert (cache.workspace_nbytes() > 0) == (kernel == "torch")  # the decode step dequantized the store, or not
     reference = run(llama, QuantizedFP8Cache(llama, attention="dequantize"), random_ids(1, 20), chunks=(19,))

@@ -165,6 +165,23 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
     return out, None
 
 
+def _first_call(module, layer, key) -> bool:
+    """Whether this is the layer's first attention call of the forward. DiffLlama's differential attention calls
+    attention twice per layer, with the same queries and keys (two halves of its values): the policy observes the
+    first call only (the second would place a chunk the first already placed), and both attend alike. A repeated
+    call must not get the stand-ins of attention from codes (zeros, `codes_read` consumed by the first call)."""
+    serial = layer.forward_info.serial
+    first = getattr(layer, "_attended_forward", None) != serial
+    layer._attended_forward = serial
+    if not first and layer.codes_read is None and key.numel() and key.stride(-1) == 0:
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {layer.layer_idx}) calls attention more than once per forward, and this "
+            "cache handed it stand-ins to attend from its quantized codes, which the first call consumed; use "
+            "attention='dequantize' with this model."
+        )
+    return first
+
+
 def _make_bridge(name: str):
     sdpa = name == "hf_kvcache_sdpa"
 
@@ -173,13 +190,14 @@ def _make_bridge(name: str):
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
+            first = _first_call(module, layer, key)
             # stored keys are rotated: rotate the queries alike (q.k unchanged); reading from codes, `attend` does it
             # (the native kernel inside its call)
             rotation = layer.key_rotation
             if rotation is not None and (layer.codes_read is None or layer.policy.needs_queries):
                 query, rotation = rotate(query, rotation), None
             spec = layer.attention_validity()
-            if layer.policy.needs_queries:  # (may place a pending chunk: attention still reads the past as it was)
+            if layer.policy.needs_queries and first:  # (may place a pending chunk: attention reads the past as it was)
                 layer.policy.observe_queries(layer.view, query)
             if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.layers.codes_read)
                 out = attend(module, layer, query, key, value, spec, kwargs, rotation)
@@ -187,7 +205,7 @@ def _make_bridge(name: str):
                     return out
             if rotation is not None:
                 query = rotate(query, rotation)
-            if layer.policy.needs_attention and (spec is not None or attention_mask is None) and not (
+            if layer.policy.needs_attention and first and (spec is not None or attention_mask is None) and not (
                 not sdpa and attention_weights_requested()  # eager then returns the weights itself
             ):  # output and column scores from one pass (hf_kvcache.attention.scored)
                 return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
@@ -205,7 +223,7 @@ def _make_bridge(name: str):
                         ~mask, torch.finfo(query.dtype).min
                     )
                 attention_mask = mask
-            if layer.policy.needs_attention:  # the model's own mask (not causal-only): scores in a second pass
+            if layer.policy.needs_attention and first:  # the model's own mask (not causal-only): scores, 2nd pass
                 weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
                 scored_query, scored_mask, window = query, attention_mask, layer.policy.attention_window
                 if window is not None and query.shape[2] > window:  # only the last `window` queries are scored

@@ -9,7 +9,7 @@ import torch
 
 from ..common.rotation import rotate
 from ..kernels import blockwise_attention, cpu_blockwise
-from ..layers.codes_read import DEFAULT_BLOCK, native_decode
+from ..layers.codes_read import DEFAULT_BLOCK, native_decode, stop_reading_codes
 
 
 def block_size(layer, segments) -> int:
@@ -36,6 +36,14 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
     inside its call; the other routes first)."""
     read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
     if read is None or key is not read.key or value is not read.value:
+        if read is not None and read.keys is None and read.flat is None and getattr(layer, "attention", None) != (
+                "blockwise"):
+            # the first prefill (nothing stored yet) shows a model that transforms the cached keys / values before
+            # attention (DiffLlama regroups its values): no later step could read them from the codes, so "auto"
+            # (and the eviction caches' native route) reads them dequantized from now on; this forward attends to
+            # the new tokens as usual
+            stop_reading_codes(layer)
+            return None
         config = getattr(module, "config", None)
         raise RuntimeError(
             f"{type(module).__name__} (layer {layer.layer_idx}, {type(config).__name__}): this cache attends straight "

@@ -175,6 +175,23 @@ def _decode_only(layer) -> bool:
     return getattr(layer, "attention", None) in ("auto", None) and layer.device.type == "cpu"
 
 
+def watch_first_prefill(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """At the first prefill of a layer whose decode steps will attend from its codes but whose prefill does not
+    ("auto" on CPU, the eviction caches' native route: `_decode_only`): let the bridge check that the model hands
+    these keys and values to attention as they are, as it checks the stand-ins of later steps (`attention.codes`);
+    a model that transforms them makes the layer `stop_reading_codes` before any step could read zeros."""
+    if layer.attention_from_codes and layer.forward_info.attention_bridged:
+        layer.codes_read = CodesRead(None, None, keys, values)
+
+
+def stop_reading_codes(layer) -> None:
+    """From now on `layer` hands attention its keys and values (dequantized, or as stored), never stand-ins: for a
+    model found to transform them before attention (see `attention.codes.attend`). Eager code, at the first prefill."""
+    layer.attention_from_codes = False
+    if hasattr(layer.store, "reserve_reads"):
+        layer.store.reserve_reads()
+
+
 def dequantizes(layer) -> bool:
     """Whether some forwards of `layer` read a dequantized copy of its store (so it reserves the read buffers)."""
     return not layer.attention_from_codes or _decode_only(layer)

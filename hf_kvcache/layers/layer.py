@@ -22,7 +22,7 @@ from ..common.rotation import rotate
 from ..integration.cache_layers import CacheLayerMixin
 from ..policies.base import Policy
 from ..policies.view import Chunk
-from .codes_read import codes_now, dequantizes, read_codes, resolve_attention
+from .codes_read import codes_now, dequantizes, read_codes, resolve_attention, watch_first_prefill
 from .slot_view import LayerSlotView
 
 if TYPE_CHECKING:
@@ -195,6 +195,7 @@ class CompressedLayer(CacheLayerMixin):
             keys, values = torch.cat((past_k, key_states), -2), torch.cat((past_v, value_states), -2)
         else:
             keys, values = key_states, value_states
+            watch_first_prefill(self, keys, values)
         new_valid = real[:, None, :].expand(-1, past_valid.shape[1], -1)
         self._attention_columns = torch.cat((past_valid, new_valid), -1)
         self._attention_query_len = q
