@@ -208,6 +208,15 @@ def diffllama(seed=0, dtype=torch.float32):
     return _build(transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, seed, dtype, head_dim=16)
 
 
+def gemma4(seed=0, dtype=torch.float32):
+    """Gemma 4 (text): a heterogeneous config (full layers with their own head_dim 32, sliding layers 16), proportional
+    partial RoPE on full layers, per-layer input embeddings, and KV sharing: the last two layers attend to the keys
+    and values of the last sliding and full layers before them (4 layers, so each type has a producer)."""
+    return _build(transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, seed, dtype, head_dim=16,
+                  global_head_dim=32, num_hidden_layers=4, sliding_window=WINDOW, layer_types=HYBRID * 2,
+                  num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
+
+
 ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "llama": llama,
     "mistral": mistral,
@@ -234,6 +243,7 @@ ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen3_next": qwen3_next,
     "lfm2": lfm2,
     "diffllama": diffllama,
+    "gemma4": gemma4,
 }
 
 
@@ -305,6 +315,12 @@ def features(model) -> list[str]:
         or getattr(config, "n_routed_experts", None)
     if experts and "experts" in names:
         out.append(f"MoE {experts}x top-{config.num_experts_per_tok}")
+    if getattr(config, "is_heterogeneous", False):
+        dims = sorted({layer.head_dim for layer in config.per_layer_config})
+        out.append(f"head_dim per layer {dims}")
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        out.append(f"KV sharing (last {shared} layers reuse earlier layers' keys / values)")
     if type(config).__name__ == "DiffLlamaConfig":
         out.append("differential attention (values regrouped after the cache)")
     if getattr(config, "attention_multiplier", None) not in (None, 1.0):

@@ -105,6 +105,55 @@ def test_linear_attention_hybrids_count_their_tokens_and_states(arch):
                                             *reference.layers[0].recurrent_states.values()) if t is not None)
 
 
+def test_gemma4_heterogeneous_layers_and_kv_sharing(tmp_path):
+    """Gemma 4: its full layers have their own head_dim (32 here, 16 on sliding layers; the global attribute raises),
+    and its last layers attend to what earlier layers cached (KV sharing). A quantized cache sizes its key rotation
+    by the full layers; a sharing producer hands out real keys and values (never stand-ins) and its consumer attends
+    with the producer's validity (greedy tokens equal DynamicCache's at a budget keeping every token); 'blockwise' is
+    refused by name; the cache's state file round-trips."""
+    import model_zoo
+
+    from hf_kvcache.sharing.state import load_cache_state, save_cache_state
+
+    model = model_zoo.build("gemma4")
+    ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
+    want = _generate(model, DynamicCache(config=model.config), ids, mask)
+    fp8 = QuantizedFP8Cache(model)
+    assert fp8.rotation_matrix.shape == (32, 32)
+    assert [type(layer).__name__ for layer in fp8.layers] == [
+        "DynamicSlidingWindowLayer", "CompressedLayer", "DummyLayer", "DummyLayer"]
+    for cache in (SinkCache(model, sinks=2, window=60), H2OCache(model, heavy=32, recent=32), fp8):
+        got = _generate(model, cache, ids, mask)
+        producer = cache.layers[1]
+        assert producer.kv_shared and not producer.attention_from_codes
+        if not isinstance(cache, QuantizedFP8Cache):
+            assert torch.equal(got, want)
+    path = tmp_path / "gemma4.safetensors"
+    save_cache_state(fp8, path)
+    loaded = load_cache_state(path, model)
+    step = got[:, -1:]
+    with torch.no_grad():
+        a = model(step, **cache_kwargs(fp8)).logits
+        b = model(step, **cache_kwargs(loaded)).logits
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"attention='blockwise' .*KV sharing"):
+        model(ids, **cache_kwargs(QuantizedFP8Cache(model, attention="blockwise")))
+
+
+def test_full_layers_of_different_shapes_are_refused_by_name():
+    """A heterogeneous config whose full-attention layers disagree in head_dim: one shape is what a quantized cache
+    sizes its key rotation and scales by, so it is refused naming the shapes (not the AmbiguousGlobalPerLayer error
+    of the global attribute)."""
+    config = transformers.Gemma4TextConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        per_layer_config={1: {"head_dim": 32}, 3: {"head_dim": 64}})
+    with pytest.raises(ValueError, match=r"full-attention layers differ in \(heads, KV heads, head_dim\) "
+                                         r"\[\(4, 2, 32\), \(4, 2, 64\)\]"):
+        QuantizedFP8Cache(config)
+
+
 def test_per_layer_settings_by_type_and_index():
     model = build_model("llama", num_hidden_layers=4)
     cache = SinkCache(model, sinks=2, budget=8, layers={"2": "keep", 3: {"budget": 16}})

@@ -241,6 +241,8 @@ def kv_bytes(arch: str) -> tuple[int, int]:
         if getattr(layer, "is_sliding", False):
             assert layer.keys.shape[-2] == layer.sliding_window - 1 < ids.shape[1]
             sliding += layer.keys.nbytes + layer.values.nbytes
+        elif hasattr(layer, "keys") and layer.keys is None:  # a KV-sharing (dummy) layer: it holds nothing
+            continue
         elif not hasattr(layer, "keys"):  # linear attention / convolution: fixed-size states, counted with `sliding`
             states = [t for d in (layer.conv_states, layer.recurrent_states) for t in d.values() if t is not None]
             assert states, f"{arch}: a layer without keys holds no state either"
@@ -386,7 +388,7 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
             model(ids[:, :sinks], position_ids=torch.arange(shift, shift + sinks)[None], **cache_kwargs(moved),
                   use_cache=True)
         for i, layer in enumerate(prefill.layers):
-            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):  # (linear layers: every token)
+            if getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None:  # (linear, dummy layers)
                 continue
             keep = slice(length - (window - 1), length)
             parts_k, parts_v = [layer.keys[:, :, keep]], [layer.values[:, :, keep]]

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
-from ..integration.cache_layers import Cache, upstream_layer_class, upstream_layer_nbytes
+from ..integration.cache_layers import Cache, kv_sharing_consumers, upstream_layer_class, upstream_layer_nbytes
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -143,11 +143,14 @@ class KVCache(Cache, ForwardAnnounced):
             else:
                 built.append(self._layer_from_settings(config, spec, i))
         latent = is_latent_attention(config)
+        shared = any(kv_sharing_consumers(config))
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
                 layer.size_parameters = self.size_keys or ("max_length",)
             if isinstance(layer, CompressedLayer):  # (the model expands a latent before attention: codes_read)
                 layer.latent_attention = latent
+                # later layers attend to what these hand out (KV sharing): real keys and values, never stand-ins
+                layer.kv_shared = shared
         if not any(isinstance(layer, CompressedLayer) for layer in built):
             logger.warning(
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "

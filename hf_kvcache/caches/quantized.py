@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..common.architecture import attention_head_dim, is_latent_attention, refuse_latent
+from ..common.architecture import attention_head_dim, is_latent_attention, kv_head_count, refuse_latent
 from ..common.rotation import ROTATIONS, rotation_matrix
 from ..common.validation import check_keys, require_choice, require_int
 from ..layers.codes_read import ATTENTION_MODES, attention_option
@@ -48,10 +48,8 @@ def _text_config(config_or_model) -> PretrainedConfig:
 
 
 def model_dims(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head_dim) of a decoder config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, attention_head_dim(config)
+    """(layers, kv heads, head_dim) of a decoder config (KV heads and head_dim of the layers our caches compress)."""
+    return config.num_hidden_layers, kv_head_count(config), attention_head_dim(config)
 
 
 class _QuantizedKeepAllCache(KVCache):

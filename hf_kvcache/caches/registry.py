@@ -41,6 +41,7 @@ import json
 import math
 from typing import Any
 
+from ..common.architecture import compressed_layer_config
 from ..integration import generation as upstream_generation
 from ..integration.versions import (  # noqa: F401  (re-exported: the tested range is part of the catalog's contract)
     SUPPORTED_RANGE_TEXT,
@@ -133,6 +134,8 @@ def _head_dim(config_or_model) -> int | None:
     config = getattr(config_or_model, "config", config_or_model)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
+    if getattr(config, "is_heterogeneous", False):  # (Gemma 4: the compressed layers' own head_dim)
+        config = compressed_layer_config(config)
     head_dim = getattr(config, "head_dim", None)
     if not isinstance(head_dim, int):
         hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)

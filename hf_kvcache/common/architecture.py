@@ -10,12 +10,15 @@
   Eviction, precision and H2O scores work on them as on any key/value pair; what needs real attention keys (a
   key rotation that queries undo, re-rotating keys to new positions) does not apply and is refused by name.
 - Everything else (heads, head sizes, devices) is read from the tensors at the first update, so tensor parallelism
-  (each rank sees its shard of heads) needs no special case.
+  (each rank sees its shard of heads) needs no special case. What a cache must know before (a quantized cache's
+  rotation and static scales) is the compressed layers' shape (`compressed_layer_config`: on a heterogeneous
+  config, Gemma 4's, their own head_dim and KV heads).
 """
 
 from __future__ import annotations
 
 from ..integration.cache_layers import known_layer_types, layer_types_and_kwargs, upstream_layer_class
+from ..integration.models import layer_config
 
 #: the layer type our policies compress
 COMPRESSED_TYPE = "full_attention"
@@ -59,6 +62,37 @@ def refuse_latent(config, what: str, parameter: str, alternative: str) -> None:
         )
 
 
-def attention_head_dim(config) -> int:
-    """Size of the keys a standard attention layer caches (head_dim, or hidden_size / heads)."""
+def compressed_layer_config(config):
+    """The config of the layers our caches compress (full attention). A heterogeneous config (Gemma 4: its full
+    layers have their own head_dim and KV heads, its sliding layers keep transformers' own cache) gives the first
+    such layer's view, once every full layer is checked to agree; otherwise the config itself."""
+    if not getattr(config, "is_heterogeneous", False):
+        return config
+    layer_types, _ = layer_plan(config)
+    full = [i for i, t in enumerate(layer_types) if t == COMPRESSED_TYPE]
+    if not full:
+        return config
+    views = [layer_config(config, i) for i in full]
+    shapes = {(v.num_attention_heads, getattr(v, "num_key_value_heads", None), _head_dim(v)) for v in views}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{type(config).__name__}: its full-attention layers differ in (heads, KV heads, head_dim) "
+            f"{sorted(shapes)}; hf_kvcache caches need one shape for the layers they compress."
+        )
+    return views[0]
+
+
+def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_head_dim(config) -> int:
+    """Size of the keys a standard attention layer caches (head_dim, or hidden_size / heads), of the layers our caches
+    compress (`compressed_layer_config`)."""
+    return _head_dim(compressed_layer_config(config))
+
+
+def kv_head_count(config) -> int:
+    """KV heads of the layers our caches compress (num_key_value_heads, or every attention head)."""
+    view = compressed_layer_config(config)
+    return getattr(view, "num_key_value_heads", None) or view.num_attention_heads

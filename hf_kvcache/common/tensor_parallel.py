@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..integration.models import tensor_parallel_mesh, tensor_parallel_size
+from .architecture import kv_head_count
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ class TensorParallel:
         else:  # sharded without a mesh recorded: the default group is the TP group
             rank, group = torch.distributed.get_rank(), None
         config = config_or_model.config.get_text_config(decoder=True)
-        kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-        return cls(rank=rank, size=size, group=group, kv_heads=kv_heads)
+        return cls(rank=rank, size=size, group=group, kv_heads=kv_head_count(config))
 
     def sharded(self, local_heads: int) -> bool:
         """Whether a layer holding `local_heads` KV heads holds only a shard of the model's heads."""

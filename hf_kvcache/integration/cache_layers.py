@@ -50,6 +50,26 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     return list(layer_types), list(kwargs)
 
 
+KV_SHARING = "config.kv_sharing_modes (KV sharing)"
+
+
+@contract(KV_SHARING, "a layer whose config.kv_sharing_modes[i] is 'reuse' attends to keys and values another layer "
+          "cached; get_layer_types_and_kwargs makes it a 'dummy' layer", "every hf_kvcache cache on Gemma 4 / 3n")
+def _check_kv_sharing() -> str | None:
+    text = source(_get_layer_types_and_kwargs)
+    return None if "kv_sharing_modes" in text and '"reuse"' in text else (
+        "get_layer_types_and_kwargs no longer reads kv_sharing_modes == 'reuse'")
+
+
+def kv_sharing_consumers(config) -> list[bool]:
+    """Per decoder layer, whether it attends to keys and values another layer cached (Gemma 3n / 4's KV sharing:
+    `config.kv_sharing_modes[i] == "reuse"`, a "dummy" layer in transformers' caches), the way
+    `get_layer_types_and_kwargs` reads it; all False for a model without KV sharing."""
+    require(KV_SHARING)
+    modes = getattr(config, "kv_sharing_modes", None)
+    return [mode == "reuse" for mode in modes] if modes is not None else [False] * config.num_hidden_layers
+
+
 def upstream_layer_class(layer_type: str):
     """transformers' layer class for `layer_type` (None for a type DynamicCache does not know)."""
     return DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
@@ -109,4 +129,5 @@ def restore_derived(layer) -> None:
 
 
 __all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
-           "layer_types_and_kwargs", "restore_derived", "upstream_layer_class", "upstream_layer_nbytes"]
+           "kv_sharing_consumers", "layer_types_and_kwargs", "restore_derived", "upstream_layer_class",
+           "upstream_layer_nbytes"]

@@ -5,16 +5,20 @@
 - RoPE: `modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, device[, layer_type=...])` returns the inverse
   frequencies (and attention factor) a model's rotary embedding is built with (hf_kvcache.rope re-rotates sink
   keys with them).
+- Heterogeneous configs (`integrations.heterogeneity`, Gemma 4: its full-attention layers have their own head_dim
+  and KV heads): `config.is_heterogeneous`, and `config.per_layer_config[i]` is layer i's view of the config (the
+  global value of a per-layer attribute raises instead).
 """
 
 from __future__ import annotations
 
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .contracts import contract, parameters
+from .contracts import contract, parameters, require
 
 TP_ATTRIBUTES = "PreTrainedModel._tp_size / _device_mesh"
 ROPE = "modeling_rope_utils.ROPE_INIT_FUNCTIONS"
+PER_LAYER_CONFIG = "PreTrainedConfig.is_heterogeneous / per_layer_config"
 
 
 @contract(TP_ATTRIBUTES, "a model sharded by transformers' tensor parallelism records _tp_size and _device_mesh",
@@ -35,6 +39,23 @@ def _check_rope() -> str | None:
     if parameters(fn)[:2] != ["config", "device"]:
         return f"its functions take {parameters(fn)}, expected (config, device, ...)"
     return None
+
+
+@contract(PER_LAYER_CONFIG, "a config says `is_heterogeneous`, and `per_layer_config[i]` reads layer i's attributes "
+          "(head_dim, num_key_value_heads, ...) where they differ by layer", "every hf_kvcache cache on Gemma 4")
+def _check_per_layer_config() -> str | None:
+    from transformers import PreTrainedConfig
+
+    missing = [name for name in ("is_heterogeneous", "per_layer_config") if not hasattr(PreTrainedConfig, name)]
+    return f"PreTrainedConfig has no {missing}" if missing else None
+
+
+def layer_config(config, index: int):
+    """Layer `index`'s view of `config`: its own attributes on a heterogeneous config, else the config itself."""
+    if not getattr(config, "is_heterogeneous", False):
+        return config
+    require(PER_LAYER_CONFIG)
+    return config.per_layer_config[index]
 
 
 def tensor_parallel_size(model) -> int:

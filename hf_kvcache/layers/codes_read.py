@@ -137,6 +137,14 @@ def resolve_attention(layer, device) -> bool:
     ("auto" also needs something quantized to read: over full-precision regions only, SDPA does better than the
     block walk; and on CPU the native kernel, built here on first use)."""
     mode = getattr(layer, "attention", None)
+    if getattr(layer, "kv_shared", False):  # later layers attend to what it hands out (KV sharing)
+        if mode == "blockwise":
+            raise ValueError(
+                f"Layer {layer.layer_idx}: attention='blockwise' hands attention stand-ins, but this model's later "
+                "layers attend to this layer's keys and values (KV sharing, Gemma 3n / 4); use attention='auto' or "
+                "'dequantize'."
+            )
+        return False
     if mode is None:  # a cache without the option (the eviction caches)
         return full_precision_native(layer, device)
     if mode == "dequantize" or (mode == "auto" and not holds_codes(layer.store)):

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..caches.base import KVCache
-from ..common.architecture import attention_head_dim, layer_plan
+from ..common.architecture import attention_head_dim, kv_head_count, layer_plan
 from ..common.compile_static import static_values
 from ..integration.cache_layers import DERIVED_FIELDS, is_upstream_layer_object, restore_derived
 from ..layers.forward_info import ForwardInfo
@@ -48,7 +48,7 @@ METADATA_KEY = "hf_kvcache"
 #: attributes that are per-forward bookkeeping or references to shared helpers, never state
 _TRANSIENT = frozenset({
     "forward_info", "_served_forward", "_attended_forward", "_attention_columns", "_attention_query_len", "codes_read",
-    "_key_mean_cast",
+    "_key_mean_cast", "_handed",
     "kernel_view",  # the native kernel's view of a layer's store (codes_read.KernelView), remade from the buffers
     "_moved", "_moved_key", "workspace", "rotator", "tensor_parallel",
     "_signed_freq",  # SinkMemory's RoPE frequencies in files from before they moved to the rotator (not saved)
@@ -221,7 +221,7 @@ def _model_shape(config) -> dict[str, Any]:
     return {
         "model_type": getattr(config, "model_type", None),
         "num_hidden_layers": config.num_hidden_layers,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "num_key_value_heads": kv_head_count(config),
         "head_dim": attention_head_dim(config),
         "layer_types": layer_plan(config)[0],
     }
