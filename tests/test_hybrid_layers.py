@@ -140,6 +140,39 @@ def test_gemma4_heterogeneous_layers_and_kv_sharing(tmp_path):
         model(ids, **cache_kwargs(QuantizedFP8Cache(model, attention="blockwise")))
 
 
+def test_keys_repeated_after_the_cache():
+    """JetMoE repeats its cached key / value heads after the cache's update: caches that read the cache as it is work
+    (greedy tokens equal DynamicCache's at a budget keeping every token; the first prefill shows the repeat, so FP8
+    reads that layer dequantized), and a cache that scores attention per cached head is refused by name."""
+    config = transformers.JetMoeConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, kv_channels=16, num_hidden_layers=2, vocab_size=128,
+                                       max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(config).eval()
+    ids = random_ids(1, 12, seed=5)
+    want = _generate(model, DynamicCache(config=model.config), ids, torch.ones_like(ids), 5)
+    for cache in (SinkCache(model, sinks=2, window=60), QuantizedFP8Cache(model)):
+        got = _generate(model, cache, ids, torch.ones_like(ids), 5)
+        assert not cache.layers[0].attention_from_codes
+        if isinstance(cache, SinkCache):
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"JetMoeAttention \(layer 0\) attends with 4 key heads made from the 2 it "
+                                         r"caches .*HeavyHitterPolicy"):
+        _generate(model, H2OCache(model, heavy=32, recent=32), ids, torch.ones_like(ids), 2)
+
+
+def test_a_model_without_attention_layers_is_refused_by_name():
+    """Only convolution / recurrent layers (an LFM2 config of conv layers only): no keys and values to cache, so a
+    clear refusal when the cache is built (before, generate failed inside transformers' get_seq_length)."""
+    config = transformers.Lfm2Config(hidden_size=64, num_hidden_layers=2, vocab_size=128, num_attention_heads=4,
+                                     num_key_value_heads=2, layer_types=["conv", "conv"], block_dim=64,
+                                     block_ff_dim=128, conv_L_cache=3)
+    for make in (lambda: SinkCache(config, sinks=2, window=8), lambda: QuantizedFP8Cache(config)):
+        with pytest.raises(ValueError, match=r"Lfm2Config has no attention layer \(layer types \['conv'\]\).*"
+                                             r"no KV cache to compress"):
+            make()
+
+
 def test_full_layers_of_different_shapes_are_refused_by_name():
     """A heterogeneous config whose full-attention layers disagree in head_dim: one shape is what a quantized cache
     sizes its key rotation and scales by, so it is refused naming the shapes (not the AmbiguousGlobalPerLayer error

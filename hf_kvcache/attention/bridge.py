@@ -193,6 +193,13 @@ def _make_bridge(name: str):
             layer = next((c for c in cache.compressed_layers if c.kv_shared and c.hands_out(key)), layer)
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)
+            if layer.policy.needs_attention and key.shape[1] != layer.heads and not layer.latent_attention:
+                raise ValueError(
+                    f"{type(module).__name__} (layer {layer.layer_idx}) attends with {key.shape[1]} key heads made "
+                    f"from the {layer.heads} it caches (JetMoE repeats them after the cache), so "
+                    f"{type(layer.policy).__name__}'s attention scores do not map to the cached heads; use a cache "
+                    "that does not score attention (sink, sliding, knorm, keydiff, expected_attention, fp8, kivi)."
+                )
             # stored keys are rotated: rotate the queries alike (q.k unchanged); reading from codes, `attend` does it
             # (the native kernel inside its call)
             rotation = layer.key_rotation

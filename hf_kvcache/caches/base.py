@@ -12,7 +12,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
-from ..integration.cache_layers import Cache, kv_sharing_consumers, upstream_layer_class, upstream_layer_nbytes
+from ..integration.cache_layers import (Cache, CacheLayerMixin, kv_sharing_consumers, upstream_layer_class,
+                                       upstream_layer_nbytes)
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -151,6 +152,12 @@ class KVCache(Cache, ForwardAnnounced):
                 layer.latent_attention = latent
                 # later layers attend to what these hand out (KV sharing): real keys and values, never stand-ins
                 layer.kv_shared = shared
+        if not any(isinstance(layer, CacheLayerMixin) for layer in built):
+            raise ValueError(
+                f"{type(config).__name__} has no attention layer (layer types {sorted(set(layer_types))}): its "
+                "layers keep recurrent or convolution states, not keys and values, so there is no KV cache to "
+                "compress; generate with the model's own cache."
+            )
         if not any(isinstance(layer, CompressedLayer) for layer in built):
             logger.warning(
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "
