@@ -217,6 +217,11 @@ def gemma4(seed=0, dtype=torch.float32):
                   num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
 
 
+def nanochat(seed=0, dtype=torch.float32):
+    """NanoChat: its RoPE turns the other way (rotate_half is (x2, -x1)), QK-norm without weights."""
+    return _build(transformers.NanoChatConfig, transformers.NanoChatForCausalLM, seed, dtype, head_dim=16)
+
+
 ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "llama": llama,
     "mistral": mistral,
@@ -244,6 +249,7 @@ ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "lfm2": lfm2,
     "diffllama": diffllama,
     "gemma4": gemma4,
+    "nanochat": nanochat,
 }
 
 
@@ -304,7 +310,8 @@ def features(model) -> list[str]:
     if type(config).__name__ == "Cohere2Config" and layer_types is not None and "full_attention" in layer_types:
         out.append("full layers without RoPE")  # Cohere2Attention applies RoPE on sliding layers only
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        out.append(f"softcapping (attn {config.attn_logit_softcapping}, final {config.final_logit_softcapping})")
+        out.append(f"softcapping (attn {getattr(config, 'attn_logit_softcapping', None)}, final "
+                   f"{getattr(config, 'final_logit_softcapping', None)})")
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     params = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters()}
     if "sinks" in params:
@@ -321,6 +328,8 @@ def features(model) -> list[str]:
     shared = getattr(config, "num_kv_shared_layers", 0)
     if shared:
         out.append(f"KV sharing (last {shared} layers reuse earlier layers' keys / values)")
+    if type(config).__name__ == "NanoChatConfig":
+        out.append("RoPE turning the other way")
     if type(config).__name__ == "DiffLlamaConfig":
         out.append("differential attention (values regrouped after the cache)")
     if getattr(config, "attention_multiplier", None) not in (None, 1.0):

@@ -49,6 +49,10 @@ INTERLEAVED_MODEL_TYPES = frozenset(
     {"glm", "glm4", "cohere", "cohere2", "cohere2_moe", "helium", "ernie4_5", "ernie4_5_moe"}
 )
 
+#: model types whose `rotate_half` is (x2, -x1), the opposite turn of everyone else's (-x2, x1): their keys turn by
+#: -position x inv_freq, so the rotator's frequencies are negated (NanoChat)
+NEGATED_TURN_MODEL_TYPES = frozenset({"nanochat"})
+
 
 def _rope_on_sliding_layers_only(config, index: int, layer_type: str) -> bool | None:
     """Model types whose attention applies RoPE depending on the layer: True/False for them, None for the rest.
@@ -139,6 +143,8 @@ class KeyRotator:
                 continue
             if layer_type not in frequencies:
                 frequencies[layer_type] = self._inverse_frequencies(config, layer_type, parameter)
+                if self.model_type in NEGATED_TURN_MODEL_TYPES:
+                    frequencies[layer_type] = -frequencies[layer_type]
             self.layers[index] = LayerRope(frequencies[layer_type], self.convention)
 
     @staticmethod
