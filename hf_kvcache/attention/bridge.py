@@ -189,7 +189,7 @@ def _make_bridge(name: str):
         inner = sdpa_attention_forward if sdpa else eager_attention_for(module)
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
-        if cache is not None and not isinstance(layer, CompressedLayer):  # a KV-sharing layer: as the layer it reuses
+        if getattr(cache, "kv_shared", False) and not isinstance(layer, CompressedLayer):  # as the layer it reuses
             layer = next((c for c in cache.compressed_layers if c.kv_shared and c.hands_out(key)), layer)
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)

@@ -144,7 +144,7 @@ class KVCache(Cache, ForwardAnnounced):
             else:
                 built.append(self._layer_from_settings(config, spec, i))
         latent = is_latent_attention(config)
-        shared = any(kv_sharing_consumers(config))
+        shared = self.kv_shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
                 layer.size_parameters = self.size_keys or ("max_length",)
