@@ -152,6 +152,7 @@ def test_only_and_exclude_select_the_full_cache_by_its_label(monkeypatch):
         select_methods(DEFAULT_METHODS, ["NoSuchMethod"], [])
 
     planned = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the command sets it: not for the later tests)
     monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(board, "run_board", lambda model, tok, build, methods, compressions, *args, **kwargs:
                         planned.append(([m.label for m in methods], compressions)))

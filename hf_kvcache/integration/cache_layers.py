@@ -65,9 +65,11 @@ def kv_sharing_consumers(config) -> list[bool]:
     """Per decoder layer, whether it attends to keys and values another layer cached (Gemma 3n / 4's KV sharing:
     `config.kv_sharing_modes[i] == "reuse"`, a "dummy" layer in transformers' caches), the way
     `get_layer_types_and_kwargs` reads it; all False for a model without KV sharing."""
-    require(KV_SHARING)
     modes = getattr(config, "kv_sharing_modes", None)
-    return [mode == "reuse" for mode in modes] if modes is not None else [False] * config.num_hidden_layers
+    if modes is None:
+        return [False] * config.num_hidden_layers
+    require(KV_SHARING)
+    return [mode == "reuse" for mode in modes]
 
 
 def upstream_layer_class(layer_type: str):
