@@ -162,6 +162,7 @@ def test_only_and_exclude_select_the_full_cache_by_its_label(monkeypatch):
         assert (0.0 in compressions) is full_runs and [c for c in compressions if c] == [0.25, 0.5, 0.75, 0.9]
         assert ("KIVI int4" in methods) is not full_runs
 
+
 def _same_tail(task, length, seeds, count):
     """`count` samples of `task` whose question + answer prefix have one token length (a batch of them)."""
     from hf_kvcache.evaluation.ruler.protocol import tail_length
