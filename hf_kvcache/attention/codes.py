@@ -36,8 +36,8 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
     inside its call; the other routes first)."""
     read, layer.codes_read = layer.codes_read, None  # drop the views: they may hold buffers a write replaced
     if read is None or key is not read.key or value is not read.value:
-        if read is not None and read.keys is None and read.flat is None and getattr(layer, "attention", None) != (
-                "blockwise"):
+        first_prefill = read is not None and read.keys is None and read.flat is None
+        if first_prefill and getattr(layer, "attention", None) != "blockwise":
             # the first prefill (nothing stored yet) shows a model that transforms the cached keys / values before
             # attention (DiffLlama regroups its values): no later step could read them from the codes, so "auto"
             # (and the eviction caches' native route) reads them dequantized from now on; this forward attends to

@@ -134,8 +134,7 @@ def _head_dim(config_or_model) -> int | None:
     config = getattr(config_or_model, "config", config_or_model)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    if getattr(config, "is_heterogeneous", False):  # (Gemma 4: the compressed layers' own head_dim)
-        config = compressed_layer_config(config)
+    config = compressed_layer_config(config)  # (Gemma 4: the compressed layers' own head_dim)
     head_dim = getattr(config, "head_dim", None)
     if not isinstance(head_dim, int):
         hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)

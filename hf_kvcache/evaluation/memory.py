@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.architecture import compressed_layer_config
+from ..common.architecture import attention_head_dim, kv_head_count
 from ..integration.cache_argument import cache_kwargs
 
 
@@ -112,13 +112,8 @@ def shape_from_config(config, name: str | None = None) -> KVShape:
     """The KV shape of any transformers decoder config (GQA and explicit `head_dim` included; a heterogeneous config,
     Gemma 4's, by its full-attention layers' shape)."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layers = config.num_hidden_layers
-    if getattr(config, "is_heterogeneous", False):
-        config = compressed_layer_config(config)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVShape(name or getattr(config, "model_type", "model"), layers, kv_heads, head_dim)
+    return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
+                   attention_head_dim(config))
 
 
 def get_shape(shape) -> KVShape:
