@@ -233,6 +233,45 @@ def test_native_reads_half_precision_scales(name, kernel, request, monkeypatch):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("kernel", ["native", "native-avx2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,n,length", [("kivi-int4-register-route", 80, 80), ("kivi-int4-register-route", 96, 90),
+                                           ("kivi-int4-blocks-of-32", 96, 96), ("kivi-int4-token-packed", 80, 80),
+                                           ("hqq-int2-token-packed", 80, 72),
+                                           ("int8-keys-fp8-values-mla-softcap", 80, 80)])
+def test_native_reads_half_precision_integer_scales_and_zeros(name, n, length, dtype, kernel, request, monkeypatch):
+    """A bfloat16 / float16 model's integer caches (KIVI) keep their scales and zero points in its dtype: the kernel
+    reads them as they are, on the INT4 register routes and on the decoded rows (90 of 96 tokens: a partial block of
+    keys), and the kernel's view of them is kept (no float32 copy at every step). Bit for bit the result of float32
+    scales and zero points of the same values."""
+    if cpu_blockwise.unavailable() is not None:
+        pytest.skip("needs the native kernel")
+    if kernel == "native-avx2":
+        monkeypatch.setattr(cpu_blockwise, "_module", request.getfixturevalue("avx2_kernel"))
+    query, keys, values, valid, kw = build_case(name, n=n)
+
+    def rounded(s, to):  # integer segments' scales and zero points rounded to `dtype`, held in `to`
+        if s.format not in ("int8", "int4", "int2"):
+            return s
+        return dataclasses.replace(s, scale=s.scale.to(dtype).to(to), zero=s.zero.to(dtype).to(to))
+
+    def attend(k, v):  # the kernel's views of the segments, read over their first `length` tokens
+        (fk, mk), (fv, mv) = cpu_blockwise.flatten_views([k]), cpu_blockwise.flatten_views([v])
+        return cpu_blockwise.attend_flat(query, (fk, cpu_blockwise.with_lengths(mk, [length])),
+                                         (fv, cpu_blockwise.with_lengths(mv, [length])), v.head_dim, k.heads,
+                                         None if valid is None else valid[..., :length], 0.2, kw["causal_tail"],
+                                         kw["softcap"], kw.get("sinks"))
+
+    half_k, half_v = rounded(keys, dtype), rounded(values, dtype)
+    integer = [s for s in (half_k, half_v) if s.format in ("int8", "int4", "int2")]
+    flat = cpu_blockwise.flatten_views(integer)
+    assert flat is not None and flat[0][1] is integer[0].scale and flat[0][2] is integer[0].zero  # as they are
+    out = attend(half_k, half_v)
+    assert torch.equal(out, attend(rounded(keys, torch.float32), rounded(values, torch.float32)))
+    if length == n:  # and the checked entry agrees
+        assert torch.equal(out, blockwise_attention(query, half_k, half_v, valid, 0.2, backend="native", **kw))
+
+
 def test_native_refuses_lengths_beyond_the_buffers():
     """A caller may hand whole buffers and shorter lengths (codes_read.KernelView); a length past a buffer is an
     error naming the segment, never a read out of bounds."""

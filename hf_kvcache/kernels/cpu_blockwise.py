@@ -114,8 +114,9 @@ def unsupported(query, ks, vs) -> str | None:
 
 
 def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
-    """The kernel's view of segments: four tensors (codes, scale, zero, bias; float32 except FP8 / integer codes,
-    codes contiguous along channels) and nine ints each (see cpu_decode.cpp)."""
+    """The kernel's view of segments: four tensors (codes, scale, zero, bias; codes contiguous along channels, FP8 /
+    integer codes as bytes; scales and zero points in float32, bfloat16 or float16, bias float32) and nine ints each
+    (see cpu_decode.cpp)."""
     tensors, meta = [], []
     for s in segments:
         codes, fmt = s.codes, _FORMAT_IDS[s.format]
@@ -125,10 +126,11 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
                 codes, fmt = codes.float(), 0
         if codes.stride(-1) != 1:
             codes = codes.contiguous()
-        scale = s.scale  # (float32; bfloat16 / float16 the kernel reads as they are or converts, cpu_decode.cpp)
+        scale, zero = s.scale, s.zero  # float32, bfloat16 and float16 are read as they are (cpu_decode.cpp)
         if scale is not None and (s.scale_pow2 or scale.dtype not in _FULL_PRECISION_IDS):
             scale = torch.exp2(scale.float()) if s.scale_pow2 else scale.float()
-        zero = None if s.zero is None else s.zero.float()
+        if zero is not None and zero.dtype not in _FULL_PRECISION_IDS:
+            zero = zero.float()
         bias = None if s.bias is None else s.bias.float()
         if s.granularity == "token":
             s_tok, s_ch = 1, s.group_size or s.head_dim
