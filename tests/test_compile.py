@@ -85,6 +85,32 @@ def test_fp8_with_max_length_compiles(granularity):
         assert kl.mean() < 1e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
 
 
+HYBRID_CACHES = {
+    "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=10),
+    "fp8_head": lambda m: hf_kvcache.QuantizedFP8Cache(m, granularity="head", max_length=PROMPT + STEPS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_CACHES))
+def test_hybrid_model_with_kv_sharing_compiles(name):
+    """Gemma 4 (sliding and full layers of two head sizes; its last two layers attend to what earlier layers cached):
+    its sliding layers are StaticCache's under a fixed-capacity cache, so the whole cache is compileable, and a KV
+    sharing layer finds the layer it reuses from the config, not from the tensor it is handed (dynamo cannot compare
+    ids). Full graph, no recompilation after the sliding window and the cache have filled, eager's logits."""
+    import model_zoo
+
+    torch._dynamo.reset()
+    model = model_zoo.build("gemma4")
+    hf_kvcache.enable(model)
+    make = lambda: HYBRID_CACHES[name](model)
+    assert make().is_compileable
+    eager, _ = _teacher_forced(model, make(), model.forward)
+    counters.clear()
+    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
+    assert graphs[WARMUP:] == [graphs[WARMUP]] * (STEPS - WARMUP), graphs
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
 KIVI_FIXED = dict(group_size=4, residual=6)  # blocks complete in prefill and in decode, the residual stays in a ring
 
 

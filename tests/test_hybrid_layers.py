@@ -12,7 +12,7 @@ import torch
 import transformers
 from conftest import build_model, left_pad, random_ids
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 import hf_kvcache
 from hf_kvcache import FullCache, H2OCache, QuantizedFP8Cache, SinkCache, SlidingWindowCache, cache_kwargs
@@ -33,13 +33,20 @@ def hybrid_configs():
 
 @pytest.mark.parametrize("index", range(4))
 def test_layers_follow_the_model_layer_types(index):
+    """Full-attention layers are ours; a sliding layer is transformers' own: StaticCache's, sized to its window, under a
+    cache whose compressed layers keep fixed shapes (so the whole cache compiles), else DynamicCache's."""
     config = hybrid_configs()[index]
     types = transformers.cache_utils.get_layer_types_and_kwargs(config)[0]
     for cache in (SinkCache(config, sinks=4, window=8), SlidingWindowCache(config, window=8), FullCache(config)):
         assert len(cache.layers) == len(types)
+        fixed = not isinstance(cache, FullCache) and "full_attention" in types  # (Mistral's: every layer slides)
+        assert cache.is_compileable == fixed
         for layer, layer_type in zip(cache.layers, types):
             if layer_type == "full_attention":
                 assert isinstance(layer, CompressedLayer)
+            elif fixed:
+                assert isinstance(layer, StaticSlidingWindowLayer) and layer.is_compileable
+                assert layer.max_cache_len == config.sliding_window
             else:
                 assert isinstance(layer, DynamicSlidingWindowLayer)
                 assert layer.sliding_window == config.sliding_window
@@ -71,8 +78,8 @@ def test_hybrid_small_budget_bytes_are_window_plus_budget():
     for new in (4, 12):
         cache = SinkCache(model, sinks=2, window=6)
         _generate(model, cache, ids, torch.ones_like(ids), new)
-        sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
-        assert all(layer.keys.shape[-2] <= model.config.sliding_window for layer in sliding)
+        sliding = [layer for layer in cache.layers if isinstance(layer, StaticSlidingWindowLayer)]
+        assert len(sliding) == 2 and all(layer.keys.shape[-2] <= model.config.sliding_window for layer in sliding)
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1]  # flat: neither the sliding layers nor ours grow with the stream
 

@@ -190,7 +190,7 @@ def _make_bridge(name: str):
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
         if getattr(cache, "kv_shared", False) and not isinstance(layer, CompressedLayer):  # as the layer it reuses
-            layer = next((c for c in cache.compressed_layers if c.kv_shared and c.hands_out(key)), layer)
+            layer = cache.kv_producers.get(module.layer_idx, layer)
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)
             if layer.policy.needs_attention and key.shape[1] != layer.heads and not layer.latent_attention:

@@ -12,8 +12,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
-from ..integration.cache_layers import (Cache, CacheLayerMixin, kv_sharing_consumers, upstream_layer_class,
-                                       upstream_layer_nbytes)
+from ..integration.cache_layers import (Cache, CacheLayerMixin, kv_sharing_consumers, kv_sharing_producers,
+                                       upstream_layer, upstream_layer_nbytes)
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -97,7 +97,8 @@ class KVCache(Cache, ForwardAnnounced):
 
     Full-attention layers are `CompressedLayer`s (this cache's policy x store, or per-layer settings from `layers`);
     sliding/chunked, linear-attention and dummy layers are transformers' own layer classes for that type (see
-    hf_kvcache.common.architecture)."""
+    hf_kvcache.common.architecture): DynamicCache's, or StaticCache's windowed layers when every compressed layer
+    keeps fixed shapes (then the whole cache is compileable; `upstream_layer`)."""
 
     #: name for `generate(cache_implementation=...)`; set by each public class
     cache_name: str = ""
@@ -133,7 +134,7 @@ class KVCache(Cache, ForwardAnnounced):
         built = []
         for i, (layer_type, kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
             if layer_type != COMPRESSED_TYPE:
-                built.append(upstream_layer_class(layer_type)(**kwargs))
+                built.append(None)  # transformers' layer, built below (its class follows the compressed layers')
             elif spec is None:
                 policy, store = layer_factory(config)
                 if getattr(self, "compress", "always") == "prompt":  # see hf_kvcache.policies.prompt_mode
@@ -143,8 +144,15 @@ class KVCache(Cache, ForwardAnnounced):
                 built.append(CompressedLayer(KeepAllPolicy(), FullPrecisionStore(), self.forward_info, i))
             else:
                 built.append(self._layer_from_settings(config, spec, i))
+        compressed = [layer for layer in built if isinstance(layer, CompressedLayer)]
+        static = bool(compressed) and all(layer.is_compileable for layer in compressed)  # fixed shapes: compile all
+        built = [upstream_layer(layer_type, kwargs, static) if layer is None else layer
+                 for layer, layer_type, kwargs in zip(built, layer_types, layer_kwargs)]
         latent = is_latent_attention(config)
         shared = self.kv_shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
+        #: consumer layer index -> the compressed layer whose keys and values it attends to (the bridge attends as it)
+        self.kv_producers = {i: built[j] for i, j in enumerate(kv_sharing_producers(config))
+                             if j is not None and isinstance(built[j], CompressedLayer)}
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
                 layer.size_parameters = self.size_keys or ("max_length",)

@@ -3,7 +3,8 @@
 - `Cache` and `CacheLayerMixin` (public in `transformers.cache_utils`): our caches subclass them.
 - `cache_utils.get_layer_types_and_kwargs(config)` and `DYNAMIC_LAYER_TYPE_MAPPING` (internal): what each decoder
   layer caches and transformers' layer class for it; our non-compressed layers (sliding, chunked, linear
-  attention, dummy) are those classes, built exactly as DynamicCache builds them.
+  attention, dummy) are those classes, built exactly as DynamicCache builds them; under a cache whose compressed
+  layers keep fixed shapes, windowed layers are StaticCache's (`STATIC_LAYER_TYPE_MAPPING`), so the cache compiles.
 - The attributes of those layers are walked by hf_kvcache.state to save them. Which of them are state differs by
   version (5.24 stopped setting `dtype` on DynamicLayer / StaticLayer), so attributes derived from the tensors are
   never saved and are set again after loading (`DERIVED_FIELDS`, `restore_derived`): a file written on one
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import functools
 
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin,
+                                      DynamicLayer)
 from transformers.cache_utils import get_layer_types_and_kwargs as _get_layer_types_and_kwargs
 
 from .contracts import contract, missing_parameters, require, source
@@ -53,12 +55,23 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
 KV_SHARING = "config.kv_sharing_modes (KV sharing)"
 
 
-@contract(KV_SHARING, "a layer whose config.kv_sharing_modes[i] is 'reuse' attends to keys and values another layer "
-          "cached; get_layer_types_and_kwargs makes it a 'dummy' layer", "every hf_kvcache cache on Gemma 4 / 3n")
+@contract(KV_SHARING, "a layer whose config.kv_sharing_modes[i] is 'reuse' attends to the keys and values of the "
+          "'store' layer of its layer type (config.layer_types); get_layer_types_and_kwargs makes it a 'dummy' layer",
+          "every hf_kvcache cache on Gemma 4 / 3n")
 def _check_kv_sharing() -> str | None:
     text = source(_get_layer_types_and_kwargs)
-    return None if "kv_sharing_modes" in text and '"reuse"' in text else (
-        "get_layer_types_and_kwargs no longer reads kv_sharing_modes == 'reuse'")
+    if "kv_sharing_modes" not in text or '"reuse"' not in text:
+        return "get_layer_types_and_kwargs no longer reads kv_sharing_modes == 'reuse'"
+    import transformers
+
+    config_class = getattr(transformers, "Gemma4TextConfig", None)
+    if config_class is None:
+        return None
+    config = config_class(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                          num_kv_shared_layers=2)
+    if list(config.kv_sharing_modes) != ["store", "store", "reuse", "reuse"]:
+        return f"Gemma4TextConfig's kv_sharing_modes for 2 of 4 shared layers are {config.kv_sharing_modes}"
+    return None
 
 
 def kv_sharing_consumers(config) -> list[bool]:
@@ -72,9 +85,51 @@ def kv_sharing_consumers(config) -> list[bool]:
     return [mode == "reuse" for mode in modes]
 
 
+def kv_sharing_producers(config) -> list[int | None]:
+    """Per decoder layer, the layer whose cached keys and values it attends to (KV sharing: a 'reuse' layer reads
+    what the 'store' layer of its type put in `shared_kv_states[layer_type]`), None for a layer that uses its own."""
+    consumers = kv_sharing_consumers(config)
+    if not any(consumers):
+        return [None] * len(consumers)
+    modes, types = config.kv_sharing_modes, config.layer_types
+    store = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    return [store[types[i]] if consumer else None for i, consumer in enumerate(consumers)]
+
+
 def upstream_layer_class(layer_type: str):
     """transformers' layer class for `layer_type` (None for a type DynamicCache does not know)."""
     return DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+
+
+#: layer types whose layer holds at most its window (kwargs["sliding_window"]): StaticCache's class for them, sized
+#: to the window, holds the same tokens with fixed shapes
+WINDOWED_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+
+
+def upstream_layer(layer_type: str, kwargs: dict, static: bool):
+    """transformers' layer for a layer we do not compress, built as DynamicCache builds it; with `static` (a cache
+    whose compressed layers keep fixed shapes), a windowed layer is built as StaticCache builds it, with its window as
+    its length, so that the whole cache compiles (`is_compileable`: DynamicSlidingWindowLayer is not)."""
+    if static and layer_type in WINDOWED_TYPES:
+        require(STATIC_LAYER_TYPES)
+        return STATIC_LAYER_TYPE_MAPPING[layer_type](max_cache_len=kwargs["sliding_window"], **kwargs)
+    return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+
+
+STATIC_LAYER_TYPES = "cache_utils.STATIC_LAYER_TYPE_MAPPING (windowed layers)"
+
+
+@contract(STATIC_LAYER_TYPES, "STATIC_LAYER_TYPE_MAPPING: layer type -> StaticCache's layer class, built with "
+          "max_cache_len and the type's kwargs; its sliding / chunked layers hold min(max_cache_len, sliding_window) "
+          "tokens for any stream length and are compileable",
+          "sliding / chunked layers of hybrid models under fixed-capacity caches (torch.compile)")
+def _check_static_layer_types() -> str | None:
+    missing = [t for t in WINDOWED_TYPES if t not in STATIC_LAYER_TYPE_MAPPING]
+    if missing:
+        return f"STATIC_LAYER_TYPE_MAPPING lacks {missing}"
+    layer = STATIC_LAYER_TYPE_MAPPING["sliding_attention"](max_cache_len=8, sliding_window=8)
+    return None if layer.is_compileable and layer.max_cache_len == 8 else (
+        "StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8) is not a compileable layer of 8 tokens")
 
 
 def known_layer_types() -> list[str]:
@@ -131,5 +186,5 @@ def restore_derived(layer) -> None:
 
 
 __all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
-           "kv_sharing_consumers", "layer_types_and_kwargs", "restore_derived", "upstream_layer_class",
-           "upstream_layer_nbytes"]
+           "kv_sharing_consumers", "kv_sharing_producers", "layer_types_and_kwargs", "restore_derived",
+           "upstream_layer", "upstream_layer_class", "upstream_layer_nbytes"]

@@ -58,7 +58,6 @@ class CompressedLayer(CacheLayerMixin):
         self.attention, self.attention_block, self.attention_from_codes, self.codes_read = None, None, False, None
         self.kernel_view = None  # the native CPU kernel's view of the store, kept across decode steps (codes_read)
         self.kv_shared = False  # later layers attend to what this one hands out (KV sharing): never stand-ins
-        self._handed: tuple[int, int] | None = None  # (forward serial, id of the keys the last update handed out)
         self.view = LayerSlotView(self)  # all the policy is given of this layer (hf_kvcache.policies.view)
 
     @property
@@ -141,17 +140,6 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- the update ---------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self._update(key_states, value_states)
-        if self.kv_shared:  # the bridge recognises a KV-sharing layer's attention by these keys (`hands_out`)
-            self._handed = (self.forward_info.serial, id(keys))
-        return keys, values
-
-    def hands_out(self, keys: torch.Tensor) -> bool:
-        """Whether `keys` are what this layer's update handed out in the current forward (a KV-sharing layer of the
-        model attends to them, with this layer's validity)."""
-        return self._handed == (self.forward_info.serial, id(keys))
-
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.slot_valid.shape[0]:

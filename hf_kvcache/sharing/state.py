@@ -48,7 +48,7 @@ METADATA_KEY = "hf_kvcache"
 #: attributes that are per-forward bookkeeping or references to shared helpers, never state
 _TRANSIENT = frozenset({
     "forward_info", "_served_forward", "_attended_forward", "_attention_columns", "_attention_query_len", "codes_read",
-    "_key_mean_cast", "_handed",
+    "_key_mean_cast",
     "kernel_view",  # the native kernel's view of a layer's store (codes_read.KernelView), remade from the buffers
     "_moved", "_moved_key", "workspace", "rotator", "tensor_parallel",
     "_signed_freq",  # SinkMemory's RoPE frequencies in files from before they moved to the rotator (not saved)
