@@ -228,19 +228,24 @@ def test_no_pickle_and_json_header(tmp_path):
     assert b"pickle" not in path.read_bytes()[:64] and path.read_bytes()[8:9] == b"{"
 
 
-def test_hybrid_model_keeps_transformers_sliding_layers_state(tmp_path):
-    """A model with a sliding-window layer: that layer is transformers' own DynamicSlidingWindowLayer, saved and
-    restored like ours."""
+@pytest.mark.parametrize("make,window_class", [
+    (lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4), "StaticSlidingWindowLayer"),  # fixed capacity
+    (lambda m: hf_kvcache.QuantizedFP8Cache(m), "DynamicSlidingWindowLayer"),  # grows with the stream
+])
+def test_hybrid_model_keeps_transformers_sliding_layers_state(tmp_path, make, window_class):
+    """A model with a sliding-window layer: that layer is transformers' own (StaticCache's under a fixed-capacity
+    cache, DynamicCache's otherwise), saved and restored like ours."""
     def make_model():
         return build_model("qwen2", use_sliding_window=True, sliding_window=4,
                            layer_types=["sliding_attention", "full_attention"])
 
     model = make_model()
-    cache = hf_kvcache.H2OCache(model, heavy=4, recent=4)
-    assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    cache = make(model)
+    assert type(cache.layers[0]).__name__ == window_class
     token, mask = _prefix(model, cache)
     save_cache_state(cache, tmp_path / "s.safetensors")
     resumed = load_cache_state(tmp_path / "s.safetensors", make_model())
+    assert type(resumed.layers[0]).__name__ == window_class
     assert torch.equal(resumed.layers[0].keys, cache.layers[0].keys)
     expected = _continue(model, cache, token, mask)
     model2 = make_model()

@@ -190,7 +190,8 @@ def _make_bridge(name: str):
         cache = active_cache()
         layer = None if cache is None else cache.layers[module.layer_idx]
         if getattr(cache, "kv_shared", False) and not isinstance(layer, CompressedLayer):  # as the layer it reuses
-            layer = cache.kv_producers.get(module.layer_idx, layer)
+            producer = cache.kv_producers.get(module.layer_idx)
+            layer = layer if producer is None else cache.layers[producer]
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)
             if layer.policy.needs_attention and key.shape[1] != layer.heads and not layer.latent_attention:

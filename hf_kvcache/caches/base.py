@@ -150,8 +150,9 @@ class KVCache(Cache, ForwardAnnounced):
                  for layer, layer_type, kwargs in zip(built, layer_types, layer_kwargs)]
         latent = is_latent_attention(config)
         shared = self.kv_shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
-        #: consumer layer index -> the compressed layer whose keys and values it attends to (the bridge attends as it)
-        self.kv_producers = {i: built[j] for i, j in enumerate(kv_sharing_producers(config))
+        #: consumer layer index -> the index of the compressed layer whose keys and values it attends to (the bridge
+        #: attends as that layer; an index, since a cache may replace its layers: KVzip places them at the prompt's end)
+        self.kv_producers = {i: j for i, j in enumerate(kv_sharing_producers(config))
                              if j is not None and isinstance(built[j], CompressedLayer)}
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):

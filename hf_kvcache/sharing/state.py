@@ -38,7 +38,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..caches.base import KVCache
 from ..common.architecture import attention_head_dim, kv_head_count, layer_plan
 from ..common.compile_static import static_values
-from ..integration.cache_layers import DERIVED_FIELDS, is_upstream_layer_object, restore_derived
+from ..integration.cache_layers import DERIVED_FIELDS, is_upstream_layer_object, restore_derived, upstream_layer
 from ..layers.forward_info import ForwardInfo
 
 FORMAT = "hf_kvcache.cache_state"
@@ -294,6 +294,25 @@ def read_cache_state_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+def _windows_as_saved(cache: KVCache, saved_layers) -> None:
+    """Sliding / chunked layers built as the file holds them: DynamicCache's in a file written before such layers of
+    fixed-capacity caches became StaticCache's (`upstream_layer`), so those files still resume (not compileable, as
+    when they were written)."""
+    saved = saved_layers.get("list") if isinstance(saved_layers, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(cache.layers):
+        return  # (the decoder names what is wrong)
+    layer_types, layer_kwargs = layer_plan(cache.config)
+    for i, (enc, layer_type, kwargs) in enumerate(zip(saved, layer_types, layer_kwargs)):
+        name = enc.get("object") if isinstance(enc, dict) else None
+        if name is None or not is_upstream_layer_object(cache.layers[i]):
+            continue
+        for static in (False, True):
+            candidate = upstream_layer(layer_type, kwargs, static)
+            if f"{type(candidate).__module__}.{type(candidate).__qualname__}" == name:
+                cache.layers[i] = candidate
+                break
+
+
 def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type | None = None,
                      device: str | torch.device | None = None) -> KVCache:
     """A cache built from the settings in `path` for `config_or_model` (a model enables the attention bridge, as the
@@ -336,6 +355,7 @@ def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type
     if not isinstance(state, dict) or "layers" not in state:
         raise ValueError(f"{where}: field `state.layers` is missing.")
     restored.enter_state_phase(state.get("cache") or {}, where)
+    _windows_as_saved(restored, state["layers"])
     layers = decoder.value(state["layers"], list(restored.layers), "layers")
     if len(layers) != len(restored.layers):
         raise ValueError(f"{where}: field `state.layers` holds {len(layers)} layers, this cache "
