@@ -66,17 +66,24 @@ def _teacher_forced(model, cache, forward, steps=STEPS):
     return torch.cat(logits, 1), graphs
 
 
+def _eager_and_compiled(model, make, warmup=WARMUP):
+    """Teacher-forced decode logits of a fresh `make()` cache, eager then compiled (full graph), after checking that
+    the cache says it compiles; asserts no recompilation after `warmup` steps. Returns (compiled, eager)."""
+    assert make().is_compileable
+    eager, _ = _teacher_forced(model, make(), model.forward)
+    counters.clear()
+    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
+    assert graphs[warmup:] == [graphs[warmup]] * (STEPS - warmup), graphs  # no recompilation after warm-up
+    return compiled, eager
+
+
 @pytest.mark.parametrize("granularity", ["head", "token"])
 def test_fp8_with_max_length_compiles(granularity):
     torch._dynamo.reset()
     model = build_model("llama", num_hidden_layers=2)
     hf_kvcache.enable(model)
     make = lambda: hf_kvcache.QuantizedFP8Cache(model, granularity=granularity, max_length=PROMPT + STEPS)
-    assert make().is_compileable
-    eager, _ = _teacher_forced(model, make(), model.forward)
-    counters.clear()
-    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
-    assert graphs[2:] == [graphs[2]] * (STEPS - 2), graphs  # no recompilation after warm-up
+    compiled, eager = _eager_and_compiled(model, make, warmup=2)
     if granularity == "head":  # fixed scales: the compiled step computes the very same codes
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     else:  # per-token scales: inductor's x / scale rounds a rare FP8 tie the other way (measured KL ~1e-4)
@@ -103,11 +110,7 @@ def test_hybrid_model_with_kv_sharing_compiles(name):
     model = model_zoo.build("gemma4")
     hf_kvcache.enable(model)
     make = lambda: HYBRID_CACHES[name](model)
-    assert make().is_compileable
-    eager, _ = _teacher_forced(model, make(), model.forward)
-    counters.clear()
-    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
-    assert graphs[WARMUP:] == [graphs[WARMUP]] * (STEPS - WARMUP), graphs
+    compiled, eager = _eager_and_compiled(model, make)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 
@@ -119,12 +122,8 @@ def test_kivi_with_max_length_compiles_and_equals_eager():
     model = build_model("llama", num_hidden_layers=2)
     hf_kvcache.enable(model)
     make = lambda: hf_kvcache.KIVICache(model, max_length=PROMPT + STEPS, **KIVI_FIXED)
-    assert make().is_compileable
-    eager, _ = _teacher_forced(model, make(), model.forward)
-    counters.clear()
-    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
+    compiled, eager = _eager_and_compiled(model, make, warmup=2)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[2:] == [graphs[2]] * (STEPS - 2), graphs  # no recompilation after warm-up
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
@@ -234,11 +233,7 @@ def test_composite_compiles_and_equals_eager(attention):
     fp8_head = {"format": "fp8_e4m3", "granularity": "head"}
     make = lambda: hf_kvcache.CompositeCache(model, regions=composite_regions(fp8_head, "snapkv", window=3),
                                              attention=attention)
-    assert make().is_compileable
-    eager, _ = _teacher_forced(model, make(), model.forward)
-    counters.clear()
-    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
-    assert graphs[WARMUP:] == [graphs[WARMUP]] * (STEPS - WARMUP), graphs
+    compiled, eager = _eager_and_compiled(model, make)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 
@@ -249,11 +244,7 @@ def test_composite_with_per_token_fp8_compiles():
     model = build_model("llama", num_hidden_layers=2)
     hf_kvcache.enable(model)
     make = lambda: hf_kvcache.CompositeCache(model, regions=composite_regions("fp8_e4m3", "h2o"))
-    assert make().is_compileable
-    eager, _ = _teacher_forced(model, make(), model.forward)
-    counters.clear()
-    compiled, graphs = _teacher_forced(model, make(), torch.compile(model.forward, fullgraph=True))
-    assert graphs[WARMUP:] == [graphs[WARMUP]] * (STEPS - WARMUP), graphs
+    compiled, eager = _eager_and_compiled(model, make)
     kl = torch.nn.functional.kl_div(compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     assert kl.mean() < 3e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
