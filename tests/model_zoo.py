@@ -217,6 +217,15 @@ def gemma4(seed=0, dtype=torch.float32):
                   num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
 
 
+def gemma3n(seed=0, dtype=torch.float32):
+    """Gemma 3n (text): AltUp and Laurel blocks, per-layer input embeddings, QK-norm without value scale, and KV
+    sharing: the last two layers attend to the keys and values of the last sliding and full layers before them."""
+    return _build(transformers.Gemma3nTextConfig, transformers.Gemma3nForCausalLM, seed, dtype, head_dim=16,
+                  num_hidden_layers=4, sliding_window=WINDOW, layer_types=HYBRID * 2, num_kv_shared_layers=2,
+                  vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, altup_num_inputs=2, laurel_rank=8,
+                  activation_sparsity_pattern=[0.0] * 4)
+
+
 def nanochat(seed=0, dtype=torch.float32):
     """NanoChat: its RoPE turns the other way (rotate_half is (x2, -x1)), QK-norm without weights."""
     return _build(transformers.NanoChatConfig, transformers.NanoChatForCausalLM, seed, dtype, head_dim=16)
@@ -249,6 +258,7 @@ ZOO: dict[str, Callable[..., torch.nn.Module]] = {
     "lfm2": lfm2,
     "diffllama": diffllama,
     "gemma4": gemma4,
+    "gemma3n": gemma3n,
     "nanochat": nanochat,
 }
 
