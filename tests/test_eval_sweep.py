@@ -232,6 +232,28 @@ def test_measured_bytes_next_to_theory():
     assert torch.get_num_threads() >= 1
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_theory_counts_hybrid_models_layer_by_layer(arch):
+    """Gemma 3 (sliding layers of window 8 next to full layers) and Gemma 4 (its full layers with their own head_dim,
+    two layers sharing earlier layers' keys and values): what DynamicCache holds after 40 tokens is the theory's
+    dense bytes exactly (sliding layers hold their window, shared layers nothing), where counting every layer at
+    every token overstated it; a sink cache's theory counts its budget on full layers only."""
+    import model_zoo
+    from conftest import random_ids
+
+    model = model_zoo.build(arch)
+    rows = memory.measured_vs_theory(model, [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4,
+                                                                                             "budget": 16})],
+                                     random_ids(1, 40, seed=2), decode_tokens=4)
+    dyn, sink = rows
+    layers = model.config.num_hidden_layers
+    assert dyn["theory_bytes"] == dyn["dense_bytes"]
+    assert 0 <= dyn["measured_bytes"] - dyn["theory_bytes"] <= 8 * layers  # (+ a layer's int64 counter tensor)
+    assert dyn["dense_bytes"] < 0.7 * memory.kv_cache_bytes(memory.shape_from_config(model.config), "fp32", 40)
+    window = memory.model_kv_bytes(model.config, "fp32", 0, 40)  # the sliding layers alone
+    assert window > 0 and sink["theory_bytes"] - window == (dyn["theory_bytes"] - window) * 16 / 40
+
+
 def test_report_only_writes_reports_without_running(tmp_path):
     from hf_kvcache.evaluation.sweep import run_sweep
 

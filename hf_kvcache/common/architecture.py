@@ -86,6 +86,13 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_kv_shape(config, index: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of decoder layer `index`: its own on a heterogeneous config (Gemma 4's sliding layers
+    differ from its full layers), else the config's."""
+    view = layer_config(config, index)
+    return getattr(view, "num_key_value_heads", None) or view.num_attention_heads, _head_dim(view)
+
+
 def attention_head_dim(config) -> int:
     """Size of the keys a standard attention layer caches (head_dim, or hidden_size / heads), of the layers our caches
     compress (`compressed_layer_config`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.architecture import attention_head_dim, kv_head_count
+from ..common.architecture import COMPRESSED_TYPE, attention_head_dim, kv_head_count, layer_kv_shape, layer_plan
 from ..integration.cache_argument import cache_kwargs
 
 
@@ -114,6 +114,34 @@ def shape_from_config(config, name: str | None = None) -> KVShape:
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
                    attention_head_dim(config))
+
+
+#: layer types that hold no keys and values (KV-sharing consumers, linear attention / convolution states)
+NO_KV_TYPES = ("dummy", "conv", "linear_attention")
+
+
+def model_kv_bytes(config, precision="fp16", kept: int = 1, total: int | None = None, batch: int = 1) -> float:
+    """Bytes of keys and values a model holds after `total` tokens (default `kept`), layer by layer as its caches hold
+    them: a layer our caches compress (full attention) `kept` tokens (`total` for the full cache), a sliding /
+    chunked layer min(total, its window), a KV-sharing or linear-attention layer none, any other layer `total`;
+    each layer at its own KV heads and head_dim. Without sliding or shared layers this is `kv_cache_bytes` of
+    `shape_from_config(config)`; for a hybrid model (Gemma 2/3, GPT-OSS, ...) a window-only layer no longer counts as
+    holding the whole stream."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    total = kept if total is None else total
+    bytes_per_value = get_precision(precision).bytes_per_value
+    shape = shape_from_config(config)  # the compressed layers' (kv_head_count / attention_head_dim)
+    out = 0.0
+    for index, (layer_type, kwargs) in enumerate(zip(*layer_plan(config))):
+        if layer_type in NO_KV_TYPES:
+            continue
+        if layer_type == COMPRESSED_TYPE:
+            heads, dim, tokens = shape.kv_heads, shape.head_dim, kept
+        else:
+            (heads, dim), window = layer_kv_shape(config, index), kwargs.get("sliding_window")
+            tokens = total if window is None else min(total, window)
+        out += 2 * heads * dim * bytes_per_value * tokens * batch
+    return out
 
 
 def get_shape(shape) -> KVShape:
@@ -240,7 +268,6 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
     n = ids.shape[1]
     dtype = next(model.parameters()).dtype
     precision = Precision(str(dtype).replace("torch.", ""), torch.finfo(dtype).bits)
-    shape = shape_from_config(model.config)
     rows = []
     for label, name, config in specs:
         resolved = resolve_config(name, config, n)
@@ -251,8 +278,8 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
                 model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         held = cache_nbytes(cache)
         tokens = expected_tokens(resolved, n)
-        theory = kv_cache_bytes(shape, precision, tokens)
+        theory = model_kv_bytes(model.config, precision, tokens, n)
         rows.append({"cache": label, "tokens_seen": n, "tokens_kept": tokens, "theory_bytes": theory,
                      "measured_bytes": held, "measured_over_theory": held / theory,
-                     "dense_bytes": kv_cache_bytes(shape, precision, n)})
+                     "dense_bytes": model_kv_bytes(model.config, precision, n)})
     return rows
