@@ -273,3 +273,34 @@ def test_latent_attention_quantized_and_refusals():
         QuantizedFP8Cache(model, key_rotation="hadamard")
     with pytest.raises(ValueError, match="position_mode.*latent"):
         SinkCache(model, sinks=2, window=6)
+
+
+def test_static_sliding_layers_crop_only_within_their_window():
+    """Under a fixed-capacity cache a hybrid model's sliding layers are StaticCache's, which cannot bring back tokens
+    they dropped: the cache is croppable (assisted decoding) while every sliding layer holds all it has seen, and
+    past the window it says so; a crop then raises naming the layer before touching any, where transformers' layer
+    would have cropped silently wrong. Assisted generation within the window gives the cache's own tokens; past it,
+    transformers refuses it up front."""
+    import model_zoo
+
+    model, draft = model_zoo.build("gemma3"), model_zoo.build("gemma3", seed=1)  # sliding window 8
+    make = lambda: SinkCache(model, sinks=2, window=40)
+    ids = random_ids(1, 4, seed=3)
+    alone = _generate(model, make(), ids, torch.ones_like(ids), 3)
+    assisted = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, assistant_model=draft,
+                              **cache_kwargs(make()))
+    assert torch.equal(assisted, alone)
+    long = random_ids(1, 12, seed=4)
+    with pytest.raises(ValueError, match="can be cropped"):
+        model.generate(input_ids=long, max_new_tokens=3, do_sample=False, assistant_model=draft,
+                       **cache_kwargs(make()))
+    cache = make()
+    with torch.no_grad():
+        model(long[:, :6], **cache_kwargs(cache))
+        assert cache.is_croppable
+        cache.crop(-2)
+        model(long[:, 4:], **cache_kwargs(cache))  # 12 tokens seen: past the window of 8
+    assert not cache.is_croppable and cache.get_seq_length() == 12
+    with pytest.raises(ValueError, match=r"Cannot crop layer 0 \(StaticSlidingWindowLayer, window 8\): it has seen 12"):
+        cache.crop(-2)
+    assert cache.get_seq_length() == 12 and cache.layers[1].seen == 12  # nothing was cropped

@@ -13,7 +13,7 @@ from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_la
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
 from ..integration.cache_layers import (Cache, CacheLayerMixin, kv_sharing_consumers, kv_sharing_producers,
-                                       upstream_layer, upstream_layer_nbytes)
+                                       upstream_croppable, upstream_layer, upstream_layer_nbytes)
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -200,6 +200,29 @@ class KVCache(Cache, ForwardAnnounced):
         layer = other.layers[index]
         layer.forward_info = self.forward_info
         return layer
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can put every layer back as it was (assisted decoding): ours until they evict, transformers'
+        own as `upstream_croppable` says (a window-sized StaticCache layer only while it holds every token seen)."""
+        return all(layer.is_croppable if isinstance(layer, CompressedLayer) else upstream_croppable(layer)
+                   for layer in self.layers)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens of every layer (assisted decoding), or raise before changing any of them."""
+        if tokens_to_remove < 0:
+            for i, layer in enumerate(self.layers):
+                if isinstance(layer, CompressedLayer):
+                    if not layer.is_croppable:
+                        layer.crop(tokens_to_remove)  # (raises, naming what it evicted)
+                elif not upstream_croppable(layer):
+                    raise ValueError(
+                        f"Cannot crop layer {i} ({type(layer).__name__}, window {layer.max_cache_len}): it has seen "
+                        f"{layer.get_seq_length()} tokens and dropped those before its window, which a crop cannot "
+                        "bring back. Assisted decoding on this hybrid model needs a stream within the window, or a "
+                        "growing cache (fp8 / kivi without `max_length`, whose sliding layers are DynamicCache's)."
+                    )
+        super().crop(tokens_to_remove)
 
     @property
     def compressed_layers(self) -> list[CompressedLayer]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin,
-                                      DynamicLayer)
+                                      DynamicLayer, StaticSlidingWindowLayer)
 from transformers.cache_utils import get_layer_types_and_kwargs as _get_layer_types_and_kwargs
 
 from .contracts import contract, missing_parameters, require, source
@@ -121,15 +121,27 @@ STATIC_LAYER_TYPES = "cache_utils.STATIC_LAYER_TYPE_MAPPING (windowed layers)"
 
 @contract(STATIC_LAYER_TYPES, "STATIC_LAYER_TYPE_MAPPING: layer type -> StaticCache's layer class, built with "
           "max_cache_len and the type's kwargs; its sliding / chunked layers hold min(max_cache_len, sliding_window) "
-          "tokens for any stream length and are compileable",
-          "sliding / chunked layers of hybrid models under fixed-capacity caches (torch.compile)")
+          "tokens for any stream length, are compileable and count the tokens seen in `cumulative_length_int`",
+          "sliding / chunked layers of hybrid models under fixed-capacity caches (torch.compile, crop)")
 def _check_static_layer_types() -> str | None:
     missing = [t for t in WINDOWED_TYPES if t not in STATIC_LAYER_TYPE_MAPPING]
     if missing:
         return f"STATIC_LAYER_TYPE_MAPPING lacks {missing}"
     layer = STATIC_LAYER_TYPE_MAPPING["sliding_attention"](max_cache_len=8, sliding_window=8)
+    if not isinstance(layer, StaticSlidingWindowLayer) or getattr(layer, "cumulative_length_int", None) != 0:
+        return "StaticSlidingWindowLayer no longer counts its tokens in `cumulative_length_int`"
     return None if layer.is_compileable and layer.max_cache_len == 8 else (
         "StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8) is not a compileable layer of 8 tokens")
+
+
+def upstream_croppable(layer) -> bool:
+    """Whether `crop` can put one of transformers' layers back as it was. StaticCache's windowed layer says so from its
+    sizes alone (max_cache_len <= sliding_window: true of the window-sized layers `upstream_layer` builds), but once
+    it has seen more tokens than its window it has dropped some, and a crop would leave it wrong."""
+    if isinstance(layer, StaticSlidingWindowLayer):
+        require(STATIC_LAYER_TYPES)
+        return layer.cumulative_length_int <= layer.max_cache_len
+    return layer.is_croppable
 
 
 def known_layer_types() -> list[str]:
@@ -187,4 +199,4 @@ def restore_derived(layer) -> None:
 
 __all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
            "kv_sharing_consumers", "kv_sharing_producers", "layer_types_and_kwargs", "restore_derived",
-           "upstream_layer", "upstream_layer_class", "upstream_layer_nbytes"]
+           "upstream_croppable", "upstream_layer", "upstream_layer_class", "upstream_layer_nbytes"]
