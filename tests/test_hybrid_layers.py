@@ -304,3 +304,21 @@ def test_static_sliding_layers_crop_only_within_their_window():
     with pytest.raises(ValueError, match=r"Cannot crop layer 0 \(StaticSlidingWindowLayer, window 8\): it has seen 12"):
         cache.crop(-2)
     assert cache.get_seq_length() == 12 and cache.layers[1].seen == 12  # nothing was cropped
+
+
+def test_modules_that_update_another_slot_than_their_layer_idx():
+    """HRM runs one stack of attention modules in several recurrent cycles, each cycle's keys and values in its own
+    cache slot (`layer_idx + cycle_offset`), so a module's `layer_idx` is not the layer it just updated: the bridge
+    attends as the layer updated last (`attended_layer`). Greedy tokens equal DynamicCache's, left padding included
+    (before: the bridge attended as slot `layer_idx`, and the caches that read from codes raised)."""
+    config = transformers.AutoConfig.for_model(
+        "hrm_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=256, H_cycles=2, L_cycles=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = 0
+    assert model.config.num_hidden_layers > len({m.layer_idx for m in model.modules() if hasattr(m, "q_proj")})
+    ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
+    want = _generate(model, DynamicCache(config=model.config), ids, mask)
+    for cache in (SinkCache(model, sinks=2, window=60), H2OCache(model, heavy=32, recent=32), QuantizedFP8Cache(model)):
+        assert torch.equal(_generate(model, cache, ids, mask), want), type(cache).__name__

@@ -182,16 +182,26 @@ def _first_call(module, layer, key) -> bool:
     return first
 
 
+def attended_layer(cache, index: int):
+    """The cache layer an attention call of the module with `layer_idx` `index` reads: that layer; for a KV-sharing
+    layer (Gemma 3n / 4) the compressed layer it reuses; and when the last compressed layer updated in this forward
+    is another one, that one: attention follows its module's own update, and HRM's modules update the slot of their
+    recurrent cycle (layer_idx + cycle offset), not their own layer_idx."""
+    layer = cache.layers[index]
+    if not isinstance(layer, CompressedLayer):
+        producer = cache.kv_producers.get(index) if getattr(cache, "kv_shared", False) else None
+        return layer if producer is None else cache.layers[producer]
+    updated = cache.forward_info.updated
+    return layer if updated is None or updated == index else cache.layers[updated]
+
+
 def _make_bridge(name: str):
     sdpa = name == "hf_kvcache_sdpa"
 
     def hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs):
         inner = sdpa_attention_forward if sdpa else eager_attention_for(module)
         cache = active_cache()
-        layer = None if cache is None else cache.layers[module.layer_idx]
-        if getattr(cache, "kv_shared", False) and not isinstance(layer, CompressedLayer):  # as the layer it reuses
-            producer = cache.kv_producers.get(module.layer_idx)
-            layer = layer if producer is None else cache.layers[producer]
+        layer = None if cache is None else attended_layer(cache, module.layer_idx)
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)
             if layer.policy.needs_attention and key.shape[1] != layer.heads and not layer.latent_attention:

@@ -42,8 +42,12 @@ class ForwardInfo:
         self.has_padding = False  # sticky: once padded, columns no longer map to contiguous positions
         self.mask_given = False  # the current forward came with a padding mask
         self.attention_bridged = False  # the model's attention runs through our bridge (set by the pre-hook)
+        # index of the compressed layer whose update ran last in this forward: the layer the next attention call reads
+        # (the bridge's `attended_layer`; HRM's modules update another slot than their own layer_idx)
+        self.updated: int | None = None
 
     def begin(self, q_len: int, batch: int, device, seen: int, attention_mask=None, position_ids=None) -> None:
+        self.updated = None
         if isinstance(attention_mask, dict):  # prepared masks by layer type (generate with a compileable cache)
             attention_mask = attention_mask.get("full_attention", next(iter(attention_mask.values()), None))
         if attention_mask is not None and attention_mask.dim() == 4:

@@ -161,6 +161,7 @@ class CompressedLayer(CacheLayerMixin):
                 "eagerly (generate does, by itself)."
             )
         info = self.forward_info.for_layer(self, key_states.shape[-2])
+        self.forward_info.updated = self.layer_idx  # the next attention call reads this layer (bridge.attended_layer)
         if self.key_rotation is not None:
             if not info.attention_bridged:
                 raise RuntimeError(
