@@ -189,7 +189,7 @@ def attended_layer(cache, index: int):
     recurrent cycle (layer_idx + cycle offset), not their own layer_idx."""
     layer = cache.layers[index]
     if not isinstance(layer, CompressedLayer):
-        producer = cache.kv_producers.get(index) if getattr(cache, "kv_shared", False) else None
+        producer = cache.kv_producers.get(index)
         return layer if producer is None else cache.layers[producer]
     updated = cache.forward_info.updated
     return layer if updated is None or updated == index else cache.layers[updated]

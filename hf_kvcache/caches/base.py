@@ -149,7 +149,7 @@ class KVCache(Cache, ForwardAnnounced):
         built = [upstream_layer(layer_type, kwargs, static) if layer is None else layer
                  for layer, layer_type, kwargs in zip(built, layer_types, layer_kwargs)]
         latent = is_latent_attention(config)
-        shared = self.kv_shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
+        shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
         #: consumer layer index -> the index of the compressed layer whose keys and values it attends to (the bridge
         #: attends as that layer; an index, since a cache may replace its layers: KVzip places them at the prompt's end)
         self.kv_producers = {i: j for i, j in enumerate(kv_sharing_producers(config))

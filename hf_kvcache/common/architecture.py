@@ -86,11 +86,15 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def layer_kv_shape(config, index: int) -> tuple[int, int]:
     """(KV heads, head_dim) of decoder layer `index`: its own on a heterogeneous config (Gemma 4's sliding layers
     differ from its full layers), else the config's."""
     view = layer_config(config, index)
-    return getattr(view, "num_key_value_heads", None) or view.num_attention_heads, _head_dim(view)
+    return _kv_heads(view), _head_dim(view)
 
 
 def attention_head_dim(config) -> int:
@@ -101,5 +105,4 @@ def attention_head_dim(config) -> int:
 
 def kv_head_count(config) -> int:
     """KV heads of the layers our caches compress (num_key_value_heads, or every attention head)."""
-    view = compressed_layer_config(config)
-    return getattr(view, "num_key_value_heads", None) or view.num_attention_heads
+    return _kv_heads(compressed_layer_config(config))

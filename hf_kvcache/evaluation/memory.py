@@ -130,16 +130,15 @@ def model_kv_bytes(config, precision="fp16", kept: int = 1, total: int | None = 
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     total = kept if total is None else total
     bytes_per_value = get_precision(precision).bytes_per_value
-    shape = shape_from_config(config)  # the compressed layers' (kv_head_count / attention_head_dim)
     out = 0.0
     for index, (layer_type, kwargs) in enumerate(zip(*layer_plan(config))):
         if layer_type in NO_KV_TYPES:
             continue
         if layer_type == COMPRESSED_TYPE:
-            heads, dim, tokens = shape.kv_heads, shape.head_dim, kept
-        else:
-            (heads, dim), window = layer_kv_shape(config, index), kwargs.get("sliding_window")
-            tokens = total if window is None else min(total, window)
+            tokens = kept
+        else:  # a window holds at most its window; another layer type of transformers' own, every token
+            tokens = min(total, kwargs.get("sliding_window") or total)
+        heads, dim = layer_kv_shape(config, index)
         out += 2 * heads * dim * bytes_per_value * tokens * batch
     return out
 
