@@ -81,6 +81,28 @@ def test_memory_tables(capsys):
     assert "Max concurrent requests of llama-3-8b" in out
 
 
+def test_memory_of_a_checkpoint_directory(capsys, tmp_path):
+    """--shapes takes a checkpoint directory (or a Hub id: the same function, `shape_from_pretrained`): its
+    config.json, counted layer by layer (the tiny Gemma 3's sliding layers hold their window of 8), its parameter
+    count from the model built on the meta device."""
+    import model_zoo
+
+    from hf_kvcache.evaluation import memory
+
+    model = model_zoo.build("gemma3")
+    model.config.save_pretrained(tmp_path)
+    assert main(["memory", "--shapes", str(tmp_path), "--contexts", "64", "--precisions", "fp16",
+                 "--budgets", "16"]) == 0
+    out = capsys.readouterr().out
+    held = memory.model_kv_bytes(model.config, "fp16", 64)
+    assert held < memory.kv_cache_bytes(memory.KVShape("every layer", model.config.num_hidden_layers,
+                                                       memory.kv_head_count(model.config),
+                                                       memory.attention_head_dim(model.config)), "fp16", 64)
+    assert f"  {memory.format_bytes(held)}" in out
+    params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    assert f"after {params_b:g}B weights" in out and f"Max concurrent requests of {tmp_path}" in out
+
+
 def test_caches_lists_registered_names(capsys):
     from hf_kvcache import CACHE_IMPLEMENTATIONS
 

@@ -199,6 +199,44 @@ def test_memory_calculator_published_figures():
     assert round(memory.kv_cache_bytes("llama-3-70b", "fp16", 128_000) / 1e9, 1) == 41.9
     # Llama-2-7B (MHA): 512 KiB/token, 2 GiB at 4K
     assert memory.kv_cache_bytes("llama-2-7b", "fp16", 4096) == 2 * 2**30
+    # Gemma 3 27B: 10 of its 62 layers hold every token (16 KV heads x 128), the other 52 a window of 1024 tokens;
+    # counted as 62 full layers it would be 496 KiB a token, 62 GiB at 128K instead of 10.4
+    assert memory.bytes_per_token("gemma-3-27b", "fp16") == 80 * kib
+    window = 52 * 1024 * 2 * 16 * 128 * 2
+    assert memory.kv_cache_bytes("gemma-3-27b", "fp16", 131072) == 80 * kib * 131072 + window
+    assert memory.kv_cache_bytes("gemma-3-27b", "fp16", 512) == 62 * 512 * 2 * 16 * 128 * 2  # windows not yet full
+    # a token budget applies to the full layers only (the sliding ones hold their window anyway)
+    assert memory.kv_cache_bytes("gemma-3-27b", "fp16", 131072, kept=4096) == 80 * kib * 4096 + window
+
+
+#: the published hybrid shapes, as transformers' own config classes build them from the same published values
+PUBLISHED_HYBRIDS = {
+    "gemma-2-9b": ("Gemma2Config", dict(num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                                        head_dim=256, hidden_size=3584, sliding_window=4096)),
+    "gemma-3-12b": ("Gemma3TextConfig", dict(num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                                             head_dim=256, hidden_size=3840, sliding_window=1024)),
+    "gemma-3-27b": ("Gemma3TextConfig", dict(num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                                             head_dim=128, hidden_size=5376, sliding_window=1024)),
+    "gpt-oss-20b": ("GptOssConfig", dict(num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                                         head_dim=64, hidden_size=2880, sliding_window=128)),
+    "gpt-oss-120b": ("GptOssConfig", dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+                                          head_dim=64, hidden_size=2880, sliding_window=128)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_HYBRIDS))
+def test_published_hybrid_shapes_follow_transformers_layer_types(name):
+    """Each hybrid in SHAPES has the layer pattern transformers gives its config (layer_types), layer for layer."""
+    import transformers
+
+    class_name, values = PUBLISHED_HYBRIDS[name]
+    from_config = memory.shape_from_config(getattr(transformers, class_name)(**values))
+    published = memory.SHAPES[name]
+    assert from_config.kv_layers() == published.kv_layers()
+    assert (from_config.layers, from_config.kv_heads, from_config.head_dim) == (
+        published.layers, published.kv_heads, published.head_dim)
+    assert any(layer.window for layer in published.kv_layers()) and any(
+        layer.window is None for layer in published.kv_layers())
 
 
 def test_memory_from_config_and_concurrency():
@@ -213,6 +251,10 @@ def test_memory_from_config_and_concurrency():
         memory.bytes_per_token("llama-3-8b", "int5")
     with pytest.raises(ValueError, match="Unknown model shape"):
         memory.bytes_per_token("gpt-9", "fp16")
+    # on a hybrid model a budget leaves the sliding layers' windows: 80 GB, 54 GB of weights, 128K tokens
+    full = memory.max_concurrent_requests(80e9, "gemma-3-27b", "fp16", 131072, 54e9)
+    budget = memory.max_concurrent_requests(80e9, "gemma-3-27b", "fp16", 131072, 54e9, budget_tokens=1024)
+    assert (full, budget) == (2, int(26e9 // (1024 * 80 * 1024 + 52 * 1024 * 2 * 16 * 128 * 2)))
 
 
 def test_measured_bytes_next_to_theory():
@@ -249,7 +291,10 @@ def test_theory_counts_hybrid_models_layer_by_layer(arch):
     layers = model.config.num_hidden_layers
     assert dyn["theory_bytes"] == dyn["dense_bytes"]
     assert 0 <= dyn["measured_bytes"] - dyn["theory_bytes"] <= 8 * layers  # (+ a layer's int64 counter tensor)
-    assert dyn["dense_bytes"] < 0.7 * memory.kv_cache_bytes(memory.shape_from_config(model.config), "fp32", 40)
+    every_layer_every_token = 2 * layers * memory.kv_head_count(model.config) * memory.attention_head_dim(
+        model.config) * 4 * 40
+    assert dyn["dense_bytes"] < 0.7 * every_layer_every_token
+    assert memory.kv_cache_bytes(memory.shape_from_config(model.config), "fp32", 40) == dyn["dense_bytes"]
     window = memory.model_kv_bytes(model.config, "fp32", 0, 40)  # the sliding layers alone
     assert window > 0 and sink["theory_bytes"] - window == (dyn["theory_bytes"] - window) * 16 / 40
 

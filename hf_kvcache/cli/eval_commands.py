@@ -85,17 +85,16 @@ def cmd_memory(args) -> int:
     precisions = args.precisions.split(",")
     for p in precisions:
         m.get_precision(p)
-    shapes = args.shapes.split(",")
-    for s in shapes:
-        m.get_shape(s)
+    shapes = [m.get_shape(s) for s in args.shapes.split(",")]  # a Hub id or directory: its config, read once
     contexts = int_list(args.contexts, "--contexts")
-    print("Bytes per token = 2 x layers x KV heads x head_dim x bytes per value (+ scales per group)\n")
+    print("Bytes per token = 2 x KV heads x head_dim x bytes per value (+ scales per group), summed over the layers "
+          "holding every token;\na sliding-window layer holds at most its window (hybrid models: Gemma 2/3, GPT-OSS)\n")
     print(m.format_rows(m.memory_table(shapes, precisions, contexts),
                         [("model", "model"), ("precision", "precision"), ("bytes_per_token", "per token"),
                          ("tokens", "tokens"), ("bytes", "KV cache")]))
     budgets = [None] + int_list(args.budgets, "--budgets") if args.budgets else [None]
     rows = m.concurrency_table(shapes[0], args.memory_gb * 1e9, args.weight_bits, precisions, contexts, budgets)
-    shape = m.get_shape(shapes[0])
+    shape = shapes[0]
     print(f"\nMax concurrent requests of {shape.name} in {args.memory_gb:g} GB after "
           f"{(shape.params_b or 0):g}B weights at {args.weight_bits} bits (budget: tokens a compressed cache keeps)\n")
     print(m.format_rows(rows, [("precision", "precision"), ("context", "context"), ("budget", "budget"),
@@ -310,11 +309,13 @@ def add_eval_commands(sub) -> None:
     p = sub.add_parser(
         "memory", help="KV-cache memory calculator (and measured bytes with --measure)",
         description="Bytes per token = 2 x layers x KV heads x head_dim x bytes per value, plus one scale (and zero "
-        "point for -asym) per group for integer formats. Prints the KV cache size per context and the max concurrent "
-        "requests in a memory budget; with --measure, loads a model and puts the bytes held by real caches next to "
-        "the calculator.")
+        "point for -asym) per group for integer formats, layer by layer: a sliding-window layer holds at most its "
+        "window (Gemma 2/3, GPT-OSS), a KV-sharing layer nothing. Prints the KV cache size per context and the max "
+        "concurrent requests in a memory budget (a budget: tokens the full-attention layers keep); with --measure, "
+        "loads a model and puts the bytes held by real caches next to the calculator.")
     p.add_argument("--shapes", default="llama-3-8b,llama-3-70b",
-                   help="model shapes, comma-separated (known: see hf_kvcache.evaluation.memory.SHAPES)")
+                   help="model shapes, comma-separated: published ones (see hf_kvcache.evaluation.memory.SHAPES), "
+                        "Hub model ids (org/name: their config.json) or local checkpoint directories")
     p.add_argument("--precisions", default="fp16,fp8,int4-g64",
                    help="comma-separated: fp32, fp16, bf16, fp8, int8-g64, int4-g64, int4-g32-asym, int2-g32-asym")
     p.add_argument("--contexts", default="8192,32768,131072", help="context lengths in tokens, comma-separated")

@@ -42,21 +42,57 @@ def cache_nbytes(cache) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The standard calculator: bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per value, where a
-# quantized value costs bits / 8 plus its share of the per-group scale (and zero point, when asymmetric).
+# The standard calculator, layer by layer: a layer holding every token costs 2 (K and V) x KV heads x head_dim x bytes
+# per value per token, where a quantized value costs bits / 8 plus its share of the per-group scale (and zero point,
+# when asymmetric); a sliding-window layer holds at most its window, a KV-sharing or linear-attention layer nothing.
 # ---------------------------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """One decoder layer's keys and values: KV heads and head_dim, the most tokens it holds (`window`: a sliding /
+    chunked layer; None: every token) and whether it is a full-attention layer, the kind our caches compress (a
+    token budget applies to it)."""
+
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+    compressed: bool = True
+
+    def tokens(self, total: int, kept: int | None = None) -> int:
+        """Tokens this layer holds after `total` tokens when a compressed layer keeps `kept` (None: every one)."""
+        if self.window is not None:
+            return min(total, self.window)
+        return total if kept is None or not self.compressed else min(total, kept)
+
+
+@dataclass(frozen=True)
 class KVShape:
-    """What sizes a KV cache: layers, KV heads (GQA), head dimension; `params` (billions) sizes the weights."""
+    """What sizes a KV cache: layers, KV heads (GQA), head dimension (those of the layers our caches compress);
+    `params_b` (billions) sizes the weights. `layer_kv`, when given, is every layer holding keys, one `LayerKV`
+    each (hybrid models: sliding-window layers next to full ones, layers of their own head size); empty means
+    `layers` full-attention layers of one shape."""
 
     name: str
     layers: int
     kv_heads: int
     head_dim: int
     params_b: float | None = None
+    layer_kv: tuple[LayerKV, ...] = ()
+
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        return self.layer_kv or (LayerKV(self.kv_heads, self.head_dim),) * self.layers
+
+
+def _hybrid(name: str, layers: int, kv_heads: int, head_dim: int, params_b: float, window: int,
+            full_every: int) -> KVShape:
+    """A published sliding / full hybrid: layer i is full attention when (i + 1) % full_every == 0, else a sliding
+    window (Gemma 2 and GPT-OSS: every second layer; Gemma 3: every sixth), all of one KV shape."""
+    return KVShape(name, layers, kv_heads, head_dim, params_b, tuple(
+        LayerKV(kv_heads, head_dim) if (i + 1) % full_every == 0 else LayerKV(kv_heads, head_dim, window, False)
+        for i in range(layers)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +114,8 @@ class Precision:
         return (self.bits + extra) / 8
 
 
-#: published model shapes (config.json of each model)
+#: published model shapes (config.json of each model; the hybrids' layer pattern as their configs' layer_types; params:
+#: the text model's)
 SHAPES: dict[str, KVShape] = {
     s.name: s
     for s in (
@@ -88,8 +125,14 @@ SHAPES: dict[str, KVShape] = {
         KVShape("llama-3-70b", 80, 8, 128, 70.6),
         KVShape("mistral-7b", 32, 8, 128, 7.2),
         KVShape("qwen2.5-7b", 28, 4, 128, 7.6),
+        KVShape("qwen3-8b", 36, 8, 128, 8.2),
         KVShape("smollm2-135m", 30, 3, 64, 0.135),
         KVShape("smollm2-1.7b", 24, 32, 64, 1.7),
+        _hybrid("gemma-2-9b", 42, 8, 256, 9.2, window=4096, full_every=2),
+        _hybrid("gemma-3-12b", 48, 8, 256, 11.8, window=1024, full_every=6),
+        _hybrid("gemma-3-27b", 62, 16, 128, 27.0, window=1024, full_every=6),
+        _hybrid("gpt-oss-20b", 24, 8, 64, 20.9, window=128, full_every=2),
+        _hybrid("gpt-oss-120b", 36, 8, 64, 116.8, window=128, full_every=2),
     )
 }
 
@@ -107,49 +150,70 @@ PRECISIONS: dict[str, Precision] = {
     )
 }
 
-
-def shape_from_config(config, name: str | None = None) -> KVShape:
-    """The KV shape of any transformers decoder config (GQA and explicit `head_dim` included; a heterogeneous config,
-    Gemma 4's, by its full-attention layers' shape)."""
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
-                   attention_head_dim(config))
-
-
 #: layer types that hold no keys and values (KV-sharing consumers, linear attention / convolution states)
 NO_KV_TYPES = ("dummy", "conv", "linear_attention")
 
 
-def model_kv_bytes(config, precision="fp16", kept: int = 1, total: int | None = None, batch: int = 1) -> float:
-    """Bytes of keys and values a model holds after `total` tokens (default `kept`), layer by layer as its caches hold
-    them: a layer our caches compress (full attention) `kept` tokens (`total` for the full cache), a sliding /
-    chunked layer min(total, its window), a KV-sharing or linear-attention layer none, any other layer `total`;
-    each layer at its own KV heads and head_dim. Without sliding or shared layers this is `kv_cache_bytes` of
-    `shape_from_config(config)`; for a hybrid model (Gemma 2/3, GPT-OSS, ...) a window-only layer no longer counts as
-    holding the whole stream."""
+def shape_from_config(config, name: str | None = None, params_b: float | None = None) -> KVShape:
+    """The KV shape of any transformers decoder config, layer by layer as its caches hold keys (GQA and explicit
+    `head_dim` included): a layer our caches compress (full attention) holds every token, a sliding / chunked one at
+    most its window, a KV-sharing or linear-attention layer nothing, any other layer type every token; each layer at
+    its own KV heads and head_dim (Gemma 4). `kv_heads` / `head_dim` are those of the compressed layers."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    total = kept if total is None else total
-    bytes_per_value = get_precision(precision).bytes_per_value
-    out = 0.0
+    layer_kv = []
     for index, (layer_type, kwargs) in enumerate(zip(*layer_plan(config))):
         if layer_type in NO_KV_TYPES:
             continue
-        if layer_type == COMPRESSED_TYPE:
-            tokens = kept
-        else:  # a window holds at most its window; another layer type of transformers' own, every token
-            tokens = min(total, kwargs.get("sliding_window") or total)
         heads, dim = layer_kv_shape(config, index)
-        out += 2 * heads * dim * bytes_per_value * tokens * batch
-    return out
+        window = None if layer_type == COMPRESSED_TYPE else kwargs.get("sliding_window")
+        layer_kv.append(LayerKV(heads, dim, window, layer_type == COMPRESSED_TYPE))
+    return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
+                   attention_head_dim(config), params_b, tuple(layer_kv))
+
+
+def model_kv_bytes(config, precision="fp16", kept: int = 1, total: int | None = None, batch: int = 1) -> float:
+    """Bytes of keys and values a model holds after `total` tokens (default `kept`) when the layers our caches
+    compress keep `kept` of them: `kv_cache_bytes` of `shape_from_config(config)`. For a hybrid model (Gemma 2/3,
+    GPT-OSS, ...) a window-only layer does not count as holding the whole stream."""
+    return kv_cache_bytes(shape_from_config(config), precision, kept if total is None else total, batch, kept)
+
+
+def is_model_reference(shape: str) -> bool:
+    """Whether `shape` names a model's config rather than a published shape: a Hub id (`org/name`) or a local
+    directory holding a config.json."""
+    import os
+
+    return "/" in shape or os.path.isfile(os.path.join(shape, "config.json"))
+
+
+def shape_from_pretrained(name_or_path: str) -> KVShape:
+    """The shape of a Hub model or a local checkpoint directory, from its config.json (`AutoConfig`; the Hub id
+    needs the network once, then the local Hub cache), its parameter count from the model built on the meta device
+    (no weights are read)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(name_or_path)
+    shape = shape_from_config(config, name_or_path)
+    for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):  # a VLM's whole model
+        try:
+            with torch.device("meta"):
+                model = getattr(transformers, auto).from_config(config)
+        except ValueError:  # no class of this kind for the config
+            continue
+        return dataclasses.replace(shape, params_b=sum(p.numel() for p in model.parameters()) / 1e9)
+    return shape
 
 
 def get_shape(shape) -> KVShape:
     if isinstance(shape, KVShape):
         return shape
     if isinstance(shape, str):
-        if shape not in SHAPES:
-            raise ValueError(f"Unknown model shape {shape!r}; known shapes are {sorted(SHAPES)} (or pass a config).")
-        return SHAPES[shape]
+        if shape in SHAPES:
+            return SHAPES[shape]
+        if is_model_reference(shape):
+            return shape_from_pretrained(shape)
+        raise ValueError(f"Unknown model shape {shape!r}; known shapes are {sorted(SHAPES)}, or a Hub model id "
+                         "(org/name) or a local directory with a config.json (or pass a config).")
     return shape_from_config(shape)
 
 
@@ -162,21 +226,27 @@ def get_precision(precision) -> Precision:
 
 
 def bytes_per_token(shape, precision="fp16") -> float:
-    """2 x layers x KV heads x head_dim x bytes per value (scales included)."""
+    """Bytes one more token costs once every window is full: 2 x KV heads x head_dim x bytes per value (scales
+    included), summed over the layers that hold every token (all of them, for a model of full-attention layers:
+    2 x layers x KV heads x head_dim x bytes per value)."""
     s, p = get_shape(shape), get_precision(precision)
-    return 2 * s.layers * s.kv_heads * s.head_dim * p.bytes_per_value
+    return sum(2 * layer.kv_heads * layer.head_dim for layer in s.kv_layers() if layer.window is None) \
+        * p.bytes_per_value
 
 
-def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1) -> float:
-    return bytes_per_token(shape, precision) * tokens * batch
+def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1, kept: int | None = None) -> float:
+    """Bytes of keys and values after `tokens` tokens, layer by layer (`LayerKV.tokens`): a sliding-window layer
+    holds at most its window; with `kept`, the compressed layers hold at most that many (a cache's token budget)."""
+    s, p = get_shape(shape), get_precision(precision)
+    per_batch = sum(2 * layer.kv_heads * layer.head_dim * layer.tokens(tokens, kept) for layer in s.kv_layers())
+    return per_batch * p.bytes_per_value * batch
 
 
 def max_concurrent_requests(memory_bytes: float, shape, precision="fp16", context: int = 8192,
                             reserved_bytes: float = 0.0, budget_tokens: int | None = None) -> int:
     """How many requests of `context` tokens fit in `memory_bytes` after `reserved_bytes` (e.g. the weights); a
     compressed cache holding at most `budget_tokens` per request needs only that many."""
-    held = context if budget_tokens is None else min(context, budget_tokens)
-    per_request = kv_cache_bytes(shape, precision, held)
+    per_request = kv_cache_bytes(shape, precision, context, kept=budget_tokens)
     return max(0, int((memory_bytes - reserved_bytes) // per_request))
 
 
@@ -189,7 +259,8 @@ def format_bytes(n: float) -> str:
 
 def memory_table(shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8", "int4-g64"),
                  contexts=(8192, 32768, 131072)) -> list[dict]:
-    """Rows {model, precision, bytes_per_token, tokens, bytes} for every combination."""
+    """Rows {model, precision, bytes_per_token, tokens, bytes} for every combination (bytes layer by layer, so a
+    hybrid model's are not bytes_per_token x tokens)."""
     rows = []
     for shape in shapes:
         s = get_shape(shape)
@@ -197,7 +268,8 @@ def memory_table(shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8"
             per_token = bytes_per_token(s, precision)
             for tokens in contexts:
                 rows.append({"model": s.name, "precision": get_precision(precision).name,
-                             "bytes_per_token": per_token, "tokens": tokens, "bytes": per_token * tokens})
+                             "bytes_per_token": per_token, "tokens": tokens,
+                             "bytes": kv_cache_bytes(s, precision, tokens)})
     return rows
 
 
