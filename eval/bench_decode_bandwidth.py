@@ -19,7 +19,11 @@ native kernel, `cpu_blockwise_attention`; on CUDA the Triton kernel, `triton_blo
 through `blockwise_attention`, whose Python input checks a step also pays.
 Bytes read: the keys' and values' codes, scales and zeros. The
 bound: `tensor.sum()` over float32 buffers of the same total size, timed the same way (a plain read at the machine's
-memory speed with the same threads, or the GPU's). Both as bytes/s and their ratio.
+memory speed with the same threads, or the GPU's). Both as bytes/s and their ratio. On CPU in float32, also the
+arithmetic floor (`multiply_add_floor_ms`): the kernel's unavoidable float32 multiply-adds (one per stored element
+and query row) timed alone, in registers, with the same threads. And the kernel on bytes the CPU's caches already
+hold (`kernel_on_cached_bytes_ms`: the same calls, every one on the first layer's codes): near `kernel_ms`, the
+kernel's arithmetic, not memory, sets its speed.
 
 On CUDA (`--device cuda`): the model in `--dtype` (bfloat16 by default there), each timing between
 `torch.cuda.synchronize()` calls; absolute times are then the GPU's, and the results name it.
@@ -148,6 +152,74 @@ def _kernel_entry(device) -> tuple[str, object]:
     return "native", cpu_blockwise_attention
 
 
+#: The arithmetic floor (CPU): `n` multiply-adds of 16 float32 lanes in 12 independent chains per thread, split over
+#: `threads` OpenMP threads, nothing read from memory; built with the native kernel's flags (-O3 -march=native), so
+#: they run at the vector width the kernel runs at (one AVX-512 register, or two AVX2 ones).
+MULTIPLY_ADD_SOURCE = r"""
+#include <chrono>
+#include <cstdint>
+typedef float v16 __attribute__((vector_size(64)));
+extern "C" double multiply_adds(int64_t n, int64_t threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  float sink = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    v16 a[12], x, y;
+    for (int i = 0; i < 12; ++i) a[i] = (v16){} + 0.001f * i;
+    x = (v16){} + 0.999f;
+    y = (v16){} + 1e-4f;
+    const int64_t rounds = n / threads / 12;
+    for (int64_t k = 0; k < rounds; ++k)
+      for (int i = 0; i < 12; ++i) a[i] = a[i] * x + y;
+    for (int i = 1; i < 12; ++i) a[0] += a[i];
+    for (int i = 0; i < 16; ++i) sink += a[0][i];
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return sink == 12345.0f ? -seconds : seconds;  // (keeps the chains' results live)
+}
+"""
+
+
+def _multiply_adds():
+    """MULTIPLY_ADD_SOURCE built once (a plain shared library: no torch headers, a second to build) and loaded."""
+    import ctypes
+    import hashlib
+    import os
+    import subprocess
+    import tempfile
+
+    digest = hashlib.sha256(MULTIPLY_ADD_SOURCE.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"hf_kvcache_multiply_adds_{digest}"
+    library = folder / "multiply_adds.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "multiply_adds.cpp").write_text(MULTIPLY_ADD_SOURCE)
+        built = folder / f"multiply_adds.{os.getpid()}.so"
+        subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                        str(folder / "multiply_adds.cpp"), "-o", str(built)], check=True, capture_output=True)
+        built.replace(library)
+    function = ctypes.CDLL(str(library)).multiply_adds
+    function.argtypes, function.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
+    return function
+
+
+def multiply_add_floor_ms(n_elements: int, query_rows: int, repeats: int) -> float | None:
+    """The float32 arithmetic a float32 decode kernel cannot do without: one multiply-add per stored element and
+    query row (keys: the dot products; values: the weighted sums), timed alone in 16-lane vectors with torch's
+    threads. The native kernel does these and, on top, its codes' decoding; on this CPU the two together, not the
+    bytes, set its speed. None where the library cannot be built."""
+    import subprocess
+
+    try:
+        multiply_adds = _multiply_adds()
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"(no arithmetic floor: {err})")
+        return None
+    n, threads = n_elements * query_rows // 16, torch.get_num_threads()
+    multiply_adds(n, threads)  # warm-up
+    return 1000 * statistics.median(abs(multiply_adds(n, threads)) for _ in range(repeats))
+
+
 def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64, device="cpu",
                 dtype=torch.float32) -> list[dict]:
     backend, entry = _kernel_entry(device)
@@ -172,24 +244,37 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
                 for buffer in plain:
                     buffer.sum()
 
-            kernel(), checked(), memory()  # warm-up (and the kernel's build)
-            k_times, c_times, m_times = [], [], []
+            def cached():  # the same calls on the first layer's bytes only: after the first, from the CPU's caches
+                ks, vs, _ = made[0]
+                for _ in made:
+                    entry(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
+
+            kernel(), checked(), memory(), cached()  # warm-up (and the kernel's build)
+            k_times, c_times, m_times, h_times = [], [], [], []
             for _ in range(repeats):
-                for fn, out in ((kernel, k_times), (checked, c_times), (memory, m_times)):
+                for fn, out in ((kernel, k_times), (checked, c_times), (memory, m_times), (cached, h_times)):
                     _sync(device)
                     t0 = time.perf_counter()
                     fn()
                     _sync(device)
                     out.append(time.perf_counter() - t0)
-            k_s, c_s, m_s = (statistics.median(t) for t in (k_times, c_times, m_times))
+            k_s, c_s, m_s, h_s = (statistics.median(t) for t in (k_times, c_times, m_times, h_times))
+            floor = None  # (a GPU's arithmetic is not what bounds its kernel)
+            if torch.device(device).type == "cpu" and dtype == torch.float32:
+                floor = multiply_add_floor_ms(2 * layers * heads * n * dim, groups, repeats)
             rows.append({"part": "kernel", "cache": f"{layout} ({backend} kernel)", "context": n, "layers": layers,
                          "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9,
                          "read_bound_gb_per_s": read / m_s / 1e9, "share_of_bound": m_s / k_s,
+                         "read_bound_ms": m_s * 1000, "multiply_add_floor_ms": floor,
+                         "kernel_on_cached_bytes_ms": h_s * 1000,
                          "kernel_ms": k_s * 1000, "through_blockwise_attention_ms": c_s * 1000,
                          "share_of_bound_through_blockwise_attention": m_s / c_s, "repeats": repeats})
             print(f"{n:6d} {layout:14s} kernel {k_s * 1000:.1f} ms, {rows[-1]['kernel_gb_per_s']:.2f} GB/s; plain "
-                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s: {rows[-1]['share_of_bound']:.2f} of the bound "
-                  f"({m_s / c_s:.2f} through blockwise_attention's checks)", flush=True)
+                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s ({m_s * 1000:.2f} ms): "
+                  f"{rows[-1]['share_of_bound']:.2f} of the bound ({m_s / c_s:.2f} through blockwise_attention's "
+                  f"checks); on one layer's cached bytes {h_s * 1000:.1f} ms"
+                  + ("" if floor is None else f"; its float32 multiply-adds alone {floor:.2f} ms"),
+                  flush=True)
     return rows
 
 

@@ -31,8 +31,20 @@ def test_kernel_rows_count_the_bytes_read_and_compare_with_a_plain_read():
     values = heads * (n * dim // 2 + 2 * 4 * n * dim // 32)
     assert by["kivi int4 (native kernel)"]["bytes_read"] == layers * (keys + values)
     for r in rows:
-        assert r["kernel_ms"] > 0 and r["through_blockwise_attention_ms"] > 0
+        assert r["kernel_ms"] > 0 and r["through_blockwise_attention_ms"] > 0 and r["kernel_on_cached_bytes_ms"] > 0
         assert r["share_of_bound"] == pytest.approx(r["kernel_gb_per_s"] / r["read_bound_gb_per_s"])
+        assert r["read_bound_ms"] == pytest.approx(r["bytes_read"] / r["read_bound_gb_per_s"] / 1e6)
+        assert 0 < r["multiply_add_floor_ms"] < 1000  # built and timed (float32 on CPU)
+
+
+def test_multiply_add_floor_counts_one_per_element_and_query_row(monkeypatch):
+    """The floor times elements x query rows / 16 vector multiply-adds, split over torch's threads."""
+    calls = []
+    monkeypatch.setattr(bench_decode_bandwidth, "_multiply_adds", lambda: lambda n, threads: calls.append(
+        (n, threads)) or 0.002)
+    monkeypatch.setattr(bench_decode_bandwidth.torch, "get_num_threads", lambda: 2)
+    assert bench_decode_bandwidth.multiply_add_floor_ms(2 * 30 * 3 * 8192 * 64, 3, repeats=3) == pytest.approx(2.0)
+    assert calls == [(2 * 30 * 3 * 8192 * 64 * 3 // 16, 2)] * 4  # a warm-up, then the repeats
 
 
 def test_attention_shape_from_a_config():
