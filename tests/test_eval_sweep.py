@@ -255,6 +255,11 @@ def test_memory_from_config_and_concurrency():
     full = memory.max_concurrent_requests(80e9, "gemma-3-27b", "fp16", 131072, 54e9)
     budget = memory.max_concurrent_requests(80e9, "gemma-3-27b", "fp16", 131072, 54e9, budget_tokens=1024)
     assert (full, budget) == (2, int(26e9 // (1024 * 80 * 1024 + 52 * 1024 * 2 * 16 * 128 * 2)))
+    # a model none of whose layers keeps keys (every one linear attention): no bytes, and no bound to compute
+    recurrent = memory.KVShape("recurrent", 4, 2, 16, layer_kv=())
+    assert memory.kv_cache_bytes(recurrent, "fp16", 1000) == 0 and memory.bytes_per_token(recurrent) == 0
+    with pytest.raises(ValueError, match="recurrent holds no keys and values"):
+        memory.max_concurrent_requests(80e9, recurrent)
 
 
 def test_measured_bytes_next_to_theory():

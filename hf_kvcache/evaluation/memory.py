@@ -72,7 +72,7 @@ class LayerKV:
 class KVShape:
     """What sizes a KV cache: layers, KV heads (GQA), head dimension (those of the layers our caches compress);
     `params_b` (billions) sizes the weights. `layer_kv`, when given, is every layer holding keys, one `LayerKV`
-    each (hybrid models: sliding-window layers next to full ones, layers of their own head size); empty means
+    each (hybrid models: sliding-window layers next to full ones, layers of their own head size); None means
     `layers` full-attention layers of one shape."""
 
     name: str
@@ -80,10 +80,10 @@ class KVShape:
     kv_heads: int
     head_dim: int
     params_b: float | None = None
-    layer_kv: tuple[LayerKV, ...] = ()
+    layer_kv: tuple[LayerKV, ...] | None = None
 
     def kv_layers(self) -> tuple[LayerKV, ...]:
-        return self.layer_kv or (LayerKV(self.kv_heads, self.head_dim),) * self.layers
+        return self.layer_kv if self.layer_kv is not None else (LayerKV(self.kv_heads, self.head_dim),) * self.layers
 
 
 def _hybrid(name: str, layers: int, kv_heads: int, head_dim: int, params_b: float, window: int,
@@ -247,6 +247,9 @@ def max_concurrent_requests(memory_bytes: float, shape, precision="fp16", contex
     """How many requests of `context` tokens fit in `memory_bytes` after `reserved_bytes` (e.g. the weights); a
     compressed cache holding at most `budget_tokens` per request needs only that many."""
     per_request = kv_cache_bytes(shape, precision, context, kept=budget_tokens)
+    if per_request <= 0:
+        raise ValueError(f"{get_shape(shape).name} holds no keys and values (no attention layer keeps a KV cache): "
+                         "no KV-cache bound on its concurrent requests.")
     return max(0, int((memory_bytes - reserved_bytes) // per_request))
 
 
