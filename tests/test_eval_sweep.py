@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import model_zoo
 import pytest
 from conftest import build_model
 
@@ -237,6 +238,50 @@ def test_published_hybrid_shapes_follow_transformers_layer_types(name):
         published.layers, published.kv_heads, published.head_dim)
     assert any(layer.window for layer in published.kv_layers()) and any(
         layer.window is None for layer in published.kv_layers())
+
+
+def test_published_latent_attention_shape():
+    """DeepSeek-V3 (MLA) caches, per layer and token, its 512-value latent and the keys' 64-value RoPE part: 576
+    values, where its 128 heads of 192-value keys and 128-value values would be 40960 (71x)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    published = memory.SHAPES["deepseek-v3"]
+    assert memory.shape_from_config(config).kv_layers() == published.kv_layers()
+    assert memory.bytes_per_token("deepseek-v3", "bf16") == 61 * 576 * 2
+    assert memory.kv_cache_bytes(config, "bf16", 131072) == 61 * 576 * 2 * 131072  # 8.6 GiB at 128K
+
+
+@pytest.mark.parametrize("arch", sorted(model_zoo.ZOO))
+def test_theory_is_what_dynamic_cache_holds_on_every_architecture(arch):
+    """For every architecture of the model zoo, the calculator's bytes after 40 tokens (`model_kv_bytes`, layer by
+    layer) are what transformers' DynamicCache holds in its layers that keep keys and values, give or take a layer's
+    int64 token counter: sliding windows, KV sharing, head sizes per layer, MLA's latent included. (Linear-attention
+    and convolution layers keep a fixed state per request, not a KV cache; the calculator leaves them out. The
+    tokens end with one-token steps: right after a prompt, a DynamicCache sliding layer's window is a view into the
+    prompt's whole keys, which it holds until its next update.)"""
+    import torch
+    from conftest import random_ids
+    from transformers import DynamicCache
+
+    from hf_kvcache import cache_kwargs
+    from hf_kvcache.common.architecture import layer_plan
+
+    model = model_zoo.build(arch)
+    config = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=config)
+    ids = random_ids(1, 40, seed=2)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :36], **cache_kwargs(cache), use_cache=True)
+        for t in range(36, 40):
+            model(input_ids=ids[:, t: t + 1], **cache_kwargs(cache), use_cache=True)
+    seen: set = set()
+    layer_types, _ = layer_plan(config)
+    held = sum(memory._tensor_bytes(layer, seen) for layer_type, layer in zip(layer_types, cache.layers)
+               if layer_type not in memory.NO_KV_TYPES)
+    theory = memory.model_kv_bytes(config, memory.Precision("fp32", 32), 40)
+    assert 0 <= held - theory <= 8 * len(cache.layers), (held, theory)
 
 
 def test_memory_from_config_and_concurrency():

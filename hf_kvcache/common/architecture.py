@@ -90,11 +90,14 @@ def _kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def layer_kv_shape(config, index: int) -> tuple[int, int]:
-    """(KV heads, head_dim) of decoder layer `index`: its own on a heterogeneous config (Gemma 4's sliding layers
-    differ from its full layers), else the config's."""
+def layer_kv_shape(config, index: int) -> tuple[int, int, int]:
+    """(KV heads, key size, value size) of what decoder layer `index` caches per token: its own on a heterogeneous
+    config (Gemma 4's sliding layers differ from its full layers), else the config's; on a latent-attention model
+    one "head" of the latent (kv_lora_rank) as keys and the keys' RoPE part (qk_rope_head_dim) as values."""
     view = layer_config(config, index)
-    return _kv_heads(view), _head_dim(view)
+    if is_latent_attention(view):
+        return 1, view.kv_lora_rank, view.qk_rope_head_dim
+    return _kv_heads(view), _head_dim(view), _head_dim(view)
 
 
 def attention_head_dim(config) -> int:

@@ -44,7 +44,8 @@ def cache_nbytes(cache) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # The standard calculator, layer by layer: a layer holding every token costs 2 (K and V) x KV heads x head_dim x bytes
 # per value per token, where a quantized value costs bits / 8 plus its share of the per-group scale (and zero point,
-# when asymmetric); a sliding-window layer holds at most its window, a KV-sharing or linear-attention layer nothing.
+# when asymmetric); a sliding-window layer holds at most its window, a KV-sharing or linear-attention layer nothing
+# (its recurrent / convolution state is not a KV cache), a latent-attention layer its latent and RoPE part.
 # ---------------------------------------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -52,14 +53,21 @@ from dataclasses import dataclass  # noqa: E402
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One decoder layer's keys and values: KV heads and head_dim, the most tokens it holds (`window`: a sliding /
-    chunked layer; None: every token) and whether it is a full-attention layer, the kind our caches compress (a
-    token budget applies to it)."""
+    """One decoder layer's keys and values: KV heads and head_dim (`value_dim`: the values' own size, when it differs:
+    a latent-attention layer caches its latent as keys and the keys' RoPE part as values), the most tokens it holds
+    (`window`: a sliding / chunked layer; None: every token) and whether it is a full-attention layer, the kind our
+    caches compress (a token budget applies to it)."""
 
     kv_heads: int
     head_dim: int
     window: int | None = None
     compressed: bool = True
+    value_dim: int | None = None
+
+    @property
+    def values_per_token(self) -> int:
+        """Cached values (keys and values together) per token."""
+        return self.kv_heads * (self.head_dim + (self.head_dim if self.value_dim is None else self.value_dim))
 
     def tokens(self, total: int, kept: int | None = None) -> int:
         """Tokens this layer holds after `total` tokens when a compressed layer keeps `kept` (None: every one)."""
@@ -84,6 +92,12 @@ class KVShape:
 
     def kv_layers(self) -> tuple[LayerKV, ...]:
         return self.layer_kv if self.layer_kv is not None else (LayerKV(self.kv_heads, self.head_dim),) * self.layers
+
+
+def _latent(name: str, layers: int, kv_lora_rank: int, rope_dim: int, params_b: float) -> KVShape:
+    """A published latent-attention (MLA) model: every layer caches its latent (`kv_lora_rank`) and the keys' RoPE
+    part, one "head" of each, whatever its attention heads (DeepSeek-V3 / R1, Kimi K2)."""
+    return KVShape(name, layers, 1, kv_lora_rank, params_b, (LayerKV(1, kv_lora_rank, value_dim=rope_dim),) * layers)
 
 
 def _hybrid(name: str, layers: int, kv_heads: int, head_dim: int, params_b: float, window: int,
@@ -115,7 +129,7 @@ class Precision:
 
 
 #: published model shapes (config.json of each model; the hybrids' layer pattern as their configs' layer_types; params:
-#: the text model's)
+#: the text model's; DeepSeek-V3's cache as transformers' holds it: the latent and RoPE part, 576 values a layer)
 SHAPES: dict[str, KVShape] = {
     s.name: s
     for s in (
@@ -133,6 +147,7 @@ SHAPES: dict[str, KVShape] = {
         _hybrid("gemma-3-27b", 62, 16, 128, 27.0, window=1024, full_every=6),
         _hybrid("gpt-oss-20b", 24, 8, 64, 20.9, window=128, full_every=2),
         _hybrid("gpt-oss-120b", 36, 8, 64, 116.8, window=128, full_every=2),
+        _latent("deepseek-v3", 61, kv_lora_rank=512, rope_dim=64, params_b=671.0),
     )
 }
 
@@ -158,15 +173,17 @@ def shape_from_config(config, name: str | None = None, params_b: float | None = 
     """The KV shape of any transformers decoder config, layer by layer as its caches hold keys (GQA and explicit
     `head_dim` included): a layer our caches compress (full attention) holds every token, a sliding / chunked one at
     most its window, a KV-sharing or linear-attention layer nothing, any other layer type every token; each layer at
-    its own KV heads and head_dim (Gemma 4). `kv_heads` / `head_dim` are those of the compressed layers."""
+    its own KV heads and head_dim (Gemma 4), a latent-attention layer (MLA) as the latent and RoPE part it caches.
+    `kv_heads` / `head_dim` are those of the compressed layers' attention."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_kv = []
     for index, (layer_type, kwargs) in enumerate(zip(*layer_plan(config))):
         if layer_type in NO_KV_TYPES:
             continue
-        heads, dim = layer_kv_shape(config, index)
+        heads, key_dim, value_dim = layer_kv_shape(config, index)
         window = None if layer_type == COMPRESSED_TYPE else kwargs.get("sliding_window")
-        layer_kv.append(LayerKV(heads, dim, window, layer_type == COMPRESSED_TYPE))
+        layer_kv.append(LayerKV(heads, key_dim, window, layer_type == COMPRESSED_TYPE,
+                                None if value_dim == key_dim else value_dim))
     return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
                    attention_head_dim(config), params_b, tuple(layer_kv))
 
@@ -230,15 +247,14 @@ def bytes_per_token(shape, precision="fp16") -> float:
     included), summed over the layers that hold every token (all of them, for a model of full-attention layers:
     2 x layers x KV heads x head_dim x bytes per value)."""
     s, p = get_shape(shape), get_precision(precision)
-    return sum(2 * layer.kv_heads * layer.head_dim for layer in s.kv_layers() if layer.window is None) \
-        * p.bytes_per_value
+    return sum(layer.values_per_token for layer in s.kv_layers() if layer.window is None) * p.bytes_per_value
 
 
 def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1, kept: int | None = None) -> float:
     """Bytes of keys and values after `tokens` tokens, layer by layer (`LayerKV.tokens`): a sliding-window layer
     holds at most its window; with `kept`, the compressed layers hold at most that many (a cache's token budget)."""
     s, p = get_shape(shape), get_precision(precision)
-    per_batch = sum(2 * layer.kv_heads * layer.head_dim * layer.tokens(tokens, kept) for layer in s.kv_layers())
+    per_batch = sum(layer.values_per_token * layer.tokens(tokens, kept) for layer in s.kv_layers())
     return per_batch * p.bytes_per_value * batch
 
 
