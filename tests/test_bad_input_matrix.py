@@ -735,7 +735,7 @@ CASES: list[Case] = [
     cli_case(["retrieval", "--samples", "0"], r"argument --samples: expected a positive integer, got 0"),
     cli_case(["speed", "--rounds", "0"], r"argument --rounds: expected a positive integer, got 0"),
     cli_case(["speed", "--decode-tokens", "-1"], r"argument --decode-tokens: expected a positive integer, got -1"),
-    cli_case(["memory", "--shapes", "gpt-9"], r"Unknown model shape 'gpt-9'; known shapes are \['gemma-2-9b'"),
+    cli_case(["memory", "--shapes", "gpt-9"], r"Unknown model shape 'gpt-9'; known shapes are \['deepseek-v3'"),
     cli_case(["memory", "--precisions", "int3"], r"Unknown precision 'int3'; known precisions are \['fp32'"),
     cli_case(["memory", "--contexts", "abc"], r"--contexts: comma-separated token counts, expected a positive "
              r"integer, got 'abc'"),
