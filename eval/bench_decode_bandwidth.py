@@ -53,7 +53,7 @@ from hf_kvcache import cache_kwargs  # noqa: E402
 from hf_kvcache.common.architecture import attention_head_dim  # noqa: E402
 from hf_kvcache.evaluation.cache_spec import make_cache  # noqa: E402
 from hf_kvcache.kernels.blockwise import blockwise_attention  # noqa: E402
-from hf_kvcache.kernels.cpu_blockwise import cpu_blockwise_attention, unavailable  # noqa: E402
+from hf_kvcache.kernels.cpu_blockwise import FLAGS, cpu_blockwise_attention, unavailable  # noqa: E402
 from hf_kvcache.stores.code_views import from_codec  # noqa: E402
 from hf_kvcache.stores.factory import make_codec  # noqa: E402
 from hf_kvcache.stores.quantization import QuantSpec  # noqa: E402
@@ -153,7 +153,7 @@ def _kernel_entry(device) -> tuple[str, object]:
 
 
 #: The arithmetic floor (CPU): `n` multiply-adds of 16 float32 lanes in 12 independent chains per thread, split over
-#: `threads` OpenMP threads, nothing read from memory; built with the native kernel's flags (-O3 -march=native), so
+#: `threads` OpenMP threads, nothing read from memory; built with the native kernel's flags (`FLAGS`), so
 #: they run at the vector width the kernel runs at (one AVX-512 register, or two AVX2 ones).
 MULTIPLY_ADD_SOURCE = r"""
 #include <chrono>
@@ -195,8 +195,8 @@ def _multiply_adds():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "multiply_adds.cpp").write_text(MULTIPLY_ADD_SOURCE)
         built = folder / f"multiply_adds.{os.getpid()}.so"
-        subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                        str(folder / "multiply_adds.cpp"), "-o", str(built)], check=True, capture_output=True)
+        subprocess.run([os.environ.get("CXX", "c++"), *FLAGS, "-shared", "-fPIC", str(folder / "multiply_adds.cpp"),
+                        "-o", str(built)], check=True, capture_output=True)
         built.replace(library)
     function = ctypes.CDLL(str(library)).multiply_adds
     function.argtypes, function.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double

@@ -94,7 +94,7 @@ def test_memory_of_a_checkpoint_directory(capsys, tmp_path):
     assert main(["memory", "--shapes", str(tmp_path), "--contexts", "64", "--precisions", "fp16",
                  "--budgets", "16"]) == 0
     out = capsys.readouterr().out
-    held = memory.model_kv_bytes(model.config, "fp16", 64)
+    held = memory.kv_cache_bytes(model.config, "fp16", 64)
     assert held < memory.kv_cache_bytes(memory.KVShape("every layer", model.config.num_hidden_layers,
                                                        memory.kv_head_count(model.config),
                                                        memory.attention_head_dim(model.config)), "fp16", 64)

@@ -255,7 +255,7 @@ def test_published_latent_attention_shape():
 
 @pytest.mark.parametrize("arch", sorted(model_zoo.ZOO))
 def test_theory_is_what_dynamic_cache_holds_on_every_architecture(arch):
-    """For every architecture of the model zoo, the calculator's bytes after 40 tokens (`model_kv_bytes`, layer by
+    """For every architecture of the model zoo, the calculator's bytes after 40 tokens (`kv_cache_bytes`, layer by
     layer) are what transformers' DynamicCache holds in its layers that keep keys and values, give or take a layer's
     int64 token counter: sliding windows, KV sharing, head sizes per layer, MLA's latent included. (Linear-attention
     and convolution layers keep a fixed state per request, not a KV cache; the calculator leaves them out. The
@@ -280,7 +280,7 @@ def test_theory_is_what_dynamic_cache_holds_on_every_architecture(arch):
     layer_types, _ = layer_plan(config)
     held = sum(memory._tensor_bytes(layer, seen) for layer_type, layer in zip(layer_types, cache.layers)
                if layer_type not in memory.NO_KV_TYPES)
-    theory = memory.model_kv_bytes(config, memory.Precision("fp32", 32), 40)
+    theory = memory.kv_cache_bytes(config, memory.Precision("fp32", 32), 40)
     assert 0 <= held - theory <= 8 * len(cache.layers), (held, theory)
 
 
@@ -345,7 +345,7 @@ def test_theory_counts_hybrid_models_layer_by_layer(arch):
         model.config) * 4 * 40
     assert dyn["dense_bytes"] < 0.7 * every_layer_every_token
     assert memory.kv_cache_bytes(memory.shape_from_config(model.config), "fp32", 40) == dyn["dense_bytes"]
-    window = memory.model_kv_bytes(model.config, "fp32", 0, 40)  # the sliding layers alone
+    window = memory.kv_cache_bytes(model.config, "fp32", 40, kept=0)  # the sliding layers alone
     assert window > 0 and sink["theory_bytes"] - window == (dyn["theory_bytes"] - window) * 16 / 40
 
 

@@ -188,13 +188,6 @@ def shape_from_config(config, name: str | None = None, params_b: float | None = 
                    attention_head_dim(config), params_b, tuple(layer_kv))
 
 
-def model_kv_bytes(config, precision="fp16", kept: int = 1, total: int | None = None, batch: int = 1) -> float:
-    """Bytes of keys and values a model holds after `total` tokens (default `kept`) when the layers our caches
-    compress keep `kept` of them: `kv_cache_bytes` of `shape_from_config(config)`. For a hybrid model (Gemma 2/3,
-    GPT-OSS, ...) a window-only layer does not count as holding the whole stream."""
-    return kv_cache_bytes(shape_from_config(config), precision, kept if total is None else total, batch, kept)
-
-
 def is_model_reference(shape: str) -> bool:
     """Whether `shape` names a model's config rather than a published shape: a Hub id (`org/name`) or a local
     directory holding a config.json."""
@@ -252,7 +245,8 @@ def bytes_per_token(shape, precision="fp16") -> float:
 
 def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1, kept: int | None = None) -> float:
     """Bytes of keys and values after `tokens` tokens, layer by layer (`LayerKV.tokens`): a sliding-window layer
-    holds at most its window; with `kept`, the compressed layers hold at most that many (a cache's token budget)."""
+    holds at most its window; with `kept`, the compressed layers hold at most that many (a cache's token budget).
+    `shape`: a published name, a `KVShape` or a model config (`shape_from_config`)."""
     s, p = get_shape(shape), get_precision(precision)
     per_batch = sum(layer.values_per_token * layer.tokens(tokens, kept) for layer in s.kv_layers())
     return per_batch * p.bytes_per_value * batch
@@ -358,6 +352,7 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
     n = ids.shape[1]
     dtype = next(model.parameters()).dtype
     precision = Precision(str(dtype).replace("torch.", ""), torch.finfo(dtype).bits)
+    shape = shape_from_config(model.config)  # layer by layer: a hybrid model's sliding layers hold their window
     rows = []
     for label, name, config in specs:
         resolved = resolve_config(name, config, n)
@@ -368,8 +363,8 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
                 model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         held = cache_nbytes(cache)
         tokens = expected_tokens(resolved, n)
-        theory = model_kv_bytes(model.config, precision, tokens, n)
+        theory = kv_cache_bytes(shape, precision, n, kept=tokens)
         rows.append({"cache": label, "tokens_seen": n, "tokens_kept": tokens, "theory_bytes": theory,
                      "measured_bytes": held, "measured_over_theory": held / theory,
-                     "dense_bytes": model_kv_bytes(model.config, precision, n)})
+                     "dense_bytes": kv_cache_bytes(shape, precision, n)})
     return rows

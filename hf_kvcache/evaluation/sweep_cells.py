@@ -96,7 +96,7 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
 
     from .cache_spec import make_cache, resolve_config
     from .divergence import cache_logprobs, divergence_metrics
-    from .memory import Precision, cache_nbytes, expected_tokens, model_kv_bytes
+    from .memory import Precision, cache_nbytes, expected_tokens, kv_cache_bytes, shape_from_config
 
     s, p = ctx.spec, cell.params
     n, total = p["context_len"], p["context_len"] + s.scored_tokens
@@ -109,11 +109,11 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
     elapsed = time.perf_counter() - t0
     m = divergence_metrics(ref, logp, ids[0, n:].cpu())
     dtype = next(ctx.model.parameters()).dtype
-    config = ctx.model.config
+    shape = shape_from_config(ctx.model.config)  # layer by layer: a hybrid model's sliding layers hold their window
     precision = Precision(str(dtype).replace("torch.", ""), torch.finfo(dtype).bits)
     held = cache_nbytes(cache)
-    dense = model_kv_bytes(config, precision, total)
-    theory = model_kv_bytes(config, precision, expected_tokens(resolved, total), total)
+    dense = kv_cache_bytes(shape, precision, total)
+    theory = kv_cache_bytes(shape, precision, total, kept=expected_tokens(resolved, total))
     return [{"metric": "quality", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
              "budget_tokens": _budget_tokens(resolved, p), "config": resolved, "scored_tokens": s.scored_tokens, **m,
              "bytes_held": held, "theory_bytes": theory,

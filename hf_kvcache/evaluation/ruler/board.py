@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..memory import Precision, cache_nbytes, model_kv_bytes
+from ..memory import Precision, cache_nbytes, kv_cache_bytes, shape_from_config
 from . import make_sample
 from .protocol import PROTOCOLS, prompt_parts, run_batch, tail_length
 from .sample import Sample
@@ -134,10 +134,10 @@ def save_samples(path: Path, samples: dict[tuple, Sample]) -> None:
 
 def full_cache_bytes(model, batch: int, tokens: int) -> int:
     """Bytes a full cache holds for `batch` rows of `tokens` tokens at the model's dtype (keys and values of every
-    layer as DynamicCache holds them: sliding layers their window; `model_kv_bytes`), the reference of a fixed
+    layer as DynamicCache holds them: sliding layers their window; `shape_from_config`), the reference of a fixed
     method's measured compression."""
     bits = next(model.parameters()).element_size() * 8
-    return int(model_kv_bytes(model.config, Precision(f"{bits}-bit", bits), tokens, batch=batch))
+    return int(kv_cache_bytes(shape_from_config(model.config), Precision(f"{bits}-bit", bits), tokens, batch))
 
 
 def _batches(group: list[tuple], batch_size: int, tail_of) -> Iterator[list[tuple]]:
