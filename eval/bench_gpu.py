@@ -155,8 +155,13 @@ def tiny_llama(dtype: torch.dtype, device: str, seed: int = 0):
 def load(args, dtype: torch.dtype):
     """(model, token ids [batch, total] on the device)."""
     total = args.prompt_tokens + max(args.new_tokens, args.compile_warmup)
-    if args.tiny:
-        model = tiny_llama(dtype, args.device)
+    if args.tiny or args.config:
+        if args.tiny:
+            model = tiny_llama(dtype, args.device)
+        else:  # a published shape with random weights (eval/gpu/random_models.py): speed needs no trained weights
+            from gpu.random_models import random_model
+
+            model = random_model(args.config, dtype, args.device, layers=args.layers, max_position_embeddings=total)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(2, model.config.vocab_size, (args.batch, total), generator=g)
         return model, ids.to(args.device)
@@ -174,10 +179,10 @@ def resolve_specs(args) -> list[tuple[str, str, dict]]:
     texts = args.cache or [name + (":" + ",".join(f"{k}={v}" for k, v in DEFAULT_CONFIGS[name].items())
                                    if DEFAULT_CONFIGS.get(name) else "")
                            for name in hf_kvcache.CACHE_IMPLEMENTATIONS]
-    specs = [(name, name, {}) for name in REFERENCES]
+    specs = [(name, name, {}) for name in args.references]
     for text in texts:
         label, name, config = parse_cache(text)
-        if name in REFERENCES and not config:
+        if name in args.references and not config:
             continue  # always there
         check_cache(name, config, context_len=args.prompt_tokens, where=f"--cache {text}")
         if any(label == s[0] for s in specs):
@@ -483,6 +488,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="Hub id, local path, or smollm2 (offline, the default)")
     parser.add_argument("--tiny", action="store_true", help="a random 2-layer Llama instead of --model (tests)")
+    parser.add_argument("--config", default=None, help="instead of --model: random weights in a published shape "
+                        "(eval/gpu/random_models.py: smollm2-135m, llama-3.1-8b, qwen3-8b), random token ids")
+    parser.add_argument("--layers", type=int, default=None, help="with --config: keep the first N layers")
+    parser.add_argument("--references", default=",".join(REFERENCES),
+                        help="reference caches run beside the others (default dynamic,static; compiled rows need "
+                             "static, eager rows dynamic)")
     parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.evaluation.corpus)")
     parser.add_argument("--cache", action="append", metavar="NAME:key=value,...",
                         help="a cache to measure (repeatable); default: every registered cache with a default config. "
@@ -502,7 +513,7 @@ def parse_args(argv=None):
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="torch.compile mode; reduce-overhead = CUDA graphs (CUDA only)")
     parser.add_argument("--compile-warmup", type=int, default=5, help="decode steps of the compile warm-up")
-    parser.add_argument("--sync-steps", type=int, default=4, help="decode steps counted for host syncs")
+    parser.add_argument("--sync-steps", type=int, default=4, help="decode steps counted for host syncs (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write NAME.csv and NAME.json here")
     parser.add_argument("--name", default="gpu_bench", help="output file stem (default gpu_bench)")
@@ -522,9 +533,23 @@ def parse_args(argv=None):
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes: choose from {MODES}, got {args.modes}")
-    for key in ("prompt_tokens", "new_tokens", "batch", "rounds", "compile_warmup", "sync_steps"):
+    for key in ("prompt_tokens", "new_tokens", "batch", "rounds", "compile_warmup"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.sync_steps < 0:
+        parser.error("--sync-steps must be >= 0 (0: no host-sync count)")
+    args.references = tuple(r.strip() for r in args.references.split(",") if r.strip())
+    needed = {"eager": "dynamic", "compiled": "static"}
+    if set(args.references) - set(REFERENCES) or any(needed[m] not in args.references for m in args.modes):
+        parser.error(f"--references: a subset of {REFERENCES} holding the reference of each mode in --modes "
+                     f"({', '.join(f'{m}: {needed[m]}' for m in args.modes)}), got {args.references}")
+    if args.config is not None:
+        from gpu.random_models import PUBLISHED
+
+        if args.tiny or args.config not in PUBLISHED:
+            parser.error(f"--config: one of {sorted(PUBLISHED)}, and not with --tiny; got {args.config!r}")
+    elif args.layers is not None:
+        parser.error("--layers needs --config (the published shape whose first N layers to keep)")
     if args.compile_warmup <= RECOMPILE_STREAK:
         parser.error(f"--compile-warmup must be > {RECOMPILE_STREAK} (to tell per-step recompiles apart)")
     return args
@@ -572,7 +597,8 @@ def main(argv=None) -> dict:
             before = rss_now()
             r.run("eager", args.new_tokens)
             memo[label]["rss_growth_bytes"] = rss_now() - before
-            memo[label].update(count_syncs(r, args.sync_steps))
+            if args.sync_steps:
+                memo[label].update(count_syncs(r, args.sync_steps))
         except Exception as err:  # noqa: BLE001 - a cache that cannot run eagerly is reported
             errors[label] = f"{type(err).__name__}: {_short(str(err), 250)}"
         r.last_cache = None
@@ -624,7 +650,8 @@ def main(argv=None) -> dict:
         "cpu_run": not cuda,
         "note": ("CPU run: throughput ratios and compiled speed-ups on a shared CPU say little about a GPU; the "
                  "compile statuses, sync counts and op counts carry over" if not cuda else "CUDA run"),
-        "model": "tiny random Llama (2 layers)" if args.tiny else args.model,
+        "model": ("tiny random Llama (2 layers)" if args.tiny else
+                  f"random {args.config} ({model.config.num_hidden_layers} layers)" if args.config else args.model),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "seconds": round(time.perf_counter() - t_start, 1),
         "environment": {**environment(), **gpu_environment(args)},
@@ -712,7 +739,8 @@ def build_rows(args, specs, runners, samples, memo, errors, compile_info, graphs
                            syncs_prefill=m.get("syncs_prefill"), syncs_per_decode_step=m.get("syncs_per_decode_step"),
                            sync_ops=json.dumps(m.get("sync_ops", {}), sort_keys=True),
                            aten_ops_per_decode_step=m.get("aten_ops_per_decode_step"),
-                           aten_ops_per_step_per_layer=round(m["aten_ops_per_step_per_layer"], 2))
+                           aten_ops_per_step_per_layer=(round(m["aten_ops_per_step_per_layer"], 2)
+                                                        if "aten_ops_per_step_per_layer" in m else None))
                 if dyn.get("aten_ops_per_decode_step"):
                     row["aten_ops_vs_dynamic"] = round(m["aten_ops_per_decode_step"] / dyn["aten_ops_per_decode_step"],
                                                        3)

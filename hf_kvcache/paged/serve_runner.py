@@ -21,8 +21,9 @@ tokens, FP8 pages at 28 MiB were stopped by the token budget at 24 of the 70 for
 requests waiting: their concurrency measured the scheduler as much as the memory).
 
 Measured per run, too: output tokens/s (wall time of generate_batch), time to first token (first token timestamp -
-request creation: includes queueing, as a server sees it), and for every run after the reference, KL / top-1
-against it (hf_kvcache.paged.serve_kl).
+request creation: includes queueing, as a server sees it), inter-token latency (per request, the time between its
+first and last token over the tokens between: `itl_mean_s`, `itl_p50_s`), and for every run after the reference,
+KL / top-1 against it (hf_kvcache.paged.serve_kl).
 
 The result of `run_serve_bench` (written by hf_kvcache.paged.serve_report.write_results): settings (with `out`
 reduced to its file name), transformers and torch versions, prompt and generation lengths, `runs` (one row per
@@ -59,6 +60,9 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
                            f"{next((o.error for o in outputs.values() if o.error), '')}")
     tokens = {rid: list(o.generated_tokens) for rid, o in outputs.items()}
     ttft = [o.timestamps[0] - o.created_time for o in outputs.values() if o.timestamps]
+    # inter-token latency per request: (last token - first token) / (tokens - 1), requests of two tokens or more
+    itl = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outputs.values()
+           if o.timestamps and len(o.timestamps) > 1]
     generated = sum(len(t) for t in tokens.values())
     steady = steady_state(rec.steps)
     peak = max(range(len(rec.steps)), key=lambda i: rec.steps[i].resident_requests)  # first forward at the peak
@@ -86,6 +90,8 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p50_s": statistics.median(ttft),
         "ttft_max_s": max(ttft),
+        "itl_mean_s": statistics.fmean(itl) if itl else None,
+        "itl_p50_s": statistics.median(itl) if itl else None,
         **rec.cache_facts,
     }
 
@@ -100,7 +106,7 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
     install()
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    model, tokenizer = load_model(settings.model, dtype=getattr(torch, settings.dtype))
+    model, tokenizer = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
     prompts, lengths = make_workload(tokenizer, settings)
     eos = tokenizer.eos_token_id
     generation_config = GenerationConfig(max_new_tokens=settings.new_max + 1, do_sample=False, eos_token_id=eos,

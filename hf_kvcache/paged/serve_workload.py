@@ -28,6 +28,7 @@ DEFAULT_FORMATS = ("model", "fp8_e4m3", "int8")
 class ServeBenchSettings:
     model: str = "smollm2"
     dtype: str = "bfloat16"
+    device: str = "cpu"
     # default sweep: memory-bound at every budget, with requests waiting for a steady state of dozens of forwards
     # (model-dtype pages hold ~20-35 requests, FP8 pages ~40-65)
     requests: int = 384
@@ -56,6 +57,8 @@ class ServeBenchSettings:
             raise ValueError(f"`prompt_min` ({self.prompt_min}) must be <= `prompt_max` ({self.prompt_max}).")
         if self.new_min > self.new_max:
             raise ValueError(f"`new_min` ({self.new_min}) must be <= `new_max` ({self.new_max}).")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.split(":")[0] == "cuda"):
+            raise ValueError(f"`device` must be 'cpu' or 'cuda' / 'cuda:N', got {self.device!r}.")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"`dtype` must be one of ('bfloat16', 'float16', 'float32'), got {self.dtype!r}.")
         if not self.formats or self.formats[0] != "model":
