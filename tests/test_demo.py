@@ -77,3 +77,42 @@ def test_progress_bar_per_row_counts_its_forwards(monkeypatch):
 def test_bad_new_tokens_is_refused_by_name():
     with pytest.raises(ValueError, match="new_tokens"):
         run_demo(build_model("llama"), SimpleNamespace(pad_token_id=0), random_ids(1, 64), new_tokens=1)
+
+
+def test_a_row_whose_backend_is_missing_says_so_and_the_others_run(monkeypatch, tmp_path):
+    import hf_kvcache.cli.demo as demo
+    from hf_kvcache.cli.demo import format_table
+    from hf_kvcache.stores import quantization
+
+    monkeypatch.setattr(quantization, "backend_available", lambda backend: backend == "torch")
+    monkeypatch.setattr(demo, "demo_specs", lambda n: [s for s in demo_specs(n) if s[1] in ("full", "kivi int4")])
+    rows = run_demo(build_model("llama"), SimpleNamespace(pad_token_id=0), random_ids(1, 64, seed=3), new_tokens=3)
+    assert [r.cache for r in rows] == ["full (DynamicCache)", "kivi int4"]
+    assert rows[0].not_run == "" and rows[0].top1_agreement == 1.0
+    assert "optimum-quanto" in rows[1].not_run and rows[1].top1_agreement != rows[1].top1_agreement  # NaN
+    assert "kivi int4" in format_table(rows) and "not run: " in format_table(rows)
+    paths = write_demo_report(rows, tmp_path, {})
+    assert json.loads(paths[1].read_text())["rows"][1]["not_run"] == rows[1].not_run
+
+
+def test_the_demo_extras_hold_every_backend_its_rows_need():
+    """`make demo` installs the extras it names into a fresh .venv: they must hold a packing backend for the KIVI row
+    (the demo failed on every fresh machine when `eval` lacked one and only `dev` had it)."""
+    import configparser
+    import re
+    from pathlib import Path
+
+    from hf_kvcache.stores.quantization import BACKEND_PACKAGES
+
+    root = Path(__file__).resolve().parents[1]
+    extras_named = re.search(r"^demo:\n\tbash scripts/setup-env.sh (\S+)", (root / "Makefile").read_text(), re.M)
+    assert extras_named, "Makefile's demo target must set up its environment with scripts/setup-env.sh EXTRAS"
+    cfg = configparser.ConfigParser()
+    cfg.read(root / "setup.cfg")
+    extras = cfg["options.extras_require"]
+    requirements = "\n".join(extras[e] for e in extras_named.group(1).split(","))
+    names = {re.split(r"[<>=!;\[ ]", line.strip(), maxsplit=1)[0].lower() for line in requirements.splitlines()
+             if line.strip()}
+    packages = {package.lower() for backend, (module, package) in BACKEND_PACKAGES.items() if backend != "torch"}
+    assert names & packages, f"the demo's extras {extras_named.group(1)!r} hold none of {sorted(packages)}"
+    assert {"matplotlib", "gguf"} <= names  # its plot and the offline model

@@ -40,6 +40,7 @@ class DemoRow:
     top1_agreement: float  # teacher-forced on the full cache's continuation: argmax equal to the full cache's
     seconds: float  # wall time of the row (prefill, generation, teacher-forced pass)
     cpu_seconds: float  # process CPU time of the row (all threads)
+    not_run: str = ""  # why the row could not run here (a missing optional backend); its figures are then NaN
 
 
 def demo_specs(prompt_len: int) -> list[tuple[str, str, dict, str, str]]:
@@ -118,9 +119,16 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 32, p
     model.generate(prompt_ids[:, :64], max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
     rows, reference = [], None
     for label, family, name, config, budget in demo_specs(prompt_len):
-        bar = _row_bar(label, 1 + (new_tokens - 1) * (1 if reference is None else 2), progress)
         wall, cpu = time.perf_counter(), time.process_time()
-        cache = make_cache(model, name, config, context_len=prompt_len, total_len=prompt_len + new_tokens)
+        try:
+            cache = make_cache(model, name, config, context_len=prompt_len, total_len=prompt_len + new_tokens)
+        except ImportError as missing:  # an optional backend (e.g. KIVI's packing): said in the table, not fatal
+            nan = float("nan")
+            rows.append(DemoRow(cache=label, family=family, budget=budget, bytes_held=0, decode_tokens_per_s=nan,
+                                generated_agreement=nan, top1_agreement=nan, seconds=0.0, cpu_seconds=0.0,
+                                not_run=str(missing)))
+            continue
+        bar = _row_bar(label, 1 + (new_tokens - 1) * (1 if reference is None else 2), progress)
         generated, speed, forced = _run_row(model, prompt_ids, cache, new_tokens, reference, pad, bar)
         if reference is None:  # the full cache: its greedy output is the reference (teacher-forced, it is itself)
             reference = forced = generated
@@ -141,6 +149,9 @@ def format_table(rows: list[DemoRow]) -> str:
               f"{'top-1':>8}{'row s':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        if r.not_run:
+            lines.append(f"{r.cache:<24}{r.budget:>8}  not run: {r.not_run}")
+            continue
         lines.append(
             f"{r.cache:<24}{r.budget:>8}{r.bytes_held:>14,}{r.bytes_held / full:>8.2f}x{r.decode_tokens_per_s:>14.1f}"
             f"{r.generated_agreement:>11.2%}{r.top1_agreement:>8.2%}{r.seconds:>8.1f}"

@@ -20,6 +20,8 @@ def plot_demo(rows: list[DemoRow], path) -> Path:
 
     families: dict[str, list[DemoRow]] = {}
     for r in rows:
+        if r.not_run:
+            continue
         families.setdefault(r.family, []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharex=True)
     for family, members in families.items():
