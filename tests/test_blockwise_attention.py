@@ -146,11 +146,10 @@ def _has_avx2() -> bool:
 @pytest.fixture(scope="module")
 def avx2_kernel():
     """The native kernel built for AVX2 without AVX-512 (-march=x86-64-v3): its 16-lane values are pairs of 256-bit
-    registers (cpu_decode.cpp, HF_KVCACHE_V16_PAIR), code this machine's own build (-march=native) does not run."""
+    registers (cpu_decode.cpp, HF_KVCACHE_V16_PAIR), code this machine's own build (x86-64-v4) does not run."""
     if not _has_avx2() or cpu_blockwise.unavailable() is not None:
         pytest.skip("needs an AVX2 CPU and a C++ toolchain")
-    flags = [f for f in cpu_blockwise.FLAGS if not f.startswith("-march=")] + ["-march=x86-64-v3"]
-    return cpu_blockwise._build(flags)
+    return cpu_blockwise._build(cpu_blockwise.compile_flags("x86-64-v3"))
 
 
 @pytest.mark.parametrize("backend", ["torch", "native", "native-avx2"])
@@ -447,6 +446,42 @@ def test_native_build_is_named_for_its_torch_and_python(monkeypatch):
     monkeypatch.setattr(cpu_blockwise.sys, "version_info", (3, 99, 0))
     assert cpu_blockwise.module_name() not in (name, upgraded)
     assert cpu_blockwise.module_name(["-O0"]) != cpu_blockwise.module_name()
+
+
+AVX512_NODE = ("fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2 avx512f "
+               "avx512dq avx512cd avx512bw avx512vl avx512_vnni")
+AVX2_NODE = "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2"
+
+
+def test_native_build_is_keyed_on_the_instruction_set_it_targets(monkeypatch):
+    """Nodes of different CPUs sharing one home directory (~/.cache on NFS) share torch's extension folder: a build
+    made on an AVX-512 node must never load on an AVX2 node (an illegal instruction kills the process, no exception).
+    Two faked CPUs: each builds for its own level, under its own name; CPUs of one level share a build."""
+    assert cpu_blockwise.isa_target("x86_64", AVX512_NODE) == "x86-64-v4"
+    assert cpu_blockwise.isa_target("x86_64", AVX2_NODE) == "x86-64-v3"
+    assert cpu_blockwise.isa_target("x86_64", "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm") == "x86-64-v2"
+    assert cpu_blockwise.isa_target("x86_64", "fpu sse2") == "x86-64"
+    # AVX-512 flags without AVX2 (never seen, but the levels are cumulative): v2, not v4
+    assert cpu_blockwise.isa_target("x86_64", "ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm avx512f avx512dq avx512cd "
+                                    "avx512bw avx512vl") == "x86-64-v2"
+    names = {}
+    for node, features in (("avx512", AVX512_NODE), ("avx2", AVX2_NODE), ("avx512 + fp16", AVX512_NODE + " avx512_fp16")):
+        monkeypatch.setattr(cpu_blockwise, "cpu_features", lambda features=features: features)
+        flags = cpu_blockwise.compile_flags()
+        assert flags.count("-march=native") == 0 and sum(f.startswith("-march=") for f in flags) == 1
+        names[node] = (flags, cpu_blockwise.module_name(flags))
+    assert "-march=x86-64-v4" in names["avx512"][0] and "-march=x86-64-v3" in names["avx2"][0]
+    assert names["avx512"][1] != names["avx2"][1]
+    assert names["avx512"][1] == names["avx512 + fp16"][1]  # same level, same code: one build serves both
+    # elsewhere (Arm): -march=native, named by the CPU's feature list
+    arm = {}
+    monkeypatch.setattr(cpu_blockwise.platform, "machine", lambda: "aarch64")
+    for features in ("fp asimd crc32 atomics", "fp asimd crc32 atomics sve sve2"):
+        monkeypatch.setattr(cpu_blockwise, "cpu_features", lambda features=features: features)
+        flags = cpu_blockwise.compile_flags()
+        assert "-march=native" in flags
+        arm[features] = cpu_blockwise.module_name(flags)
+    assert len(set(arm.values())) == 2
 
 
 def test_native_kernel_is_the_same_on_one_thread_or_several():

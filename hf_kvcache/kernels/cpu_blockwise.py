@@ -10,11 +10,15 @@ arithmetic up to summation order.
 
 The same extension holds the FP8 write of a decode step's new tokens (`cpu_encode.cpp`, hf_kvcache.kernels.cpu_encode).
 
-Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=native -fopenmp`,
-once per version of the sources, torch and Python (`module_name`) into torch's extension cache (`TORCH_EXTENSIONS_DIR`,
-by default ~/.cache/torch_extensions); about a minute on 2 cores, then milliseconds. No compiler, or
-`HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch path. Eager only: under `torch.compile`
-the torch path is traced (inductor writes its own kernels).
+Building: `torch.utils.cpp_extension.load` with the machine's C++ compiler and ninja, `-O3 -march=TARGET -fopenmp`,
+once per version of the sources, torch, Python and instruction set (`module_name`) into torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions); about a minute on 2 cores, then milliseconds. TARGET is
+the instruction set the build may use (`isa_target`): on x86-64 the highest psABI level this CPU has (x86-64-v4 for
+AVX-512, v3 for AVX2 + FMA + F16C: the kernel's code paths), elsewhere `native` keyed by the CPU's feature list. It is
+part of the build's name, so a home directory shared by nodes of different CPUs (`~/.cache` on NFS) holds one build per
+instruction set, and an AVX2 node never loads a build with AVX-512 instructions (that is an illegal instruction, a
+crash, not an exception). No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch
+path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
@@ -35,9 +40,56 @@ logger = logging.getLogger(__name__)
 #: attention (cpu_decode.cpp, which holds the bindings), the FP8 write of new tokens (cpu_encode.cpp) and the sinks'
 #: re-rotation (cpu_rope.cpp), one extension
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_encode.cpp", "cpu_rope.cpp")]
-# -fopenmp: torch's at::parallel_for is inline OpenMP in its headers (AT_PARALLEL_OPENMP); compiled without it, the
-# pragma is dropped and every task runs on the calling thread
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+#: x86-64's micro-architecture levels (the psABI's), lowest first, with the CPU flags (as Linux's /proc/cpuinfo names
+#: them) each adds to the one below; the kernel's code paths are AVX-512F (v4), AVX2 + FMA + F16C (v3) and scalar
+X86_LEVELS = (
+    ("x86-64-v2", frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})),
+    ("x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})),
+    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+)
+
+
+def cpu_features() -> str:
+    """This CPU's feature list as the OS reports it (Linux: the first `flags` line of /proc/cpuinfo on x86, `Features`
+    on Arm); "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def isa_target(machine: str | None = None, features: str | None = None) -> str:
+    """The instruction set a build here targets (the `-march` value): on x86-64 the highest level whose flags the CPU
+    has (any CPU of that level runs the build), else `native:<machine>:<digest of the feature list>` (built with
+    -march=native: only CPUs of the same features share it). `machine` / `features` default to this one's (tests fake
+    other CPUs)."""
+    machine = (machine if machine is not None else platform.machine()).lower()
+    features = features if features is not None else cpu_features()
+    if machine in ("x86_64", "amd64") and features:
+        have, target = set(features.split()), "x86-64"
+        for level, flags in X86_LEVELS:
+            if not flags <= have:
+                break
+            target = level
+        return target
+    return f"native:{machine}:{hashlib.sha1(' '.join(sorted(features.split())).encode()).hexdigest()[:10]}"
+
+
+def compile_flags(target: str | None = None) -> list[str]:
+    """The compiler flags of a build for `target` (`isa_target()` by default). -fopenmp: torch's at::parallel_for is
+    inline OpenMP in its headers (AT_PARALLEL_OPENMP); compiled without it, the pragma is dropped and every task runs
+    on the calling thread. -mtune=native only schedules (any CPU of the target runs the code)."""
+    target = target if target is not None else isa_target()
+    march = "native" if target.startswith("native:") else target
+    return ["-O3", f"-march={march}", "-mtune=native", "-fno-math-errno", "-fopenmp"]
+
+
+FLAGS = compile_flags()
 _FORMAT_IDS = {"none": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 3, "int2": 3}
 _PACK_IDS = {"channel": 1, "token": 2}
 _META = 9  # ints per segment in the kernel's metadata, its token count first (cpu_decode.cpp)
@@ -50,10 +102,13 @@ _failure: str | None = None
 
 
 def build_key(flags: list[str]) -> str:
-    """What a build depends on besides its sources: the flags, torch's version (its headers and ABI: a module built
-    against one torch must not load in another, as it would after an in-place upgrade that keeps every path) and the
-    Python version. Two environments on one machine share torch's extension folder, each with its own builds."""
-    return " ".join([*flags, f"torch={torch.__version__}", f"python={sys.version_info[0]}.{sys.version_info[1]}"])
+    """What a build depends on besides its sources: the flags (the instruction set among them), torch's version (its
+    headers and ABI: a module built against one torch must not load in another, as it would after an in-place upgrade
+    that keeps every path) and the Python version. Two environments on one machine share torch's extension folder,
+    each with its own builds; so do nodes of different CPUs sharing one home directory. `-march=native` means this CPU:
+    its key names the CPU's features (`isa_target`)."""
+    isa = [f"isa={isa_target()}"] if "-march=native" in flags else []
+    return " ".join([*flags, *isa, f"torch={torch.__version__}", f"python={sys.version_info[0]}.{sys.version_info[1]}"])
 
 
 def module_name(flags: list[str] = FLAGS) -> str:
