@@ -79,3 +79,21 @@ def random_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def save_tiny(directory: str, name: str = "smollm2-135m", layers: int = 2) -> str:
+    """A random `name` of `layers` layers with the offline SmolLM2's tokenizer, saved to `directory` (what the CPU
+    run of the serve stage loads: `hf-kvcache serve-bench --model DIRECTORY`, seconds instead of minutes)."""
+    from transformers import AutoTokenizer
+
+    from hf_kvcache.evaluation.models import convert_smollm2
+
+    random_model(name, torch.float32, "cpu", layers=layers).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(str(convert_smollm2())).save_pretrained(directory)
+    return directory
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(save_tiny(*sys.argv[1:2]))

@@ -43,12 +43,12 @@ PLANS = {
         "cells": [("llama-3.1-8b", 4, 8192, 1), ("llama-3.1-8b", 4, 8192, 8), ("qwen3-8b", 4, 8192, 1),
                   ("llama-3.1-8b", 4, 32768, 1), ("llama-3.1-8b", 4, 65536, 1), ("llama-3.1-8b", 4, 32768, 8),
                   ("qwen3-8b", 4, 32768, 1), ("llama-3.1-8b", 4, 65536, 8)],
-        "steps": 32, "rounds": 3, "kernel_lengths": [8192, 32768, 65536], "kernel_layers": 8,
+        "steps": 32, "rounds": 3, "kernel_lengths": [8192, 32768, 65536], "kernel_layers": 8, "repeats": 10,
         "min_cell_s": 45,
     },
     "cpu": {
-        "cells": [("smollm2-135m", 2, 64, 1), ("smollm2-135m", 2, 64, 2)],
-        "steps": 4, "rounds": 2, "kernel_lengths": [256], "kernel_layers": 2, "min_cell_s": 5,
+        "cells": [("smollm2-135m", 2, 64, 2)],
+        "steps": 4, "rounds": 2, "kernel_lengths": [128], "kernel_layers": 1, "min_cell_s": 5, "repeats": 2,
     },
 }
 
@@ -82,9 +82,9 @@ def kernel_cell(plan, device: str, out: Path, timeout: float) -> dict:
         "from gpu.random_models import published_config\n"
         "shape = b.attention_shape(published_config(%r, layers=1))\n"
         "dtype = torch.bfloat16 if %r == 'cuda' else torch.float32\n"
-        "rows = b.kernel_rows(%r, %d, 10, device=%r, dtype=dtype, **shape)\n"
+        "rows = b.kernel_rows(%r, %d, %d, device=%r, dtype=dtype, **shape)\n"
         "json.dump({'model_shape': %r, **shape, 'dtype': str(dtype), 'rows': rows}, open(%r, 'w'), indent=1)\n"
-    ) % (str(EVAL), str(EVAL), config, device, plan["kernel_lengths"], plan["kernel_layers"], device, config,
+    ) % (str(EVAL), str(EVAL), config, device, plan["kernel_lengths"], plan["kernel_layers"], plan["repeats"], device, config,
          str(out / "kernel.json"))
     return _run([sys.executable, "-c", code], "kernel", timeout, out / "kernel.log")
 
