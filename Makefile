@@ -1,15 +1,20 @@
 # The two commands of README.md (`make demo`, `make test`). Each does its own set-up on a fresh machine, installing
 # the exact versions of requirements/lock.txt (what CI tested) into a virtual environment in the repo.
-.PHONY: demo test test-full test-oldest test-newest-torch test-latest lock docs
+.PHONY: demo test test-wheel test-full test-oldest test-newest-torch test-latest lock docs
 
 demo:
 	bash scripts/setup-env.sh eval
 	.venv/bin/hf-kvcache demo
 
-# The whole suite on the lock (the newest supported transformers, the oldest supported torch), then the contract and
-# smoke tests on the oldest supported transformers and on the newest supported torch: both ends of each declared
-# range. CI runs exactly this.
-test: test-full test-oldest test-newest-torch
+# The package as users get it (the wheel built and used from a bare environment), the whole suite on the lock (the
+# newest supported transformers, the oldest supported torch), then the contract and smoke tests on the oldest
+# supported transformers and on the newest supported torch: both ends of each declared range. CI runs `make demo`,
+# then this.
+test: test-wheel test-full test-oldest test-newest-torch
+
+test-wheel:
+	bash scripts/setup-env.sh dev
+	bash scripts/check-wheel.sh
 
 test-full:
 	bash scripts/setup-env.sh dev

@@ -1,4 +1,4 @@
 """The package version, in a module of its own so that every part of the package can read it without importing
 the package root (which imports everything)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

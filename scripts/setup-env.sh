@@ -10,6 +10,8 @@
 #           newest-torch  the lock, but torch at the newest supported release (NEWEST_TORCH below; PyPI's wheel, which
 #                   pulls the CUDA libraries: several GB)
 #           latest  the newest releases of everything (transformers past our declared range too): the canary
+#   HF_KVCACHE_WHEEL=dist/hf_kvcache-X-py3-none-any.whl installs that built wheel with the extras instead of the
+#   checkout in editable mode (scripts/check-wheel.sh: the package as users get it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
@@ -25,7 +27,12 @@ fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
-inputs="$( (cat setup.cfg scripts/setup-env.sh requirements/lock.txt; echo "$TORCH") | sha1sum | cut -c1-12)"
+target=(-e ".[$extras]")
+if [ -n "${HF_KVCACHE_WHEEL:-}" ]; then
+  [ -f "$HF_KVCACHE_WHEEL" ] || { echo "setup-env.sh: HF_KVCACHE_WHEEL '$HF_KVCACHE_WHEEL' is not a file" >&2; exit 2; }
+  target=("$HF_KVCACHE_WHEEL[$extras]")
+fi
+inputs="$( (cat setup.cfg scripts/setup-env.sh requirements/lock.txt; echo "$TORCH ${target[*]}") | sha1sum | cut -c1-12)"
 stamp="$venv/.hf_kvcache-$extras-$mode-$inputs"
 if [ -f "$stamp" ]; then
   exit 0
@@ -43,12 +50,12 @@ case "$mode" in
       cp requirements/lock.txt "$constraints"
     fi
     "${pip[@]}" "$TORCH" 2>&1 | quiet
-    "${pip[@]}" -c "$constraints" -e ".[$extras]" 2>&1 | quiet
+    "${pip[@]}" -c "$constraints" "${target[@]}" 2>&1 | quiet
     ;;
   latest)
     "${pip[@]}" --upgrade pip 2>&1 | quiet
     "${pip[@]}" "$TORCH" 2>&1 | quiet
-    "${pip[@]}" --upgrade --upgrade-strategy eager -e ".[$extras]" 2>&1 | quiet
+    "${pip[@]}" --upgrade --upgrade-strategy eager "${target[@]}" 2>&1 | quiet
     # the newest transformers even past our declared range: this is how drift is seen first
     "${pip[@]}" --upgrade transformers 2>&1 | quiet
     # and the torch asked for, even past our declared range (the project's own pin just put torch back inside it)

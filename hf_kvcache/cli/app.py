@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
+    from ..version import __version__
+
+    parser.add_argument("--version", action="version", version=f"hf-kvcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
