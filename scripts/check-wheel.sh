@@ -11,7 +11,8 @@ venv=.venv-wheel
 start=$SECONDS
 rm -rf dist "$venv"
 log="$(mktemp)"
-.venv/bin/python -m build --no-isolation --outdir dist . > "$log" 2>&1 || { cat "$log" >&2; exit 1; }
+# isolated, as pip builds it for users: the build requirements of pyproject.toml in an environment of their own
+.venv/bin/python -m build --outdir dist . > "$log" 2>&1 || { cat "$log" >&2; exit 1; }
 wheels=(dist/hf_kvcache-*.whl)
 [ ${#wheels[@]} -eq 1 ] || { echo "check-wheel.sh: expected one wheel in dist/, found ${wheels[*]}" >&2; exit 1; }
 ls -l dist/
