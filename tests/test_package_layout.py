@@ -35,7 +35,8 @@ def _layers() -> list[str]:
 
 
 def test_import_contracts_are_kept():
-    """import-linter (the same run as `lint-imports`): the layers and no import circles, lazy imports included."""
+    """import-linter (the same run as `lint-imports`): the layers and no import circles, lazy and type-checking imports
+    included."""
     assert lint_imports(config_filename=str(SETUP), no_cache=True) == 0
 
 

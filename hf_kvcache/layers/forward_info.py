@@ -8,12 +8,7 @@ catches updates outside an announced forward) and `on(device)` (for layers on an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .layer import CompressedLayer
 
 
 class ForwardAnnounced:
@@ -88,16 +83,18 @@ class ForwardInfo:
             self._moved_key, self._moved = key, (self.real.to(device), self.positions.to(device))
         return self._moved
 
-    def for_layer(self, layer: CompressedLayer, q_len: int) -> "ForwardInfo":
-        if self.q_len is None or layer._served_forward == self.serial:
+    def for_layer(self, layer_idx: int, served: int, q_len: int) -> "ForwardInfo":
+        """This forward's info for the update of layer `layer_idx`, which last served forward `served` (its serial;
+        the layer records `serial` once served): an update outside an announced forward, or a second one in the same
+        forward, raises."""
+        if self.q_len is None or served == self.serial:
             raise RuntimeError(
                 "This hf_kvcache cache was updated outside a forward announced by the attention bridge. Use "
                 "`model.generate(...)`, build the cache with the model (`SinkCache(model, ...)`), or call "
                 "`hf_kvcache.enable(model)` once before calling the model directly."
             )
         if q_len != self.q_len:
-            raise RuntimeError(f"Layer {layer.layer_idx} got {q_len} new tokens but the forward announced {self.q_len}.")
-        layer._served_forward = self.serial
+            raise RuntimeError(f"Layer {layer_idx} got {q_len} new tokens but the forward announced {self.q_len}.")
         return self
 
     def reset(self) -> None:

@@ -13,7 +13,7 @@ Contract with attention (see docs/design.md):
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -23,10 +23,8 @@ from ..integration.cache_layers import CacheLayerMixin
 from ..policies.base import Policy
 from ..policies.view import Chunk
 from .codes_read import codes_now, dequantizes, read_codes, resolve_attention, watch_first_prefill
+from .forward_info import ForwardInfo
 from .slot_view import LayerSlotView
-
-if TYPE_CHECKING:
-    from .forward_info import ForwardInfo
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -38,7 +36,7 @@ class CompressedLayer(CacheLayerMixin):
         store whose decode steps are written for it (tested with torch.compile(fullgraph=True))."""
         return self.policy.capacity is not None and self.policy.compileable and getattr(self.store, "compileable", False)
 
-    def __init__(self, policy: Policy, store, forward_info: "ForwardInfo", layer_idx: int):
+    def __init__(self, policy: Policy, store, forward_info: ForwardInfo, layer_idx: int):
         super().__init__()
         self.policy, self.store, self.forward_info, self.layer_idx = policy, store, forward_info, layer_idx
         self.seen = 0  # logical length: tokens of the stream so far, padding included
@@ -160,7 +158,8 @@ class CompressedLayer(CacheLayerMixin):
                 "h2o, random_eviction, composite with a budget, or fp8 / kivi with `max_length`), or run this one "
                 "eagerly (generate does, by itself)."
             )
-        info = self.forward_info.for_layer(self, key_states.shape[-2])
+        info = self.forward_info.for_layer(self.layer_idx, self._served_forward, key_states.shape[-2])
+        self._served_forward = info.serial
         self.forward_info.updated = self.layer_idx  # the next attention call reads this layer (bridge.attended_layer)
         if self.key_rotation is not None:
             if not info.attention_bridged:
