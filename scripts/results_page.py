@@ -326,7 +326,8 @@ def gpu_runs(folder: pathlib.Path = GPU_RUNS) -> str:
         stages = ", ".join(f"{name} {s['status']} ({_num(s['seconds'], 0)} s)"
                            for name, s in summary.get("stages", {}).items())
         parts.append(f"### {run.name}\n\n{summary.get('device_name')}, driver {summary.get('driver')}, CUDA "
-                     f"{summary.get('cuda')}, torch {summary.get('torch')}, transformers {summary.get('transformers')}, "
+                     f"{summary.get('cuda')}, torch {summary.get('torch')}, "
+                     f"transformers {summary.get('transformers')}, "
                      f"commit {summary.get('commit')}. Stages: {stages or 'none'}.")
         rows = []
         for cell in sorted(run.glob("speed/*.csv")):

@@ -84,8 +84,8 @@ def kernel_cell(plan, device: str, out: Path, timeout: float) -> dict:
         "dtype = torch.bfloat16 if %r == 'cuda' else torch.float32\n"
         "rows = b.kernel_rows(%r, %d, %d, device=%r, dtype=dtype, **shape)\n"
         "json.dump({'model_shape': %r, **shape, 'dtype': str(dtype), 'rows': rows}, open(%r, 'w'), indent=1)\n"
-    ) % (str(EVAL), str(EVAL), config, device, plan["kernel_lengths"], plan["kernel_layers"], plan["repeats"], device, config,
-         str(out / "kernel.json"))
+    ) % (str(EVAL), str(EVAL), config, device, plan["kernel_lengths"], plan["kernel_layers"], plan["repeats"], device,
+         config, str(out / "kernel.json"))
     return _run([sys.executable, "-c", code], "kernel", timeout, out / "kernel.log")
 
 
