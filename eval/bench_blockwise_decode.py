@@ -67,21 +67,31 @@ def main() -> None:
                 times = {mode: [] for mode in MODES}
                 for step in range(args.rounds):
                     token = ids[:, length + step : length + step + 1]
-                    order = list(MODES)[step % len(MODES):] + list(MODES)[: step % len(MODES)]  # rotated per round
+                    order = list(MODES)[step % len(MODES) :] + list(MODES)[: step % len(MODES)]  # rotated per round
                     for mode in order:
                         times[mode].append(forward(model, token, caches[mode], MODES[mode][1]))
                 base = statistics.median(times["dequantize"])
                 for mode in MODES:
                     ms = statistics.median(times[mode])
-                    row = {"cache": cache_name, "cached_tokens": length, "mode": mode, "decode_ms": round(ms * 1e3, 2),
-                           "ratio_to_dequantize": round(ms / base, 3), "prefill_s": round(prefill_s[mode], 2),
-                           "workspace_bytes": caches[mode].workspace_nbytes(), "cache_bytes": caches[mode].nbytes()}
+                    row = {
+                        "cache": cache_name,
+                        "cached_tokens": length,
+                        "mode": mode,
+                        "decode_ms": round(ms * 1e3, 2),
+                        "ratio_to_dequantize": round(ms / base, 3),
+                        "prefill_s": round(prefill_s[mode], 2),
+                        "workspace_bytes": caches[mode].workspace_nbytes(),
+                        "cache_bytes": caches[mode].nbytes(),
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct float32, CPU, 1 thread", "rounds": args.rounds,
-                               "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"model": "SmolLM2-135M-Instruct float32, CPU, 1 thread", "rounds": args.rounds, "rows": rows}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ GROWTH_TARGET = 1.10
 CACHES = {
     "h2o": lambda model, budget, attention: hf_kvcache.H2OCache(model, budget=budget),
     "composite": lambda model, budget, attention: hf_kvcache.CompositeCache(
-        model, preset="sinks_heavy_recent", budget=budget, attention=attention),
+        model, preset="sinks_heavy_recent", budget=budget, attention=attention
+    ),
 }
 
 
@@ -89,20 +90,38 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--model", default="smollm2", help="Hub id, local path, or smollm2 (offline, the default)")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu (default) or cuda, where attention='auto' makes the composite attend from its codes")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="default: float32 on CPU, bfloat16 elsewhere")
-    parser.add_argument("--compile", action="store_true",
-                        help="decode through torch.compile(model.forward, fullgraph=True) (prefill eager, as generate "
-                             "does); minutes per cache on CPU")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda, where attention='auto' makes the composite attend from its codes",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: float32 on CPU, bfloat16 elsewhere",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through torch.compile(model.forward, fullgraph=True) (prefill eager, as generate "
+        "does); minutes per cache on CPU",
+    )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
-                             "less disturbed by other processes on a shared machine; needs --threads 1)")
-    parser.add_argument("--attention", choices=("auto", "dequantize", "blockwise"), default="auto",
-                        help="the composite's `attention` option (auto on CPU: decode from the codes with the native "
-                             "kernel; blockwise: from the codes in every forward; dequantize: the old CPU path)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread (far "
+        "less disturbed by other processes on a shared machine; needs --threads 1)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "dequantize", "blockwise"),
+        default="auto",
+        help="the composite's `attention` option (auto on CPU: decode from the codes with the native "
+        "kernel; blockwise: from the codes in every forward; dequantize: the old CPU path)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "composite_decode.json")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
@@ -143,39 +162,49 @@ def main(argv=None) -> None:
                 decode_times(forward, cache, ids, args.prompt, args.warmup, sync=sync)
                 with HostSyncCounter() as counter:  # (eager: a dispatch mode would change what dynamo traces)
                     model(input_ids=ids[:, pos : pos + 1], **cache_kwargs(cache), use_cache=True)
-                configs[f"{name}@{budget}"] = dict(cache=cache, pos=pos + 1, name=name, budget=budget,
-                                                   ops=counter.ops, syncs=counter.syncs, rounds=[])
+                configs[f"{name}@{budget}"] = dict(
+                    cache=cache, pos=pos + 1, name=name, budget=budget, ops=counter.ops, syncs=counter.syncs, rounds=[]
+                )
         print(f"prefill of {len(configs)} configurations: {time.perf_counter() - t0:.0f} s", flush=True)
         labels = list(configs)
         t0 = time.perf_counter()
         for r in range(args.rounds):
-            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                 c = configs[label]
                 times = decode_times(forward, c["cache"], ids, c["pos"], per_round, clock, sync)
                 c["pos"] += per_round
-                c["rounds"].append(statistics.median(times[args.warmup:]))
+                c["rounds"].append(statistics.median(times[args.warmup :]))
             print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     low, high = budgets[0], budgets[-1]
     ratios = {str(b): paired(configs[f"composite@{b}"]["rounds"], configs[f"h2o@{b}"]["rounds"]) for b in budgets}
     growth = paired(configs[f"composite@{high}"]["rounds"], configs[f"composite@{low}"]["rounds"])
     h2o_growth = paired(configs[f"h2o@{high}"]["rounds"], configs[f"h2o@{low}"]["rounds"])
-    spread = {str(b): paired_quartiles(configs[f"composite@{b}"]["rounds"], configs[f"h2o@{b}"]["rounds"])
-              for b in budgets}
+    spread = {
+        str(b): paired_quartiles(configs[f"composite@{b}"]["rounds"], configs[f"h2o@{b}"]["rounds"]) for b in budgets
+    }
     spread["growth"] = paired_quartiles(configs[f"composite@{high}"]["rounds"], configs[f"composite@{low}"]["rounds"])
-    rows = [{
-        "config": label, "cache": c["name"], "budget": c["budget"],
-        "ms_per_token_median": round(1000 * statistics.median(c["rounds"]), 2),
-        "aten_ops_per_decode_step": c["ops"], "host_syncs_per_decode_step": c["syncs"],
-        "bytes_held": c["cache"].nbytes(),
-    } for label, c in configs.items()]
+    rows = [
+        {
+            "config": label,
+            "cache": c["name"],
+            "budget": c["budget"],
+            "ms_per_token_median": round(1000 * statistics.median(c["rounds"]), 2),
+            "aten_ops_per_decode_step": c["ops"],
+            "host_syncs_per_decode_step": c["syncs"],
+            "bytes_held": c["cache"].nbytes(),
+        }
+        for label, c in configs.items()
+    ]
     result = {
         "what": f"CompositeCache(preset='sinks_heavy_recent': 4 sinks full precision + FP8 E4M3 recent + FP8 heavy, "
-                f"attention={args.attention!r}) vs H2OCache(budget) at the same budget, {args.model} "
-                f"{str(dtype).removeprefix('torch.')} {args.device}, {args.prompt}-token prompt, teacher-forced decode"
-                + (", compiled (inductor, fullgraph)" if args.compile else ""),
-        "targets": {"composite_over_h2o": f"<= {RATIO_TARGET} at every budget",
-                    "composite_growth": f"< {GROWTH_TARGET} from budget {low} to {high}"},
+        f"attention={args.attention!r}) vs H2OCache(budget) at the same budget, {args.model} "
+        f"{str(dtype).removeprefix('torch.')} {args.device}, {args.prompt}-token prompt, teacher-forced decode"
+        + (", compiled (inductor, fullgraph)" if args.compile else ""),
+        "targets": {
+            "composite_over_h2o": f"<= {RATIO_TARGET} at every budget",
+            "composite_growth": f"< {GROWTH_TARGET} from budget {low} to {high}",
+        },
         "composite_over_h2o": ratios,
         "composite_growth": growth,
         "h2o_growth": h2o_growth,
@@ -183,10 +212,21 @@ def main(argv=None) -> None:
         "ratio_statistic": "median over rounds of (config median ms/token / reference median in the same round)",
         "round_ratio_quartiles": spread,
         "rows": rows,
-        "method": {"compiled": args.compile, "model": args.model, "device": args.device,
-                   "dtype": str(dtype).removeprefix("torch."), "attention": args.attention, "prompt": args.prompt,
-                   "budgets": budgets, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-                   "threads": args.threads, "clock": args.clock, "interleaved": True},
+        "method": {
+            "compiled": args.compile,
+            "model": args.model,
+            "device": args.device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "attention": args.attention,
+            "prompt": args.prompt,
+            "budgets": budgets,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads": args.threads,
+            "clock": args.clock,
+            "interleaved": True,
+        },
         "load_average_at_end": list(os.getloadavg()),
         "environment": environment(),
     }
@@ -194,8 +234,10 @@ def main(argv=None) -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{'config':<18}{'ms/tok':>9}{'ops/step':>10}{'syncs':>7}{'MB':>8}")
     for row in rows:
-        print(f"{row['config']:<18}{row['ms_per_token_median']:>9.1f}{row['aten_ops_per_decode_step']:>10}"
-              f"{row['host_syncs_per_decode_step']:>7}{row['bytes_held'] / 2**20:>8.2f}")
+        print(
+            f"{row['config']:<18}{row['ms_per_token_median']:>9.1f}{row['aten_ops_per_decode_step']:>10}"
+            f"{row['host_syncs_per_decode_step']:>7}{row['bytes_held'] / 2**20:>8.2f}"
+        )
     print(f"\ncomposite / h2o: {ratios} (target <= {RATIO_TARGET}); per-round quartiles {spread}")
     print(f"composite growth {low} -> {high}: {growth} (target < {GROWTH_TARGET}); h2o growth: {h2o_growth}")
 

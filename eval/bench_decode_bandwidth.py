@@ -59,14 +59,18 @@ from hf_kvcache.stores.factory import make_codec  # noqa: E402
 from hf_kvcache.stores.quantization import QuantSpec  # noqa: E402
 
 #: label -> (cache name, config); "dynamic" is transformers' DynamicCache, the reference
-CACHES = {"dynamic": ("dynamic", {}), "fp8": ("fp8", {}), "kivi int4": ("kivi", {}),
-          "sink 4 + 1020": ("sink", {"sinks": 4, "window": 1020})}
+CACHES = {
+    "dynamic": ("dynamic", {}),
+    "fp8": ("fp8", {}),
+    "kivi int4": ("kivi", {}),
+    "sink 4 + 1020": ("sink", {"sinks": 4, "window": 1020}),
+}
 
 
 @torch.inference_mode()
 def _prefill(model, cache, ids, chunk: int) -> None:
     for start in range(0, ids.shape[1], chunk):
-        model(input_ids=ids[:, start: start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, start : start + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
 
 #: the floor row: a one-token forward with no cache at all (the weights' products and the layers' own work, which
@@ -98,21 +102,32 @@ def decode_rows(model, ids, lengths, caches, rounds: int, steps: int, chunk: int
     token = ids[:, -1:]
     for length in lengths:
         built = {label: make_cache(model, name, dict(config)) for label, (name, config) in caches.items()}
-        for label, cache in built.items():
+        for cache in built.values():
             _prefill(model, cache, ids[:, :length], chunk)
         built[NO_CACHE] = None
         per = {label: [] for label in built}
         labels = list(built)
         for r in range(rounds):
-            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                 per[label].append(_decode_ms(model, built[label], token, steps))
         for label in labels:
             paired = [m / d for m, d in zip(per[label], per["dynamic"])]
-            rows.append({"part": "decode", "cache": label, "context": length,
-                         "decode_ms_per_token": statistics.median(per[label]),
-                         "ratio_to_dynamic": statistics.median(paired), "rounds": rounds, "steps": steps})
-            print(f"{length:6d} {label:14s} {rows[-1]['decode_ms_per_token']:8.2f} ms/token "
-                  f"{rows[-1]['ratio_to_dynamic']:.3f}x dynamic", flush=True)
+            rows.append(
+                {
+                    "part": "decode",
+                    "cache": label,
+                    "context": length,
+                    "decode_ms_per_token": statistics.median(per[label]),
+                    "ratio_to_dynamic": statistics.median(paired),
+                    "rounds": rounds,
+                    "steps": steps,
+                }
+            )
+            print(
+                f"{length:6d} {label:14s} {rows[-1]['decode_ms_per_token']:8.2f} ms/token "
+                f"{rows[-1]['ratio_to_dynamic']:.3f}x dynamic",
+                flush=True,
+            )
         del built
     return rows
 
@@ -120,8 +135,11 @@ def decode_rows(model, ids, lengths, caches, rounds: int, steps: int, chunk: int
 #: the kernel-alone layouts: (keys spec, values spec, tokens per packed block or None), as the caches store them
 LAYOUTS = {
     "fp8 per-token": ({"format": "fp8_e4m3"}, {"format": "fp8_e4m3"}, None),
-    "kivi int4": ({"format": "int4", "granularity": "channel", "group_size": 32, "backend": "quanto"},
-                  {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"}, 32),
+    "kivi int4": (
+        {"format": "int4", "granularity": "channel", "group_size": 32, "backend": "quanto"},
+        {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"},
+        32,
+    ),
 }
 
 
@@ -195,8 +213,19 @@ def _multiply_adds():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "multiply_adds.cpp").write_text(MULTIPLY_ADD_SOURCE)
         built = folder / f"multiply_adds.{os.getpid()}.so"
-        subprocess.run([os.environ.get("CXX", "c++"), *FLAGS, "-shared", "-fPIC", str(folder / "multiply_adds.cpp"),
-                        "-o", str(built)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                os.environ.get("CXX", "c++"),
+                *FLAGS,
+                "-shared",
+                "-fPIC",
+                str(folder / "multiply_adds.cpp"),
+                "-o",
+                str(built),
+            ],
+            check=True,
+            capture_output=True,
+        )
         built.replace(library)
     function = ctypes.CDLL(str(library)).multiply_adds
     function.argtypes, function.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
@@ -220,8 +249,16 @@ def multiply_add_floor_ms(n_elements: int, query_rows: int, repeats: int) -> flo
     return 1000 * statistics.median(abs(multiply_adds(n, threads)) for _ in range(repeats))
 
 
-def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int = 3, dim: int = 64, device="cpu",
-                dtype=torch.float32) -> list[dict]:
+def kernel_rows(
+    lengths,
+    layers: int,
+    repeats: int,
+    heads: int = 3,
+    groups: int = 3,
+    dim: int = 64,
+    device="cpu",
+    dtype=torch.float32,
+) -> list[dict]:
     backend, entry = _kernel_entry(device)
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -234,11 +271,11 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
 
             def kernel():  # the kernel's entry on validated inputs (what a step pays once its inputs are checked)
                 for ks, vs, _ in made:
-                    entry(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
+                    entry(query, [ks], [vs], n, None, dim**-0.5, 0, None, None, False)
 
             def checked():  # the same through blockwise_attention (its input checks and backend choice per call)
                 for ks, vs, _ in made:
-                    blockwise_attention(query, ks, vs, None, dim ** -0.5, backend=backend)
+                    blockwise_attention(query, ks, vs, None, dim**-0.5, backend=backend)
 
             def memory():
                 for buffer in plain:
@@ -247,7 +284,7 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
             def cached():  # the same calls on the first layer's bytes only: after the first, from the CPU's caches
                 ks, vs, _ = made[0]
                 for _ in made:
-                    entry(query, [ks], [vs], n, None, dim ** -0.5, 0, None, None, False)
+                    entry(query, [ks], [vs], n, None, dim**-0.5, 0, None, None, False)
 
             kernel(), checked(), memory(), cached()  # warm-up (and the kernel's build)
             k_times, c_times, m_times, h_times = [], [], [], []
@@ -262,19 +299,33 @@ def kernel_rows(lengths, layers: int, repeats: int, heads: int = 3, groups: int 
             floor = None  # (a GPU's arithmetic is not what bounds its kernel)
             if torch.device(device).type == "cpu" and dtype == torch.float32:
                 floor = multiply_add_floor_ms(2 * layers * heads * n * dim, groups, repeats)
-            rows.append({"part": "kernel", "cache": f"{layout} ({backend} kernel)", "context": n, "layers": layers,
-                         "bytes_read": read, "kernel_gb_per_s": read / k_s / 1e9,
-                         "read_bound_gb_per_s": read / m_s / 1e9, "share_of_bound": m_s / k_s,
-                         "read_bound_ms": m_s * 1000, "multiply_add_floor_ms": floor,
-                         "kernel_on_cached_bytes_ms": h_s * 1000,
-                         "kernel_ms": k_s * 1000, "through_blockwise_attention_ms": c_s * 1000,
-                         "share_of_bound_through_blockwise_attention": m_s / c_s, "repeats": repeats})
-            print(f"{n:6d} {layout:14s} kernel {k_s * 1000:.1f} ms, {rows[-1]['kernel_gb_per_s']:.2f} GB/s; plain "
-                  f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s ({m_s * 1000:.2f} ms): "
-                  f"{rows[-1]['share_of_bound']:.2f} of the bound ({m_s / c_s:.2f} through blockwise_attention's "
-                  f"checks); on one layer's cached bytes {h_s * 1000:.1f} ms"
-                  + ("" if floor is None else f"; its float32 multiply-adds alone {floor:.2f} ms"),
-                  flush=True)
+            rows.append(
+                {
+                    "part": "kernel",
+                    "cache": f"{layout} ({backend} kernel)",
+                    "context": n,
+                    "layers": layers,
+                    "bytes_read": read,
+                    "kernel_gb_per_s": read / k_s / 1e9,
+                    "read_bound_gb_per_s": read / m_s / 1e9,
+                    "share_of_bound": m_s / k_s,
+                    "read_bound_ms": m_s * 1000,
+                    "multiply_add_floor_ms": floor,
+                    "kernel_on_cached_bytes_ms": h_s * 1000,
+                    "kernel_ms": k_s * 1000,
+                    "through_blockwise_attention_ms": c_s * 1000,
+                    "share_of_bound_through_blockwise_attention": m_s / c_s,
+                    "repeats": repeats,
+                }
+            )
+            print(
+                f"{n:6d} {layout:14s} kernel {k_s * 1000:.1f} ms, {rows[-1]['kernel_gb_per_s']:.2f} GB/s; plain "
+                f"read {rows[-1]['read_bound_gb_per_s']:.2f} GB/s ({m_s * 1000:.2f} ms): "
+                f"{rows[-1]['share_of_bound']:.2f} of the bound ({m_s / c_s:.2f} through blockwise_attention's "
+                f"checks); on one layer's cached bytes {h_s * 1000:.1f} ms"
+                + ("" if floor is None else f"; its float32 multiply-adds alone {floor:.2f} ms"),
+                flush=True,
+            )
     return rows
 
 
@@ -317,13 +368,21 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="layers of the kernel-alone part (default: the model's; 30 with --skip-model)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of the kernel-alone part (default: the model's; 30 with --skip-model)",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu (the native kernel) or cuda (Triton)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="model and query dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="model and query dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--skip-model", action="store_true", help="only the kernel-alone part (SmolLM2's shape)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "decode_bandwidth")
     args = parser.parse_args(argv)
@@ -343,10 +402,15 @@ def main(argv=None) -> None:
         caches = {label: CACHES[label] for label in ["dynamic"] + [c for c in args.caches if c != "dynamic"]}
         rows += decode_rows(model, ids.to(args.device), args.lengths, caches, args.rounds, args.steps, args.chunk)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"threads": args.threads, "device": args.device, "dtype": str(dtype).removeprefix("torch."),
-            "model": args.model}
-    args.out.with_suffix(".json").write_text(json.dumps({**info, "rows": rows, "environment": environment()},
-                                                        indent=1) + "\n")
+    info = {
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "model": args.model,
+    }
+    args.out.with_suffix(".json").write_text(
+        json.dumps({**info, "rows": rows, "environment": environment()}, indent=1) + "\n"
+    )
     with args.out.with_suffix(".csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()

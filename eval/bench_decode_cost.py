@@ -72,9 +72,14 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
-    parser.add_argument("--dense-far", type=int, nargs="*", default=[1024, 4096],
-                        help="positions (among --positions) where DynamicCache is also timed, for information; "
-                             "16384 costs a long dense prefill")
+    parser.add_argument(
+        "--dense-far",
+        type=int,
+        nargs="*",
+        default=[1024, 4096],
+        help="positions (among --positions) where DynamicCache is also timed, for information; "
+        "16384 costs a long dense prefill",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--results", type=Path, default=ROOT / "eval" / "results")
     args = parser.parse_args(argv)
@@ -97,8 +102,9 @@ def main(argv=None) -> None:
     configs = {}
     base = DynamicCache(config=model.config)
     prefill_to(model, base, ids, 0, args.baseline, args.chunk)
-    configs[f"dynamic@{args.baseline}"] = dict(cache=base, pos=args.baseline, crop=args.baseline, kind="baseline",
-                                                position=args.baseline)
+    configs[f"dynamic@{args.baseline}"] = dict(
+        cache=base, pos=args.baseline, crop=args.baseline, kind="baseline", position=args.baseline
+    )
     sink = SinkCache(model, sinks=args.sinks, window=args.window, position_mode=args.position_mode)
     dense_far = sorted(set(args.dense_far) & set(positions))
     dense = DynamicCache(config=model.config) if dense_far else None
@@ -109,8 +115,9 @@ def main(argv=None) -> None:
         if p in dense_far:
             prefill_to(model, dense, ids, dense_done, p, args.chunk)
             dense_done = p
-        configs[f"sink{args.sinks}+{args.window}@{p}"] = dict(cache=copy.deepcopy(sink), pos=p, crop=None,
-                                                              kind="sink", position=p)
+        configs[f"sink{args.sinks}+{args.window}@{p}"] = dict(
+            cache=copy.deepcopy(sink), pos=p, crop=None, kind="sink", position=p
+        )
         if p in dense_far:
             configs[f"dynamic@{p}"] = dict(cache=copy.deepcopy(dense), pos=p, crop=p, kind="dense_far", position=p)
     del sink, dense
@@ -121,12 +128,12 @@ def main(argv=None) -> None:
     round_medians = {n: [] for n in names}
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             c = configs[n]
             times = decode_steps(model, c["cache"], ids, c["pos"], per_measure)
-            samples[n].extend(times[args.warmup:])
-            round_medians[n].append(statistics.median(times[args.warmup:]))
+            samples[n].extend(times[args.warmup :])
+            round_medians[n].append(statistics.median(times[args.warmup :]))
             if c["crop"] is not None:
                 # the dense context stays where it was (crop takes minus the number of tokens to drop in 5.x)
                 c["cache"].crop(c["crop"] - c["cache"].get_seq_length())
@@ -143,21 +150,29 @@ def main(argv=None) -> None:
         ms = 1000 * statistics.median(samples[n])
         paired = statistics.median(a / b for a, b in zip(round_medians[n], round_medians[base_name]))
         p10 = sorted(samples[n])[len(samples[n]) // 10]
-        rows.append({
-            "config": n,
-            "kind": c["kind"],
-            "stream_position": c["position"],
-            "kv_tokens_held": min(c["position"], args.sinks + args.window) if c["kind"] == "sink" else c["position"],
-            "cache_mb": round(c["cache"].nbytes() / 2**20 if hasattr(c["cache"], "nbytes") else sum(
-                layer.keys.nbytes + layer.values.nbytes for layer in c["cache"].layers) / 2**20, 2),
-            "ms_per_token_median": round(ms, 3),
-            "ms_p10": round(1000 * p10, 3),
-            "ms_p90": round(1000 * sorted(samples[n])[9 * len(samples[n]) // 10], 3),
-            "samples": len(samples[n]),
-            "ratio_paired": round(paired, 3),
-            "ratio_of_medians": round(ms / base_ms, 3),
-            "ratio_of_p10": round(p10 / base_p10, 3),
-        })
+        rows.append(
+            {
+                "config": n,
+                "kind": c["kind"],
+                "stream_position": c["position"],
+                "kv_tokens_held": min(c["position"], args.sinks + args.window)
+                if c["kind"] == "sink"
+                else c["position"],
+                "cache_mb": round(
+                    c["cache"].nbytes() / 2**20
+                    if hasattr(c["cache"], "nbytes")
+                    else sum(layer.keys.nbytes + layer.values.nbytes for layer in c["cache"].layers) / 2**20,
+                    2,
+                ),
+                "ms_per_token_median": round(ms, 3),
+                "ms_p10": round(1000 * p10, 3),
+                "ms_p90": round(1000 * sorted(samples[n])[9 * len(samples[n]) // 10], 3),
+                "samples": len(samples[n]),
+                "ratio_paired": round(paired, 3),
+                "ratio_of_medians": round(ms / base_ms, 3),
+                "ratio_of_p10": round(p10 / base_p10, 3),
+            }
+        )
     sink_rows = [r for r in rows if r["kind"] == "sink"]
     passed = all(r["ratio_paired"] <= TARGET for r in sink_rows)
 
@@ -168,7 +183,7 @@ def main(argv=None) -> None:
         writer.writerows(rows)
     info = {
         "what": f"SinkCache({args.sinks}+{args.window}, position_mode={args.position_mode!r}) ms/token at stream "
-                f"positions {positions} vs DynamicCache at a {args.baseline}-token context, SmolLM2-135M float32",
+        f"positions {positions} vs DynamicCache at a {args.baseline}-token context, SmolLM2-135M float32",
         "target": f"<= {TARGET}x at every position",
         "pass": passed,
         "ratios": {str(r["stream_position"]): r["ratio_paired"] for r in sink_rows},
@@ -177,22 +192,34 @@ def main(argv=None) -> None:
         "ratios_of_p10": {str(r["stream_position"]): r["ratio_of_p10"] for r in sink_rows},
         "load_average_at_end": list(os.getloadavg()),
         "baseline_ms_per_token": round(base_ms, 3),
-        "method": {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "prefill_chunk": args.chunk,
-                   "threads": args.threads, "interleaved": True,
-                   "statistic": "per-round median ms/token; ratio = median over rounds of config/baseline"},
+        "method": {
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "prefill_chunk": args.chunk,
+            "threads": args.threads,
+            "interleaved": True,
+            "statistic": "per-round median ms/token; ratio = median over rounds of config/baseline",
+        },
         "rows": rows,
         "environment": environment(),
     }
     (args.results / "decode_cost.json").write_text(json.dumps(info, indent=1) + "\n")
 
-    print(f"\n{'config':<20}{'position':>9}{'held':>7}{'MB':>7}{'ms/tok':>8}{'p10':>8}{'p90':>8}"
-          f"{'paired':>8}{'med/med':>8}{'p10/p10':>8}")
+    print(
+        f"\n{'config':<20}{'position':>9}{'held':>7}{'MB':>7}{'ms/tok':>8}{'p10':>8}{'p90':>8}"
+        f"{'paired':>8}{'med/med':>8}{'p10/p10':>8}"
+    )
     for r in rows:
-        print(f"{r['config']:<20}{r['stream_position']:>9}{r['kv_tokens_held']:>7}{r['cache_mb']:>7.1f}"
-              f"{r['ms_per_token_median']:>8.1f}{r['ms_p10']:>8.1f}{r['ms_p90']:>8.1f}{r['ratio_paired']:>8.3f}"
-              f"{r['ratio_of_medians']:>8.3f}{r['ratio_of_p10']:>8.3f}")
-    print(f"\ntarget SinkCache/DynamicCache@{args.baseline} <= {TARGET}x at every position: "
-          f"{'PASS' if passed else 'FAIL'} ({info['ratios']})")
+        print(
+            f"{r['config']:<20}{r['stream_position']:>9}{r['kv_tokens_held']:>7}{r['cache_mb']:>7.1f}"
+            f"{r['ms_per_token_median']:>8.1f}{r['ms_p10']:>8.1f}{r['ms_p90']:>8.1f}{r['ratio_paired']:>8.3f}"
+            f"{r['ratio_of_medians']:>8.3f}{r['ratio_of_p10']:>8.3f}"
+        )
+    print(
+        f"\ntarget SinkCache/DynamicCache@{args.baseline} <= {TARGET}x at every position: "
+        f"{'PASS' if passed else 'FAIL'} ({info['ratios']})"
+    )
 
 
 if __name__ == "__main__":

@@ -97,6 +97,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import itertools  # noqa: E402  (after the path set-up above, like the imports below it)
+
 from stream_ppl import environment  # noqa: E402
 
 import hf_kvcache  # noqa: E402  (registers the cache names)
@@ -123,16 +125,47 @@ MODES = ("eager", "compiled")
 RECOMPILE_STREAK = 3
 
 COLUMNS = [
-    "cache", "name", "config", "mode", "status", "reason", "ref",
-    "prefill_tok_s", "prefill_vs_ref", "decode_tok_s", "decode_vs_ref", "compiled_vs_eager_decode",
-    "prefill_s", "decode_ms_per_step",
-    "cache_bytes", "cache_bytes_source", "rss_growth_bytes", "rss_source", "cuda_peak_bytes",
+    "cache",
+    "name",
+    "config",
+    "mode",
+    "status",
+    "reason",
+    "ref",
+    "prefill_tok_s",
+    "prefill_vs_ref",
+    "decode_tok_s",
+    "decode_vs_ref",
+    "compiled_vs_eager_decode",
+    "prefill_s",
+    "decode_ms_per_step",
+    "cache_bytes",
+    "cache_bytes_source",
+    "rss_growth_bytes",
+    "rss_source",
+    "cuda_peak_bytes",
     "cuda_peak_over_start_bytes",
-    "syncs_prefill", "syncs_per_decode_step", "sync_ops", "aten_ops_per_decode_step", "aten_ops_per_step_per_layer",
-    "aten_ops_vs_dynamic", "extra_aten_ops_per_layer_vs_dynamic",
-    "compiled_phases", "prefill_compile", "decode_compile", "graphs", "recompiles_timed", "graph_breaks",
-    "cudagraph_skips", "compile_warmup_s",
-    "device", "dtype", "batch", "prompt_tokens", "new_tokens", "rounds",
+    "syncs_prefill",
+    "syncs_per_decode_step",
+    "sync_ops",
+    "aten_ops_per_decode_step",
+    "aten_ops_per_step_per_layer",
+    "aten_ops_vs_dynamic",
+    "extra_aten_ops_per_layer_vs_dynamic",
+    "compiled_phases",
+    "prefill_compile",
+    "decode_compile",
+    "graphs",
+    "recompiles_timed",
+    "graph_breaks",
+    "cudagraph_skips",
+    "compile_warmup_s",
+    "device",
+    "dtype",
+    "batch",
+    "prompt_tokens",
+    "new_tokens",
+    "rounds",
 ]
 
 
@@ -143,10 +176,20 @@ def tiny_llama(dtype: torch.dtype, device: str, seed: int = 0):
     """A random 2-layer Llama (head_dim 32, GQA 4:2), seeded: what the test runs on."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -176,9 +219,11 @@ def load(args, dtype: torch.dtype):
 
 def resolve_specs(args) -> list[tuple[str, str, dict]]:
     """[(label, name, config)]: the references first, then --cache (or every registered cache with its default)."""
-    texts = args.cache or [name + (":" + ",".join(f"{k}={v}" for k, v in DEFAULT_CONFIGS[name].items())
-                                   if DEFAULT_CONFIGS.get(name) else "")
-                           for name in hf_kvcache.CACHE_IMPLEMENTATIONS]
+    texts = args.cache or [
+        name
+        + (":" + ",".join(f"{k}={v}" for k, v in DEFAULT_CONFIGS[name].items()) if DEFAULT_CONFIGS.get(name) else "")
+        for name in hf_kvcache.CACHE_IMPLEMENTATIONS
+    ]
     specs = [(name, name, {}) for name in args.references]
     for text in texts:
         label, name, config = parse_cache(text)
@@ -208,10 +253,12 @@ class Runner:
         self.bytes_source = None
 
     def new_cache(self):
-        cache = make_cache(self.model, self.name, self.config, context_len=self.args.prompt_tokens,
-                           total_len=self.total)
-        self.bytes_source = ("cache.nbytes()" if callable(getattr(cache, "nbytes", None))
-                             else "key/value tensors of the layers")
+        cache = make_cache(
+            self.model, self.name, self.config, context_len=self.args.prompt_tokens, total_len=self.total
+        )
+        self.bytes_source = (
+            "cache.nbytes()" if callable(getattr(cache, "nbytes", None)) else "key/value tensors of the layers"
+        )
         return cache
 
     def sync(self):
@@ -242,7 +289,7 @@ class Runner:
         try:
             self.call(prefill_fn, cache, self.ids[:, :p], logits_to_keep=1)
         except Exception as err:
-            raise PhaseError("prefill", err) if prefill_fn is not eager else err
+            raise (PhaseError("prefill", err) if prefill_fn is not eager else err) from err
         self.sync()
         t1 = time.perf_counter()
         try:
@@ -251,7 +298,7 @@ class Runner:
                 if after_step is not None:
                     after_step(i)
         except Exception as err:
-            raise PhaseError("decode", err) if decode_fn is not eager else err
+            raise (PhaseError("decode", err) if decode_fn is not eager else err) from err
         self.sync()
         t2 = time.perf_counter()
         out["prefill_s"], out["decode_s"] = t1 - t0, t2 - t1
@@ -323,7 +370,7 @@ def _guard_reason(*codes) -> str | None:
     for c in codes:
         for pos, r in enumerate(guard_failures.get(c) or []):
             m = re.match(r"(\d+)/(\d+): ", r)
-            text = r[m.end():] if m else r
+            text = r[m.end() :] if m else r
             if text.startswith("len(kwargs)"):  # prefill vs decode keywords: says nothing
                 continue
             key = (int(m.group(2)) if m else -1, pos)
@@ -339,11 +386,14 @@ def _classify(err: BaseException, graphs: int, codes) -> tuple[str, str]:
     import torch._dynamo
 
     if isinstance(err, _RecompilesEveryStep):
-        return "recompiles", (f"a new graph at each of the last {RECOMPILE_STREAK} warm-up decode steps ({graphs} "
-                              f"graphs after {err.steps} steps); last guard failure: {_guard_reason(*codes)}")
+        return "recompiles", (
+            f"a new graph at each of the last {RECOMPILE_STREAK} warm-up decode steps ({graphs} "
+            f"graphs after {err.steps} steps); last guard failure: {_guard_reason(*codes)}"
+        )
     if isinstance(err, torch._dynamo.exc.FailOnRecompileLimitHit):
-        return "recompiles", (f"dynamo recompile limit hit ({graphs} graphs); last guard failure: "
-                              f"{_guard_reason(*codes)}")
+        return "recompiles", (
+            f"dynamo recompile limit hit ({graphs} graphs); last guard failure: {_guard_reason(*codes)}"
+        )
     text = str(err)
     first = _short(text.splitlines()[0] if text else "", 220)
     if isinstance(err, torch._dynamo.exc.Unsupported):
@@ -370,7 +420,7 @@ class CudagraphSkips(logging.Handler):
     def emit(self, record):
         self.messages.append(record.getMessage())
 
-    def __enter__(self) -> "CudagraphSkips":
+    def __enter__(self) -> CudagraphSkips:
         self.logger.addHandler(self)
         return self
 
@@ -395,8 +445,8 @@ def compile_cache(runner: Runner, args) -> dict:
 
     def after_step(i):
         per_step.append(_graphs())
-        recent = per_step[-RECOMPILE_STREAK - 1:]
-        if len(recent) > RECOMPILE_STREAK and all(b > a for a, b in zip(recent, recent[1:])):
+        recent = per_step[-RECOMPILE_STREAK - 1 :]
+        if len(recent) > RECOMPILE_STREAK and all(b > a for a, b in itertools.pairwise(recent)):
             raise _RecompilesEveryStep(len(per_step))
 
     while runner.prefill_fn is not None or runner.decode_fn is not None:
@@ -408,13 +458,22 @@ def compile_cache(runner: Runner, args) -> dict:
             phases[failure.phase] = _classify(failure.err, _graphs() - g0, codes)
             setattr(runner, f"{failure.phase}_fn", None)  # that phase runs eagerly from now on; try the other
     status = {"prefill": phases["prefill"][0], "decode": phases["decode"][0]}
-    overall = ("ok" if set(status.values()) == {"ok"} else
-               next(s for ph in ("decode", "prefill") if (s := status[ph]) != "ok"))
+    overall = (
+        "ok" if set(status.values()) == {"ok"} else next(s for ph in ("decode", "prefill") if (s := status[ph]) != "ok")
+    )
     reason = "; ".join(f"{ph}: {r}" for ph, (s, r) in phases.items() if s != "ok") or None
     compiled = [ph for ph in ("prefill", "decode") if getattr(runner, f"{ph}_fn") is not None]
-    return {"status": overall, "reason": reason, "phases": status, "compiled_phases": "+".join(compiled) or "none",
-            "graph_breaks": None, "compile_warmup_s": time.perf_counter() - t0, "graphs": _graphs() - g0,
-            "cudagraph_skips": _cudagraph_skips() - s0, "codes": codes}
+    return {
+        "status": overall,
+        "reason": reason,
+        "phases": status,
+        "compiled_phases": "+".join(compiled) or "none",
+        "graph_breaks": None,
+        "compile_warmup_s": time.perf_counter() - t0,
+        "graphs": _graphs() - g0,
+        "cudagraph_skips": _cudagraph_skips() - s0,
+        "codes": codes,
+    }
 
 
 def explain_breaks(runner: Runner, args) -> dict | None:
@@ -437,7 +496,7 @@ def explain_breaks(runner: Runner, args) -> dict | None:
                     reasons.append(_short(r.reason.splitlines()[0], 160) + loc)
                 found[phase] = {"count": out.graph_break_count, "reasons": sorted(set(reasons))[:5]}
         return found
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return {"error": f"explain failed: {type(err).__name__}: {_short(str(err), 160)}"}
 
 
@@ -488,45 +547,73 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="Hub id, local path, or smollm2 (offline, the default)")
     parser.add_argument("--tiny", action="store_true", help="a random 2-layer Llama instead of --model (tests)")
-    parser.add_argument("--config", default=None, help="instead of --model: random weights in a published shape "
-                        "(eval/gpu/random_models.py: smollm2-135m, llama-3.1-8b, qwen3-8b), random token ids")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="instead of --model: random weights in a published shape "
+        "(eval/gpu/random_models.py: smollm2-135m, llama-3.1-8b, qwen3-8b), random token ids",
+    )
     parser.add_argument("--layers", type=int, default=None, help="with --config: keep the first N layers")
-    parser.add_argument("--references", default=",".join(REFERENCES),
-                        help="reference caches run beside the others (default dynamic,static; compiled rows need "
-                             "static, eager rows dynamic)")
+    parser.add_argument(
+        "--references",
+        default=",".join(REFERENCES),
+        help="reference caches run beside the others (default dynamic,static; compiled rows need "
+        "static, eager rows dynamic)",
+    )
     parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.evaluation.corpus)")
-    parser.add_argument("--cache", action="append", metavar="NAME:key=value,...",
-                        help="a cache to measure (repeatable); default: every registered cache with a default config. "
-                             "DynamicCache and StaticCache always run as references")
+    parser.add_argument(
+        "--cache",
+        action="append",
+        metavar="NAME:key=value,...",
+        help="a cache to measure (repeatable); default: every registered cache with a default config. "
+        "DynamicCache and StaticCache always run as references",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=None, help="default: 1024 on CUDA, 128 on CPU")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps; default: 128 on CUDA, 16 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="default: 4 on CUDA, 1 on CPU")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds; default: 5 on CUDA, 3 on CPU")
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend; 'eager' traces with dynamo only (graph breaks and recompiles "
-                             "are still found, fast: what the test uses)")
-    parser.add_argument("--compile-mode", default="default",
-                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                        help="torch.compile mode; reduce-overhead = CUDA graphs (CUDA only)")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend; 'eager' traces with dynamo only (graph breaks and recompiles "
+        "are still found, fast: what the test uses)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="torch.compile mode; reduce-overhead = CUDA graphs (CUDA only)",
+    )
     parser.add_argument("--compile-warmup", type=int, default=5, help="decode steps of the compile warm-up")
     parser.add_argument("--sync-steps", type=int, default=4, help="decode steps counted for host syncs (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write NAME.csv and NAME.json here")
     parser.add_argument("--name", default="gpu_bench", help="output file stem (default gpu_bench)")
-    parser.add_argument("--decode-bandwidth", type=int, nargs="+", metavar="TOKENS", default=None,
-                        help="instead of the table above: issue 28's decode-against-what-it-reads table at these "
-                             "context lengths (eval/bench_decode_bandwidth.py on --device in --dtype: ms/token vs "
-                             "DynamicCache, and the attention kernel's bytes/s against a plain read)")
+    parser.add_argument(
+        "--decode-bandwidth",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        default=None,
+        help="instead of the table above: issue 28's decode-against-what-it-reads table at these "
+        "context lengths (eval/bench_decode_bandwidth.py on --device in --dtype: ms/token vs "
+        "DynamicCache, and the attention kernel's bytes/s against a plain read)",
+    )
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available in this torch ({torch.__version__})")
-    defaults = dict(prompt_tokens=(1024, 128), new_tokens=(128, 16), batch=(4, 1), rounds=(5, 3),
-                    dtype=("bfloat16", "float32"))
+    defaults = dict(
+        prompt_tokens=(1024, 128), new_tokens=(128, 16), batch=(4, 1), rounds=(5, 3), dtype=("bfloat16", "float32")
+    )
     for key, (on_cuda, on_cpu) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, on_cuda if cuda else on_cpu)
@@ -541,8 +628,10 @@ def parse_args(argv=None):
     args.references = tuple(r.strip() for r in args.references.split(",") if r.strip())
     needed = {"eager": "dynamic", "compiled": "static"}
     if set(args.references) - set(REFERENCES) or any(needed[m] not in args.references for m in args.modes):
-        parser.error(f"--references: a subset of {REFERENCES} holding the reference of each mode in --modes "
-                     f"({', '.join(f'{m}: {needed[m]}' for m in args.modes)}), got {args.references}")
+        parser.error(
+            f"--references: a subset of {REFERENCES} holding the reference of each mode in --modes "
+            f"({', '.join(f'{m}: {needed[m]}' for m in args.modes)}), got {args.references}"
+        )
     if args.config is not None:
         from gpu.random_models import PUBLISHED
 
@@ -561,9 +650,24 @@ def decode_bandwidth(args) -> dict:
     import bench_decode_bandwidth
 
     out = (args.out or ROOT / "eval" / "results") / f"{args.name}_decode_bandwidth"
-    bench_decode_bandwidth.main(["--device", args.device, "--dtype", args.dtype, "--model", args.model,
-                                 "--rounds", str(args.rounds), "--threads", str(args.threads or 1), "--out", str(out),
-                                 "--lengths", *map(str, args.decode_bandwidth)])
+    bench_decode_bandwidth.main(
+        [
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--model",
+            args.model,
+            "--rounds",
+            str(args.rounds),
+            "--threads",
+            str(args.threads or 1),
+            "--out",
+            str(out),
+            "--lengths",
+            *map(str, args.decode_bandwidth),
+        ]
+    )
     return json.loads(out.with_suffix(".json").read_text())
 
 
@@ -599,7 +703,7 @@ def main(argv=None) -> dict:
             memo[label]["rss_growth_bytes"] = rss_now() - before
             if args.sync_steps:
                 memo[label].update(count_syncs(r, args.sync_steps))
-        except Exception as err:  # noqa: BLE001 - a cache that cannot run eagerly is reported
+        except Exception as err:
             errors[label] = f"{type(err).__name__}: {_short(str(err), 250)}"
         r.last_cache = None
     print(f"eager warm-up, RSS and sync counts: {time.perf_counter() - t_start:.1f} s", flush=True)
@@ -619,18 +723,27 @@ def main(argv=None) -> dict:
                 elif compile_info[label]["cudagraph_skips"] and args.compile_mode == "reduce-overhead":
                     compile_info[label]["cudagraph_reason"] = (
                         f"{compile_info[label]['cudagraph_skips']} graph(s) without CUDA graphs (inductor gives no "
-                        f"reason for non-CUDA devices)")
-                print(f"compile {label}: {compile_info[label]['status']} ({time.perf_counter() - t0:.1f} s, "
-                      f"{compile_info[label]['graphs']} graphs)", flush=True)
+                        f"reason for non-CUDA devices)"
+                    )
+                print(
+                    f"compile {label}: {compile_info[label]['status']} ({time.perf_counter() - t0:.1f} s, "
+                    f"{compile_info[label]['graphs']} graphs)",
+                    flush=True,
+                )
 
     # interleaved rounds over every runnable (cache, mode)
-    entries = [(label, mode) for mode in args.modes for label in labels if label not in errors
-               and (mode == "eager" or compile_info.get(label, {}).get("compiled_phases", "none") != "none")]
+    entries = [
+        (label, mode)
+        for mode in args.modes
+        for label in labels
+        if label not in errors
+        and (mode == "eager" or compile_info.get(label, {}).get("compiled_phases", "none") != "none")
+    ]
     samples = {e: [] for e in entries}
     graphs_timed = {label: 0 for label in labels}
     t0 = time.perf_counter()
     for rnd in range(args.rounds):
-        order = entries[rnd % len(entries):] + entries[: rnd % len(entries)]
+        order = entries[rnd % len(entries) :] + entries[: rnd % len(entries)]
         for label, mode in order:
             g0 = _graphs()
             samples[(label, mode)].append(runners[label].run(mode, args.new_tokens))
@@ -646,12 +759,21 @@ def main(argv=None) -> dict:
     rows = build_rows(args, specs, runners, samples, memo, errors, compile_info, graphs_timed, rss_source)
     info = {
         "what": "prefill / decode throughput eager and compiled, memory, host syncs and aten ops per decode step, "
-                "every cache vs DynamicCache (eager) and StaticCache (compiled), interleaved in one run",
+        "every cache vs DynamicCache (eager) and StaticCache (compiled), interleaved in one run",
         "cpu_run": not cuda,
-        "note": ("CPU run: throughput ratios and compiled speed-ups on a shared CPU say little about a GPU; the "
-                 "compile statuses, sync counts and op counts carry over" if not cuda else "CUDA run"),
-        "model": ("tiny random Llama (2 layers)" if args.tiny else
-                  f"random {args.config} ({model.config.num_hidden_layers} layers)" if args.config else args.model),
+        "note": (
+            "CPU run: throughput ratios and compiled speed-ups on a shared CPU say little about a GPU; the "
+            "compile statuses, sync counts and op counts carry over"
+            if not cuda
+            else "CUDA run"
+        ),
+        "model": (
+            "tiny random Llama (2 layers)"
+            if args.tiny
+            else f"random {args.config} ({model.config.num_hidden_layers} layers)"
+            if args.config
+            else args.model
+        ),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "seconds": round(time.perf_counter() - t_start, 1),
         "environment": {**environment(), **gpu_environment(args)},
@@ -687,40 +809,66 @@ def build_rows(args, specs, runners, samples, memo, errors, compile_info, graphs
             ref = refs[mode]
             rs = samples.get((ref, mode), [])
             row = {c: None for c in COLUMNS}
-            row.update(cache=label, name=name, config=json.dumps(config, sort_keys=True), mode=mode, ref=ref,
-                       device=args.device, dtype=args.dtype, batch=b, prompt_tokens=p, new_tokens=n,
-                       rounds=len(s), status="ok", cache_bytes_source=runners[label].bytes_source)
+            row.update(
+                cache=label,
+                name=name,
+                config=json.dumps(config, sort_keys=True),
+                mode=mode,
+                ref=ref,
+                device=args.device,
+                dtype=args.dtype,
+                batch=b,
+                prompt_tokens=p,
+                new_tokens=n,
+                rounds=len(s),
+                status="ok",
+                cache_bytes_source=runners[label].bytes_source,
+            )
             if label in errors:
                 row.update(status="error", reason=f"eager run failed: {errors[label]}")
             elif mode == "compiled":
                 ci = compile_info[label]
-                row.update(status=ci["status"], reason=ci["reason"], graphs=ci["graphs"],
-                           compiled_phases=ci["compiled_phases"], prefill_compile=ci["phases"]["prefill"],
-                           decode_compile=ci["phases"]["decode"],
-                           graph_breaks=json.dumps(ci["graph_breaks"]) if ci["graph_breaks"] else None,
-                           cudagraph_skips=ci["cudagraph_skips"], compile_warmup_s=round(ci["compile_warmup_s"], 2))
+                row.update(
+                    status=ci["status"],
+                    reason=ci["reason"],
+                    graphs=ci["graphs"],
+                    compiled_phases=ci["compiled_phases"],
+                    prefill_compile=ci["phases"]["prefill"],
+                    decode_compile=ci["phases"]["decode"],
+                    graph_breaks=json.dumps(ci["graph_breaks"]) if ci["graph_breaks"] else None,
+                    cudagraph_skips=ci["cudagraph_skips"],
+                    compile_warmup_s=round(ci["compile_warmup_s"], 2),
+                )
                 if ci.get("cudagraph_reason"):
-                    row["reason"] = "; ".join(x for x in (row["reason"], "CUDA graphs skipped: "
-                                                          + ci["cudagraph_reason"]) if x)
+                    row["reason"] = "; ".join(
+                        x for x in (row["reason"], "CUDA graphs skipped: " + ci["cudagraph_reason"]) if x
+                    )
                 if s:
                     row["recompiles_timed"] = graphs_timed[label]
                     if graphs_timed[label]:
                         row["status"] = "recompiles"
-                        row["reason"] = (f"{graphs_timed[label]} graphs compiled during the timed rounds; last guard "
-                                         f"failure: {_guard_reason(*ci['codes'])}")
+                        row["reason"] = (
+                            f"{graphs_timed[label]} graphs compiled during the timed rounds; last guard "
+                            f"failure: {_guard_reason(*ci['codes'])}"
+                        )
             if s:
                 # compiled rows: only the phases that compiled (a phase that did not ran eagerly, not a compiled time)
-                timed = ({"prefill", "decode"} if mode == "eager"
-                         else set(compile_info[label]["compiled_phases"].split("+")))
-                ref_timed = ({"prefill", "decode"} if mode == "eager" or ref not in compile_info
-                             else set(compile_info[ref]["compiled_phases"].split("+")))
+                timed = (
+                    {"prefill", "decode"} if mode == "eager" else set(compile_info[label]["compiled_phases"].split("+"))
+                )
+                ref_timed = (
+                    {"prefill", "decode"}
+                    if mode == "eager" or ref not in compile_info
+                    else set(compile_info[ref]["compiled_phases"].split("+"))
+                )
                 row["cache_bytes"] = s[-1]["cache_bytes"]
                 if "prefill" in timed:
                     prefill = _median([x["prefill_s"] for x in s])
                     row.update(prefill_s=round(prefill, 5), prefill_tok_s=round(b * p / prefill, 1))
                     if rs and len(rs) == len(s) and "prefill" in ref_timed:
                         row["prefill_vs_ref"] = round(
-                            _median([r["prefill_s"] / x["prefill_s"] for x, r in zip(s, rs)]), 3)
+                            _median([r["prefill_s"] / x["prefill_s"] for x, r in zip(s, rs)]), 3
+                        )
                 if "decode" in timed:
                     decode = _median([x["decode_s"] for x in s])
                     row.update(decode_ms_per_step=round(1000 * decode / n, 3), decode_tok_s=round(b * n / decode, 1))
@@ -732,35 +880,57 @@ def build_rows(args, specs, runners, samples, memo, errors, compile_info, graphs
                 eager = samples.get((label, "eager"), [])
                 if mode == "compiled" and "decode" in timed and len(eager) == len(s):
                     row["compiled_vs_eager_decode"] = round(
-                        _median([e["decode_s"] / x["decode_s"] for x, e in zip(s, eager)]), 3)
+                        _median([e["decode_s"] / x["decode_s"] for x, e in zip(s, eager)]), 3
+                    )
             if mode == "eager" and label not in errors:
                 m = memo[label]
-                row.update(rss_growth_bytes=m.get("rss_growth_bytes"), rss_source=rss_source,
-                           syncs_prefill=m.get("syncs_prefill"), syncs_per_decode_step=m.get("syncs_per_decode_step"),
-                           sync_ops=json.dumps(m.get("sync_ops", {}), sort_keys=True),
-                           aten_ops_per_decode_step=m.get("aten_ops_per_decode_step"),
-                           aten_ops_per_step_per_layer=(round(m["aten_ops_per_step_per_layer"], 2)
-                                                        if "aten_ops_per_step_per_layer" in m else None))
+                row.update(
+                    rss_growth_bytes=m.get("rss_growth_bytes"),
+                    rss_source=rss_source,
+                    syncs_prefill=m.get("syncs_prefill"),
+                    syncs_per_decode_step=m.get("syncs_per_decode_step"),
+                    sync_ops=json.dumps(m.get("sync_ops", {}), sort_keys=True),
+                    aten_ops_per_decode_step=m.get("aten_ops_per_decode_step"),
+                    aten_ops_per_step_per_layer=(
+                        round(m["aten_ops_per_step_per_layer"], 2) if "aten_ops_per_step_per_layer" in m else None
+                    ),
+                )
                 if dyn.get("aten_ops_per_decode_step"):
-                    row["aten_ops_vs_dynamic"] = round(m["aten_ops_per_decode_step"] / dyn["aten_ops_per_decode_step"],
-                                                       3)
+                    row["aten_ops_vs_dynamic"] = round(
+                        m["aten_ops_per_decode_step"] / dyn["aten_ops_per_decode_step"], 3
+                    )
                     row["extra_aten_ops_per_layer_vs_dynamic"] = round(
-                        m["aten_ops_per_step_per_layer"] - dyn["aten_ops_per_step_per_layer"], 2)
+                        m["aten_ops_per_step_per_layer"] - dyn["aten_ops_per_step_per_layer"], 2
+                    )
             rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\n{args.rounds} interleaved rounds, medians; batch {args.batch}, prompt {args.prompt_tokens}, "
-          f"{args.new_tokens} decode steps, {args.dtype} on {args.device}; ratios: > 1 is faster than ref\n")
-    cols = [("cache", "cache"), ("mode", "mode"), ("status", "status"), ("prefill_tok_s", "prefill tok/s"),
-            ("prefill_vs_ref", "x ref"), ("decode_tok_s", "decode tok/s"), ("decode_vs_ref", "x ref"),
-            ("ref", "ref"), ("compiled_vs_eager_decode", "compiled/eager"), ("compiled_phases", "compiled"),
-            ("cache_bytes", "cache_bytes"),
-            ("cuda_peak_over_start_bytes", "cuda peak-start bytes") if args.device.startswith("cuda")
-            else ("rss_growth_bytes", "rss_growth_bytes"),
-            ("syncs_per_decode_step", "syncs/step"), ("aten_ops_per_step_per_layer", "ops/step/layer"),
-            ("aten_ops_vs_dynamic", "ops x dyn")]
+    print(
+        f"\n{args.rounds} interleaved rounds, medians; batch {args.batch}, prompt {args.prompt_tokens}, "
+        f"{args.new_tokens} decode steps, {args.dtype} on {args.device}; ratios: > 1 is faster than ref\n"
+    )
+    cols = [
+        ("cache", "cache"),
+        ("mode", "mode"),
+        ("status", "status"),
+        ("prefill_tok_s", "prefill tok/s"),
+        ("prefill_vs_ref", "x ref"),
+        ("decode_tok_s", "decode tok/s"),
+        ("decode_vs_ref", "x ref"),
+        ("ref", "ref"),
+        ("compiled_vs_eager_decode", "compiled/eager"),
+        ("compiled_phases", "compiled"),
+        ("cache_bytes", "cache_bytes"),
+        ("cuda_peak_over_start_bytes", "cuda peak-start bytes")
+        if args.device.startswith("cuda")
+        else ("rss_growth_bytes", "rss_growth_bytes"),
+        ("syncs_per_decode_step", "syncs/step"),
+        ("aten_ops_per_step_per_layer", "ops/step/layer"),
+        ("aten_ops_vs_dynamic", "ops x dyn"),
+    ]
+
     def cell(key, v):
         if v is None:
             return ""

@@ -61,16 +61,24 @@ def measure(model, cache, ids, prompt: int, warmup: int, steps: int, clock=time.
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default 2048)")
-    parser.add_argument("--budget", type=float, default=0.2, help="H2O budget as a fraction of the prompt, split "
-                        "evenly between heavy and recent (default 0.2)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.2,
+        help="H2O budget as a fraction of the prompt, split evenly between heavy and recent (default 0.2)",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per round and configuration")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread, "
-                        "which other processes on a shared machine disturb far less (meaningful with --threads 1, "
-                        "where torch computes in the calling thread)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter; cpu: time.thread_time, the CPU time of the calling thread, "
+        "which other processes on a shared machine disturb far less (meaningful with --threads 1, "
+        "where torch computes in the calling thread)",
+    )
     parser.add_argument("--offset", type=int, default=20000, help="where the prompt starts in the pydoc corpus")
     parser.add_argument("--results", type=Path, default=ROOT / "eval" / "results")
     args = parser.parse_args(argv)
@@ -103,40 +111,56 @@ def main(argv=None) -> None:
     decode = {n: [] for n in names}  # per-round median seconds per step
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for n in names[r % 2:] + names[: r % 2]:
+        for n in names[r % 2 :] + names[: r % 2]:
             p, steps = measure(model, configs[n](), ids, args.prompt, args.warmup, args.steps, clock)
             prefill[n].append(p)
             decode[n].append(statistics.median(steps))
-        print(f"round {r + 1}/{args.rounds}: prefill {prefill[h2o][-1] / prefill[base][-1]:.3f}x, decode "
-              f"{decode[h2o][-1] / decode[base][-1]:.3f}x ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: prefill {prefill[h2o][-1] / prefill[base][-1]:.3f}x, decode "
+            f"{decode[h2o][-1] / decode[base][-1]:.3f}x ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
 
     def paired(series):
         return statistics.median(a / b for a, b in zip(series[h2o], series[base]))
 
-    rows = [{
-        "cache": n,
-        "prompt_tokens": args.prompt,
-        "prefill_s_median": round(statistics.median(prefill[n]), 4),
-        "decode_ms_per_token_median": round(1000 * statistics.median(decode[n]), 3),
-        "prefill_ratio_paired": round(paired(prefill), 3) if n == h2o else 1.0,
-        "decode_ratio_paired": round(paired(decode), 3) if n == h2o else 1.0,
-        "prefill_ratio_of_medians": round(statistics.median(prefill[n]) / statistics.median(prefill[base]), 3),
-        "decode_ratio_of_medians": round(statistics.median(decode[n]) / statistics.median(decode[base]), 3),
-    } for n in names]
+    rows = [
+        {
+            "cache": n,
+            "prompt_tokens": args.prompt,
+            "prefill_s_median": round(statistics.median(prefill[n]), 4),
+            "decode_ms_per_token_median": round(1000 * statistics.median(decode[n]), 3),
+            "prefill_ratio_paired": round(paired(prefill), 3) if n == h2o else 1.0,
+            "decode_ratio_paired": round(paired(decode), 3) if n == h2o else 1.0,
+            "prefill_ratio_of_medians": round(statistics.median(prefill[n]) / statistics.median(prefill[base]), 3),
+            "decode_ratio_of_medians": round(statistics.median(decode[n]) / statistics.median(decode[base]), 3),
+        }
+        for n in names
+    ]
     result = rows[1]
     info = {
         "what": f"H2OCache(heavy={half:g}, recent={half:g}) vs DynamicCache, SmolLM2-135M float32, "
-                f"{args.prompt}-token pydoc prompt: prefill seconds and decode ms/token after it",
+        f"{args.prompt}-token pydoc prompt: prefill seconds and decode ms/token after it",
         "targets": {"prefill": f"<= {PREFILL_TARGET}x", "decode": f"<= {DECODE_TARGET}x"},
         "prefill_ratio": result["prefill_ratio_paired"],
         "decode_ratio": result["decode_ratio_paired"],
-        "pass": {"prefill": result["prefill_ratio_paired"] <= PREFILL_TARGET,
-                 "decode": result["decode_ratio_paired"] <= DECODE_TARGET},
+        "pass": {
+            "prefill": result["prefill_ratio_paired"] <= PREFILL_TARGET,
+            "decode": result["decode_ratio_paired"] <= DECODE_TARGET,
+        },
         "ratio_statistic": "median over rounds of (H2O / DynamicCache in the same round)",
         "per_round": {"prefill_s": prefill, "decode_s_per_token": decode},
         "load_average_at_end": list(os.getloadavg()),
-        "method": {"clock": args.clock, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-                   "interleaved": True, "order": "rotated per round", "offset": args.offset},
+        "method": {
+            "clock": args.clock,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads": args.threads,
+            "interleaved": True,
+            "order": "rotated per round",
+            "offset": args.offset,
+        },
         "rows": rows,
         "environment": environment(),
     }
@@ -149,8 +173,10 @@ def main(argv=None) -> None:
         writer.writerows(rows)
     for row in rows:
         print(row)
-    print(f"prefill {info['prefill_ratio']}x (target <= {PREFILL_TARGET}), decode {info['decode_ratio']}x "
-          f"(target <= {DECODE_TARGET}); load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"prefill {info['prefill_ratio']}x (target <= {PREFILL_TARGET}), decode {info['decode_ratio']}x "
+        f"(target <= {DECODE_TARGET}); load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     reconstruction = []
     names = list(configs)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             total, compress = timed(model, ids, configs[name][0], args.device, configs[name][1])
             times[name].append(total)
             if name == "kvzip":
@@ -102,8 +102,13 @@ def main(argv=None) -> None:
 
     report = {
         "what": "KVzip prefill + context reconstruction vs a plain prefill (DynamicCache), paired per round",
-        "model": args.model, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
-        "threads": args.threads, "prompt_tokens": args.prompt, "budget": args.budget, "chunk_size": args.chunk,
+        "model": args.model,
+        "device": args.device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "threads": args.threads,
+        "prompt_tokens": args.prompt,
+        "budget": args.budget,
+        "chunk_size": args.chunk,
         "rounds": args.rounds,
         "ratio_to_dynamic_prefill": {name: round(statistics.median(ratios(times[name])), 3) for name in names},
         "ratio_quartiles": {name: quartiles(ratios(times[name])) for name in names},

@@ -49,51 +49,114 @@ from hf_kvcache.sharing.calibration import calibrate  # noqa: E402
 # name: (label, family, factory(model, scales))
 CONFIGS = {
     "dynamic": ("DynamicCache (float32)", "reference", lambda m, s: DynamicCache(config=m.config)),
-    "hf_fp8": ("transformers fp8 (E4M3, per-tensor)", "transformers",
-               lambda m, s: QuantizedCache(backend="fp8", config=m.config)),
-    "hf_quanto_int4": ("transformers quanto int4 (g64, R128)", "transformers",
-                       lambda m, s: QuantizedCache(backend="quanto", config=m.config, nbits=4)),
-    "hf_quanto_int2": ("transformers quanto int2 (g64, R128)", "transformers",
-                       lambda m, s: QuantizedCache(backend="quanto", config=m.config, nbits=2)),
-    "hf_hqq_int4": ("transformers hqq int4 (g64, R128)", "transformers",
-                    lambda m, s: QuantizedCache(backend="hqq", config=m.config, nbits=4)),
-    "hf_hqq_int2": ("transformers hqq int2 (g64, R128)", "transformers",
-                    lambda m, s: QuantizedCache(backend="hqq", config=m.config, nbits=2)),
-    "ours_fp8_same_bytes": ("ours FP8 E4M3 per-head (warm-up) + Hadamard keys: transformers' fp8 bytes", "ours",
-                            lambda m, s: QuantizedFP8Cache(m, granularity="head", key_smoothing=False)),
-    "ours_fp8": ("ours FP8 E4M3 default (per-token, Hadamard keys)", "ours",
-                 lambda m, s: QuantizedFP8Cache(m)),
-    "ours_fp8_smooth": ("ours FP8 E4M3 per-token + Hadamard keys + key smoothing", "ours",
-                        lambda m, s: QuantizedFP8Cache(m, key_smoothing=True)),
-    "ours_fp8_norot": ("ours FP8 E4M3 per-token + key smoothing, keys not rotated (the previous default)", "ours",
-                       lambda m, s: QuantizedFP8Cache(m, key_rotation="none", key_smoothing=True)),
-    "ours_fp8_head_norot": ("ours FP8 E4M3 per-head (warm-up), keys not rotated", "ours",
-                            lambda m, s: QuantizedFP8Cache(m, granularity="head", key_smoothing=False,
-                                                           key_rotation="none")),
-    "ours_fp8_head_calibrated": ("ours FP8 E4M3 per-head, calibrated (Hadamard keys)", "ours",
-                                 lambda m, s: QuantizedFP8Cache(m, granularity="head", scales=s)),
+    "hf_fp8": (
+        "transformers fp8 (E4M3, per-tensor)",
+        "transformers",
+        lambda m, s: QuantizedCache(backend="fp8", config=m.config),
+    ),
+    "hf_quanto_int4": (
+        "transformers quanto int4 (g64, R128)",
+        "transformers",
+        lambda m, s: QuantizedCache(backend="quanto", config=m.config, nbits=4),
+    ),
+    "hf_quanto_int2": (
+        "transformers quanto int2 (g64, R128)",
+        "transformers",
+        lambda m, s: QuantizedCache(backend="quanto", config=m.config, nbits=2),
+    ),
+    "hf_hqq_int4": (
+        "transformers hqq int4 (g64, R128)",
+        "transformers",
+        lambda m, s: QuantizedCache(backend="hqq", config=m.config, nbits=4),
+    ),
+    "hf_hqq_int2": (
+        "transformers hqq int2 (g64, R128)",
+        "transformers",
+        lambda m, s: QuantizedCache(backend="hqq", config=m.config, nbits=2),
+    ),
+    "ours_fp8_same_bytes": (
+        "ours FP8 E4M3 per-head (warm-up) + Hadamard keys: transformers' fp8 bytes",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, granularity="head", key_smoothing=False),
+    ),
+    "ours_fp8": ("ours FP8 E4M3 default (per-token, Hadamard keys)", "ours", lambda m, s: QuantizedFP8Cache(m)),
+    "ours_fp8_smooth": (
+        "ours FP8 E4M3 per-token + Hadamard keys + key smoothing",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, key_smoothing=True),
+    ),
+    "ours_fp8_norot": (
+        "ours FP8 E4M3 per-token + key smoothing, keys not rotated (the previous default)",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, key_rotation="none", key_smoothing=True),
+    ),
+    "ours_fp8_head_norot": (
+        "ours FP8 E4M3 per-head (warm-up), keys not rotated",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, granularity="head", key_smoothing=False, key_rotation="none"),
+    ),
+    "ours_fp8_head_calibrated": (
+        "ours FP8 E4M3 per-head, calibrated (Hadamard keys)",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, granularity="head", scales=s),
+    ),
     "ours_fp8_r64": ("ours FP8 default + residual 64", "ours", lambda m, s: QuantizedFP8Cache(m, residual=64)),
-    "ours_int8k_fp8v": ("ours keys INT8 + values FP8 (per-token)", "ours",
-                        lambda m, s: QuantizedFP8Cache(m, key={"format": "int8"})),
-    "ours_kivi4": ("ours KIVI int4 quanto (keys g32, values g64, fp16 scales, residual 8)", "ours",
-                   lambda m, s: KIVICache(m, bits=4, group_size=32, value_group_size=64, residual=8,
-                                          backend="quanto", scale_dtype="float16")),
-    "ours_kivi4_rot": ("ours KIVI int4 quanto (as ours_kivi4) + Hadamard keys", "ours",
-                       lambda m, s: KIVICache(m, bits=4, group_size=32, value_group_size=64, residual=8,
-                                              backend="quanto", scale_dtype="float16", key_rotation="hadamard")),
-    "ours_kivi4_hqq": ("ours KIVI int4 hqq (keys g32, values g64, fp16 scales, residual 8)", "ours",
-                       lambda m, s: KIVICache(m, bits=4, group_size=32, value_group_size=64, residual=8,
-                                              backend="hqq", scale_dtype="float16")),
-    "ours_kivi4_g32_r128": ("ours KIVI int4 quanto (g32, residual 128: the paper's)", "ours",
-                            lambda m, s: KIVICache(m, bits=4, group_size=32, residual=128, backend="quanto")),
-    "ours_kivi2": ("ours KIVI int2 quanto (keys g32, values g64, fp16 scales, residual 8)", "ours",
-                   lambda m, s: KIVICache(m, bits=2, group_size=32, value_group_size=64, residual=8,
-                                          backend="quanto", scale_dtype="float16")),
-    "ours_kivi2_r128": ("ours KIVI int2 quanto (g32, residual 128)", "ours",
-                        lambda m, s: KIVICache(m, bits=2, group_size=32, residual=128, backend="quanto")),
+    "ours_int8k_fp8v": (
+        "ours keys INT8 + values FP8 (per-token)",
+        "ours",
+        lambda m, s: QuantizedFP8Cache(m, key={"format": "int8"}),
+    ),
+    "ours_kivi4": (
+        "ours KIVI int4 quanto (keys g32, values g64, fp16 scales, residual 8)",
+        "ours",
+        lambda m, s: KIVICache(
+            m, bits=4, group_size=32, value_group_size=64, residual=8, backend="quanto", scale_dtype="float16"
+        ),
+    ),
+    "ours_kivi4_rot": (
+        "ours KIVI int4 quanto (as ours_kivi4) + Hadamard keys",
+        "ours",
+        lambda m, s: KIVICache(
+            m,
+            bits=4,
+            group_size=32,
+            value_group_size=64,
+            residual=8,
+            backend="quanto",
+            scale_dtype="float16",
+            key_rotation="hadamard",
+        ),
+    ),
+    "ours_kivi4_hqq": (
+        "ours KIVI int4 hqq (keys g32, values g64, fp16 scales, residual 8)",
+        "ours",
+        lambda m, s: KIVICache(
+            m, bits=4, group_size=32, value_group_size=64, residual=8, backend="hqq", scale_dtype="float16"
+        ),
+    ),
+    "ours_kivi4_g32_r128": (
+        "ours KIVI int4 quanto (g32, residual 128: the paper's)",
+        "ours",
+        lambda m, s: KIVICache(m, bits=4, group_size=32, residual=128, backend="quanto"),
+    ),
+    "ours_kivi2": (
+        "ours KIVI int2 quanto (keys g32, values g64, fp16 scales, residual 8)",
+        "ours",
+        lambda m, s: KIVICache(
+            m, bits=2, group_size=32, value_group_size=64, residual=8, backend="quanto", scale_dtype="float16"
+        ),
+    ),
+    "ours_kivi2_r128": (
+        "ours KIVI int2 quanto (g32, residual 128)",
+        "ours",
+        lambda m, s: KIVICache(m, bits=2, group_size=32, residual=128, backend="quanto"),
+    ),
 }
-HEADLINE = {"fp8": ("ours_fp8_same_bytes", "hf_fp8"), "fp8_default": ("ours_fp8", "hf_fp8"),
-            "int4": ("ours_kivi4", "hf_quanto_int4")}
+HEADLINE = {
+    "fp8": ("ours_fp8_same_bytes", "hf_fp8"),
+    "fp8_default": ("ours_fp8", "hf_fp8"),
+    "int4": ("ours_kivi4", "hf_quanto_int4"),
+}
 TARGETS = {"kl_ratio": 0.5, "fp8_decode": 1.15, "int4_decode": 1.5}
 
 
@@ -148,7 +211,7 @@ def main(argv=None) -> None:
         for step in range(args.scored):
             pos = args.prompt + step
             token, target = ids[:, pos : pos + 1], ids[0, pos + 1]
-            order = names[step % len(names):] + names[: step % len(names)]
+            order = names[step % len(names) :] + names[: step % len(names)]
             logprobs = {}
             for n in order:
                 t0 = time.perf_counter()
@@ -167,7 +230,7 @@ def main(argv=None) -> None:
                     held[n].append(cache_nbytes(caches[n]))
                     layers = getattr(caches[n], "layers", [])
                     has_store = all(hasattr(layer, "store") for layer in layers)
-                    stored[n].append(sum(l.store.nbytes() for l in layers) if has_store else held[n][-1])
+                    stored[n].append(sum(layer.store.nbytes() for layer in layers) if has_store else held[n][-1])
                     if hasattr(caches[n], "workspace_nbytes"):
                         workspace[n] = max(workspace[n], caches[n].workspace_nbytes())
             if (step + 1) % 32 == 0:
@@ -179,22 +242,24 @@ def main(argv=None) -> None:
     for n in names:
         paired = statistics.median(a / b for a, b in zip(times[n], base))
         mean_bytes = statistics.mean(held[n])
-        rows.append({
-            "config": n,
-            "label": CONFIGS[n][0],
-            "family": CONFIGS[n][1],
-            "kl_mean": kl_value(kl[n]),
-            "top1_agreement": round(sum(top1[n]) / len(top1[n]), 4),
-            "ppl": round(math.exp(statistics.mean(nll[n])), 4),
-            "bytes_held_mean": int(mean_bytes),
-            "bytes_held_final": int(held[n][-1]),
-            "bytes_ratio_to_dynamic": round(mean_bytes / dyn_bytes, 4),
-            "store_bytes_mean": int(statistics.mean(stored[n])),
-            "workspace_bytes": workspace[n],
-            "decode_ms_median": round(1000 * statistics.median(times[n]), 2),
-            "decode_ratio_to_dynamic": round(paired, 3),
-            "prefill_s": round(prefill_s[n], 2),
-        })
+        rows.append(
+            {
+                "config": n,
+                "label": CONFIGS[n][0],
+                "family": CONFIGS[n][1],
+                "kl_mean": kl_value(kl[n]),
+                "top1_agreement": round(sum(top1[n]) / len(top1[n]), 4),
+                "ppl": round(math.exp(statistics.mean(nll[n])), 4),
+                "bytes_held_mean": int(mean_bytes),
+                "bytes_held_final": int(held[n][-1]),
+                "bytes_ratio_to_dynamic": round(mean_bytes / dyn_bytes, 4),
+                "store_bytes_mean": int(statistics.mean(stored[n])),
+                "workspace_bytes": workspace[n],
+                "decode_ms_median": round(1000 * statistics.median(times[n]), 2),
+                "decode_ratio_to_dynamic": round(paired, 3),
+                "prefill_s": round(prefill_s[n], 2),
+            }
+        )
     by_name = {r["config"]: r for r in rows}
     targets = evaluate_targets(by_name)
 
@@ -205,7 +270,7 @@ def main(argv=None) -> None:
         writer.writerows(rows)
     info = {
         "what": f"SmolLM2-135M float32, pydoc prompt of {args.prompt} tokens + {args.scored} scored tokens (one per "
-                "forward), next-token distributions against DynamicCache's",
+        "forward), next-token distributions against DynamicCache's",
         "targets": targets,
         "calibration_seconds": round(calibration_s, 1),
         "threads": args.threads,
@@ -234,14 +299,19 @@ def evaluate_targets(rows: dict) -> dict:
         store_ratio = a["store_bytes_mean"] / b["store_bytes_mean"]
         decode_target = TARGETS["fp8_decode" if kind.startswith("fp8") else "int4_decode"]
         out[kind] = {
-            "ours": ours, "transformers": theirs,
-            "kl_ours": a["kl_mean"], "kl_transformers": b["kl_mean"], "kl_ratio": round(kl_ratio, 3),
-            "kl_target": f"<= {TARGETS['kl_ratio']}", "kl_met": kl_ratio <= TARGETS["kl_ratio"],
+            "ours": ours,
+            "transformers": theirs,
+            "kl_ours": a["kl_mean"],
+            "kl_transformers": b["kl_mean"],
+            "kl_ratio": round(kl_ratio, 3),
+            "kl_target": f"<= {TARGETS['kl_ratio']}",
+            "kl_met": kl_ratio <= TARGETS["kl_ratio"],
             "bytes_ratio_ours_over_transformers": round(bytes_ratio, 3),
             "store_bytes_ratio_ours_over_transformers": round(store_ratio, 3),
             "bytes_target": "same bytes (within 5%)" if kind.startswith("fp8") else "no more bytes",
             "bytes_met": bytes_ratio <= (1.05 if kind.startswith("fp8") else 1.0),
-            "decode_ratio": a["decode_ratio_to_dynamic"], "decode_target": f"<= {decode_target}",
+            "decode_ratio": a["decode_ratio_to_dynamic"],
+            "decode_target": f"<= {decode_target}",
             "decode_met": a["decode_ratio_to_dynamic"] <= decode_target,
             "transformers_decode_ratio": b["decode_ratio_to_dynamic"],
         }
@@ -251,8 +321,10 @@ def evaluate_targets(rows: dict) -> dict:
 def print_table(rows: list[dict]) -> None:
     print(f"{'config':26s} {'KL':>9s} {'top1':>6s} {'PPL':>8s} {'bytes/dyn':>9s} {'decode/dyn':>10s}")
     for r in rows:
-        print(f"{r['config']:26s} {r['kl_mean']:9.2e} {r['top1_agreement']:6.3f} {r['ppl']:8.3f} "
-              f"{r['bytes_ratio_to_dynamic']:9.3f} {r['decode_ratio_to_dynamic']:10.2f}")
+        print(
+            f"{r['config']:26s} {r['kl_mean']:9.2e} {r['top1_agreement']:6.3f} {r['ppl']:8.3f} "
+            f"{r['bytes_ratio_to_dynamic']:9.3f} {r['decode_ratio_to_dynamic']:10.2f}"
+        )
 
 
 def plot(rows: list[dict], path: Path, args) -> None:
@@ -267,8 +339,13 @@ def plot(rows: list[dict], path: Path, args) -> None:
         if r["config"] == "dynamic":
             continue
         ax1.scatter(r["bytes_ratio_to_dynamic"], r["kl_mean"], color=colors[r["family"]], s=40)
-        ax1.annotate(r["config"], (r["bytes_ratio_to_dynamic"], r["kl_mean"]), fontsize=7,
-                     xytext=(4, 3), textcoords="offset points")
+        ax1.annotate(
+            r["config"],
+            (r["bytes_ratio_to_dynamic"], r["kl_mean"]),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
     ax1.set_yscale("log")
     ax1.set_xlabel("bytes held / DynamicCache (mean over scored steps)")
     ax1.set_ylabel("mean KL(full || cache) per next-token distribution")

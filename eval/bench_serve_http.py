@@ -65,7 +65,7 @@ def make_prompts(tokenizer, count: int, lengths: tuple[int, int], new: tuple[int
     for _ in range(count):
         length = rng.randint(*lengths)
         start = rng.randrange(0, len(ids) - length)
-        text = tokenizer.decode(ids[start:start + length])
+        text = tokenizer.decode(ids[start : start + length])
         requests.append({"prompt": f"Summarize this text:\n{text}", "max_tokens": rng.randint(*new)})
     return requests
 
@@ -74,8 +74,12 @@ def one_request(client, model: str, request: dict) -> dict:
     sent = time.perf_counter()
     first = last = None
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": request["prompt"]}], max_tokens=request["max_tokens"],
-        temperature=0, stream=True)
+        model=model,
+        messages=[{"role": "user", "content": request["prompt"]}],
+        max_tokens=request["max_tokens"],
+        temperature=0,
+        stream=True,
+    )
     usage = None
     for chunk in stream:
         now = time.perf_counter()
@@ -84,9 +88,12 @@ def one_request(client, model: str, request: dict) -> dict:
             last = now
         usage = chunk.usage or usage
     tokens = usage.completion_tokens if usage else 0
-    return {"ttft_s": None if first is None else first - sent, "tokens": tokens, "prompt_tokens":
-            usage.prompt_tokens if usage else None,
-            "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+    return {
+        "ttft_s": None if first is None else first - sent,
+        "tokens": tokens,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+    }
 
 
 def run_workload(server: ServerProcess, model: str, requests: list[dict], clients: int, sample_s: float) -> dict:
@@ -95,8 +102,14 @@ def run_workload(server: ServerProcess, model: str, requests: list[dict], client
     def sample():
         while not done.is_set():
             state = server.kv_cache()
-            samples.append({"t": time.perf_counter(), "active": state["requests_active"],
-                            "waiting": state["requests_waiting"], "pages": state["pages_in_use"]})
+            samples.append(
+                {
+                    "t": time.perf_counter(),
+                    "active": state["requests_active"],
+                    "waiting": state["requests_waiting"],
+                    "pages": state["pages_in_use"],
+                }
+            )
             time.sleep(sample_s)
 
     client = server.openai_client()
@@ -110,15 +123,20 @@ def run_workload(server: ServerProcess, model: str, requests: list[dict], client
     bound = [s["active"] for s in samples if s["waiting"] > 0]
     after = server.kv_cache()
     return {
-        "wall_s": wall, "requests": len(results), "completion_tokens": sum(r["tokens"] for r in results),
+        "wall_s": wall,
+        "requests": len(results),
+        "completion_tokens": sum(r["tokens"] for r in results),
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
         "concurrency_mean_memory_bound": statistics.fmean(bound) if bound else None,
-        "memory_bound_samples": len(bound), "samples": len(samples),
+        "memory_bound_samples": len(bound),
+        "samples": len(samples),
         "concurrency_peak": max(s["active"] for s in samples),
         "ttft_median_s": statistics.median(r["ttft_s"] for r in results if r["ttft_s"] is not None),
         "itl_median_s": statistics.median(r["itl_s"] for r in results if r["itl_s"] is not None),
-        "pages_in_use_after": after["pages_in_use"], "tokens_capacity": after["tokens_capacity"],
-        "per_request": results, "trace": samples,
+        "pages_in_use_after": after["pages_in_use"],
+        "tokens_capacity": after["tokens_capacity"],
+        "per_request": results,
+        "trace": samples,
     }
 
 
@@ -129,8 +147,10 @@ def summarize(runs: list[dict], formats: list[str]) -> dict:
     summary = {}
     for fmt in formats:
         mine = [r for r in runs if r["format"] == fmt]
-        row = {key: statistics.median([r[key] for r in mine if r[key] is not None] or [None])
-               for key in RATIO_KEYS + ("tokens_capacity",)}
+        row = {
+            key: statistics.median([r[key] for r in mine if r[key] is not None] or [None])
+            for key in RATIO_KEYS + ("tokens_capacity",)
+        }
         for key in RATIO_KEYS + ("tokens_capacity",):
             ratios = []
             for r in mine:
@@ -149,16 +169,24 @@ def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     formats = list(summary)
-    panels = [("concurrency_mean_memory_bound", "requests holding pages\n(mean, memory-bound)"),
-              ("tokens_per_s", "output tokens/s"), ("ttft_median_s", "time to first token (s, median)"),
-              ("itl_median_s", "inter-token latency (s, median)")]
+    panels = [
+        ("concurrency_mean_memory_bound", "requests holding pages\n(mean, memory-bound)"),
+        ("tokens_per_s", "output tokens/s"),
+        ("ttft_median_s", "time to first token (s, median)"),
+        ("itl_median_s", "inter-token latency (s, median)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (key, label) in zip(axes, panels):
         values = [summary[f][key] for f in formats]
-        bars = ax.bar(formats, values, color=["0.6", "tab:blue", "tab:orange", "tab:green"][:len(formats)])
+        bars = ax.bar(formats, values, color=["0.6", "tab:blue", "tab:orange", "tab:green"][: len(formats)])
         for bar, f in zip(bars, formats):
-            ax.annotate(f"{summary[f][key + '_ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{summary[f][key + '_ratio']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
         ax.set_title(label, fontsize=10)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -197,15 +225,33 @@ def main(argv=None) -> dict:
 
     path = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)
-    requests = make_prompts(tokenizer, args.requests, token_range(args.prompt_tokens, "--prompt-tokens"),
-                            token_range(args.new_tokens, "--new-tokens"), args.seed)
-    common = ["--dtype", args.dtype, "--device", args.device, "--kv-memory", args.kv_memory, "--cb-block-size",
-              str(args.page_size), "--cb-max-batch-tokens", str(args.max_batch_tokens), "--log-level", "error"]
+    requests = make_prompts(
+        tokenizer,
+        args.requests,
+        token_range(args.prompt_tokens, "--prompt-tokens"),
+        token_range(args.new_tokens, "--new-tokens"),
+        args.seed,
+    )
+    common = [
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--kv-memory",
+        args.kv_memory,
+        "--cb-block-size",
+        str(args.page_size),
+        "--cb-max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--log-level",
+        "error",
+    ]
     servers = {}
     try:
         for fmt in formats:
-            servers[fmt] = ServerProcess(path, "--kv-cache-dtype", fmt, *common, start_timeout=600,
-                                         request_timeout=1800)
+            servers[fmt] = ServerProcess(
+                path, "--kv-cache-dtype", fmt, *common, start_timeout=600, request_timeout=1800
+            )
         warm = [{"prompt": "Hello", "max_tokens": 4}]
         for fmt in formats:
             run_workload(servers[fmt], path, warm, 1, args.sample_ms / 1000)  # builds the continuous batcher
@@ -215,35 +261,61 @@ def main(argv=None) -> dict:
                 result = run_workload(servers[fmt], path, requests, args.clients, args.sample_ms / 1000)
                 result.update(format=fmt, round=round_)
                 runs.append(result)
-                print(f"round {round_} {fmt:>9}: {result['concurrency_mean_memory_bound'] or 0:5.1f} requests "
-                      f"(peak {result['concurrency_peak']}), {result['tokens_per_s']:6.1f} tok/s, TTFT "
-                      f"{result['ttft_median_s']:.2f} s, ITL {result['itl_median_s'] * 1000:.0f} ms, "
-                      f"pages held after: {result['pages_in_use_after']}", flush=True)
+                print(
+                    f"round {round_} {fmt:>9}: {result['concurrency_mean_memory_bound'] or 0:5.1f} requests "
+                    f"(peak {result['concurrency_peak']}), {result['tokens_per_s']:6.1f} tok/s, TTFT "
+                    f"{result['ttft_median_s']:.2f} s, ITL {result['itl_median_s'] * 1000:.0f} ms, "
+                    f"pages held after: {result['pages_in_use_after']}",
+                    flush=True,
+                )
     finally:
         for server in servers.values():
             server.stop()
     summary = summarize(runs, formats)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    device = args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, " \
-        f"{torch.get_num_threads()} threads)"
-    result = {"settings": settings, "device": device, "transformers": transformers.__version__,
-              "torch": torch.__version__, "summary": summary, "runs": runs}
+    device = (
+        args.device
+        if args.device != "cpu"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    result = {
+        "settings": settings,
+        "device": device,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "summary": summary,
+        "runs": runs,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     with out.with_suffix(".csv").open("w", newline="") as f:
-        keys = ["round", "format", "tokens_capacity", *RATIO_KEYS, "completion_tokens", "wall_s",
-                "memory_bound_samples", "pages_in_use_after"]
+        keys = [
+            "round",
+            "format",
+            "tokens_capacity",
+            *RATIO_KEYS,
+            "completion_tokens",
+            "wall_s",
+            "memory_bound_samples",
+            "pages_in_use_after",
+        ]
         writer = csv.DictWriter(f, keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(runs)
-    plot(summary, out.with_suffix(".png"), f"hf-kvcache serve, {args.model} {args.dtype} on {args.device}, "
-         f"KV memory {args.kv_memory}: {args.requests} requests from {args.clients} clients (ratios to model pages)")
+    plot(
+        summary,
+        out.with_suffix(".png"),
+        f"hf-kvcache serve, {args.model} {args.dtype} on {args.device}, "
+        f"KV memory {args.kv_memory}: {args.requests} requests from {args.clients} clients (ratios to model pages)",
+    )
     for fmt, row in summary.items():
-        print(f"{fmt:>9}: concurrency {row['concurrency_mean_memory_bound_ratio']:.2f}x (peak "
-              f"{row['concurrency_peak_ratio']:.2f}x), tokens/s {row['tokens_per_s_ratio']:.2f}x, TTFT "
-              f"{row['ttft_median_s_ratio']:.2f}x, ITL {row['itl_median_s_ratio']:.2f}x, capacity "
-              f"{row['tokens_capacity_ratio']:.2f}x")
+        print(
+            f"{fmt:>9}: concurrency {row['concurrency_mean_memory_bound_ratio']:.2f}x (peak "
+            f"{row['concurrency_peak_ratio']:.2f}x), tokens/s {row['tokens_per_s_ratio']:.2f}x, TTFT "
+            f"{row['ttft_median_s_ratio']:.2f}x, ITL {row['itl_median_s_ratio']:.2f}x, capacity "
+            f"{row['tokens_capacity_ratio']:.2f}x"
+        )
     return result
 
 

@@ -32,8 +32,10 @@ def merge(source: Path, spec_path: str, out_dir: str) -> tuple[int, int]:
         raise ValueError(f"{source / 'results.jsonl'} holds no finished cell.")
     foreign = [key for key in new if key not in planned]
     if foreign:
-        raise ValueError(f"{len(foreign)} record(s) of {source} are not cells of {spec_path} (other settings or "
-                         f"cells it does not plan), e.g. {foreign[0]}; nothing merged.")
+        raise ValueError(
+            f"{len(foreign)} record(s) of {source} are not cells of {spec_path} (other settings or "
+            f"cells it does not plan), e.g. {foreign[0]}; nothing merged."
+        )
     target = Path(out_dir) / spec.name / "results.jsonl"
     old = read_results(target)  # (the last record of a key wins, as for the runner)
     merged = {key: new.get(key, record) for key, record in old.items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 MODES = ("prompt", "always")
 
@@ -37,16 +37,21 @@ def split_label(label: str) -> tuple[str, str]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| cache | mode | budget | tokens | KL mean | KL p99 | top-1 | top-5 | bytes held | vs full |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    order = sorted(rows, key=lambda r: (float(r["budget"]), MODES.index(split_label(r["label"])[1]),
-                                        float(r["kl_mean"])))
+    lines = [
+        "| cache | mode | budget | tokens | KL mean | KL p99 | top-1 | top-5 | bytes held | vs full |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(
+        rows, key=lambda r: (float(r["budget"]), MODES.index(split_label(r["label"])[1]), float(r["kl_mean"]))
+    )
     for r in order:
         cache, mode = split_label(r["label"])
-        lines.append(f"| {cache} | {mode} | {float(r['budget']):.0%} | {r['budget_tokens']} | "
-                     f"{float(r['kl_mean']):.3f} | {float(r['kl_p99']):.2f} | {float(r['top1_agreement']):.3f} | "
-                     f"{float(r['top5_agreement']):.3f} | {int(r['bytes_held']) / 1e6:.1f} MB | "
-                     f"{float(r['bytes_vs_dense']):.2f} |")
+        lines.append(
+            f"| {cache} | {mode} | {float(r['budget']):.0%} | {r['budget_tokens']} | "
+            f"{float(r['kl_mean']):.3f} | {float(r['kl_p99']):.2f} | {float(r['top1_agreement']):.3f} | "
+            f"{float(r['top5_agreement']):.3f} | {int(r['bytes_held']) / 1e6:.1f} MB | "
+            f"{float(r['bytes_vs_dense']):.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -55,8 +60,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(budgets), figsize=(max(8, 6 * len(budgets)), 4.5), squeeze=False)
     for ax, budget in zip(axes[0], budgets):
         at = [r for r in rows if float(r["budget"]) == budget]
-        caches = sorted({split_label(r["label"])[0] for r in at},
-                        key=lambda c: min(float(r["kl_mean"]) for r in at if split_label(r["label"])[0] == c))
+        caches = sorted(
+            {split_label(r["label"])[0] for r in at},
+            key=lambda c: min(float(r["kl_mean"]) for r in at if split_label(r["label"])[0] == c),
+        )
         width = 0.4
         for i, mode in enumerate(MODES):
             values = []

@@ -39,10 +39,16 @@ from hf_kvcache.evaluation.streaming import bucket_perplexity, perplexity, read_
 TRAIN_CONTEXT = 8192  # SmolLM2 max_position_embeddings
 CONFIGS = {
     # name: (tokens, label, factory(model))
-    "sink_cache": (32768, "SinkCache 4+1020 (positions in cache)",
-                   lambda m: SinkCache(m, sinks=4, window=1020, position_mode="cache")),
-    "sink_original": (32768, "SinkCache 4+1020 (original positions)",
-                      lambda m: SinkCache(m, sinks=4, window=1020, position_mode="original")),
+    "sink_cache": (
+        32768,
+        "SinkCache 4+1020 (positions in cache)",
+        lambda m: SinkCache(m, sinks=4, window=1020, position_mode="cache"),
+    ),
+    "sink_original": (
+        32768,
+        "SinkCache 4+1020 (original positions)",
+        lambda m: SinkCache(m, sinks=4, window=1020, position_mode="original"),
+    ),
     "window": (4096, "Window only 1024 (0 sinks)", lambda m: SlidingWindowCache(m, window=1024)),
     "dense": (12288, "Dense (DynamicCache)", lambda m: DynamicCache(config=m.config)),
 }
@@ -62,8 +68,9 @@ def environment() -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
@@ -127,7 +134,7 @@ def write_report(results: Path, bucket: int, corpus: str) -> dict:
 
     info = {
         "protocol": "StreamingLLM: one token per forward, NLL of the next token (float64 log-softmax); "
-                    f"ppl = exp(mean NLL) per bucket of {bucket} query positions [bucket_start, bucket_end)",
+        f"ppl = exp(mean NLL) per bucket of {bucket} query positions [bucket_start, bucket_end)",
         "model": "SmolLM2-135M-Instruct (offline GGUF Q4_1 dequantized to float32)",
         "corpus": corpus,
         "train_context": TRAIN_CONTEXT,
@@ -156,11 +163,17 @@ def plot(rows: list[dict], summary: dict, out: Path, bucket: int) -> None:
         label = info["label"] + ("" if info["complete"] else f" (partial: {info['scored_tokens']} tokens)")
         ax.plot(x, y, styles.get(name, "-"), marker=".", label=label)
     ax.axvline(TRAIN_CONTEXT, color="grey", ls=":", lw=1.2)
-    ax.text(TRAIN_CONTEXT, 0.98, " 8192 = training context", transform=ax.get_xaxis_transform(), va="top",
-            fontsize=8, color="grey")
+    ax.text(
+        TRAIN_CONTEXT,
+        0.98,
+        " 8192 = training context",
+        transform=ax.get_xaxis_transform(),
+        va="top",
+        fontsize=8,
+        color="grey",
+    )
     ax.axvline(1024, color="grey", ls=":", lw=0.8)
-    ax.text(1024, 0.90, " 1024 = cache budget", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
-            color="grey")
+    ax.text(1024, 0.90, " 1024 = cache budget", transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="grey")
     ax.set_yscale("log")
     ax.set_xlabel("stream position (tokens)")
     ax.set_ylabel(f"perplexity per {bucket}-token bucket (log)")
@@ -176,17 +189,28 @@ def plot(rows: list[dict], summary: dict, out: Path, bucket: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", choices=list(CONFIGS),
-                        help="run only this configuration (repeatable); default: all, one after the other")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="override every configuration's stream length (a short timing run: use --scratch)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(CONFIGS),
+        help="run only this configuration (repeatable); default: all, one after the other",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="override every configuration's stream length (a short timing run: use --scratch)",
+    )
     parser.add_argument("--corpus", default="pydoc", help="text source for hf_kvcache.evaluation.corpus.load_tokens")
     parser.add_argument("--bucket", type=int, default=1024, help="bucket size for perplexities (default 1024)")
     parser.add_argument("--checkpoint-every", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 when running two)")
     parser.add_argument("--results", type=Path, default=ROOT / "eval" / "results")
-    parser.add_argument("--scratch", action="store_true",
-                        help="no checkpoints and no report: print the timing only (for short speed measurements)")
+    parser.add_argument(
+        "--scratch",
+        action="store_true",
+        help="no checkpoints and no report: print the timing only (for short speed measurements)",
+    )
     parser.add_argument("--fresh", action="store_true", help="delete the selected configurations' checkpoints first")
     parser.add_argument("--report", action="store_true", help="only rewrite CSV/PNG/JSON from the checkpoints")
     args = parser.parse_args(argv)
@@ -209,18 +233,28 @@ def main(argv=None) -> None:
     longest = max(args.tokens or CONFIGS[n][0] for n in names)
     ids = load_tokens(tokenizer, args.corpus, max_tokens=longest)
     for name in names:
-        target, label, factory = CONFIGS[name]
+        target, _label, factory = CONFIGS[name]
         n = args.tokens or target
         ckpt = None if args.scratch else checkpoint_path(args.results, name)
         if ckpt is not None and args.fresh:
             for p in ckpt.parent.glob(ckpt.name + "*"):
                 p.unlink()
         start = time.perf_counter()
-        nlls = stream_nll(model, ids[:, :n], lambda: factory(model), checkpoint=ckpt,
-                          checkpoint_every=args.checkpoint_every, tag=tag_for(name, args.corpus), desc=name)
+        nlls = stream_nll(
+            model,
+            ids[:, :n],
+            lambda: factory(model),
+            checkpoint=ckpt,
+            checkpoint_every=args.checkpoint_every,
+            tag=tag_for(name, args.corpus),
+            desc=name,
+        )
         wall = time.perf_counter() - start
-        print(f"{name}: {len(nlls)} NLLs, ppl {perplexity(nlls):.3f}; this process {wall:.1f} s for the tokens "
-              "it scored (after any resumed part)", flush=True)
+        print(
+            f"{name}: {len(nlls)} NLLs, ppl {perplexity(nlls):.3f}; this process {wall:.1f} s for the tokens "
+            "it scored (after any resumed part)",
+            flush=True,
+        )
         if not args.scratch:
             write_report(args.results, args.bucket, args.corpus)
 

@@ -41,8 +41,17 @@ DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, 
 def tiny_model_dir() -> str:
     """A tiny random Llama (hidden 64, 8 query heads, 4 KV heads, 2 layers), the same weights on every rank."""
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=16, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
     )
     torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="hf_kvcache_tiny_")
@@ -100,23 +109,35 @@ def nbytes(cache) -> int:
 def generate(model, batch: dict, name: str, config: dict, new_tokens: int):
     cache = make_cache(model, name, config, context_len=batch["input_ids"].shape[1])
     pad = model.generation_config.pad_token_id
-    out = model.generate(**batch, **cache_kwargs(cache), max_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=pad if pad is not None else 0)
-    return out[:, batch["input_ids"].shape[1]:].cpu(), cache
+    out = model.generate(
+        **batch,
+        **cache_kwargs(cache),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad if pad is not None else 0,
+    )
+    return out[:, batch["input_ids"].shape[1] :].cpu(), cache
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=TINY, help="model id or path (default: a tiny random Llama)")
-    parser.add_argument("--cache", action="append", help="NAME or NAME:key=value,... (repeatable; default: sink "
-                        "with budget = half the prompt, and dynamic)")
+    parser.add_argument(
+        "--cache",
+        action="append",
+        help="NAME or NAME:key=value,... (repeatable; default: sink with budget = half the prompt, and dynamic)",
+    )
     parser.add_argument("--prompt", default=None, help="prompt text (needs a tokenizer; default: random ids)")
     parser.add_argument("--prompt-tokens", type=int, default=24, help="length of the random prompt (default 24)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     parser.add_argument("--compare", action="store_true", help="also run one process on rank 0 and compare tokens")
-    parser.add_argument("--device-map", default=None, help="e.g. 'auto': split the layers over this process's "
-                        "devices (accelerate) instead of tensor parallelism; not under torchrun")
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help="e.g. 'auto': split the layers over this process's "
+        "devices (accelerate) instead of tensor parallelism; not under torchrun",
+    )
     args = parser.parse_args(argv)
     if args.device_map is not None and distributed():
         parser.error("--device-map and tensor parallelism (torchrun) are mutually exclusive in transformers")
@@ -139,8 +160,10 @@ def main(argv=None) -> None:
         tokens, cache = generate(model, batch, name, config, args.new_tokens)
         label = name + (":" + ",".join(f"{k}={v}" for k, v in config.items()) if config else "")
         where = f", devices {devices(cache)}" if args.device_map is not None else ""
-        print(f"[rank {rank}/{world}] {label}: KV heads per layer {kv_heads(cache)}, nbytes {nbytes(cache)}{where}",
-              flush=True)
+        print(
+            f"[rank {rank}/{world}] {label}: KV heads per layer {kv_heads(cache)}, nbytes {nbytes(cache)}{where}",
+            flush=True,
+        )
         if distributed():
             torch.distributed.barrier()
         if rank != 0:
@@ -151,8 +174,10 @@ def main(argv=None) -> None:
             single_batch = {k: v.to(reference.device) for k, v in batch.items()}
             single_tokens, single_cache = generate(reference, single_batch, name, config, args.new_tokens)
             same = torch.equal(tokens, single_tokens)
-            print(f"  one process: KV heads {kv_heads(single_cache)}, nbytes {nbytes(single_cache)} (per rank / one "
-                  f"process = {nbytes(cache) / nbytes(single_cache):.4f}); tokens {'equal' if same else 'DIFFER'}")
+            print(
+                f"  one process: KV heads {kv_heads(single_cache)}, nbytes {nbytes(single_cache)} (per rank / one "
+                f"process = {nbytes(cache) / nbytes(single_cache):.4f}); tokens {'equal' if same else 'DIFFER'}"
+            )
     if distributed():
         torch.distributed.destroy_process_group()
 

@@ -132,8 +132,11 @@ def register_at_import() -> bool:
     try:
         register()
     except UnsupportedTransformersError as error:
-        warnings.warn(f"{error} `generate(cache_implementation=...)` with hf_kvcache names is unavailable; cache "
-                      "objects still work where the bridge's contracts hold.", stacklevel=3)
+        warnings.warn(
+            f"{error} `generate(cache_implementation=...)` with hf_kvcache names is unavailable; cache "
+            "objects still work where the bridge's contracts hold.",
+            stacklevel=3,
+        )
         return False
     return True
 

@@ -40,7 +40,7 @@ def _num(value, digits: int = 3) -> str:
     if value in (None, ""):
         return ""
     x = float(value)
-    if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 10 ** 6):
+    if x != 0 and (abs(x) < 10**-digits or abs(x) >= 10**6):
         return f"{x:.2e}"
     text = f"{x:.{digits}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
@@ -60,8 +60,11 @@ def _env(path: pathlib.Path) -> str:
         env = env[-1] if env else None
     if not env:
         return ""
-    parts = [env.get("date", "")[:10], f"transformers {env['transformers']}" if env.get("transformers") else "",
-             f"torch {env['torch']}" if env.get("torch") else ""]
+    parts = [
+        env.get("date", "")[:10],
+        f"transformers {env['transformers']}" if env.get("transformers") else "",
+        f"torch {env['torch']}" if env.get("torch") else "",
+    ]
     return " (" + ", ".join(p for p in parts if p) + ")"
 
 
@@ -80,15 +83,25 @@ def budget_sweep() -> str:
     rows = [r for r in _rows(path) if r["metric"] == "quality" and r["cache"] != "dynamic"]
     rows.sort(key=lambda r: (r["label"].rsplit(" ", 1)[0], float(r["budget"] or 1)))
     body = [[r["label"], _num(r["kl_mean"]), _num(r["top1_agreement"]), _num(r["bytes_vs_dense"])] for r in rows]
-    return ("## Budget sweep (eviction)\n\nSmolLM2-135M, float32, 2K-token prompt from the offline corpus, 256 scored "
-            "tokens, KL divergence and top-1 agreement against the full cache on the same positions.\n\n"
-            + _table(["cache and budget", "KL mean", "top-1", "bytes vs full"], body) + "\n\n" + _source(path))
+    return (
+        "## Budget sweep (eviction)\n\nSmolLM2-135M, float32, 2K-token prompt from the offline corpus, 256 scored "
+        "tokens, KL divergence and top-1 agreement against the full cache on the same positions.\n\n"
+        + _table(["cache and budget", "KL mean", "top-1", "bytes vs full"], body)
+        + "\n\n"
+        + _source(path)
+    )
 
 
 #: our scorer -> the kvpress press computing the same score (ObservedAttentionPress: H2O's attention averaged over the
 #: queries that saw each token, our `attention_score="average"`)
-PEER_PRESSES = {"ExpectedAttention": "ExpectedAttentionPress", "SnapKV": "SnapKVPress", "TOVA": "TOVAPress",
-                "KeyDiff": "KeyDiffPress", "Knorm": "KnormPress", "H2O-average": "ObservedAttentionPress"}
+PEER_PRESSES = {
+    "ExpectedAttention": "ExpectedAttentionPress",
+    "SnapKV": "SnapKVPress",
+    "TOVA": "TOVAPress",
+    "KeyDiff": "KeyDiffPress",
+    "Knorm": "KnormPress",
+    "H2O-average": "ObservedAttentionPress",
+}
 PEER_ADAPTIVE = {"ExpectedAttention": "AdaKV(ExpectedAttentionPress)", "SnapKV": "AdaKV(SnapKVPress)"}
 
 
@@ -123,32 +136,76 @@ def scorer_modes() -> str:
         return _num(record["kl_mean"]) if record else ""
 
     body = []
-    for (name, mode, tokens) in sorted({k for k in ours if k[1] == "prompt"}, key=lambda k: (k[2], k[0])):
+    for name, _mode, tokens in sorted({k for k in ours if k[1] == "prompt"}, key=lambda k: (k[2], k[0])):
         prompt, always = ours[(name, "prompt", tokens)], ours.get((name, "always", tokens))
         share = round(tokens / int(prompt["context_len"]), 1)  # the budget as kvpress states it (10%, 20%, 50%)
         ratio = _num(float(always["kl_mean"]) / float(prompt["kl_mean"]), 2) if always else ""
-        body.append([f"{share:.0%} ({tokens})", name, _num(prompt["kl_mean"]), kl((name, "always", tokens)), ratio,
-                     _num(always["top1_agreement"]) if always else "", kl((name, "adaptive", tokens)),
-                     peer_kl(PEER_PRESSES.get(name, ""), share), peer_kl(PEER_ADAPTIVE.get(name, ""), share)])
+        body.append(
+            [
+                f"{share:.0%} ({tokens})",
+                name,
+                _num(prompt["kl_mean"]),
+                kl((name, "always", tokens)),
+                ratio,
+                _num(always["top1_agreement"]) if always else "",
+                kl((name, "adaptive", tokens)),
+                peer_kl(PEER_PRESSES.get(name, ""), share),
+                peer_kl(PEER_ADAPTIVE.get(name, ""), share),
+            ]
+        )
     # (KVzipPress: next to our KVzip in its own table below)
-    others = sorted({press for press, _ in peer} - set(PEER_PRESSES.values()) - set(PEER_ADAPTIVE.values())
-                    - {"KVzipPress"})
-    other_rows = [[press, f"{share:.0%}", _num(peer[(press, share)]["kl_mean"]),
-                   _num(peer[(press, share)]["top1_agreement"]), str(peer[(press, share)]["prompt_tokens_held_layer0"])]
-                  for press in others for share in sorted({s for p, s in peer if p == press})]
-    other_table = ("\n\nkvpress presses with no counterpart here (the whole prompt held means the press masks "
-                   "the dropped tokens instead of freeing them):\n\n"
-                   + _table(["kvpress press", "budget", "KL mean", "top-1", "prompt tokens held (layer 0)"],
-                            other_rows)) if other_rows else ""
-    return ("## Scorers: prompt mode, decode-time eviction, head-adaptive budgets, kvpress\n\nKL against the full "
-            "cache on the same 256 teacher-forced positions after a 2K-token prompt. *prompt*: compressed once, the "
-            "rest appended (kvpress's protocol); *always*: the budget holds through the 256 tokens (half of it a "
-            "protected recent window by default); *adaptive*: `head_budget=\"adaptive\"` in prompt mode (AdaKV "
-            "allotment, one slot pool per layer holding exactly the budget); *kvpress*: the same press in kvpress "
-            "0.5.5 on the same positions (eval/peers/), AdaKV there masks dropped keys and holds the whole prompt."
-            "\n\n" + _table(["budget", "scorer", "prompt", "always", "always / prompt", "always top-1",
-                               "adaptive", "kvpress", "kvpress AdaKV"], body) + other_table
-            + "\n\n" + _source(path) + " " + _source(adaptive_path) + (" " + _source(PEER_RESULTS) if peer else ""))
+    others = sorted(
+        {press for press, _ in peer} - set(PEER_PRESSES.values()) - set(PEER_ADAPTIVE.values()) - {"KVzipPress"}
+    )
+    other_rows = [
+        [
+            press,
+            f"{share:.0%}",
+            _num(peer[(press, share)]["kl_mean"]),
+            _num(peer[(press, share)]["top1_agreement"]),
+            str(peer[(press, share)]["prompt_tokens_held_layer0"]),
+        ]
+        for press in others
+        for share in sorted({s for p, s in peer if p == press})
+    ]
+    other_table = (
+        (
+            "\n\nkvpress presses with no counterpart here (the whole prompt held means the press masks "
+            "the dropped tokens instead of freeing them):\n\n"
+            + _table(["kvpress press", "budget", "KL mean", "top-1", "prompt tokens held (layer 0)"], other_rows)
+        )
+        if other_rows
+        else ""
+    )
+    return (
+        "## Scorers: prompt mode, decode-time eviction, head-adaptive budgets, kvpress\n\nKL against the full "
+        "cache on the same 256 teacher-forced positions after a 2K-token prompt. *prompt*: compressed once, the "
+        "rest appended (kvpress's protocol); *always*: the budget holds through the 256 tokens (half of it a "
+        'protected recent window by default); *adaptive*: `head_budget="adaptive"` in prompt mode (AdaKV '
+        "allotment, one slot pool per layer holding exactly the budget); *kvpress*: the same press in kvpress "
+        "0.5.5 on the same positions (eval/peers/), AdaKV there masks dropped keys and holds the whole prompt."
+        "\n\n"
+        + _table(
+            [
+                "budget",
+                "scorer",
+                "prompt",
+                "always",
+                "always / prompt",
+                "always top-1",
+                "adaptive",
+                "kvpress",
+                "kvpress AdaKV",
+            ],
+            body,
+        )
+        + other_table
+        + "\n\n"
+        + _source(path)
+        + " "
+        + _source(adaptive_path)
+        + (" " + _source(PEER_RESULTS) if peer else "")
+    )
 
 
 def kvzip() -> str:
@@ -157,36 +214,64 @@ def kvzip() -> str:
     path = RESULTS / "kvzip" / "results.csv"
     if not path.exists():
         return ""
+
     def share(r) -> float:  # the budget as a share of the prompt (H2O-average's rows keep one token less)
         return round(int(r["budget_tokens"]) / int(r["context_len"]), 2)
 
     uniform: dict[float, tuple[float, str]] = {}  # share -> (KL, label) of the best non-adaptive prompt-mode row
     for r in _rows(RESULTS / "scorers_decode" / "results.csv") + _rows(path):
-        if " prompt" in r["label"] and "adaptive" not in r["label"] and "model-wide" not in r["label"]:
-            if share(r) not in uniform or float(r["kl_mean"]) < uniform[share(r)][0]:
-                uniform[share(r)] = (float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0])
+        uniform_prompt_mode = " prompt" in r["label"] and not any(w in r["label"] for w in ("adaptive", "model-wide"))
+        if uniform_prompt_mode and (share(r) not in uniform or float(r["kl_mean"]) < uniform[share(r)][0]):
+            uniform[share(r)] = (float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0])
     peer = {round(float(record["budget"]), 2): record for record in _peer_records() if record["label"] == "KVzipPress"}
     rows = sorted(_rows(path), key=lambda r: (int(r["budget_tokens"]), float(r["kl_mean"])))
     body = []
     for r in rows:
         best, best_label = uniform[share(r)]
-        body.append([f"{share(r):.0%} ({r['budget_tokens']})", r["label"].rsplit(" ", 1)[0].removesuffix(" prompt"),
-                     _num(r["kl_mean"]), _num(r["top1_agreement"]), _num(r["bytes_vs_dense"]),
-                     _num(float(r["kl_mean"]) / best, 2), f"{best_label} ({_num(best)})",
-                     _num(peer[share(r)]["kl_mean"]) if share(r) in peer else ""])
+        body.append(
+            [
+                f"{share(r):.0%} ({r['budget_tokens']})",
+                r["label"].rsplit(" ", 1)[0].removesuffix(" prompt"),
+                _num(r["kl_mean"]),
+                _num(r["top1_agreement"]),
+                _num(r["bytes_vs_dense"]),
+                _num(float(r["kl_mean"]) / best, 2),
+                f"{best_label} ({_num(best)})",
+                _num(peer[share(r)]["kl_mean"]) if share(r) in peer else "",
+            ]
+        )
     cost = RESULTS / "kvzip" / "prefill_cost.json"
     cost_text = ""
     if cost.exists():
         ratios = json.loads(cost.read_text(encoding="utf-8"))["ratio_to_dynamic_prefill"]
-        cost_text = (f" Prefill with the reconstruction: {ratios['kvzip']:.2f}x a plain prefill (H2O's scored "
-                     f"prefill {ratios['h2o']:.2f}x). " + _source(cost))
-    return ("## KVzip: context reconstruction (prompt mode)\n\nSame positions as the scorer table. *model-wide*: "
-            "`head_budget=\"adaptive\", layer_budget=\"adaptive\"` (the model's budget allotted over layers and "
-            "heads by score, KVzip's own; bytes held are the budget); *adaptive*: per layer over its heads; "
-            "*layer-adaptive*: over layers, uniform heads. *vs best uniform*: KL over the best non-adaptive "
-            "prompt-mode row at the same budget (any scorer)." + cost_text + "\n\n"
-            + _table(["budget", "configuration", "KL mean", "top-1", "bytes vs full", "vs best uniform",
-                      "best uniform", "kvpress KVzipPress"], body) + "\n\n" + _source(path))
+        cost_text = (
+            f" Prefill with the reconstruction: {ratios['kvzip']:.2f}x a plain prefill (H2O's scored "
+            f"prefill {ratios['h2o']:.2f}x). " + _source(cost)
+        )
+    return (
+        "## KVzip: context reconstruction (prompt mode)\n\nSame positions as the scorer table. *model-wide*: "
+        '`head_budget="adaptive", layer_budget="adaptive"` (the model\'s budget allotted over layers and '
+        "heads by score, KVzip's own; bytes held are the budget); *adaptive*: per layer over its heads; "
+        "*layer-adaptive*: over layers, uniform heads. *vs best uniform*: KL over the best non-adaptive "
+        "prompt-mode row at the same budget (any scorer)."
+        + cost_text
+        + "\n\n"
+        + _table(
+            [
+                "budget",
+                "configuration",
+                "KL mean",
+                "top-1",
+                "bytes vs full",
+                "vs best uniform",
+                "best uniform",
+                "kvpress KVzipPress",
+            ],
+            body,
+        )
+        + "\n\n"
+        + _source(path)
+    )
 
 
 def ruler_tasks() -> str:
@@ -196,15 +281,27 @@ def ruler_tasks() -> str:
     if not path.exists():
         return ""
     report = json.loads(path.read_text(encoding="utf-8"))
-    body = [[r["task"], str(r["context_len"]), str(r["samples"]), _num(r["mean"]),
-             f"[{_num(r['ci95'][0])}, {_num(r['ci95'][1])}]", _num(r["chance"]), "kept" if r["kept"] else "dropped"]
-            for r in report["rows"]]
-    return ("## Generated tasks: what the full cache can do\n\nEvery task of `hf_kvcache.evaluation.ruler` through "
-            f"the full cache (DynamicCache), greedy, question after the context; kept for the leaderboard where the "
-            f"mean is at least chance + {report['keep_rule'].rsplit('+ ', 1)[-1]} "
-            f"([task accuracy](ruler.md)).\n\n"
-            + _table(["task", "tokens", "samples", "full-cache score", "95% interval", "chance", "board"], body)
-            + "\n\n" + _source(path))
+    body = [
+        [
+            r["task"],
+            str(r["context_len"]),
+            str(r["samples"]),
+            _num(r["mean"]),
+            f"[{_num(r['ci95'][0])}, {_num(r['ci95'][1])}]",
+            _num(r["chance"]),
+            "kept" if r["kept"] else "dropped",
+        ]
+        for r in report["rows"]
+    ]
+    return (
+        "## Generated tasks: what the full cache can do\n\nEvery task of `hf_kvcache.evaluation.ruler` through "
+        f"the full cache (DynamicCache), greedy, question after the context; kept for the leaderboard where the "
+        f"mean is at least chance + {report['keep_rule'].rsplit('+ ', 1)[-1]} "
+        f"([task accuracy](ruler.md)).\n\n"
+        + _table(["task", "tokens", "samples", "full-cache score", "95% interval", "chance", "board"], body)
+        + "\n\n"
+        + _source(path)
+    )
 
 
 BOARD = RESULTS / "ruler" / "board_h200"
@@ -226,7 +323,7 @@ def ruler_board() -> str:
         body = []
         for method, got in sorted(by_method.items(), key=lambda kv: (kv[0] != "full", kv[0])):
             if method == "full" or all(p not in got for p in points):  # full cache / fixed methods: one point
-                (c, r), = got.items()
+                ((c, r),) = got.items()
                 body.append([method, f"{value(r)} at {_num(c, 2)}"] + [""] * (len(points) - 1))
             else:
                 body.append([method] + [value(got[p]) if p in got else "" for p in points])
@@ -238,27 +335,44 @@ def ruler_board() -> str:
     cells = [c for c in board["cells"] if c["task"] == task and c["context_len"] == 2048 and c["n"] == 50]
     single = grid(cells, lambda c: _num(c["score"], 2))
     check = json.loads((BOARD / "full_cache_4k.json").read_text(encoding="utf-8"))
-    kept = [[r["task"], str(r["samples"]), _num(r["mean"], 2), _num(r["chance"], 2), "kept" if r["kept"] else
-             "dropped"] for r in check["rows"]]
+    kept = [
+        [r["task"], str(r["samples"]), _num(r["mean"], 2), _num(r["chance"], 2), "kept" if r["kept"] else "dropped"]
+        for r in check["rows"]
+    ]
     headers = ["method"] + [f"{int(p * 100)}%" for p in points]
-    return ("## Generated tasks: the board (H200, bfloat16)\n\n" + run["what"] + f". {run['answers']} answers. "
-            f"Complete: {run['complete']}. Not run: " + "; ".join(run["not_run"]) + ". "
-            "Compression = share of the context's tokens dropped (FP8: its measured bytes against bf16). "
-            "([task accuracy](ruler.md)).\n\nMean over " + ", ".join(board["tasks"]) + ", 50 samples each, "
-            "± the 95% half-width of the mean:\n\n" + _table(headers, mean) + f"\n\n`{task}` alone (KVzip "
-            "complete there):\n\n" + _table(headers, single) + "\n\nThe full cache at 4K tokens (20 samples per "
-            "task, the same check as at 1K / 2K, in bf16 on the H200):\n\n"
-            + _table(["task", "samples", "full-cache score", "chance", "board at 4K"], kept) + "\n\n"
-            + _source(BOARD / "run.json"))
+    return (
+        "## Generated tasks: the board (H200, bfloat16)\n\n" + run["what"] + f". {run['answers']} answers. "
+        f"Complete: {run['complete']}. Not run: " + "; ".join(run["not_run"]) + ". "
+        "Compression = share of the context's tokens dropped (FP8: its measured bytes against bf16). "
+        "([task accuracy](ruler.md)).\n\nMean over " + ", ".join(board["tasks"]) + ", 50 samples each, "
+        "± the 95% half-width of the mean:\n\n" + _table(headers, mean) + f"\n\n`{task}` alone (KVzip "
+        "complete there):\n\n" + _table(headers, single) + "\n\nThe full cache at 4K tokens (20 samples per "
+        "task, the same check as at 1K / 2K, in bf16 on the H200):\n\n"
+        + _table(["task", "samples", "full-cache score", "chance", "board at 4K"], kept)
+        + "\n\n"
+        + _source(BOARD / "run.json")
+    )
 
 
 def quantized() -> str:
     path = RESULTS / "quantized.csv"
-    body = [[r["label"], _num(r["kl_mean"], 4), _num(r["top1_agreement"]), _num(r["bytes_ratio_to_dynamic"]),
-             _num(r["decode_ratio_to_dynamic"])] for r in _rows(path)]
-    return ("## Quantized caches vs transformers' QuantizedCache\n\n2K-token prompt + 512 scored tokens, one "
-            "interleaved run.\n\n" + _table(["cache", "KL mean", "top-1", "bytes vs full", "decode vs full"], body)
-            + "\n\n" + _source(RESULTS / "quantized.json"))
+    body = [
+        [
+            r["label"],
+            _num(r["kl_mean"], 4),
+            _num(r["top1_agreement"]),
+            _num(r["bytes_ratio_to_dynamic"]),
+            _num(r["decode_ratio_to_dynamic"]),
+        ]
+        for r in _rows(path)
+    ]
+    return (
+        "## Quantized caches vs transformers' QuantizedCache\n\n2K-token prompt + 512 scored tokens, one "
+        "interleaved run.\n\n"
+        + _table(["cache", "KL mean", "top-1", "bytes vs full", "decode vs full"], body)
+        + "\n\n"
+        + _source(RESULTS / "quantized.json")
+    )
 
 
 def streaming() -> str:
@@ -270,40 +384,76 @@ def streaming() -> str:
     for cache, rows in by_cache.items():
         ppl = [float(r["ppl"]) for r in rows]
         nll = sum(math.log(p) * int(r["tokens"]) for p, r in zip(ppl, rows)) / sum(int(r["tokens"]) for r in rows)
-        body.append([cache, str(sum(int(r["tokens"]) for r in rows)), _num(math.exp(nll), 2), _num(min(ppl), 2),
-                     _num(max(ppl), 2)])
-    return ("## Streaming perplexity\n\nOne token per forward (StreamingLLM's protocol) through a 32K-token stream, "
-            "4x the model's training context; perplexity per bucket of 1024 positions.\n\n"
-            + _table(["cache", "tokens", "PPL (all)", "best bucket", "worst bucket"], body) + "\n\n"
-            + _source(RESULTS / "stream_ppl.json"))
+        body.append(
+            [
+                cache,
+                str(sum(int(r["tokens"]) for r in rows)),
+                _num(math.exp(nll), 2),
+                _num(min(ppl), 2),
+                _num(max(ppl), 2),
+            ]
+        )
+    return (
+        "## Streaming perplexity\n\nOne token per forward (StreamingLLM's protocol) through a 32K-token stream, "
+        "4x the model's training context; perplexity per bucket of 1024 positions.\n\n"
+        + _table(["cache", "tokens", "PPL (all)", "best bucket", "worst bucket"], body)
+        + "\n\n"
+        + _source(RESULTS / "stream_ppl.json")
+    )
 
 
 def serving() -> str:
-    parts = ["## Continuous batching with quantized pages\n\n`hf-kvcache serve-bench`: the same requests through "
-             "transformers' `generate_batch` at one KV memory budget, model-dtype (bfloat16) pages vs FP8 / INT8 "
-             "pages; ratios to model-dtype pages in the same run. The two `serve_bench_transformers_*` runs were made "
-             "one after the other on the same day with the same settings (one budget, one round each: the "
-             "throughput and TTFT ratios move by tens of percent between runs on this shared CPU; the request counts "
-             "and KL do not)."]
+    parts = [
+        "## Continuous batching with quantized pages\n\n`hf-kvcache serve-bench`: the same requests through "
+        "transformers' `generate_batch` at one KV memory budget, model-dtype (bfloat16) pages vs FP8 / INT8 "
+        "pages; ratios to model-dtype pages in the same run. The two `serve_bench_transformers_*` runs were made "
+        "one after the other on the same day with the same settings (one budget, one round each: the "
+        "throughput and TTFT ratios move by tens of percent between runs on this shared CPU; the request counts "
+        "and KL do not)."
+    ]
     for name in ("serve_bench.json", "serve_bench_transformers_5.23.json", "serve_bench_transformers_5.24.json"):
         path = RESULTS / name
         if not path.exists():
             continue
         summary = json.loads(path.read_text(encoding="utf-8"))["summary"]
-        body = [[key, _num(v["concurrency_ratio"]), _num(v["pages_ratio"]), _num(v["tokens_per_s_ratio"]),
-                 _num(v["ttft_mean_ratio"]), _num(v["kl_mean"], 4)] for key, v in summary.items()]
-        parts.append(_table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
-                     + "\n\n" + _source(path))
+        body = [
+            [
+                key,
+                _num(v["concurrency_ratio"]),
+                _num(v["pages_ratio"]),
+                _num(v["tokens_per_s_ratio"]),
+                _num(v["ttft_mean_ratio"]),
+                _num(v["kl_mean"], 4),
+            ]
+            for key, v in summary.items()
+        ]
+        parts.append(
+            _table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
+            + "\n\n"
+            + _source(path)
+        )
     return "\n\n".join(parts)
 
 
 def demo() -> str:
     path = RESULTS / "demo" / "demo.csv"
-    body = [[r["cache"], r["budget"], _num(float(r["bytes_held"]) / 2**20, 1), _num(r["generated_agreement"]),
-             _num(r["top1_agreement"])] for r in _rows(path)]
-    return ("## The demo (`make demo`)\n\nSmolLM2, 512-token prompt + 32 generated tokens through every cache "
-            "family.\n\n" + _table(["cache", "budget", "MiB held", "greedy agreement", "top-1"], body) + "\n\n"
-            + _source(path))
+    body = [
+        [
+            r["cache"],
+            r["budget"],
+            _num(float(r["bytes_held"]) / 2**20, 1),
+            _num(r["generated_agreement"]),
+            _num(r["top1_agreement"]),
+        ]
+        for r in _rows(path)
+    ]
+    return (
+        "## The demo (`make demo`)\n\nSmolLM2, 512-token prompt + 32 generated tokens through every cache "
+        "family.\n\n"
+        + _table(["cache", "budget", "MiB held", "greedy agreement", "top-1"], body)
+        + "\n\n"
+        + _source(path)
+    )
 
 
 GPU_RUNS = RESULTS / "gpu"
@@ -313,9 +463,11 @@ def gpu_runs(folder: pathlib.Path = GPU_RUNS) -> str:
     """The GPU acceptance runs (eval/gpu/accept.sh, one folder DATE-DEVICE each): per run its environment and stages,
     then the speed cells (decode ms/token and ratio to DynamicCache, prefill, peak memory per cache), the kernel
     against a plain read, and serving (FP8 pages vs model-dtype pages at equal KV memory)."""
-    head = ("## GPU acceptance runs\n\n`bash eval/gpu/accept.sh` on a lent GPU (eval/README.md, \"GPU acceptance "
-            "run\"): correctness on CUDA, speed on random weights in Llama-3.1-8B / Qwen3-8B shapes, serving, and "
-            "the RULER board's missing answers.")
+    head = (
+        '## GPU acceptance runs\n\n`bash eval/gpu/accept.sh` on a lent GPU (eval/README.md, "GPU acceptance '
+        'run"): correctness on CUDA, speed on random weights in Llama-3.1-8B / Qwen3-8B shapes, serving, and '
+        "the RULER board's missing answers."
+    )
     runs = sorted(p for p in folder.glob("*/summary.json")) if folder.exists() else []
     if not runs:
         return head + " No run has landed yet: `eval/results/gpu/` is empty."
@@ -323,37 +475,70 @@ def gpu_runs(folder: pathlib.Path = GPU_RUNS) -> str:
     for path in runs:
         summary = json.loads(path.read_text(encoding="utf-8"))
         run = path.parent
-        stages = ", ".join(f"{name} {s['status']} ({_num(s['seconds'], 0)} s)"
-                           for name, s in summary.get("stages", {}).items())
-        parts.append(f"### {run.name}\n\n{summary.get('device_name')}, driver {summary.get('driver')}, CUDA "
-                     f"{summary.get('cuda')}, torch {summary.get('torch')}, "
-                     f"transformers {summary.get('transformers')}, "
-                     f"commit {summary.get('commit')}. Stages: {stages or 'none'}.")
+        stages = ", ".join(
+            f"{name} {s['status']} ({_num(s['seconds'], 0)} s)" for name, s in summary.get("stages", {}).items()
+        )
+        parts.append(
+            f"### {run.name}\n\n{summary.get('device_name')}, driver {summary.get('driver')}, CUDA "
+            f"{summary.get('cuda')}, torch {summary.get('torch')}, "
+            f"transformers {summary.get('transformers')}, "
+            f"commit {summary.get('commit')}. Stages: {stages or 'none'}."
+        )
         rows = []
         for cell in sorted(run.glob("speed/*.csv")):
             for r in _rows(cell):
                 label = r["cache"] if len(r["cache"]) <= 48 else r["name"] + " (config: the CSV)"
-                rows.append([cell.stem, label, _num(r["decode_ms_per_step"]), _num(r["decode_vs_ref"]),
-                             _num(r["prefill_s"]), _num(r["prefill_vs_ref"]),
-                             _num(float(r["cuda_peak_bytes"]) / 2**20, 1) if r["cuda_peak_bytes"] else ""])
+                rows.append(
+                    [
+                        cell.stem,
+                        label,
+                        _num(r["decode_ms_per_step"]),
+                        _num(r["decode_vs_ref"]),
+                        _num(r["prefill_s"]),
+                        _num(r["prefill_vs_ref"]),
+                        _num(float(r["cuda_peak_bytes"]) / 2**20, 1) if r["cuda_peak_bytes"] else "",
+                    ]
+                )
         if rows:
-            parts.append("Speed (eager, interleaved rounds; x dynamic: DynamicCache's time over the cache's, > 1 is "
-                         "faster):\n\n" + _table(["cell", "cache", "decode ms/token", "x dynamic", "prefill s",
-                                                   "x dynamic", "peak MiB"], rows))
+            parts.append(
+                "Speed (eager, interleaved rounds; x dynamic: DynamicCache's time over the cache's, > 1 is "
+                "faster):\n\n"
+                + _table(["cell", "cache", "decode ms/token", "x dynamic", "prefill s", "x dynamic", "peak MiB"], rows)
+            )
         kernel = run / "speed" / "kernel.json"
         if kernel.exists():
-            krows = [[r["cache"], str(r["context"]), _num(r["kernel_gb_per_s"]), _num(r["read_bound_gb_per_s"]),
-                      _num(r["share_of_bound"])] for r in json.loads(kernel.read_text(encoding="utf-8"))["rows"]]
-            parts.append("The code-reading kernel alone against a plain read of the same bytes:\n\n"
-                         + _table(["layout", "tokens", "kernel GB/s", "plain read GB/s", "share"], krows))
+            krows = [
+                [
+                    r["cache"],
+                    str(r["context"]),
+                    _num(r["kernel_gb_per_s"]),
+                    _num(r["read_bound_gb_per_s"]),
+                    _num(r["share_of_bound"]),
+                ]
+                for r in json.loads(kernel.read_text(encoding="utf-8"))["rows"]
+            ]
+            parts.append(
+                "The code-reading kernel alone against a plain read of the same bytes:\n\n"
+                + _table(["layout", "tokens", "kernel GB/s", "plain read GB/s", "share"], krows)
+            )
         serve = run / "serve" / "serve_bench.json"
         if serve.exists():
             data = json.loads(serve.read_text(encoding="utf-8"))
-            srows = [[r["format"], _num(r["budget_scale"]), _num(r.get("steady_mean_concurrent_requests")),
-                      _num(r["tokens_per_s"], 1), _num(r["ttft_mean_s"]), _num(r.get("itl_mean_s"))]
-                     for r in data["runs"]]
-            parts.append("Serving (`serve-bench`, equal KV memory):\n\n"
-                         + _table(["pages", "budget x", "mean concurrent", "tokens/s", "TTFT s", "ITL s"], srows))
+            srows = [
+                [
+                    r["format"],
+                    _num(r["budget_scale"]),
+                    _num(r.get("steady_mean_concurrent_requests")),
+                    _num(r["tokens_per_s"], 1),
+                    _num(r["ttft_mean_s"]),
+                    _num(r.get("itl_mean_s")),
+                ]
+                for r in data["runs"]
+            ]
+            parts.append(
+                "Serving (`serve-bench`, equal KV memory):\n\n"
+                + _table(["pages", "budget x", "mean concurrent", "tokens/s", "TTFT s", "ITL s"], srows)
+            )
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         parts.append(f"Source: `{shown}` and the files beside it.")
     return "\n\n".join(parts)
@@ -361,13 +546,28 @@ def gpu_runs(folder: pathlib.Path = GPU_RUNS) -> str:
 
 def render() -> str:
     plots = "\n\n".join(f"![{caption}](assets/results/{name})" for _, name, caption in PLOTS)
-    sections = [budget_sweep(), scorer_modes(), kvzip(), ruler_tasks(), ruler_board(), quantized(), streaming(),
-                serving(), gpu_runs(), demo()]
-    return ("# Results\n\nGenerated by `scripts/results_page.py` from the files in `eval/results/` (each table names "
-            "its file); do not edit by hand. Measured on SmolLM2-135M-Instruct on a shared 2-core CPU unless a "
-            "file says otherwise: ratios measured side by side in one run, absolute times only as the files give "
-            "them. The benchmarks and how to re-run them: `eval/README.md`.\n\n" + plots + "\n\n"
-            + "\n\n".join(sections) + "\n")
+    sections = [
+        budget_sweep(),
+        scorer_modes(),
+        kvzip(),
+        ruler_tasks(),
+        ruler_board(),
+        quantized(),
+        streaming(),
+        serving(),
+        gpu_runs(),
+        demo(),
+    ]
+    return (
+        "# Results\n\nGenerated by `scripts/results_page.py` from the files in `eval/results/` (each table names "
+        "its file); do not edit by hand. Measured on SmolLM2-135M-Instruct on a shared 2-core CPU unless a "
+        "file says otherwise: ratios measured side by side in one run, absolute times only as the files give "
+        "them. The benchmarks and how to re-run them: `eval/README.md`.\n\n"
+        + plots
+        + "\n\n"
+        + "\n\n".join(sections)
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("HF_KVCACHE_WRITE_MATRIX", None)
     else:
         env["HF_KVCACHE_WRITE_MATRIX"] = "1"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", TEST,
-               *args.pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:cacheprovider",
+        TEST,
+        *args.pytest_args,
+    ]
     code = subprocess.call(command, cwd=ROOT, env=env)
     if code == 0 and not args.check:
         print(f"wrote {ROOT / 'docs' / 'support_matrix.md'}")

@@ -157,8 +157,12 @@ def greedy_decode_syncs(model, cache, ids, mask, steps: int) -> list[dict]:
             token = out.logits[:, -1:].argmax(-1)
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
             with HostSyncCounter() as counter:
-                out = model(input_ids=token, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                            **cache_kwargs(cache))
+                out = model(
+                    input_ids=token,
+                    attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                    **cache_kwargs(cache),
+                )
             counts.append(dict(counter.by_name) if counter.syncs else {})
     return counts
 
@@ -167,7 +171,7 @@ def masked_step(model, cache, ids, mask):
     """A forward of `ids` [B, q] after the tokens of `mask`, position ids from the mask: (last logits, new mask)."""
     mask = torch.cat((mask, torch.ones_like(ids)), 1)
     with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
     return out.logits[:, -1], mask
 
@@ -175,8 +179,10 @@ def masked_step(model, cache, ids, mask):
 def policy_free_nbytes(cache) -> int:
     """Bytes of every compressed layer's store, slot positions and validity: all a prompt-mode cache may hold once its
     prompt is compressed (no scores, stream indices, observation ring, query statistics, scorer state or key copies)."""
-    return sum(layer.store.nbytes() + layer.slot_valid.nbytes + (0 if layer.slot_pos is None else layer.slot_pos.nbytes)
-               for layer in cache.compressed_layers)
+    return sum(
+        layer.store.nbytes() + layer.slot_valid.nbytes + (0 if layer.slot_pos is None else layer.slot_pos.nbytes)
+        for layer in cache.compressed_layers
+    )
 
 
 @pytest.fixture

@@ -9,10 +9,12 @@ the model's `base_model_tp_plan`, gloo on CPU, NCCL on GPUs), runs every case of
 ordinary way, so both sides run exactly the same code.
 
 A case is {"id", "model" (a subdirectory of MODELS_DIR), "cache" (a name of hf_kvcache.CACHE_IMPLEMENTATIONS or
-"dynamic"), "config" (cache_config), "padded" (bool: left-pad the second row)}. Its result (`run_case`) holds what the test checks: the generated tokens
+"dynamic"), "config" (cache_config), "padded" (bool: left-pad the second row)}. Its result (`run_case`) holds what the
+test checks: the generated tokens
 and per-step logits, the cache's KV head count per layer (`layer.heads`, and dim 1 of every per-row tensor held by
 the layer's store and policy), `cache.nbytes()`, the TP rank and size the cache read from the model and the global
-index of each layer's first KV head (`cache.tensor_parallel`), or the error if generation raised. Nothing here asserts: the test
+index of each layer's first KV head (`cache.tensor_parallel`), or the error if generation raised. Nothing here asserts:
+the test
 does, against the single-process run.
 """
 

@@ -11,5 +11,6 @@ def char_tokenizer():
     vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "</s>": 3, **{chr(i): i for i in range(4, 128)}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/index.md")
 
-PREAMBLE = '''\
+PREAMBLE = """\
 import torch
 from hf_kvcache.evaluation.models import load_model
 
@@ -20,15 +20,15 @@ torch.manual_seed(0)
 model, tokenizer = load_model("smollm2")  # the offline SmolLM2-135M-Instruct (stands for the reader's model)
 model.generation_config.max_new_tokens = model.generation_config.min_new_tokens = 8
 inputs = tokenizer("The KV cache holds the keys and values of every token seen so far, so", return_tensors="pt")
-'''
+"""
 
-CHECKS = '''\
+CHECKS = """\
 prompt_len = inputs["input_ids"].shape[1]
 assert out.shape == (1, prompt_len + 8), out.shape
 assert 0 < cache.nbytes(), cache.nbytes()
 print("snippets ran:", {snippet_count}, "| last output", out.shape[1] - prompt_len, "new tokens | cache holds",
       cache.nbytes(), "bytes")
-'''
+"""
 
 
 def snippets(page: str) -> list[str]:

@@ -95,11 +95,21 @@ class Reference:
         synthetic attention of this forward (for rules that score by attention)."""
         batch, _, q, _ = raw_keys.shape
         if not self.rows:
-            self.rows = [Row(kept=[set() for _ in range(self.heads)], scores=[{} for _ in range(self.heads)])
-                         for _ in range(batch)]
+            self.rows = [
+                Row(kept=[set() for _ in range(self.heads)], scores=[{} for _ in range(self.heads)])
+                for _ in range(batch)
+            ]
         for b, row in enumerate(self.rows):
-            new = [Token(self.seen + i, int(positions[b, i]), bool(real[b, i]), raw_keys[b, :, i].clone(),
-                         values[b, :, i].clone()) for i in range(q)]
+            new = [
+                Token(
+                    self.seen + i,
+                    int(positions[b, i]),
+                    bool(real[b, i]),
+                    raw_keys[b, :, i].clone(),
+                    values[b, :, i].clone(),
+                )
+                for i in range(q)
+            ]
             row.tokens += new
             self.rule.step(self, b, row, new, attention)
         self.seen += q
@@ -348,8 +358,16 @@ class CascadeRule(_Rule):
     its region's precision), then `final`: "evict", "keep" (every older real token) or "heavy" (the `heavy`
     highest-scoring real tokens among those that aged out of the windows)."""
 
-    def __init__(self, sinks: int, windows: list[tuple[int, int, object]], final: str, heavy: int,
-                 final_precision, move_sinks: bool, sink_precision):
+    def __init__(
+        self,
+        sinks: int,
+        windows: list[tuple[int, int, object]],
+        final: str,
+        heavy: int,
+        final_precision,
+        move_sinks: bool,
+        sink_precision,
+    ):
         self.sinks, self.windows, self.final, self.heavy = sinks, windows, final, heavy
         self.window = windows[-1][1]
         self.final_precision, self.move_sinks, self.sink_precision = final_precision, move_sinks, sink_precision
@@ -375,7 +393,7 @@ class CascadeRule(_Rule):
                 for s in kept:
                     scores[s] = scores[s] + attention(b, h, by_stream[s].position)
             older = sorted((s for s in kept if s < window_start and s not in sinks), key=lambda s: -scores[s].item())
-            for s in older[self.heavy:]:
+            for s in older[self.heavy :]:
                 kept.discard(s)
                 scores.pop(s)
             if len(new) == 1 and ref.seen > 0:  # one token: the choice was made with the scores so far
@@ -392,7 +410,8 @@ class CascadeRule(_Rule):
 
     def has_evicted(self, ref) -> bool:
         return self.final != "keep" and ref.seen > self.sinks + self.window + (
-            self.heavy if self.final == "heavy" else 0)
+            self.heavy if self.final == "heavy" else 0
+        )
 
     def positions(self, ref, row, h, kept):
         if not self.move_sinks or not self.sinks:

@@ -66,7 +66,11 @@ def test_left_padded_batch_full_cache_equals_default():
     ids, mask = left_pad(prompts())
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=PAD,
         **cache_kwargs(FullCache(model.config)),
     )
     assert torch.equal(out, ref)
@@ -81,8 +85,15 @@ def test_sampling_runs_seeded_and_reproducible():
             torch.manual_seed(123)
             outs.append(
                 model.generate(
-                    ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=0, temperature=1.0,
-                    pad_token_id=PAD, cache_implementation=name, cache_config=cache_config,
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=NEW,
+                    do_sample=True,
+                    top_k=0,
+                    temperature=1.0,
+                    pad_token_id=PAD,
+                    cache_implementation=name,
+                    cache_config=cache_config,
                 )
             )
         assert outs[0].shape == (len(PROMPT_LENGTHS), ids.shape[1] + NEW)
@@ -97,8 +108,14 @@ def test_beam_search_runs_with_evictions(config_name):
     model = build_model("llama")
     ids, mask = left_pad(prompts()[:2])
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, num_beams=2, pad_token_id=PAD,
-        cache_implementation=name, cache_config=cache_config,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        num_beams=2,
+        pad_token_id=PAD,
+        cache_implementation=name,
+        cache_config=cache_config,
     )
     assert out.shape == (2, ids.shape[1] + NEW)
     assert torch.equal(out[:, : ids.shape[1]], ids)
@@ -111,8 +128,14 @@ def test_beam_search_single_row_with_evictions_matches_padded_batch(config_name)
     model = build_model("llama")
     rows = prompts()[:2]
     ids, mask = left_pad(rows)
-    kw = dict(max_new_tokens=NEW, do_sample=False, num_beams=2, pad_token_id=PAD,
-              cache_implementation=name, cache_config=cache_config)
+    kw = dict(
+        max_new_tokens=NEW,
+        do_sample=False,
+        num_beams=2,
+        pad_token_id=PAD,
+        cache_implementation=name,
+        cache_config=cache_config,
+    )
     batched = model.generate(ids, attention_mask=mask, **kw)
     for i, row in enumerate(rows):
         alone = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kw)
@@ -121,8 +144,11 @@ def test_beam_search_single_row_with_evictions_matches_padded_batch(config_name)
 
 @pytest.mark.parametrize(
     "name,cache_config",
-    [("sink", {"sinks": 4, "window": 64}), ("sink", {"budget": 64, "position_mode": "original"}),
-     ("sliding", {"window": 64})],
+    [
+        ("sink", {"sinks": 4, "window": 64}),
+        ("sink", {"budget": 64, "position_mode": "original"}),
+        ("sliding", {"window": 64}),
+    ],
 )
 def test_beam_search_large_budget_equals_dynamic(name, cache_config):
     model = build_model("llama")
@@ -149,16 +175,27 @@ def test_num_return_sequences(cache_name):
     ids, mask = left_pad(prompts()[:2])
     # beam search returning both beams
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, num_beams=2, num_return_sequences=2,
-        pad_token_id=PAD, **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        num_beams=2,
+        num_return_sequences=2,
+        pad_token_id=PAD,
+        **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
     )
     assert out.shape == (4, ids.shape[1] + NEW)
     assert torch.equal(out[0::2, : ids.shape[1]], ids) and torch.equal(out[1::2, : ids.shape[1]], ids)
     # sampling, two samples per prompt
     torch.manual_seed(0)
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, num_return_sequences=2,
-        pad_token_id=PAD, **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=True,
+        num_return_sequences=2,
+        pad_token_id=PAD,
+        **cache_kwargs(CACHE_OBJECTS[cache_name](model)),
     )
     assert out.shape == (4, ids.shape[1] + NEW)
     assert torch.equal(out[0::2, : ids.shape[1]], ids)
@@ -170,8 +207,14 @@ def test_num_return_sequences_via_cache_implementation():
     for name, cache_config in CONFIGS.values():
         torch.manual_seed(1)
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, num_return_sequences=2,
-            pad_token_id=PAD, cache_implementation=name, cache_config=cache_config,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            do_sample=True,
+            num_return_sequences=2,
+            pad_token_id=PAD,
+            cache_implementation=name,
+            cache_config=cache_config,
         )
         assert out.shape == (4, ids.shape[1] + NEW)
 
@@ -201,17 +244,24 @@ def _feed_padded(model, cache, ids, mask, new, chunk):
             q = min(chunk, new.shape[1] - t)
             mask = torch.cat((mask, torch.ones(ids.shape[0], q, dtype=torch.long)), -1)
             p = n_real[:, None] + t + torch.arange(q)[None]
-            out.append(model(new[:, t : t + q], attention_mask=mask, position_ids=p, **cache_kwargs(cache),
-                             use_cache=True).logits)
+            out.append(
+                model(
+                    new[:, t : t + q], attention_mask=mask, position_ids=p, **cache_kwargs(cache), use_cache=True
+                ).logits
+            )
     return torch.cat(out, 1)
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
-@pytest.mark.parametrize("make", [
-    lambda m: SinkCache(m, sinks=2, window=5),
-    lambda m: SinkCache(m, sinks=2, window=5, position_mode="original"),
-    lambda m: SlidingWindowCache(m, window=6),
-], ids=["sink_cache", "sink_original", "sliding"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: SinkCache(m, sinks=2, window=5),
+        lambda m: SinkCache(m, sinks=2, window=5, position_mode="original"),
+        lambda m: SlidingWindowCache(m, window=6),
+    ],
+    ids=["sink_cache", "sink_original", "sliding"],
+)
 def test_padded_batch_logits_equal_rows_alone_direct_calls(make, chunk):
     """Logit-level check (not just argmax), also for multi-token decode chunks after evictions."""
     model = build_model("llama")

@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 from hf_kvcache.kernels import cpu_blockwise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-import bench_decode_bandwidth  # noqa: E402
-import bench_gpu  # noqa: E402
+import bench_decode_bandwidth
+import bench_gpu
 
 
 @pytest.mark.skipif(cpu_blockwise.unavailable() is not None, reason="the native CPU kernel does not build here")
@@ -40,8 +40,9 @@ def test_kernel_rows_count_the_bytes_read_and_compare_with_a_plain_read():
 def test_multiply_add_floor_counts_one_per_element_and_query_row(monkeypatch):
     """The floor times elements x query rows / 16 vector multiply-adds, split over torch's threads."""
     calls = []
-    monkeypatch.setattr(bench_decode_bandwidth, "_multiply_adds", lambda: lambda n, threads: calls.append(
-        (n, threads)) or 0.002)
+    monkeypatch.setattr(
+        bench_decode_bandwidth, "_multiply_adds", lambda: lambda n, threads: calls.append((n, threads)) or 0.002
+    )
     monkeypatch.setattr(bench_decode_bandwidth.torch, "get_num_threads", lambda: 2)
     assert bench_decode_bandwidth.multiply_add_floor_ms(2 * 30 * 3 * 8192 * 64, 3, repeats=3) == pytest.approx(2.0)
     assert calls == [(2 * 30 * 3 * 8192 * 64 * 3 // 16, 2)] * 4  # a warm-up, then the repeats
@@ -68,5 +69,5 @@ def test_bench_gpu_hands_the_table_its_device_dtype_and_model(monkeypatch, tmp_p
     argv = seen["argv"]
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--model") + 1] == "smollm2"
-    assert argv[argv.index("--lengths") + 1:] == ["1024", "8192"]
+    assert argv[argv.index("--lengths") + 1 :] == ["1024", "8192"]
     assert argv[argv.index("--out") + 1] == str(tmp_path / "cpu_decode_bandwidth")

@@ -19,7 +19,7 @@ import hf_kvcache
 from hf_kvcache import SlidingWindowCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-import bench_gpu  # noqa: E402
+import bench_gpu
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # bench_gpu.tiny_llama
 PROMPT, NEW = 24, 6
@@ -61,11 +61,29 @@ def run(tmp_path_factory):
     mp.setitem(hf_kvcache.CACHE_IMPLEMENTATIONS, "test_syncing", SyncingCache)
     mp.setitem(hf_kvcache.CACHE_IMPLEMENTATIONS, "test_recompiling", RecompilingCache)
     try:
-        info = bench_gpu.main([
-            "--tiny", "--prompt-tokens", str(PROMPT), "--new-tokens", str(NEW), "--rounds", "2",
-            "--compile-backend", "eager", "--sync-steps", "2",
-            "--cache", "sink:sinks=2,budget=0.5", "--cache", "test_syncing:window=12",
-            "--cache", "test_recompiling:window=12", "--out", str(out)])
+        info = bench_gpu.main(
+            [
+                "--tiny",
+                "--prompt-tokens",
+                str(PROMPT),
+                "--new-tokens",
+                str(NEW),
+                "--rounds",
+                "2",
+                "--compile-backend",
+                "eager",
+                "--sync-steps",
+                "2",
+                "--cache",
+                "sink:sinks=2,budget=0.5",
+                "--cache",
+                "test_syncing:window=12",
+                "--cache",
+                "test_recompiling:window=12",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         mp.undo()
     with open(out / "gpu_bench.csv") as f:
@@ -80,7 +98,7 @@ CACHES = ["dynamic", "static", "sink:sinks=2,budget=0.5", "test_syncing:window=1
 
 
 def test_one_row_per_cache_and_mode_with_every_column(run):
-    info, rows, header, csv_rows, saved = run
+    _info, rows, header, csv_rows, saved = run
     assert header == bench_gpu.COLUMNS
     assert [(r["cache"], r["mode"]) for r in csv_rows] == [(c, m) for c in CACHES for m in ("eager", "compiled")]
     assert len(saved["rows"]) == len(csv_rows) == len(rows) == 10
@@ -88,7 +106,12 @@ def test_one_row_per_cache_and_mode_with_every_column(run):
     assert saved["settings"]["compile_backend"] == "eager"
     for r in csv_rows:
         assert (r["device"], r["dtype"], r["batch"], r["prompt_tokens"], r["new_tokens"]) == (
-            "cpu", "float32", "1", str(PROMPT), str(NEW))
+            "cpu",
+            "float32",
+            "1",
+            str(PROMPT),
+            str(NEW),
+        )
 
 
 def test_eager_rows_time_and_measure_memory(run):
@@ -122,7 +145,8 @@ def test_syncs_and_ops_are_counted(run):
     assert dyn["aten_ops_per_step_per_layer"] == pytest.approx(dyn["aten_ops_per_decode_step"] / LAYERS, abs=0.01)
     sink = rows[("sink:sinks=2,budget=0.5", "eager")]
     assert sink["extra_aten_ops_per_layer_vs_dynamic"] == pytest.approx(
-        sink["aten_ops_per_step_per_layer"] - dyn["aten_ops_per_step_per_layer"], abs=0.02)
+        sink["aten_ops_per_step_per_layer"] - dyn["aten_ops_per_step_per_layer"], abs=0.02
+    )
     assert sink["aten_ops_vs_dynamic"] > 1  # its bookkeeping costs ops
     for cache in CACHES:  # not counted under compile
         assert rows[(cache, "compiled")]["syncs_per_decode_step"] is None

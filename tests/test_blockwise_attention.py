@@ -97,8 +97,17 @@ CASES = {
     "fp8-token-d64-gqa3": (FP8, FP8, None, 2, 3, 1, 64, 64, {"holes": True, "weights": True}),
     "fp8-token-d128-mha": (FP8, FP8, None, 2, 1, 1, 128, 128, {"holes": True}),
     "fp8-token-d128-gqa4": (FP8, FP8, None, 1, 4, 1, 128, 128, {"sinks": True}),
-    "fp8-head-gqa-causal-holes": (FP8_HEAD, FP8_TENSOR, None, 2, 3, 4, 32, 32,
-                                  {"holes": True, "causal": True, "weights": True}),
+    "fp8-head-gqa-causal-holes": (
+        FP8_HEAD,
+        FP8_TENSOR,
+        None,
+        2,
+        3,
+        4,
+        32,
+        32,
+        {"holes": True, "causal": True, "weights": True},
+    ),
     "int8-keys-fp8-values-mla-softcap": (INT8, FP8_E5M2_G8, None, 1, 4, 2, 48, 16, {"softcap": 3.0}),
     "fp8-e8m0-sinks-gqa": (FP8_E8M0, INT8, None, 2, 4, 1, 32, 24, {"sinks": True, "holes": True}),
     "fp8-channel": (FP8_CHANNEL, FP8, None, 2, 2, 3, 32, 32, {"causal": True}),
@@ -107,8 +116,17 @@ CASES = {
     # register route, keys and values
     "kivi-int4-register-route": (KIVI_KEYS, KIVI_VALUES, 16, 2, 3, 1, 64, 64, {"holes": True, "sinks": True}),
     # blocks of 32 tokens (16 byte rows): the native kernel's 16-row INT4 route (logits by the reduction tree)
-    "kivi-int4-blocks-of-32": (KIVI32_KEYS, KIVI32_VALUES, 32, 2, 3, 1, 64, 64,
-                               {"holes": True, "weights": True, "whole": 32}),
+    "kivi-int4-blocks-of-32": (
+        KIVI32_KEYS,
+        KIVI32_VALUES,
+        32,
+        2,
+        3,
+        1,
+        64,
+        64,
+        {"holes": True, "weights": True, "whole": 32},
+    ),
     "hqq-int2-channel-packed": (INT8, INT2_HQQ, None, 1, 2, 2, 16, 32, {"sinks": True, "softcap": 2.0}),
     "hqq-int2-token-packed": (FP8, INT2_HQQ, 16, 2, 1, 3, 32, 32, {"causal": True, "holes": True}),
     # full-precision segments (sinks, windows, residuals): the native kernel's float32 register route
@@ -160,8 +178,9 @@ def test_matches_dequantize_then_attend(name, backend, request, monkeypatch):
         backend = "native"
     query, keys, values, valid, kw = build_case(name)
     scaling = query.shape[-1] ** -0.5
-    out, scores = blockwise_attention(query, keys, values, valid, scaling, block=32, return_column_scores=True,
-                                      backend=backend, **kw)
+    out, scores = blockwise_attention(
+        query, keys, values, valid, scaling, block=32, return_column_scores=True, backend=backend, **kw
+    )
     ref_out, ref_scores = dense_attention(query, keys, values, valid, scaling, **kw)
     assert out.shape == ref_out.shape and out.dtype == query.dtype
     atol = 2e-6 * max(1.0, query.shape[-1] / 64)  # (float32 sums of head_dim products: their rounding grows with it)
@@ -201,16 +220,18 @@ def test_native_reads_half_precision_values_as_they_are(dtype, dim, kernel, requ
     meta = cpu_blockwise._flatten([QuantizedKV(k, "none")])[1]
     assert meta[1] == {torch.bfloat16: 4, torch.float16: 5}[dtype]  # no float32 copy was made
     out = blockwise_attention(query, QuantizedKV(k, "none"), QuantizedKV(v, "none"), valid, 0.125, backend="native")
-    ref = blockwise_attention(query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125,
-                              backend="native")
+    ref = blockwise_attention(
+        query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125, backend="native"
+    )
     assert torch.equal(out, ref)
     dense, _ = dense_attention(query, QuantizedKV(k.float(), "none"), QuantizedKV(v.float(), "none"), valid, 0.125)
     torch.testing.assert_close(out, dense, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["native", "native-avx2"])
-@pytest.mark.parametrize("name", ["fp8-token-decode", "fp8-channel", "int8-keys-fp8-values-mla-softcap",
-                                  "full-keys-fp8-values-causal"])
+@pytest.mark.parametrize(
+    "name", ["fp8-token-decode", "fp8-channel", "int8-keys-fp8-values-mla-softcap", "full-keys-fp8-values-causal"]
+)
 def test_native_reads_half_precision_scales(name, kernel, request, monkeypatch):
     """FP8 scales are bfloat16 by default: the kernel reads them as they are on its FP8 register route (one scale per
     token and row) and converts them itself elsewhere (channel groups), never through a float32 copy made in Python
@@ -221,8 +242,11 @@ def test_native_reads_half_precision_scales(name, kernel, request, monkeypatch):
         monkeypatch.setattr(cpu_blockwise, "_module", request.getfixturevalue("avx2_kernel"))
     query, keys, values, valid, kw = build_case(name)
     kw.pop("query_weight", None)
-    as_float32 = lambda s: dataclasses.replace(s, scale=s.scale.float()) if s.scale is not None and (
-        s.scale.dtype in (torch.bfloat16, torch.float16)) else s
+    as_float32 = lambda s: (
+        dataclasses.replace(s, scale=s.scale.float())
+        if s.scale is not None and (s.scale.dtype in (torch.bfloat16, torch.float16))
+        else s
+    )
     halves = [s for s in (keys, values) if s.scale is not None and s.scale.dtype in (torch.bfloat16, torch.float16)]
     assert halves  # the case has half-precision scales
     flat = cpu_blockwise.flatten_views([halves[0]])
@@ -234,10 +258,17 @@ def test_native_reads_half_precision_scales(name, kernel, request, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["native", "native-avx2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name,n,length", [("kivi-int4-register-route", 80, 80), ("kivi-int4-register-route", 96, 90),
-                                           ("kivi-int4-blocks-of-32", 96, 96), ("kivi-int4-token-packed", 80, 80),
-                                           ("hqq-int2-token-packed", 80, 72),
-                                           ("int8-keys-fp8-values-mla-softcap", 80, 80)])
+@pytest.mark.parametrize(
+    "name,n,length",
+    [
+        ("kivi-int4-register-route", 80, 80),
+        ("kivi-int4-register-route", 96, 90),
+        ("kivi-int4-blocks-of-32", 96, 96),
+        ("kivi-int4-token-packed", 80, 80),
+        ("hqq-int2-token-packed", 80, 72),
+        ("int8-keys-fp8-values-mla-softcap", 80, 80),
+    ],
+)
 def test_native_reads_half_precision_integer_scales_and_zeros(name, n, length, dtype, kernel, request, monkeypatch):
     """A bfloat16 / float16 model's integer caches (KIVI) keep their scales and zero points in its dtype: the kernel
     reads them as they are, on the INT4 register routes and on the decoded rows (90 of 96 tokens: a partial block of
@@ -256,10 +287,18 @@ def test_native_reads_half_precision_integer_scales_and_zeros(name, n, length, d
 
     def attend(k, v):  # the kernel's views of the segments, read over their first `length` tokens
         (fk, mk), (fv, mv) = cpu_blockwise.flatten_views([k]), cpu_blockwise.flatten_views([v])
-        return cpu_blockwise.attend_flat(query, (fk, cpu_blockwise.with_lengths(mk, [length])),
-                                         (fv, cpu_blockwise.with_lengths(mv, [length])), v.head_dim, k.heads,
-                                         None if valid is None else valid[..., :length], 0.2, kw["causal_tail"],
-                                         kw["softcap"], kw.get("sinks"))
+        return cpu_blockwise.attend_flat(
+            query,
+            (fk, cpu_blockwise.with_lengths(mk, [length])),
+            (fv, cpu_blockwise.with_lengths(mv, [length])),
+            v.head_dim,
+            k.heads,
+            None if valid is None else valid[..., :length],
+            0.2,
+            kw["causal_tail"],
+            kw["softcap"],
+            kw.get("sinks"),
+        )
 
     half_k, half_v = rounded(keys, dtype), rounded(values, dtype)
     integer = [s for s in (half_k, half_v) if s.format in ("int8", "int4", "int2")]
@@ -276,20 +315,23 @@ def test_native_refuses_lengths_beyond_the_buffers():
     error naming the segment, never a read out of bounds."""
     if cpu_blockwise.unavailable() is not None:
         pytest.skip("needs the native kernel")
-    query, keys, values, valid, kw = build_case("fp8-token-decode", n=40)
+    query, keys, values, _valid, _kw = build_case("fp8-token-decode", n=40)
     flat_k, flat_v = cpu_blockwise._flatten([keys]), cpu_blockwise._flatten([values])
     out = cpu_blockwise.attend_flat(query, flat_k, flat_v, 32, 2, None, 0.2)
     ref = blockwise_attention(query, keys, values, None, 0.2, backend="native")
     assert torch.equal(out, ref)
     shorter = (flat_k[0], cpu_blockwise.with_lengths(flat_k[1], [30]))
-    out = cpu_blockwise.attend_flat(query, shorter, (flat_v[0], cpu_blockwise.with_lengths(flat_v[1], [30])), 32, 2,
-                                    None, 0.2)
-    first = [QuantizedKV(s.codes[:, :, :30], s.format, s.scale[:, :, :30], "token", s.group_size)
-             for s in (keys, values)]
+    out = cpu_blockwise.attend_flat(
+        query, shorter, (flat_v[0], cpu_blockwise.with_lengths(flat_v[1], [30])), 32, 2, None, 0.2
+    )
+    first = [
+        QuantizedKV(s.codes[:, :, :30], s.format, s.scale[:, :, :30], "token", s.group_size) for s in (keys, values)
+    ]
     assert torch.equal(out, blockwise_attention(query, *first, None, 0.2, backend="native"))
     with pytest.raises(RuntimeError, match="segment 0 reads 41 tokens, its codes hold 40"):
-        cpu_blockwise.attend_flat(query, (flat_k[0], cpu_blockwise.with_lengths(flat_k[1], [41])), flat_v, 32, 2,
-                                  None, 0.2)
+        cpu_blockwise.attend_flat(
+            query, (flat_k[0], cpu_blockwise.with_lengths(flat_k[1], [41])), flat_v, 32, 2, None, 0.2
+        )
 
 
 @pytest.mark.parametrize("block", [1, 7, 80, 1000])
@@ -309,8 +351,7 @@ def test_rows_with_no_visible_column_give_zeros(q, sinks):
     valid = torch.ones(2, 1, 40, dtype=torch.bool)
     valid[1] = False  # batch row 1 sees nothing
     sink = torch.zeros(query.shape[1]) if sinks else None
-    out, scores = blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sink,
-                                      return_column_scores=True)
+    out, scores = blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sink, return_column_scores=True)
     assert torch.isfinite(out).all() and torch.isfinite(scores).all()
     assert (out[1] == 0).all() and (scores[1] == 0).all()
     assert out[0].abs().sum() > 0 and scores[0].sum() > 0.5
@@ -344,8 +385,11 @@ def test_segments_quantized_then_full_precision(empty_first):
     torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", [FP8, FP8_E5M2_G8, FP8_E8M0, FP8_HEAD, FP8_TENSOR, FP8_CHANNEL, INT8, INT4_KEYS,
-                                  INT4_VALUES, INT2_HQQ], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [FP8, FP8_E5M2_G8, FP8_E8M0, FP8_HEAD, FP8_TENSOR, FP8_CHANNEL, INT8, INT4_KEYS, INT4_VALUES, INT2_HQQ],
+    ids=str,
+)
 @pytest.mark.parametrize("pack_block", [None, 16])
 def test_from_codec_dequantizes_like_the_codec(spec, pack_block):
     x = torch.randn(2, 3, 48, 32) * 3
@@ -448,8 +492,10 @@ def test_native_build_is_named_for_its_torch_and_python(monkeypatch):
     assert cpu_blockwise.module_name(["-O0"]) != cpu_blockwise.module_name()
 
 
-AVX512_NODE = ("fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2 avx512f "
-               "avx512dq avx512cd avx512bw avx512vl avx512_vnni")
+AVX512_NODE = (
+    "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2 avx512f "
+    "avx512dq avx512cd avx512bw avx512vl avx512_vnni"
+)
 AVX2_NODE = "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2"
 
 
@@ -462,10 +508,18 @@ def test_native_build_is_keyed_on_the_instruction_set_it_targets(monkeypatch):
     assert cpu_blockwise.isa_target("x86_64", "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm") == "x86-64-v2"
     assert cpu_blockwise.isa_target("x86_64", "fpu sse2") == "x86-64"
     # AVX-512 flags without AVX2 (never seen, but the levels are cumulative): v2, not v4
-    assert cpu_blockwise.isa_target("x86_64", "ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm avx512f avx512dq avx512cd "
-                                    "avx512bw avx512vl") == "x86-64-v2"
+    assert (
+        cpu_blockwise.isa_target(
+            "x86_64", "ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm avx512f avx512dq avx512cd avx512bw avx512vl"
+        )
+        == "x86-64-v2"
+    )
     names = {}
-    for node, features in (("avx512", AVX512_NODE), ("avx2", AVX2_NODE), ("avx512 + fp16", AVX512_NODE + " avx512_fp16")):
+    for node, features in (
+        ("avx512", AVX512_NODE),
+        ("avx2", AVX2_NODE),
+        ("avx512 + fp16", AVX512_NODE + " avx512_fp16"),
+    ):
         monkeypatch.setattr(cpu_blockwise, "cpu_features", lambda features=features: features)
         flags = cpu_blockwise.compile_flags()
         assert flags.count("-march=native") == 0 and sum(f.startswith("-march=") for f in flags) == 1
@@ -491,8 +545,9 @@ def test_native_kernel_is_the_same_on_one_thread_or_several():
         torch.set_num_threads(1)
         one = blockwise_attention(query, keys, values, valid, 0.2, return_column_scores=True, backend="native", **kw)
         torch.set_num_threads(max(2, threads))
-        several = blockwise_attention(query, keys, values, valid, 0.2, return_column_scores=True, backend="native",
-                                      **kw)
+        several = blockwise_attention(
+            query, keys, values, valid, 0.2, return_column_scores=True, backend="native", **kw
+        )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, several))  # one task per (batch row, KV head): same sums
@@ -536,8 +591,9 @@ def test_extra_memory_is_o_block_while_dequantize_then_attend_is_o_n(record_prop
         values = quantized(INT8, torch.randn(1, 2, n, 64, generator=gen))
         inputs = (query, keys.codes, keys.scale, values.codes, values.scale, values.zero)
         # the torch path (the native kernel's scratch, TILE x n logits per thread, is outside torch's allocator)
-        peaks["blockwise", n] = _peak(lambda: blockwise_attention(query, keys, values, None, 0.125, block=256,
-                                                                  backend="torch"), inputs)
+        peaks["blockwise", n] = _peak(
+            lambda: blockwise_attention(query, keys, values, None, 0.125, block=256, backend="torch"), inputs
+        )
         peaks["dense", n] = _peak(lambda: dense_attention(query, keys, values, None, 0.125), inputs)
     record_property("peak_bytes", {f"{kind}@{n}": v for (kind, n), v in peaks.items()})
     print("peak extra bytes:", peaks)
@@ -553,8 +609,9 @@ def test_torch_path_compiles_fullgraph_and_matches_eager():
     query, keys, values, valid, kw = build_case("fp8-e8m0-sinks-gqa", n=32, batch=1)  # two blocks: compile is slow
 
     def attend(query, keys, values, valid, sinks):
-        return blockwise_attention(query, keys, values, valid, 0.2, block=16, sinks=sinks, backend="torch",
-                                   return_column_scores=True)
+        return blockwise_attention(
+            query, keys, values, valid, 0.2, block=16, sinks=sinks, backend="torch", return_column_scores=True
+        )
 
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)
@@ -590,13 +647,27 @@ TRITON_SCRIPT = textwrap.dedent(
 
 def test_triton_kernel_under_interpreter_matches_torch():
     pytest.importorskip("triton")
-    cases = [("fp8-token-decode", 70), ("fp8-head-gqa-causal-holes", 40), ("int8-keys-fp8-values-mla-softcap", 33),
-             ("fp8-e8m0-sinks-gqa", 48), ("kivi-int4-token-packed", 64), ("hqq-int2-token-packed", 48),
-             ("fp8-channel", 48), ("segments", 66), ("segments-empty", 66)]
+    cases = [
+        ("fp8-token-decode", 70),
+        ("fp8-head-gqa-causal-holes", 40),
+        ("int8-keys-fp8-values-mla-softcap", 33),
+        ("fp8-e8m0-sinks-gqa", 48),
+        ("kivi-int4-token-packed", 64),
+        ("hqq-int2-token-packed", 48),
+        ("fp8-channel", 48),
+        ("segments", 66),
+        ("segments-empty", 66),
+    ]
     script = TRITON_SCRIPT.format(tests=os.path.dirname(__file__), cases=cases)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(results) == sorted(name for name, _ in cases)
@@ -610,8 +681,9 @@ def _native(query, keys, values, valid, scaling, split, causal_tail=0, softcap=N
     ks = keys if isinstance(keys, list) else [keys]
     vs = values if isinstance(values, list) else [values]
     n = sum(s.length for s in ks)
-    return cpu_blockwise.cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, False,
-                                                 query_weight, split_columns=split)
+    return cpu_blockwise.cpu_blockwise_attention(
+        query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, False, query_weight, split_columns=split
+    )
 
 
 @pytest.mark.parametrize("split", [7, 16, 33])
@@ -678,8 +750,9 @@ def test_native_decode_splits_a_long_context_by_itself_and_not_by_threads():
     torch.testing.assert_close(one, whole, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, aligned, unaligned", [("kivi-int4-blocks-of-32", 640, 600),
-                                                      ("fp8-token-decode", 640, 600)])
+@pytest.mark.parametrize(
+    "name, aligned, unaligned", [("kivi-int4-blocks-of-32", 640, 600), ("fp8-token-decode", 640, 600)]
+)
 def test_native_decode_ranges_end_on_whole_blocks(name, aligned, unaligned):
     """A split batch-1 decode cuts its columns at multiples of 64 (and of the INT4 packing block): 3000 columns over
     2 KV heads make 5 ranges of 600, rounded up to 640, so no range edge falls inside a block or a 16-token group

@@ -26,8 +26,9 @@ KIVI_BACKENDS = [b for b in ("quanto", "hqq") if backend_available(b)]  # int4 p
 def tiny_llama(**overrides):
     # initializer_range 0.1: float32 noise (SDPA vs eager on the same cache) stays ~5e-6 in the logits, while FP8
     # changes them by ~0.3 (with the conftest default 0.2 SDPA and eager alone differ by 5e-4)
-    return build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
-                       **overrides)  # head_dim 32
+    return build_model(
+        "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, **overrides
+    )  # head_dim 32
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def run(model, cache, ids, chunks=(24, 16)):
         for c in chunks:
             out.append(model(input_ids=ids[:, t : t + c], **cache_kwargs(cache), use_cache=True).logits)
             t += c
-        for t in range(t, ids.shape[1]):
-            out.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits)
+        for i in range(t, ids.shape[1]):
+            out.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
     return torch.cat(out, 1)
 
 
@@ -83,9 +84,14 @@ def assert_same_attention(model, make, ids, atol=1e-4, chunks=(24, 16), kernel="
 @pytest.mark.parametrize("key_rotation", ["hadamard", "none"])
 def test_fp8_blockwise_equals_dequantize(llama, granularity, residual, key_rotation, kernel):
     ids = random_ids(2, 56, seed=3)
-    cache = assert_same_attention(llama, lambda a: QuantizedFP8Cache(
-        llama, granularity=granularity, residual=residual, key_rotation=key_rotation, attention=a), ids,
-        kernel=kernel)
+    cache = assert_same_attention(
+        llama,
+        lambda a: QuantizedFP8Cache(
+            llama, granularity=granularity, residual=residual, key_rotation=key_rotation, attention=a
+        ),
+        ids,
+        kernel=kernel,
+    )
     store = cache.layers[0].store
     assert store.qlen > 0 and residual <= store.fp_len < residual + store.flush
     assert (cache.layers[0].key_rotation is not None) == (key_rotation == "hadamard")
@@ -93,11 +99,19 @@ def test_fp8_blockwise_equals_dequantize(llama, granularity, residual, key_rotat
 
 @pytest.mark.parametrize("backend", KIVI_BACKENDS)
 def test_kivi_int4_with_residual_equals_dequantize(llama, backend):
-    ids = random_ids(1, 72, seed=5)
-    cache = assert_same_attention(llama, lambda a: KIVICache(
-        llama, bits=4, group_size=8, residual=12, backend=backend, attention=a), ids, chunks=(20, 13))
+    # The two paths attend within ~3e-6 of each other from the second chunk on. A block quantized after that encodes
+    # slightly different keys: quanto's min-max codes stay the same, but hqq's iterative zero-point optimizer can pick
+    # other codes (1e-2 in the logits; seen on an AVX-512 FP16 CPU). hqq stops at token 43, where the first block
+    # quantized after the paths diverge (fixed by the counts: residual 12, blocks of 8) is first attended.
+    ids = random_ids(1, 72 if backend == "quanto" else 43, seed=5)
+    cache = assert_same_attention(
+        llama,
+        lambda a: KIVICache(llama, bits=4, group_size=8, residual=12, backend=backend, attention=a),
+        ids,
+        chunks=(20, 13),
+    )
     store = cache.layers[0].store
-    keys, values = store.segments(store.length)
+    keys, _values = store.segments(store.length)
     assert keys[0].format == "int4" and keys[0].granularity == "channel" and keys[-1].format == "none"
     assert store.qlen % 8 == 0 and 12 <= store.fp_len < 12 + store.flush
 
@@ -112,8 +126,13 @@ def test_fixed_capacity_store(llama):
 def test_key_smoothing_and_int8_keys(llama):
     """Smoothed keys (a key-mean bias on the key segment) and keys and values in different formats (two codecs)."""
     ids = random_ids(1, 50, seed=9)
-    assert_same_attention(llama, lambda a: QuantizedFP8Cache(
-        llama, key={"format": "int8"}, residual=4, key_smoothing=True, key_rotation="none", attention=a), ids)
+    assert_same_attention(
+        llama,
+        lambda a: QuantizedFP8Cache(
+            llama, key={"format": "int8"}, residual=4, key_smoothing=True, key_rotation="none", attention=a
+        ),
+        ids,
+    )
 
 
 def test_left_padding_and_greedy_generate(llama):
@@ -123,11 +142,19 @@ def test_left_padding_and_greedy_generate(llama):
     outs = {}
     for attention in ("dequantize", "blockwise"):
         outs[attention] = llama.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="fp8",
-            cache_config={"residual": 8, "attention": attention}, return_dict_in_generate=True, output_logits=True)
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=20,
+            do_sample=False,
+            cache_implementation="fp8",
+            cache_config={"residual": 8, "attention": attention},
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
     assert torch.equal(outs["blockwise"].sequences, outs["dequantize"].sequences)
-    torch.testing.assert_close(torch.stack(outs["blockwise"].logits), torch.stack(outs["dequantize"].logits),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(outs["blockwise"].logits), torch.stack(outs["dequantize"].logits), atol=1e-4, rtol=0
+    )
     cache = returned_cache(outs["blockwise"])
     assert cache.layers[0].attention_from_codes and cache.workspace_nbytes() == 0
 
@@ -136,10 +163,17 @@ def test_left_padding_and_greedy_generate(llama):
 def test_kivi_generate_equals_dequantize(llama, backend):
     hf_kvcache.enable(llama)
     ids = random_ids(1, 45, seed=11)
-    outs = [llama.generate(input_ids=ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
-                           output_logits=True, **cache_kwargs(KIVICache(llama, group_size=8, residual=8,
-                                                                          backend=backend, attention=a)))
-            for a in ("dequantize", "blockwise")]
+    outs = [
+        llama.generate(
+            input_ids=ids,
+            max_new_tokens=24,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **cache_kwargs(KIVICache(llama, group_size=8, residual=8, backend=backend, attention=a)),
+        )
+        for a in ("dequantize", "blockwise")
+    ]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     torch.testing.assert_close(torch.stack(outs[1].logits), torch.stack(outs[0].logits), atol=1e-4, rtol=0)
 
@@ -241,8 +275,12 @@ def test_settings_are_validated(llama):
         run(llama, cache, random_ids(1, 20), chunks=(16,))
     ids = random_ids(1, 40, seed=12)
     ref = run(llama, KIVICache(llama, group_size=8, residual=8, attention="dequantize"), ids)
-    torch.testing.assert_close(run(llama, KIVICache(llama, group_size=8, residual=8, attention="blockwise",
-                                                    attention_block=16), ids), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        run(llama, KIVICache(llama, group_size=8, residual=8, attention="blockwise", attention_block=16), ids),
+        ref,
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_auto_resolves_from_the_device(llama, kernel, monkeypatch):
@@ -283,8 +321,11 @@ def test_segments_survive_a_write_when_stable():
 def test_region_store_segments_match_its_read():
     """Composite layout: each region's segments in slot order dequantize to what `read` returns."""
     torch.manual_seed(1)
-    stores = [FullPrecisionStore(), QuantizedStore("fp8_e4m3", "int8", append_only=False),
-              QuantizedStore("int8", "int8", append_only=False)]
+    stores = [
+        FullPrecisionStore(),
+        QuantizedStore("fp8_e4m3", "int8", append_only=False),
+        QuantizedStore("int8", "int8", append_only=False),
+    ]
     region = RegionStore([4, 8, None], stores)
     region.allocate(2, 2, 16, 31, torch.float32, "cpu")
     dest = torch.arange(24).view(1, 1, 24).expand(2, 1, 24)

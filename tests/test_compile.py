@@ -59,8 +59,11 @@ def _teacher_forced(model, cache, forward, steps=STEPS):
     with torch.no_grad():
         model(input_ids=random_ids(2, PROMPT), **cache_kwargs(cache))
         for step in range(steps):
-            out = forward(input_ids=random_ids(2, 1, seed=step), position_ids=torch.full((2, 1), PROMPT + step),
-                          **cache_kwargs(cache))
+            out = forward(
+                input_ids=random_ids(2, 1, seed=step),
+                position_ids=torch.full((2, 1), PROMPT + step),
+                **cache_kwargs(cache),
+            )
             logits.append(out.logits)
             graphs.append(counters["stats"]["unique_graphs"])
     return torch.cat(logits, 1), graphs
@@ -87,8 +90,9 @@ def test_fp8_with_max_length_compiles(granularity):
     if granularity == "head":  # fixed scales: the compiled step computes the very same codes
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     else:  # per-token scales: inductor's x / scale rounds a rare FP8 tie the other way (measured KL ~1e-4)
-        kl = torch.nn.functional.kl_div(compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True,
-                                        reduction="none").sum(-1)
+        kl = torch.nn.functional.kl_div(
+            compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True, reduction="none"
+        ).sum(-1)
         assert kl.mean() < 1e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
 
 
@@ -128,8 +132,9 @@ def test_kivi_with_max_length_compiles_and_equals_eager():
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
-@pytest.mark.parametrize("settings", [KIVI_FIXED, dict(group_size=8, residual=0, bits=2),
-                                      dict(group_size=4, residual=5, key_smoothing=True)])
+@pytest.mark.parametrize(
+    "settings", [KIVI_FIXED, dict(group_size=8, residual=0, bits=2), dict(group_size=4, residual=5, key_smoothing=True)]
+)
 def test_kivi_fixed_layout_equals_the_growing_one(settings):
     """The ring layout quantizes the same blocks at the same steps as the growing layout: same logits (up to the
     masked empty columns it also attends over), same split of quantized / full-precision tokens."""
@@ -166,8 +171,13 @@ def test_generate_with_compile_config(name):
     config = CompileConfig(fullgraph=True)
     config._compile_all_devices = True  # transformers compiles automatically on accelerators; on CPU when asked
     implementation, cache_config = GENERATED[name]
-    kwargs = dict(input_ids=random_ids(2, PROMPT), max_new_tokens=16, do_sample=False,
-                  cache_implementation=implementation, cache_config=cache_config)
+    kwargs = dict(
+        input_ids=random_ids(2, PROMPT),
+        max_new_tokens=16,
+        do_sample=False,
+        cache_implementation=implementation,
+        cache_config=cache_config,
+    )
     eager = model.generate(**kwargs)
     counters.clear()
     first = model.generate(**kwargs, compile_config=config)
@@ -207,19 +217,24 @@ def test_fp8_max_length_is_a_hard_limit_with_a_clear_error():
 def test_growing_caches_say_they_are_not_compileable():
     model = build_model("llama", num_hidden_layers=2)
     rest = [{"role": "window", "start": 0, "end": 4}, {"role": "rest", "keys": "fp8_e4m3", "values": "fp8_e4m3"}]
-    for cache in (hf_kvcache.QuantizedFP8Cache(model), hf_kvcache.KIVICache(model, group_size=16),
-                  hf_kvcache.CompositeCache(model, regions=rest),
-                  hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12, compress="prompt"),
-                  hf_kvcache.FullCache(model)):
+    for cache in (
+        hf_kvcache.QuantizedFP8Cache(model),
+        hf_kvcache.KIVICache(model, group_size=16),
+        hf_kvcache.CompositeCache(model, regions=rest),
+        hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12, compress="prompt"),
+        hf_kvcache.FullCache(model),
+    ):
         assert not cache.is_compileable  # generate then runs them eagerly instead of compiling them
     assert hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=12).is_compileable  # a fixed budget
 
 
 def composite_regions(precision, scorer: str, **options) -> list[dict]:
     """2 full-precision sinks, a 5-token window and 5 heavy hitters at `precision`: full by the 12th token."""
-    return [{"role": "sinks", "tokens": 2},
-            {"role": "window", "start": 0, "end": 5, "keys": precision, "values": precision},
-            {"role": "heavy", "tokens": 5, "keys": precision, "values": precision, "scorer": scorer, **options}]
+    return [
+        {"role": "sinks", "tokens": 2},
+        {"role": "window", "start": 0, "end": 5, "keys": precision, "values": precision},
+        {"role": "heavy", "tokens": 5, "keys": precision, "values": precision, "scorer": scorer, **options},
+    ]
 
 
 @pytest.mark.parametrize("attention", ["dequantize", "blockwise"])
@@ -231,8 +246,9 @@ def test_composite_compiles_and_equals_eager(attention):
     model = build_model("llama", num_hidden_layers=2)
     hf_kvcache.enable(model)
     fp8_head = {"format": "fp8_e4m3", "granularity": "head"}
-    make = lambda: hf_kvcache.CompositeCache(model, regions=composite_regions(fp8_head, "snapkv", window=3),
-                                             attention=attention)
+    make = lambda: hf_kvcache.CompositeCache(
+        model, regions=composite_regions(fp8_head, "snapkv", window=3), attention=attention
+    )
     compiled, eager = _eager_and_compiled(model, make)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
@@ -245,8 +261,9 @@ def test_composite_with_per_token_fp8_compiles():
     hf_kvcache.enable(model)
     make = lambda: hf_kvcache.CompositeCache(model, regions=composite_regions("fp8_e4m3", "h2o"))
     compiled, eager = _eager_and_compiled(model, make)
-    kl = torch.nn.functional.kl_div(compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True,
-                                    reduction="none").sum(-1)
+    kl = torch.nn.functional.kl_div(
+        compiled.log_softmax(-1), eager.log_softmax(-1), log_target=True, reduction="none"
+    ).sum(-1)
     assert kl.mean() < 3e-3 and (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
 
 
@@ -270,20 +287,24 @@ SIZED = {  # two configurations of each compileable cache kind, decoded through 
     "random": lambda m, n: hf_kvcache.RandomEvictionCache(m, heavy=n, recent=n),
     "kivi_max_length": lambda m, n: hf_kvcache.KIVICache(m, max_length=PROMPT + STEPS + 4 * n, **KIVI_FIXED),
     "composite_snapkv": lambda m, n: hf_kvcache.CompositeCache(
-        m, regions=composite_regions("fp8_e4m3", "snapkv", window=n)[:2] + [
-            {"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "snapkv",
-             "window": n}]),
+        m,
+        regions=composite_regions("fp8_e4m3", "snapkv", window=n)[:2]
+        + [{"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "snapkv", "window": n}],
+    ),
     "composite_keydiff_codes": lambda m, n: hf_kvcache.CompositeCache(  # attention from codes, scores from stored keys
-        m, regions=composite_regions("fp8_e4m3", "keydiff")[:2] + [
-            {"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "keydiff"}],
-        attention="blockwise"),
+        m,
+        regions=composite_regions("fp8_e4m3", "keydiff")[:2]
+        + [{"role": "heavy", "tokens": n, "keys": "fp8_e4m3", "values": "fp8_e4m3", "scorer": "keydiff"}],
+        attention="blockwise",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SIZED))
 def test_a_second_budget_compiles_with_static_shapes(name):
     """A cache of another size through the same compiled forward (generate keeps its compiled forward on the model)
-    gets graphs specialised to its sizes: every tensor the graph takes has a static shape (hf_kvcache.common.compile_static;
+    gets graphs specialised to its sizes: every tensor the graph takes has a static shape
+    (hf_kvcache.common.compile_static;
     dynamo would otherwise turn the budget and the buffers it sizes symbolic, and inductor's kernels over symbolic
     sizes measured 20x slower), and those graphs compute eager's logits."""
     torch._dynamo.reset()
@@ -302,8 +323,9 @@ def test_a_second_budget_compiles_with_static_shapes(name):
     compiled, _ = _teacher_forced(model, SIZED[name](model, 5), forward)
     eager, _ = _teacher_forced(model, SIZED[name](model, 5), model.forward)
     assert len(graphs) > first  # the new sizes compiled graphs of their own...
-    symbolic = [tuple(t.shape) for graph in graphs[first:] for t in graph
-                if not all(isinstance(d, int) for d in t.shape)]
+    symbolic = [
+        tuple(t.shape) for graph in graphs[first:] for t in graph if not all(isinstance(d, int) for d in t.shape)
+    ]
     assert symbolic == []  # ...with no symbolic tensor size
     assert len(graphs) - first <= 3
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)

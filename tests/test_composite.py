@@ -66,19 +66,20 @@ def test_other_caches_as_composite_configs(name, prefill):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-CLASSIC = [
-    {"role": "sinks", "tokens": 2},
-    {"role": "window", "start": 0, "end": 4},
-    {"role": "heavy", "tokens": 4},
-]
+CLASSIC = [{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 4}, {"role": "heavy", "tokens": 4}]
 
 
 def test_classic_composite_left_padding_matches_rows_alone():
     model = build_model("llama")
     rows = [random_ids(1, 22, seed=1)[0], random_ids(1, 11, seed=2)[0]]
     ids, mask = left_pad(rows)
-    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="composite",
-                  cache_config={"regions": CLASSIC})
+    kwargs = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        cache_implementation="composite",
+        cache_config={"regions": CLASSIC},
+    )
     with torch.no_grad():
         batched = model.generate(ids, attention_mask=mask, **kwargs)
         for i, row in enumerate(rows):
@@ -92,14 +93,32 @@ def test_tiered_keep_all_left_padding_and_beams():
     rows = [random_ids(1, 14, seed=3)[0], random_ids(1, 7, seed=4)[0]]
     ids, mask = left_pad(rows)
     with torch.no_grad():
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                             cache_implementation="composite", cache_config={"regions": regions})
+        got = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            cache_implementation="composite",
+            cache_config={"regions": regions},
+        )
         want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
         assert got.tolist() == want.tolist()  # nothing evicted, all full precision: same as DynamicCache
-        beams = model.generate(ids[:1], max_new_tokens=8, num_beams=2, do_sample=False,
-                               cache_implementation="composite", cache_config={"regions": CLASSIC})
-        sampled = model.generate(ids[:1], max_new_tokens=8, do_sample=True, num_return_sequences=2,
-                                 cache_implementation="composite", cache_config={"regions": CLASSIC})
+        beams = model.generate(
+            ids[:1],
+            max_new_tokens=8,
+            num_beams=2,
+            do_sample=False,
+            cache_implementation="composite",
+            cache_config={"regions": CLASSIC},
+        )
+        sampled = model.generate(
+            ids[:1],
+            max_new_tokens=8,
+            do_sample=True,
+            num_return_sequences=2,
+            cache_implementation="composite",
+            cache_config={"regions": CLASSIC},
+        )
     assert beams.shape == (1, ids.shape[1] + 8) and sampled.shape == (2, ids.shape[1] + 8)
 
 
@@ -113,8 +132,9 @@ def test_config_round_trips_through_json_and_generation_config(tmp_path):
     ids = random_ids(1, 20, seed=6)
     with torch.no_grad():
         a = model.generate(ids, generation_config=loaded, max_new_tokens=8, do_sample=False)
-        b = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="composite",
-                           cache_config=config)
+        b = model.generate(
+            ids, max_new_tokens=8, do_sample=False, cache_implementation="composite", cache_config=config
+        )
     assert a.tolist() == b.tolist()
     cache = hf_kvcache.CompositeCache(model.config, **config)
     assert cache.regions == CLASSIC and cache.aggregation == "max"
@@ -167,8 +187,12 @@ def test_bad_region_configs(regions, match):
 def test_unknown_cache_config_key_lists_valid_keys():
     model = build_model("llama")
     with pytest.raises(ValueError, match="regions"):
-        model.generate(random_ids(1, 5), max_new_tokens=2, cache_implementation="composite",
-                       cache_config={"regions": CLASSIC, "budget": 8})
+        model.generate(
+            random_ids(1, 5),
+            max_new_tokens=2,
+            cache_implementation="composite",
+            cache_config={"regions": CLASSIC, "budget": 8},
+        )
 
 
 def test_preset_expands_to_regions_and_checks_its_arguments():
@@ -200,7 +224,11 @@ def test_fp8_regions_hold_fewer_bytes_and_stay_close_to_full_precision():
     ids = random_ids(1, 40, seed=14)
     fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
     full = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 10}, {"role": "heavy", "tokens": 10}]
-    mixed = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 10, **fp8}, {"role": "heavy", "tokens": 10, **fp8}]
+    mixed = [
+        {"role": "sinks", "tokens": 2},
+        {**W, "start": 0, "end": 10, **fp8},
+        {"role": "heavy", "tokens": 10, **fp8},
+    ]
     keep_all_fp8 = [{**W, "start": 0, "end": 4, **fp8}, {"role": "rest", **fp8}]
     with torch.no_grad():
         full_cache, mixed_cache = (hf_kvcache.CompositeCache(model, regions=r) for r in (full, mixed))
@@ -214,8 +242,9 @@ def test_fp8_regions_hold_fewer_bytes_and_stay_close_to_full_precision():
     # without eviction, FP8 regions cost what the FP8 cache costs (one extra rounding when a token changes region)
     assert 0 < _kl(dense, keep) < 1.5 * _kl(dense, fp8_cache) < 0.02
     with pytest.raises(ValueError, match="channel"):
-        hf_kvcache.CompositeCache(model.config, regions=[{**W, "start": 0, "end": 8,
-                                                          "keys": {"format": "int4", "granularity": "channel"}}])
+        hf_kvcache.CompositeCache(
+            model.config, regions=[{**W, "start": 0, "end": 8, "keys": {"format": "int4", "granularity": "channel"}}]
+        )
 
 
 def _keys_at(model, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
@@ -250,8 +279,12 @@ def test_per_head_composite_places_each_heads_sinks_before_that_heads_oldest_tok
                         target = oldest[row, head] - sinks + torch.arange(sinks)
                         want = _keys_at(model, ids[row, :sinks], target)[layer_idx][head]
                         torch.testing.assert_close(
-                            stored[row, head], want, atol=1e-4, rtol=1e-4,
-                            msg=lambda m: f"step {i}, layer {layer_idx}, row {row}, head {head}: {m}")
+                            stored[row, head],
+                            want,
+                            atol=1e-4,
+                            rtol=1e-4,
+                            msg=lambda m: f"step {i}, layer {layer_idx}, row {row}, head {head}: {m}",
+                        )
     assert heads_differed > 0  # the heads really kept different oldest tokens (else this checks nothing per head)
 
 
@@ -262,8 +295,9 @@ def _kept(cache) -> list[list[list[list[int]]]]:
     for layer in cache.layers:
         sinks = layer.policy.sinks
         valid, stream = layer.slot_valid[..., sinks:-1], layer.policy.stream[..., sinks:-1]
-        out.append([[sorted(stream[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])]
-                    for b in range(valid.shape[0])])
+        out.append(
+            [[sorted(stream[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
+        )
     return out
 
 
@@ -297,8 +331,11 @@ def test_preset_decode_moves_no_token_and_adjacent_windows_share_a_ring(monkeypa
     model = build_model("llama", num_hidden_layers=2)
     moves = []
     original = hf_kvcache.policies.cascade.CascadePolicy._move
-    monkeypatch.setattr(hf_kvcache.policies.cascade.CascadePolicy, "_move",
-                        lambda self, *a, **k: moves.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        hf_kvcache.policies.cascade.CascadePolicy,
+        "_move",
+        lambda self, *a, **k: moves.append(1) or original(self, *a, **k),
+    )
     cache = hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=16)
     ids = random_ids(1, 40, seed=5)
     with torch.no_grad():
@@ -308,8 +345,9 @@ def test_preset_decode_moves_no_token_and_adjacent_windows_share_a_ring(monkeypa
             model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
     assert moves == [] and [s.keys.shape[2] for s in cache.layers[0].store.stores] == [5, 13]  # + a trash slot each
     fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
-    tiers = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": 3, **fp8}, {**W, "start": 3, "end": 8,
-                                                                                             **fp8}])
+    tiers = hf_kvcache.CompositeCache(
+        model, regions=[{**W, "start": 0, "end": 3, **fp8}, {**W, "start": 3, "end": 8, **fp8}]
+    )
     with torch.no_grad():
         model(input_ids=ids[:, :10], **cache_kwargs(tiers), use_cache=True)
     assert tiers.layers[0].policy.tier_sizes == (8,) and len(tiers.layers[0].store.stores) == 1
@@ -350,7 +388,9 @@ def test_moves_between_regions_of_one_format_copy_codes():
     fp8 = {"keys": "fp8_e4m3", "values": "fp8_e4m3"}
     logits = []
     for end in (1, 6):
-        cache = hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": end, **fp8}, {"role": "rest", **fp8}])
+        cache = hf_kvcache.CompositeCache(
+            model, regions=[{**W, "start": 0, "end": end, **fp8}, {"role": "rest", **fp8}]
+        )
         with torch.no_grad():
             logits.append(_stream(model, cache, ids, 8))
         assert len(cache.layers[0].store.stores) == 2
@@ -364,16 +404,24 @@ SCORER_CACHES = {
     "tova": lambda m, budget, recent: hf_kvcache.TOVACache(m, budget=budget, recent=recent),
     "snapkv": lambda m, budget, recent: hf_kvcache.SnapKVCache(m, budget=budget, window=recent, recent=recent),
     # (no sinks region in the composite: the scorer's sinks are 0 there)
-    "expected_attention": lambda m, budget, recent: hf_kvcache.ExpectedAttentionCache(m, budget=budget, recent=recent,
-                                                                                     sinks=0),
+    "expected_attention": lambda m, budget, recent: hf_kvcache.ExpectedAttentionCache(
+        m, budget=budget, recent=recent, sinks=0
+    ),
 }
 
 
 def _kept_positions(cache) -> list[list[list[list[int]]]]:
     """Per layer, row and KV head: the sorted position ids of the valid slots (trash slot excluded)."""
-    return [[[sorted(layer.slot_pos[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
-              for h in range(layer.slot_valid.shape[1])] for b in range(layer.slot_valid.shape[0])]
-            for layer in cache.layers]
+    return [
+        [
+            [
+                sorted(layer.slot_pos[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
+                for h in range(layer.slot_valid.shape[1])
+            ]
+            for b in range(layer.slot_valid.shape[0])
+        ]
+        for layer in cache.layers
+    ]
 
 
 def _scored_composite(model, scorer, budget, recent, **kwargs):
@@ -393,8 +441,12 @@ def test_heavy_scorer_keeps_the_tokens_of_the_standalone_scorer_cache(scorer):
     with torch.no_grad():
         outs = []
         for cache in (composite, standalone):
-            outs.append([model(input_ids=ids[:, :9], **cache_kwargs(cache), use_cache=True).logits,
-                         model(input_ids=ids[:, 9:20], **cache_kwargs(cache), use_cache=True).logits])
+            outs.append(
+                [
+                    model(input_ids=ids[:, :9], **cache_kwargs(cache), use_cache=True).logits,
+                    model(input_ids=ids[:, 9:20], **cache_kwargs(cache), use_cache=True).logits,
+                ]
+            )
         assert _kept_positions(composite) == _kept_positions(standalone), "after the chunks"
         for i in range(20, ids.shape[1]):
             for cache, out in zip((composite, standalone), outs):
@@ -418,8 +470,14 @@ def test_heavy_scorer_with_left_padding_matches_the_standalone_cache(scorer):
 
 def test_key_scorers_compute_no_attention_and_a_bad_scorer_names_the_field():
     model = build_model("llama", num_hidden_layers=1)
-    for scorer, needs in (("knorm", False), ("keydiff", False), ("tova", True), ("h2o", True), ("snapkv", True),
-                          ("expected_attention", False)):
+    for scorer, needs in (
+        ("knorm", False),
+        ("keydiff", False),
+        ("tova", True),
+        ("h2o", True),
+        ("snapkv", True),
+        ("expected_attention", False),
+    ):
         policy = _scored_composite(model, scorer, 8, 2).layers[0].policy
         assert (policy.needs_attention, policy.deferred) == (needs, needs or scorer == "expected_attention"), scorer
     assert _scored_composite(model, "expected_attention", 8, 2).layers[0].policy.needs_queries
@@ -440,13 +498,21 @@ def test_expected_attention_with_a_sinks_region_keeps_the_tokens_of_the_standalo
     sinks region (at their original positions), in ExpectedAttentionCache position ids below `sinks`."""
     model = build_model("llama")
     ids = random_ids(2, 40, seed=8)
-    composite = hf_kvcache.CompositeCache(model, sink_positions="original", regions=[
-        {"role": "sinks", "tokens": 4}, {**W, "start": 0, "end": 3},
-        {"role": "heavy", "tokens": 6, "scorer": "expected_attention"}])
+    composite = hf_kvcache.CompositeCache(
+        model,
+        sink_positions="original",
+        regions=[
+            {"role": "sinks", "tokens": 4},
+            {**W, "start": 0, "end": 3},
+            {"role": "heavy", "tokens": 6, "scorer": "expected_attention"},
+        ],
+    )
     standalone = hf_kvcache.ExpectedAttentionCache(model, budget=13, recent=3, sinks=4)
     with torch.no_grad():
-        outs = [[model(input_ids=ids[:, :20], **cache_kwargs(cache), use_cache=True).logits]
-                for cache in (composite, standalone)]
+        outs = [
+            [model(input_ids=ids[:, :20], **cache_kwargs(cache), use_cache=True).logits]
+            for cache in (composite, standalone)
+        ]
         for i in range(20, ids.shape[1]):
             for cache, out in zip((composite, standalone), outs):
                 out.append(model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits)
@@ -471,8 +537,13 @@ def test_snapkv_options_are_validated_naming_the_field():
 def test_preset_takes_a_heavy_scorer():
     model = build_model("llama", num_hidden_layers=1)
     cache = hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=140, scorer="snapkv")
-    assert cache.regions[2] == {"role": "heavy", "tokens": 68, "keys": "fp8_e4m3", "values": "fp8_e4m3",
-                                "scorer": "snapkv"}
+    assert cache.regions[2] == {
+        "role": "heavy",
+        "tokens": 68,
+        "keys": "fp8_e4m3",
+        "values": "fp8_e4m3",
+        "scorer": "snapkv",
+    }
     assert cache.layers[0].policy.heavy_scorer.window == 64
     assert "scorer" not in hf_kvcache.CompositeCache(model, preset="sinks_heavy_recent", budget=140).regions[2]
     with pytest.raises(ValueError, match=r"scorer 'snapkv' needs `budget` >= 132 .*got 100"):

@@ -59,10 +59,17 @@ class AttendChecker:
             window = layer.policy.attention_window
             valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
             reference, reference_scores = scored_attention(
-                rotated.float(), keys, values, valid, causal_tail, kwargs.get("scaling") or module.scaling,
+                rotated.float(),
+                keys,
+                values,
+                valid,
+                causal_tail,
+                kwargs.get("scaling") or module.scaling,
                 query_weight=layer.forward_info.real.float(),
                 softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
-                sinks=getattr(module, "sinks", None), score_from=q - window if window is not None and q > window else 0)
+                sinks=getattr(module, "sinks", None),
+                score_from=q - window if window is not None and q > window else 0,
+            )
             seen = []
             observe = layer.policy.observe
             layer.policy.observe = lambda lay, scores: (seen.append(scores.clone()), observe(lay, scores))[1]
@@ -94,14 +101,19 @@ def forwards(model, cache, ids, mask=None, chunks=(12, 10, 9), steps=8):
             t += c
         for _ in range(steps):
             mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1)[:, -1:], **cache_kwargs(cache))
+            out = model(
+                input_ids=out.logits[:, -1:].argmax(-1),
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                **cache_kwargs(cache),
+            )
     return out
 
 
-@pytest.mark.parametrize("scorer, options", [
-    ("h2o", {}), ("tova", {}), ("snapkv", {"window": 4, "kernel": 3}), ("expected_attention", {}), ("keydiff", {}),
-])
+@pytest.mark.parametrize(
+    "scorer, options",
+    [("h2o", {}), ("tova", {}), ("snapkv", {"window": 4, "kernel": 3}), ("expected_attention", {}), ("keydiff", {})],
+)
 def test_codes_attention_equals_dequantized_softmax(llama, monkeypatch, scorer, options):
     checker = AttendChecker(monkeypatch)
     cache = CompositeCache(llama, regions=regions(scorer, **options), attention="blockwise")
@@ -133,8 +145,9 @@ def test_model_zoo(monkeypatch, arch):
 def test_bfloat16(monkeypatch):
     """A bfloat16 model (what GPUs run): the codes path computes in float32 and rounds the output to bfloat16 once
     (within one bfloat16 rounding, 2^-8 relative, of the float32 reference)."""
-    model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        initializer_range=0.1).to(torch.bfloat16)
+    model = build_model(
+        "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1
+    ).to(torch.bfloat16)
     checker = AttendChecker(monkeypatch)
     cache = CompositeCache(model, regions=regions("h2o"), attention="blockwise")
     out = forwards(model, cache, random_ids(1, 31, seed=12))
@@ -191,8 +204,9 @@ def test_decode_from_codes_makes_no_host_sync(llama):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_reads_codes_where_a_kernel_runs_with_quantized_regions_and_bad_options_are_named(llama, native,
-                                                                                                monkeypatch):
+def test_auto_reads_codes_where_a_kernel_runs_with_quantized_regions_and_bad_options_are_named(
+    llama, native, monkeypatch
+):
     if not native:
         monkeypatch.setenv("HF_KVCACHE_NATIVE", "0")
     cache = CompositeCache(llama, preset="sinks_heavy_recent", budget=20)
@@ -252,8 +266,14 @@ def test_triton_kernel_reads_composite_segments_under_the_interpreter():
     pytest.importorskip("triton")
     tests = os.path.dirname(__file__)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT.format(tests=tests)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=os.path.dirname(tests))
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT.format(tests=tests)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(tests),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(errors) == 2

@@ -33,21 +33,34 @@ def _kept(cache, layer=0):
 
 
 STANDALONE = {  # composite regions, and the standalone cache with the same budget that keeps the same tokens
-    "h2o": ([{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5}],
-            lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=3, compress="prompt")),
-    "tova": ([{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "tova"}],
-             lambda m: hf_kvcache.TOVACache(m, budget=8, recent=3, compress="prompt")),
-    "knorm": ([{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "knorm"}],
-              lambda m: hf_kvcache.KnormCache(m, budget=8, recent=3, compress="prompt")),
-    "keydiff": ([{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "keydiff"}],
-                lambda m: hf_kvcache.KeyDiffCache(m, budget=8, recent=3, compress="prompt")),
-    "snapkv": ([{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "snapkv", "window": 3}],
-               lambda m: hf_kvcache.SnapKVCache(m, budget=8, window=3, compress="prompt")),
+    "h2o": (
+        [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5}],
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=3, compress="prompt"),
+    ),
+    "tova": (
+        [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "tova"}],
+        lambda m: hf_kvcache.TOVACache(m, budget=8, recent=3, compress="prompt"),
+    ),
+    "knorm": (
+        [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "knorm"}],
+        lambda m: hf_kvcache.KnormCache(m, budget=8, recent=3, compress="prompt"),
+    ),
+    "keydiff": (
+        [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "keydiff"}],
+        lambda m: hf_kvcache.KeyDiffCache(m, budget=8, recent=3, compress="prompt"),
+    ),
+    "snapkv": (
+        [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "snapkv", "window": 3}],
+        lambda m: hf_kvcache.SnapKVCache(m, budget=8, window=3, compress="prompt"),
+    ),
     "expected_attention": (
         [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "expected_attention"}],
-        lambda m: hf_kvcache.ExpectedAttentionCache(m, budget=8, recent=3, sinks=0, compress="prompt")),
-    "sinks_window": ([{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 6}],
-                     lambda m: hf_kvcache.SinkCache(m, sinks=2, budget=8, compress="prompt")),
+        lambda m: hf_kvcache.ExpectedAttentionCache(m, budget=8, recent=3, sinks=0, compress="prompt"),
+    ),
+    "sinks_window": (
+        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 6}],
+        lambda m: hf_kvcache.SinkCache(m, sinks=2, budget=8, compress="prompt"),
+    ),
 }
 
 
@@ -76,9 +89,12 @@ def test_quantized_regions_keep_the_always_mode_selection_and_grow_a_tail_at_the
     are "always" mode's; the appended ones go to a growing full-precision tail (the first window's precision)."""
     model = build_model("llama")
     ids = random_ids(2, PROMPT + STEPS, seed=22)
-    regions = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 2},
-               {**W, "start": 2, "end": 5, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
-               {"role": "heavy", "tokens": 4, "keys": "int8", "values": "int8", "scorer": "snapkv", "window": 4}]
+    regions = [
+        {"role": "sinks", "tokens": 2},
+        {**W, "start": 0, "end": 2},
+        {**W, "start": 2, "end": 5, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        {"role": "heavy", "tokens": 4, "keys": "int8", "values": "int8", "scorer": "snapkv", "window": 4},
+    ]
     always = hf_kvcache.CompositeCache(model, regions=regions)
     with torch.no_grad():
         for start in range(0, PROMPT, chunk or PROMPT):
@@ -120,10 +136,18 @@ def test_padded_batch_generates_each_row_as_alone(scorer):
     model = build_model("llama")
     rows = [random_ids(1, n, seed=70 + n)[0] for n in (14, 21, 17)]
     ids, mask = left_pad(rows)
-    regions = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3},
-               {"role": "heavy", "tokens": 4, "scorer": scorer, "keys": "fp8_e4m3", "values": "fp8_e4m3"}]
-    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, cache_implementation="composite",
-                  cache_config={"regions": regions, "compress": "prompt", "sink_positions": "original"})
+    regions = [
+        {"role": "sinks", "tokens": 2},
+        {**W, "start": 0, "end": 3},
+        {"role": "heavy", "tokens": 4, "scorer": scorer, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+    ]
+    kwargs = dict(
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=PAD,
+        cache_implementation="composite",
+        cache_config={"regions": regions, "compress": "prompt", "sink_positions": "original"},
+    )
     batched = model.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
     for i, row in enumerate(rows):
         alone = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kwargs)
@@ -134,10 +158,17 @@ def test_generate_cache_config_equals_the_cache_object_and_grows():
     model = build_model("llama")
     ids = random_ids(2, PROMPT, seed=24)
     config = {"preset": "sinks_heavy_recent", "budget": 10, "compress": "prompt"}
-    by_name = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="composite",
-                             cache_config=config, return_dict_in_generate=True)
-    by_object = model.generate(ids, max_new_tokens=8, do_sample=False,
-                               **cache_kwargs(hf_kvcache.CompositeCache(model, **config)))
+    by_name = model.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        cache_implementation="composite",
+        cache_config=config,
+        return_dict_in_generate=True,
+    )
+    by_object = model.generate(
+        ids, max_new_tokens=8, do_sample=False, **cache_kwargs(hf_kvcache.CompositeCache(model, **config))
+    )
     assert torch.equal(by_name.sequences, by_object)
     assert returned_cache(by_name).layers[0].used == 10 + 7  # grew by the generated tokens after the prompt
 
@@ -147,9 +178,15 @@ def test_decode_after_the_prompt_never_syncs(scorer):
     model = build_model("llama", num_hidden_layers=2)
     hf_kvcache.enable(model)
     ids, mask = left_pad([random_ids(1, 16, seed=25)[0], random_ids(1, 12, seed=26)[0]])
-    cache = hf_kvcache.CompositeCache(model, compress="prompt", regions=[
-        {"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
-        {"role": "heavy", "tokens": 4, "scorer": scorer, **({"window": 3} if scorer == "snapkv" else {})}])
+    cache = hf_kvcache.CompositeCache(
+        model,
+        compress="prompt",
+        regions=[
+            {"role": "sinks", "tokens": 2},
+            {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+            {"role": "heavy", "tokens": 4, "scorer": scorer, **({"window": 3} if scorer == "snapkv" else {})},
+        ],
+    )
     assert greedy_decode_syncs(model, cache, ids, mask, steps=5) == [{}] * 5
 
 
@@ -164,8 +201,11 @@ def test_bad_compress_values_are_refused_naming_the_parameter():
 def test_end_prompt_appends_a_question_uncompressed_and_crop_stays_in_the_appended_tokens():
     model = build_model("llama")
     ids = random_ids(1, 30, seed=27)
-    regions = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
-               {"role": "heavy", "tokens": 3, "scorer": "keydiff"}]
+    regions = [
+        {"role": "sinks", "tokens": 2},
+        {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        {"role": "heavy", "tokens": 3, "scorer": "keydiff"},
+    ]
     cache = hf_kvcache.CompositeCache(model, regions=regions, compress="prompt")
     always = hf_kvcache.CompositeCache(model, regions=regions)
     with torch.no_grad():
@@ -191,18 +231,26 @@ def test_a_prompt_within_the_budget_is_never_evicted_equal_to_dynamic_cache(prom
     ids = random_ids(2, 24, seed=28)
     layouts = [
         [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 4}, {"role": "heavy", "tokens": 6}],  # pooled
-        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 2},
-         {**W, "start": 2, "end": 5, "keys": "none", "values": "none"},
-         {"role": "heavy", "tokens": 6, "scorer": "expected_attention"}],
-        [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3}, {**W, "start": 3, "end": 9, "keys": "none",
-                                                                          "values": "none"}],
+        [
+            {"role": "sinks", "tokens": 2},
+            {**W, "start": 0, "end": 2},
+            {**W, "start": 2, "end": 5, "keys": "none", "values": "none"},
+            {"role": "heavy", "tokens": 6, "scorer": "expected_attention"},
+        ],
+        [
+            {"role": "sinks", "tokens": 2},
+            {**W, "start": 0, "end": 3},
+            {**W, "start": 3, "end": 9, "keys": "none", "values": "none"},
+        ],
     ]
 
     def run(cache):
         with torch.no_grad():
             model(input_ids=ids[:, :prompt], **cache_kwargs(cache))
-            return torch.cat([model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits
-                              for t in range(prompt, ids.shape[1])], 1)
+            return torch.cat(
+                [model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(prompt, ids.shape[1])],
+                1,
+            )
 
     want = run(DynamicCache(config=model.config))
     for regions in layouts:
@@ -218,9 +266,18 @@ def test_the_end_of_the_prompt_frees_the_heavy_scorers_state(scorer):
     rows afterwards give the logits of the same rows without them."""
     model = build_model("llama")
     ids, mask = left_pad([random_ids(1, PROMPT, seed=29)[0], random_ids(1, PROMPT - 6, seed=30)[0]])
-    regions = [{"role": "sinks", "tokens": 2}, {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
-               {"role": "heavy", "tokens": 4, "keys": "int8", "values": "int8", "scorer": scorer,
-                **({"window": 3} if scorer == "snapkv" else {})}]
+    regions = [
+        {"role": "sinks", "tokens": 2},
+        {**W, "start": 0, "end": 3, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        {
+            "role": "heavy",
+            "tokens": 4,
+            "keys": "int8",
+            "values": "int8",
+            "scorer": scorer,
+            **({"window": 3} if scorer == "snapkv" else {}),
+        },
+    ]
     caches = [hf_kvcache.CompositeCache(model, regions=regions, compress="prompt") for _ in range(2)]
     tokens = random_ids(2, 4, seed=31)
     for cache in caches:

@@ -13,14 +13,22 @@ from hf_kvcache.kernels import cpu_blockwise, cpu_encode
 from hf_kvcache.stores.fp8 import FP8Codec
 from hf_kvcache.stores.quantization import NonFiniteError, QuantSpec
 
-pytestmark = pytest.mark.skipif(cpu_blockwise.unavailable() is not None,
-                                reason="the native CPU kernel does not build here")
+pytestmark = pytest.mark.skipif(
+    cpu_blockwise.unavailable() is not None, reason="the native CPU kernel does not build here"
+)
 
 
-def _codec(fmt: str, scale_dtype: str | None = None, group: int | None = None, batch: int = 2, heads: int = 3,
-           capacity: int = 8) -> FP8Codec:
-    codec = FP8Codec(QuantSpec.from_value({"format": fmt, "granularity": "token", "group_size": group,
-                                           "scale_dtype": scale_dtype}))
+def _codec(
+    fmt: str,
+    scale_dtype: str | None = None,
+    group: int | None = None,
+    batch: int = 2,
+    heads: int = 3,
+    capacity: int = 8,
+) -> FP8Codec:
+    codec = FP8Codec(
+        QuantSpec.from_value({"format": fmt, "granularity": "token", "group_size": group, "scale_dtype": scale_dtype})
+    )
     codec.allocate(2 * batch, heads, 64, capacity, torch.float32, "cpu")
     return codec
 
@@ -30,8 +38,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
 
 
-@pytest.mark.parametrize("fmt,scale_dtype,group,dtype", itertools.product(
-    ["fp8_e4m3", "fp8_e5m2"], ["bfloat16", "float16", "float32"], [None, 16], [torch.float32, torch.bfloat16]))
+@pytest.mark.parametrize(
+    "fmt,scale_dtype,group,dtype",
+    itertools.product(
+        ["fp8_e4m3", "fp8_e5m2"], ["bfloat16", "float16", "float32"], [None, 16], [torch.float32, torch.bfloat16]
+    ),
+)
 def test_native_write_is_the_torch_path_bit_for_bit(fmt, scale_dtype, group, dtype):
     codec = _codec(fmt, scale_dtype, group)
     for seed in range(24):
@@ -52,16 +64,16 @@ def test_native_write_rounds_exact_ties_as_torch_does(fmt):
     codec = _codec(fmt, batch=1, heads=1, capacity=2)
     levels = torch.arange(256, dtype=torch.uint8).view(codec.fp8_dtype).float()
     levels = levels[torch.isfinite(levels)].unique().sort().values
-    middles = ((levels[:-1] + levels[1:]) / 2)
+    middles = (levels[:-1] + levels[1:]) / 2
     middles = middles[middles.abs() < codec.fmax]
     anchor = torch.zeros(1, 1, 1, 64)
     anchor[..., 0] = 3.0  # fixes the scale; the other 63 channels are midpoints times it
     scale = codec.encode(torch.cat((anchor, anchor), 0))["scale"][0, 0, 0, 0].float()
     for first in range(0, len(middles), 63):
-        chunk = middles[first: first + 63]
+        chunk = middles[first : first + 63]
         x = anchor.clone()
-        x[0, 0, 0, 1: 1 + len(chunk)] = chunk * scale
-        assert torch.equal(x[0, 0, 0, 1: 1 + len(chunk)] / scale, chunk)  # the ties survive the division
+        x[0, 0, 0, 1 : 1 + len(chunk)] = chunk * scale
+        assert torch.equal(x[0, 0, 0, 1 : 1 + len(chunk)] / scale, chunk)  # the ties survive the division
         expected = codec.encode(torch.cat((x, x), 0))
         assert codec.write_tokens(x, x, 0) is True
         assert torch.equal(codec.slot["data"][:, :, :1], expected["data"])

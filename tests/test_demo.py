@@ -16,13 +16,26 @@ from hf_kvcache.cli.demo_report import write_demo_report
 
 
 def _row(cache, family, budget, held, top1):
-    return DemoRow(cache=cache, family=family, budget=budget, bytes_held=held, decode_tokens_per_s=10.0,
-                   generated_agreement=top1 / 2, top1_agreement=top1, seconds=1.5, cpu_seconds=1.2)
+    return DemoRow(
+        cache=cache,
+        family=family,
+        budget=budget,
+        bytes_held=held,
+        decode_tokens_per_s=10.0,
+        generated_agreement=top1 / 2,
+        top1_agreement=top1,
+        seconds=1.5,
+        cpu_seconds=1.2,
+    )
 
 
 def test_report_files_hold_every_row(tmp_path):
-    rows = [_row("full (DynamicCache)", "full", "all", 4096, 1.0), _row("h2o 32", "h2o", "32", 512, 0.5),
-            _row("h2o 64", "h2o", "64", 1024, 0.75), _row("kivi int4", "kivi int4", "all", 1500, 0.9)]
+    rows = [
+        _row("full (DynamicCache)", "full", "all", 4096, 1.0),
+        _row("h2o 32", "h2o", "32", 512, 0.5),
+        _row("h2o 64", "h2o", "64", 1024, 0.75),
+        _row("kivi int4", "kivi int4", "all", 1500, 0.9),
+    ]
     paths = write_demo_report(rows, tmp_path / "out", {"prompt_tokens": 256})
     assert [p.name for p in paths] == ["demo.csv", "demo.json", "demo.png"]
     assert all(p.parent == tmp_path / "out" for p in paths)
@@ -42,9 +55,15 @@ def test_every_family_has_three_budgets_and_the_quantized_caches_keep_all():
     budgets = {}
     for _, family, _, _, budget in specs:
         budgets.setdefault(family, []).append(budget)
-    assert budgets == {"full": ["all"], "sink": ["64", "128", "256"], "sliding": ["64", "128", "256"],
-                       "h2o": ["64", "128", "256"], "composite fp8": ["64", "128", "256"], "fp8": ["all"],
-                       "kivi int4": ["all"]}
+    assert budgets == {
+        "full": ["all"],
+        "sink": ["64", "128", "256"],
+        "sliding": ["64", "128", "256"],
+        "h2o": ["64", "128", "256"],
+        "composite fp8": ["64", "128", "256"],
+        "fp8": ["all"],
+        "kivi int4": ["all"],
+    }
 
 
 def test_progress_bar_per_row_counts_its_forwards(monkeypatch):
@@ -111,8 +130,11 @@ def test_the_demo_extras_hold_every_backend_its_rows_need():
     cfg.read(root / "setup.cfg")
     extras = cfg["options.extras_require"]
     requirements = "\n".join(extras[e] for e in extras_named.group(1).split(","))
-    names = {re.split(r"[<>=!;\[ ]", line.strip(), maxsplit=1)[0].lower() for line in requirements.splitlines()
-             if line.strip()}
+    names = {
+        re.split(r"[<>=!;\[ ]", line.strip(), maxsplit=1)[0].lower()
+        for line in requirements.splitlines()
+        if line.strip()
+    }
     packages = {package.lower() for backend, (module, package) in BACKEND_PACKAGES.items() if backend != "torch"}
     assert names & packages, f"the demo's extras {extras_named.group(1)!r} hold none of {sorted(packages)}"
     assert {"matplotlib", "gguf"} <= names  # its plot and the offline model

@@ -65,21 +65,33 @@ CASES = [
     {"id": "h2o_padded", "cache": "h2o", "config": {"budget": EVICT}, "padded": True},
     {"id": "composite", "cache": "composite", "config": {"preset": "sinks_heavy_recent", "budget": EVICT}},
     {"id": "composite_keep", "cache": "composite", "config": {"preset": "sinks_heavy_recent", "budget": KEEP}},
-    {"id": "composite_original_sinks", "cache": "composite",
-     "config": {"preset": "sinks_heavy_recent", "budget": EVICT, "sink_positions": "original"}},
-    {"id": "composite_sinks_windows", "cache": "composite", "config": {"regions": [
-        {"role": "sinks", "tokens": 2},
-        {"role": "window", "start": 0, "end": 4},
-        {"role": "window", "start": 4, "end": 10, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
-    ]}},
+    {
+        "id": "composite_original_sinks",
+        "cache": "composite",
+        "config": {"preset": "sinks_heavy_recent", "budget": EVICT, "sink_positions": "original"},
+    },
+    {
+        "id": "composite_sinks_windows",
+        "cache": "composite",
+        "config": {
+            "regions": [
+                {"role": "sinks", "tokens": 2},
+                {"role": "window", "start": 0, "end": 4},
+                {"role": "window", "start": 4, "end": 10, "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+            ]
+        },
+    },
     {"id": "random_eviction", "cache": "random_eviction", "config": {"budget": EVICT}},
     {"id": "random_eviction_keep", "cache": "random_eviction", "config": {"budget": KEEP}},
     {"id": "fp8", "cache": "fp8", "config": {}},
     {"id": "fp8_head", "cache": "fp8", "config": {"granularity": "head"}},
     {"id": "fp8_tensor", "cache": "fp8", "config": {"granularity": "tensor"}},
     {"id": "fp8_calibrated", "cache": "fp8", "config": {"granularity": "head", "scales": "CALIBRATED"}},
-    {"id": "fp8_calibrated_smoothing", "cache": "fp8",
-     "config": {"granularity": "head", "key_smoothing": True, "scales": "CALIBRATED_SMOOTHING"}},
+    {
+        "id": "fp8_calibrated_smoothing",
+        "cache": "fp8",
+        "config": {"granularity": "head", "key_smoothing": True, "scales": "CALIBRATED_SMOOTHING"},
+    },
     {"id": "fp8_smoothing_residual", "cache": "fp8", "config": {"key_smoothing": True, "residual": 8}},
     {"id": "kivi", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8}},
     {"id": "kivi_hqq", "cache": "kivi", "config": {"bits": 4, "group_size": 8, "residual": 8, "backend": "hqq"}},
@@ -137,8 +149,20 @@ def torchrun(script: str, *args: str) -> str:
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on loopback
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={WORLD}",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", script, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        f"--nproc-per-node={WORLD}",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--max-restarts",
+        "0",
+        script,
+        *args,
     ]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -165,13 +189,15 @@ def runs(tmp_path_factory):
     }
     cases = [
         {**case, "config": {**case["config"], "scales": scales[case["config"]["scales"]]}}
-        if case.get("config", {}).get("scales") else case
+        if case.get("config", {}).get("scales")
+        else case
         for case in CASES
     ]
     (root / "cases.json").write_text(json.dumps(cases))
     (root / "out").mkdir()
-    torchrun(os.path.join(HERE, "distributed_worker.py"), str(root / "models"), str(root / "cases.json"),
-             str(root / "out"))
+    torchrun(
+        os.path.join(HERE, "distributed_worker.py"), str(root / "models"), str(root / "cases.json"), str(root / "out")
+    )
     single = {}
     for arch in LOCAL_HEADS:
         reference = AutoModelForCausalLM.from_pretrained(root / "models" / arch, dtype=torch.float32).eval()
@@ -258,7 +284,9 @@ def test_bytes_per_rank_are_a_shard(runs, cid):
 
 # -- layers whose keys arrive on another device than the forward's input (device_map splits) ----------------------
 DEVICE_CASES = [
-    ("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT}),
+    ("sink", {"sinks": 2, "budget": EVICT}),
+    ("sliding", {"window": EVICT}),
+    ("h2o", {"budget": EVICT}),
     ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}),
     ("random_eviction", {"budget": EVICT}),  # random keys are a hash, no generator: any device
     ("fp8", {"key_rotation": "none"}),  # rotated keys need the bridge (it rotates the queries), not called here
@@ -272,15 +300,18 @@ SHARED_STATE = ("rotator", "workspace")
 
 
 def layer_tensor_devices(layer) -> set[str]:
-    tensors = list(worker._tensors(layer.policy, skip=SHARED_STATE)) + list(worker._tensors(layer.store, skip=SHARED_STATE))
+    tensors = list(worker._tensors(layer.policy, skip=SHARED_STATE)) + list(
+        worker._tensors(layer.store, skip=SHARED_STATE)
+    )
     tensors += [t for t in (layer.slot_valid, layer.slot_pos) if t is not None]
     return {t.device.type for t in tensors}
 
 
 @pytest.mark.parametrize("name,config", DEVICE_CASES, ids=[name for name, _ in DEVICE_CASES])
 def test_layer_allocates_on_the_device_of_its_keys(name, config):
-    cache = build_cache(name, build_config("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                           head_dim=HEAD_DIM), config)
+    cache = build_cache(
+        name, build_config("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM), config
+    )
     batch, devices = 2, ("cpu", "meta")
     for q in (worker.PROMPT, 1, 1):  # prefill (evicts: 24 > 12), then two decode steps
         cache.begin_forward(q, batch, torch.device("cpu"))
@@ -297,8 +328,16 @@ def test_layer_allocates_on_the_device_of_its_keys(name, config):
 
 def test_example_under_torchrun():
     """examples/tensor_parallel.py (tiny random Llama, 4 KV heads) on 2 ranks with --compare."""
-    out = torchrun(os.path.join(HERE, "..", "examples", "tensor_parallel.py"), "--cache", "sink:budget=12",
-                   "--cache", "h2o:budget=0.5", "--new-tokens", "6", "--compare")
+    out = torchrun(
+        os.path.join(HERE, "..", "examples", "tensor_parallel.py"),
+        "--cache",
+        "sink:budget=12",
+        "--cache",
+        "h2o:budget=0.5",
+        "--new-tokens",
+        "6",
+        "--compare",
+    )
     for rank in range(WORLD):
         assert out.count(f"[rank {rank}/{WORLD}]") == 2
     lines = [line for line in out.splitlines() if line.startswith("[rank")]
@@ -308,11 +347,19 @@ def test_example_under_torchrun():
 
 
 # -- a model dispatched by accelerate with a device_map --------------------------------------------------------------
-@pytest.mark.parametrize("name,config", [
-    ("sink", {"sinks": 2, "budget": EVICT}), ("sliding", {"window": EVICT}), ("h2o", {"budget": EVICT}),
-    ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}), ("random_eviction", {"budget": EVICT}),
-    ("fp8", {}), ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
-], ids=["sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi"])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("sink", {"sinks": 2, "budget": EVICT}),
+        ("sliding", {"window": EVICT}),
+        ("h2o", {"budget": EVICT}),
+        ("composite", {"preset": "sinks_heavy_recent", "budget": EVICT}),
+        ("random_eviction", {"budget": EVICT}),
+        ("fp8", {}),
+        ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
+    ],
+    ids=["sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi"],
+)
 def test_device_map_with_offloaded_layer(tmp_path, name, config):
     """`device_map` with layer 1 offloaded to disk: accelerate's hooks move its weights in and its inputs around;
     the only real device is the CPU, so both layers still compute there (not a split over devices). Our forward
@@ -320,8 +367,14 @@ def test_device_map_with_offloaded_layer(tmp_path, name, config):
     pytest.importorskip("accelerate")
     model = build_model("llama", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
     model.save_pretrained(tmp_path / "model")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     dispatched = AutoModelForCausalLM.from_pretrained(
         tmp_path / "model", dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path / "offload")
     ).eval()
@@ -330,7 +383,15 @@ def test_device_map_with_offloaded_layer(tmp_path, name, config):
     outputs = []
     for m in (model, dispatched):
         cache = build_cache(name, m, config)
-        outputs.append(m.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=6,
-                                  do_sample=False, pad_token_id=worker.PAD))
+        outputs.append(
+            m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                **cache_kwargs(cache),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=worker.PAD,
+            )
+        )
         assert cache.get_seq_length() == worker.PROMPT + 5  # the last token is generated, not cached
     assert torch.equal(outputs[0], outputs[1])

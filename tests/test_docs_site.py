@@ -1,5 +1,6 @@
 """The documentation site (mkdocs.yml, docs/) builds with warnings as errors, and its API page documents every
-public name: hf_kvcache.__all__, hf_kvcache.sharing.hub.__all__ and hf_kvcache.kernels.__all__ (`make docs` builds the same
+public name: hf_kvcache.__all__, hf_kvcache.sharing.hub.__all__ and hf_kvcache.kernels.__all__ (`make docs` builds the
+same
 site into site/)."""
 
 from __future__ import annotations
@@ -18,8 +19,21 @@ import hf_kvcache.kernels
 import hf_kvcache.sharing.hub
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE_NAMES = ("sink", "sliding", "h2o", "random_eviction", "composite", "fp8", "kivi", "knorm", "keydiff",
-               "tova", "snapkv", "expected_attention", "kvzip")
+CACHE_NAMES = (
+    "sink",
+    "sliding",
+    "h2o",
+    "random_eviction",
+    "composite",
+    "fp8",
+    "kivi",
+    "knorm",
+    "keydiff",
+    "tova",
+    "snapkv",
+    "expected_attention",
+    "kvzip",
+)
 
 
 def _installed(module: str) -> bool:
@@ -41,9 +55,22 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{log[-4000:]}"
@@ -57,10 +84,13 @@ def _ids(html: str) -> set[str]:
 
 def test_api_page_documents_every_public_name(site):
     ids = _ids((site / "api" / "index.html").read_text(encoding="utf-8"))
-    expected = ([f"hf_kvcache.{n}" for n in hf_kvcache.__all__]
-                + [f"hf_kvcache.sharing.hub.{n}" for n in hf_kvcache.sharing.hub.__all__]
-                + [f"hf_kvcache.kernels.{n}" for n in hf_kvcache.kernels.__all__])
-    # names re-exported from hf_kvcache.sharing.hub (KVCacheConfig, publish) are documented once, under hf_kvcache.sharing.hub
+    expected = (
+        [f"hf_kvcache.{n}" for n in hf_kvcache.__all__]
+        + [f"hf_kvcache.sharing.hub.{n}" for n in hf_kvcache.sharing.hub.__all__]
+        + [f"hf_kvcache.kernels.{n}" for n in hf_kvcache.kernels.__all__]
+    )
+    # names re-exported from hf_kvcache.sharing.hub (KVCacheConfig, publish) are documented once, under
+    # hf_kvcache.sharing.hub
     aliases = {f"hf_kvcache.{n}": f"hf_kvcache.sharing.hub.{n}" for n in hf_kvcache.sharing.hub.__all__}
     missing = [n for n in expected if n not in ids and aliases.get(n) not in ids]
     assert not missing, f"not on the API page: {missing}"

@@ -176,8 +176,14 @@ def test_enable_after_disable_restores_bridge():
     model = build_model("llama")
     rows = [random_ids(1, n, seed=50 + n)[0] for n in (14, 5)]
     ids, mask = left_pad(rows)
-    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True,
-              cache_implementation="sink", cache_config={"sinks": 2, "window": 6})
+    kw = dict(
+        max_new_tokens=12,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        cache_implementation="sink",
+        cache_config={"sinks": 2, "window": 6},
+    )
     alone = model.generate(rows[1][None], **kw).scores
     hf_kvcache.enable(model)
     disable(model)
@@ -210,5 +216,6 @@ def test_bridge_transparent_for_gpt_neox_eager():
     hf_kvcache.enable(model)
     after = stream(model, DynamicCache(config=model.config), ids)
     torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
-    torch.testing.assert_close(stream(model, SinkCache(model, sinks=4, window=TOTAL), ids), before,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        stream(model, SinkCache(model, sinks=4, window=TOTAL), ids), before, atol=1e-5, rtol=1e-5
+    )

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kvcache.cli import main
+from hf_kvcache.cli import build_parser, main
 from hf_kvcache.cli.eval_commands import parse_cache
-from hf_kvcache.cli import build_parser
 
 COMMANDS = ["demo", "caches", "memory", "ppl", "divergence", "retrieval", "speed", "sweep"]
 
@@ -91,13 +90,21 @@ def test_memory_of_a_checkpoint_directory(capsys, tmp_path):
 
     model = model_zoo.build("gemma3")
     model.config.save_pretrained(tmp_path)
-    assert main(["memory", "--shapes", str(tmp_path), "--contexts", "64", "--precisions", "fp16",
-                 "--budgets", "16"]) == 0
+    assert (
+        main(["memory", "--shapes", str(tmp_path), "--contexts", "64", "--precisions", "fp16", "--budgets", "16"]) == 0
+    )
     out = capsys.readouterr().out
     held = memory.kv_cache_bytes(model.config, "fp16", 64)
-    assert held < memory.kv_cache_bytes(memory.KVShape("every layer", model.config.num_hidden_layers,
-                                                       memory.kv_head_count(model.config),
-                                                       memory.attention_head_dim(model.config)), "fp16", 64)
+    assert held < memory.kv_cache_bytes(
+        memory.KVShape(
+            "every layer",
+            model.config.num_hidden_layers,
+            memory.kv_head_count(model.config),
+            memory.attention_head_dim(model.config),
+        ),
+        "fp16",
+        64,
+    )
     assert f"  {memory.format_bytes(held)}" in out
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     assert f"after {params_b:g}B weights" in out and f"Max concurrent requests of {tmp_path}" in out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -21,8 +20,7 @@ def setup():
     tok = char_tokenizer()
     model = build_model("llama", seed=4)
     ref = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
-    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
-                     metadata={"context_tokens": 90, "n_docs": 4})
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"context_tokens": 90, "n_docs": 4})
     tasks = get_task_dict(["kvcache_passkey", "kvcache_records"], tm)
     for task in tasks.values():
         task.build_all_requests(limit=4, rank=0, world_size=1)
@@ -58,15 +56,17 @@ def test_compressed_cache_changes_loglikelihoods(setup):
     tok, model, ref, tasks = setup
     requests = _requests(tasks["kvcache_passkey"])
     expected = ref.loglikelihood(requests, disable_tqdm=True)
-    ours = HFKVCacheLM(pretrained=model, tokenizer=tok, cache="sink", cache_config='{"sinks": 2, "budget": 16}',
-                       device="cpu")
+    ours = HFKVCacheLM(
+        pretrained=model, tokenizer=tok, cache="sink", cache_config='{"sinks": 2, "budget": 16}', device="cpu"
+    )
     got = ours.loglikelihood(requests, disable_tqdm=True)
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, expected)) > 0.1
     # decode_tail=0 is refused; a larger tail still agrees with the full cache
     with pytest.raises(ValueError, match="decode_tail"):
         HFKVCacheLM(pretrained=model, tokenizer=tok, cache="dynamic", decode_tail=0)
-    tail = HFKVCacheLM(pretrained=model, tokenizer=tok, cache="dynamic", decode_tail=5, cont_chunk=3,
-                       prefill_chunk=17).loglikelihood(requests, disable_tqdm=True)
+    tail = HFKVCacheLM(
+        pretrained=model, tokenizer=tok, cache="dynamic", decode_tail=5, cont_chunk=3, prefill_chunk=17
+    ).loglikelihood(requests, disable_tqdm=True)
     assert max(abs(a - b) for (a, _), (b, _) in zip(tail, expected)) < 1e-4
 
 
@@ -95,11 +95,17 @@ def test_records_task_scoring(setup):
 
     doc = records_dataset(context_tokens=200, n_docs=1)["test"][0]
     right = doc["answer"]
-    assert records_process_results(doc, [" " + right + "\nmore"]) == {"exact_match": 1, "json_parse": 1,
-                                                                       "value_match": 1}
+    assert records_process_results(doc, [" " + right + "\nmore"]) == {
+        "exact_match": 1,
+        "json_parse": 1,
+        "value_match": 1,
+    }
     code = right.split('"code": ')[1].rstrip("}")
-    assert records_process_results(doc, [f"The code is {code}."]) == {"exact_match": 0, "json_parse": 0,
-                                                                      "value_match": 1}
+    assert records_process_results(doc, [f"The code is {code}."]) == {
+        "exact_match": 0,
+        "json_parse": 0,
+        "value_match": 1,
+    }
     assert records_process_results(doc, ['{"id": "XX-0000-00", "code": 1}'])["json_parse"] == 1
     assert records_process_results(doc, ['{"id": "XX-0000-00", "code": 1}'])["exact_match"] == 0
 
@@ -115,15 +121,15 @@ def test_the_generated_ruler_tasks_run_under_lm_eval():
 
     assert {p.stem for p in TASKS_DIR.glob("kvcache_ruler_*.yaml")} == {f"kvcache_ruler_{t}" for t in TASKS}
     tok, model = char_tokenizer(), build_model("llama", seed=4)
-    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
-                     metadata={"context_tokens": 256, "n_docs": 2})
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"context_tokens": 256, "n_docs": 2})
     task = get_task_dict(["kvcache_ruler_qa_records_code"], tm)["kvcache_ruler_qa_records_code"]
     task.build_all_requests(limit=2, rank=0, world_size=1)
     requests = list(task.instances)
     for inst in requests:  # short generations for a fast test
         inst.arguments = (inst.arguments[0], {**inst.arguments[1], "max_gen_toks": 6})
-    expected = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu").generate_until(requests,
-                                                                                              disable_tqdm=True)
+    expected = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu").generate_until(
+        requests, disable_tqdm=True
+    )
     got = HFKVCacheLM(pretrained=model, tokenizer=tok, cache="dynamic").generate_until(requests, disable_tqdm=True)
     assert got == expected and len(got) == 2
     doc = requests[0].doc

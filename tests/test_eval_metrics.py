@@ -19,12 +19,7 @@ from hf_kvcache.evaluation.cache_spec import (
     make_factory,
     resolve_config,
 )
-from hf_kvcache.evaluation.divergence import (
-    cache_logprobs,
-    divergence,
-    divergence_metrics,
-    full_sequence_logprobs,
-)
+from hf_kvcache.evaluation.divergence import cache_logprobs, divergence, divergence_metrics, full_sequence_logprobs
 from hf_kvcache.evaluation.perplexity import chunked_nll, run_perplexity
 
 N, P = 64, 40
@@ -61,7 +56,7 @@ def test_perplexity_equals_direct_with_full_cache(tiny, ids, mode, cache):
 
 def test_chunked_differs_from_stream_only_by_its_stated_approximation(tiny, ids):
     """With an evicting cache, chunk=1 is the stream protocol exactly; larger chunks see more than the budget."""
-    factory = lambda: SinkCache(tiny, sinks=2, window=10)  # noqa: E731
+    factory = lambda: SinkCache(tiny, sinks=2, window=10)
     stream = run_perplexity(tiny, ids, factory, mode="stream")["nlls"]
     np.testing.assert_allclose(chunked_nll(tiny, ids, factory, chunk=1), stream, atol=1e-5, rtol=0)
     chunked = chunked_nll(tiny, ids, factory, chunk=16)

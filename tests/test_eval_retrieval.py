@@ -63,8 +63,11 @@ def test_scoring():
     p = make_probe("records", 500, "early", seed=0)
     code, rid = p.meta["code"], p.meta["id"]
     assert score_answer(p, json.dumps({"id": rid, "code": code})) == {"exact": 1, "parsed": 1, "value_match": 1}
-    assert score_answer(p, f'{{"id": "{rid}", "code": "{code}"}} trailing') == {"exact": 1, "parsed": 1,
-                                                                                "value_match": 1}
+    assert score_answer(p, f'{{"id": "{rid}", "code": "{code}"}} trailing') == {
+        "exact": 1,
+        "parsed": 1,
+        "value_match": 1,
+    }
     assert score_answer(p, f'{{"id": "{rid}", "code": 1{code}}}')["exact"] == 0
     assert score_answer(p, f"{{'id': '{rid}', 'code': {code}}}") == {"exact": 0, "parsed": 0, "value_match": 1}
     assert score_answer(p, "no idea") == {"exact": 0, "parsed": 0, "value_match": 0}
@@ -85,19 +88,27 @@ def test_question_goes_through_the_compressed_cache(tok):
     ids = tok(p.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
         plain = model.generate(ids, max_new_tokens=8, do_sample=False)
-    expected = tok.decode(plain[0, ids.shape[1]:])
+    expected = tok.decode(plain[0, ids.shape[1] :])
     full = run_probe(model, tok, p, DynamicCache(config=model.config))
     assert full["output"] == expected and full["prompt_tokens"] == ids.shape[1]
     cache = SinkCache(model, sinks=2, budget=32)
     small = run_probe(model, tok, p, cache)
     assert cache.get_seq_length() == ids.shape[1] + 7 and cache.layers[0].used <= 32
     assert small["output"] != expected
-    rows = run_retrieval(model, tok, lambda: DynamicCache(config=model.config), kinds=["passkey", "records"],
-                         context_lens=[300], positions=["early", "late"], samples=2)
+    rows = run_retrieval(
+        model,
+        tok,
+        lambda: DynamicCache(config=model.config),
+        kinds=["passkey", "records"],
+        context_lens=[300],
+        positions=["early", "late"],
+        samples=2,
+    )
     assert len(rows) == 8
     summary = summarize(rows)
     assert {(s["kind"], s["position"], s["n"]) for s in summary} == {
-        (k, pos, 2) for k in ("passkey", "records") for pos in ("early", "late")}
+        (k, pos, 2) for k in ("passkey", "records") for pos in ("early", "late")
+    }
 
 
 def test_records_probe_with_a_fixed_number_of_records_in_filler():
@@ -109,7 +120,7 @@ def test_records_probe_with_a_fixed_number_of_records_in_filler():
         assert probe.meta["records"] == 20
         from hf_kvcache.evaluation.retrieval import RECORDS_HEADER
 
-        body = probe.context[len(RECORDS_HEADER):]
+        body = probe.context[len(RECORDS_HEADER) :]
         assert probe.context.startswith(RECORDS_HEADER) and body.count('"code": ') == 20
         assert len(probe.prompt) // 4 <= 4096  # fits (no tokenizer: ~4 characters per token)
         assert f'"id": "{probe.meta["id"]}"' in probe.context

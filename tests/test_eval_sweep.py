@@ -61,8 +61,9 @@ def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
     with open(tmp_path / "tiny" / "results.jsonl", "a") as f:
         f.write('{"key": "half a li')
     again = []
-    rows = run_sweep(SPEC, tmp_path, loader=counting_loader(counter), progress=False,
-                     on_cell=lambda c: again.append(c.key("x")))
+    rows = run_sweep(
+        SPEC, tmp_path, loader=counting_loader(counter), progress=False, on_cell=lambda c: again.append(c.key("x"))
+    )
     assert len(again) == len(cells) - 3 and not set(again) & set(seen)
     done = read_results(tmp_path / "tiny" / "results.jsonl")
     assert len(done) == len(cells)
@@ -79,7 +80,9 @@ def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
     assert quality["sink 25%"]["budget_tokens"] == 10 and quality["sliding 16"]["budget_tokens"] == 16
     assert quality["sink 25%"]["bytes_held"] < quality["sink 50%"]["bytes_held"] < quality["dynamic"]["bytes_held"]
     speed = [r for r in rows if r["metric"] == "speed"]
-    assert {r["label"] for r in speed} == set(quality) and [r["decode_ratio"] for r in speed if r["label"] == "dynamic"] == [1.0]
+    assert {r["label"] for r in speed} == set(quality) and [
+        r["decode_ratio"] for r in speed if r["label"] == "dynamic"
+    ] == [1.0]
     out = tmp_path / "tiny"
     assert (out / "results.csv").read_text().splitlines()[0].startswith("metric,context_len,label")
     summary = json.loads((out / "summary.json").read_text())
@@ -93,8 +96,12 @@ def test_stream_ppl_cell_resumes_inside_the_cell(tmp_path):
 
     from hf_kvcache.evaluation import streaming
 
-    spec = {**SPEC, "metrics": ["ppl"], "caches": [{"name": "sink", "config": {"sinks": 2, "budget": 12}}],
-            "ppl": {"tokens": 50, "mode": "stream", "bucket": 10}}
+    spec = {
+        **SPEC,
+        "metrics": ["ppl"],
+        "caches": [{"name": "sink", "config": {"sinks": 2, "budget": 12}}],
+        "ppl": {"tokens": 50, "mode": "stream", "bucket": 10},
+    }
     clean = run_sweep({**spec, "name": "clean"}, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
     real = streaming.stream_nll
     calls = []
@@ -127,8 +134,13 @@ def test_changed_settings_recompute(tmp_path):
     spec = {**SPEC, "metrics": ["quality"], "caches": [{"name": "dynamic"}]}
     run_sweep(spec, tmp_path, loader=counting_loader({"loads": 0}), progress=False)
     ran = []
-    run_sweep({**spec, "scored_tokens": 6}, tmp_path, loader=counting_loader({"loads": 0}), progress=False,
-              on_cell=lambda c: ran.append(c))
+    run_sweep(
+        {**spec, "scored_tokens": 6},
+        tmp_path,
+        loader=counting_loader({"loads": 0}),
+        progress=False,
+        on_cell=lambda c: ran.append(c),
+    )
     assert len(ran) == 1
 
 
@@ -136,8 +148,10 @@ def test_changed_settings_recompute(tmp_path):
     "patch, field",
     [
         ({"caches": [{"name": "sinkk", "budget_key": "budget"}]}, r"^caches\[0\]: unknown cache 'sinkk'; valid names"),
-        ({"caches": [{"name": "dynamic"}, {"name": "sink", "config": {"sinks": 2, "windw": 3}}]},
-         r"^caches\[1\]: unknown key\(s\) \['windw'\]"),
+        (
+            {"caches": [{"name": "dynamic"}, {"name": "sink", "config": {"sinks": 2, "windw": 3}}]},
+            r"^caches\[1\]: unknown key\(s\) \['windw'\]",
+        ),
         ({"budgets": [0.25, 1.5]}, r"^budgets\[1\]: a budget fraction must be in \(0, 1\]"),
         ({"budgets": [0.25, "all"]}, r"^budgets\[1\]: a budget is a number of tokens"),
         ({"budgets": [2]}, r"^caches\[1\]: invalid config .* `sinks` \(2\) must be smaller than `budget` \(2\)"),
@@ -147,8 +161,10 @@ def test_changed_settings_recompute(tmp_path):
         ({"text": "/no/such/file.txt"}, r"^text: '/no/such/file.txt' is not"),
         ({"ppl": {"tokens": 60, "mode": "fast"}}, r"^ppl\.mode: must be 'stream' or 'chunked'"),
         ({"speed": {"rounds": 0}}, r"^speed\.rounds: must be an integer >= 1"),
-        ({"retrieval": {"kinds": ["needle"]}, "metrics": ["retrieval"], "text": "pydoc"},
-         r"^retrieval\.kinds\[0\]: unknown probe 'needle'"),
+        (
+            {"retrieval": {"kinds": ["needle"]}, "metrics": ["retrieval"], "text": "pydoc"},
+            r"^retrieval\.kinds\[0\]: unknown probe 'needle'",
+        ),
         ({"cachez": []}, r"^cachez: unknown field"),
         ({"caches": [{"name": "sliding", "budget_key": "window", "budgets": []}]}, r"^caches\[0\]\.budgets: must be"),
     ],
@@ -189,7 +205,7 @@ def test_shipped_specs_are_valid(path):
     assert plan_cells(load_spec(path))
 
 
-# -- memory calculator ---------------------------------------------------------------------------------------------------
+# -- memory calculator -----------------------------------------------------------------------------------------------
 def test_memory_calculator_published_figures():
     kib = 1024
     assert memory.bytes_per_token("llama-3-8b", "fp16") == 128 * kib
@@ -212,16 +228,61 @@ def test_memory_calculator_published_figures():
 
 #: the published hybrid shapes, as transformers' own config classes build them from the same published values
 PUBLISHED_HYBRIDS = {
-    "gemma-2-9b": ("Gemma2Config", dict(num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
-                                        head_dim=256, hidden_size=3584, sliding_window=4096)),
-    "gemma-3-12b": ("Gemma3TextConfig", dict(num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
-                                             head_dim=256, hidden_size=3840, sliding_window=1024)),
-    "gemma-3-27b": ("Gemma3TextConfig", dict(num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
-                                             head_dim=128, hidden_size=5376, sliding_window=1024)),
-    "gpt-oss-20b": ("GptOssConfig", dict(num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
-                                         head_dim=64, hidden_size=2880, sliding_window=128)),
-    "gpt-oss-120b": ("GptOssConfig", dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
-                                          head_dim=64, hidden_size=2880, sliding_window=128)),
+    "gemma-2-9b": (
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=42,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            hidden_size=3584,
+            sliding_window=4096,
+        ),
+    ),
+    "gemma-3-12b": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            hidden_size=3840,
+            sliding_window=1024,
+        ),
+    ),
+    "gemma-3-27b": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            hidden_size=5376,
+            sliding_window=1024,
+        ),
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            hidden_size=2880,
+            sliding_window=128,
+        ),
+    ),
+    "gpt-oss-120b": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=36,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            hidden_size=2880,
+            sliding_window=128,
+        ),
+    ),
 }
 
 
@@ -235,9 +296,13 @@ def test_published_hybrid_shapes_follow_transformers_layer_types(name):
     published = memory.SHAPES[name]
     assert from_config.kv_layers() == published.kv_layers()
     assert (from_config.layers, from_config.kv_heads, from_config.head_dim) == (
-        published.layers, published.kv_heads, published.head_dim)
+        published.layers,
+        published.kv_heads,
+        published.head_dim,
+    )
     assert any(layer.window for layer in published.kv_layers()) and any(
-        layer.window is None for layer in published.kv_layers())
+        layer.window is None for layer in published.kv_layers()
+    )
 
 
 def test_published_latent_attention_shape():
@@ -245,8 +310,15 @@ def test_published_latent_attention_shape():
     values, where its 128 heads of 192-value keys and 128-value values would be 40960 (71x)."""
     from transformers import DeepseekV3Config
 
-    config = DeepseekV3Config(num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    config = DeepseekV3Config(
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
     published = memory.SHAPES["deepseek-v3"]
     assert memory.shape_from_config(config).kv_layers() == published.kv_layers()
     assert memory.bytes_per_token("deepseek-v3", "bf16") == 61 * 576 * 2
@@ -275,11 +347,14 @@ def test_theory_is_what_dynamic_cache_holds_on_every_architecture(arch):
     with torch.inference_mode():
         model(input_ids=ids[:, :36], **cache_kwargs(cache), use_cache=True)
         for t in range(36, 40):
-            model(input_ids=ids[:, t: t + 1], **cache_kwargs(cache), use_cache=True)
+            model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
     seen: set = set()
     layer_types, _ = layer_plan(config)
-    held = sum(memory._tensor_bytes(layer, seen) for layer_type, layer in zip(layer_types, cache.layers)
-               if layer_type not in memory.NO_KV_TYPES)
+    held = sum(
+        memory._tensor_bytes(layer, seen)
+        for layer_type, layer in zip(layer_types, cache.layers)
+        if layer_type not in memory.NO_KV_TYPES
+    )
     theory = memory.kv_cache_bytes(config, memory.Precision("fp32", 32), 40)
     assert 0 <= held - theory <= 8 * len(cache.layers), (held, theory)
 
@@ -313,8 +388,9 @@ def test_measured_bytes_next_to_theory():
 
     model = build_model("llama")
     ids = random_ids(1, 64, seed=2)
-    rows = memory.measured_vs_theory(model, [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4, "budget": 16})],
-                                     ids, decode_tokens=4)
+    rows = memory.measured_vs_theory(
+        model, [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4, "budget": 16})], ids, decode_tokens=4
+    )
     dyn, sink = rows
     per_token = 2 * 2 * 2 * 16 * 4
     assert dyn["theory_bytes"] == 64 * per_token and dyn["measured_bytes"] == dyn["theory_bytes"]
@@ -334,15 +410,19 @@ def test_theory_counts_hybrid_models_layer_by_layer(arch):
     from conftest import random_ids
 
     model = model_zoo.build(arch)
-    rows = memory.measured_vs_theory(model, [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4,
-                                                                                             "budget": 16})],
-                                     random_ids(1, 40, seed=2), decode_tokens=4)
+    rows = memory.measured_vs_theory(
+        model,
+        [("dynamic", "dynamic", {}), ("sink 16", "sink", {"sinks": 4, "budget": 16})],
+        random_ids(1, 40, seed=2),
+        decode_tokens=4,
+    )
     dyn, sink = rows
     layers = model.config.num_hidden_layers
     assert dyn["theory_bytes"] == dyn["dense_bytes"]
     assert 0 <= dyn["measured_bytes"] - dyn["theory_bytes"] <= 8 * layers  # (+ a layer's int64 counter tensor)
-    every_layer_every_token = 2 * layers * memory.kv_head_count(model.config) * memory.attention_head_dim(
-        model.config) * 4 * 40
+    every_layer_every_token = (
+        2 * layers * memory.kv_head_count(model.config) * memory.attention_head_dim(model.config) * 4 * 40
+    )
     assert dyn["dense_bytes"] < 0.7 * every_layer_every_token
     assert memory.kv_cache_bytes(memory.shape_from_config(model.config), "fp32", 40) == dyn["dense_bytes"]
     window = memory.kv_cache_bytes(model.config, "fp32", 40, kept=0)  # the sliding layers alone
@@ -352,8 +432,15 @@ def test_theory_counts_hybrid_models_layer_by_layer(arch):
 def test_report_only_writes_reports_without_running(tmp_path):
     from hf_kvcache.evaluation.sweep import run_sweep
 
-    spec = {"name": "ro", "model": "tiny", "context_lengths": [16], "scored_tokens": 4, "metrics": ["quality"],
-            "budgets": [8], "caches": [{"name": "dynamic"}, {"name": "sliding", "budget_key": "window"}]}
+    spec = {
+        "name": "ro",
+        "model": "tiny",
+        "context_lengths": [16],
+        "scored_tokens": 4,
+        "metrics": ["quality"],
+        "budgets": [8],
+        "caches": [{"name": "dynamic"}, {"name": "sliding", "budget_key": "window"}],
+    }
     calls = []
 
     def loader(name, dtype):
@@ -370,11 +457,30 @@ def test_summary_tables_one_per_metric_present():
     from hf_kvcache.evaluation.sweep_results import format_summary
 
     rows = [
-        {"metric": "retrieval", "context_len": 2048, "kind": "passkey", "position": "early", "label": "h2o",
-         "exact_match": 1.0, "parse_rate": 1.0, "value_match": 0.5},
-        {"metric": "quality", "context_len": 2048, "label": "dynamic", "budget_tokens": None, "bytes_held": 2**20,
-         "bytes_vs_dense": 1.0, "ppl": 11.5, "ppl_ref": 11.5, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0,
-         "top5_agreement": 1.0},
+        {
+            "metric": "retrieval",
+            "context_len": 2048,
+            "kind": "passkey",
+            "position": "early",
+            "label": "h2o",
+            "exact_match": 1.0,
+            "parse_rate": 1.0,
+            "value_match": 0.5,
+        },
+        {
+            "metric": "quality",
+            "context_len": 2048,
+            "label": "dynamic",
+            "budget_tokens": None,
+            "bytes_held": 2**20,
+            "bytes_vs_dense": 1.0,
+            "ppl": 11.5,
+            "ppl_ref": 11.5,
+            "kl_mean": 0.0,
+            "kl_p99": 0.0,
+            "top1_agreement": 1.0,
+            "top5_agreement": 1.0,
+        },
     ]
     assert format_summary(rows).split("\n") == [
         "| n | cache | tokens kept | bytes held | vs dense | PPL | PPL full | KL mean | KL p99 | top-1 | top-5 |",

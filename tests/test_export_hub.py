@@ -44,10 +44,11 @@ FAMILIES = {
     "h2o": ({"heavy": 4, "recent": 4}, lambda m: H2OCache(m, heavy=4, recent=4)),
     "composite": ({"regions": REGIONS}, lambda m: CompositeCache(m, regions=REGIONS)),
     "fp8": ({"granularity": "head"}, lambda m: QuantizedFP8Cache(m, granularity="head")),
-    "kivi": ({"bits": 4, "group_size": 16, "residual": 8},
-             lambda m: KIVICache(m, bits=4, group_size=16, residual=8)),
-    "random_eviction": ({"heavy": 4, "recent": 4, "seed": 3},
-                        lambda m: RandomEvictionCache(m, heavy=4, recent=4, seed=3)),
+    "kivi": ({"bits": 4, "group_size": 16, "residual": 8}, lambda m: KIVICache(m, bits=4, group_size=16, residual=8)),
+    "random_eviction": (
+        {"heavy": 4, "recent": 4, "seed": 3},
+        lambda m: RandomEvictionCache(m, heavy=4, recent=4, seed=3),
+    ),
 }
 
 PROMPT = 16  # longer than every eviction budget above, so the caches evict during prefill and decode
@@ -168,18 +169,20 @@ def test_cli_writes_the_same_folder(tmp_path, capsys):
     assert (tmp_path / "json" / FILES[0]).read_text() == (tmp_path / "api" / FILES[0]).read_text()
 
 
-@pytest.mark.parametrize("spec, field", [
-    ("nonsense:window=4", "nonsense"),
-    ("sink:windw=4", "windw"),
-    ("sink:window=0", "window"),
-    ("h2o:heavy=-1,recent=4", "heavy"),
-    ("fp8:format=fp9", "format"),
-    ("composite:regions=3", "regions"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("nonsense:window=4", "nonsense"),
+        ("sink:windw=4", "windw"),
+        ("sink:window=0", "window"),
+        ("h2o:heavy=-1,recent=4", "heavy"),
+        ("fp8:format=fp9", "format"),
+        ("composite:regions=3", "regions"),
+    ],
+)
 def test_bad_cache_errors_name_the_field(tmp_path, capsys, spec, field):
     name, _, rest = spec.partition(":")
-    settings = {k: json.loads(v) if v[0] in "-0123456789" else v
-                for k, v in (p.split("=") for p in rest.split(","))}
+    settings = {k: json.loads(v) if v[0] in "-0123456789" else v for k, v in (p.split("=") for p in rest.split(","))}
     with pytest.raises(ValueError, match=field):
         export_custom_generate(tmp_path / "api", name, settings)
     assert not (tmp_path / "api").exists()  # nothing written
@@ -213,8 +216,10 @@ def test_settings_tied_to_the_model_are_checked_against_model_config(tmp_path, c
     model.save_pretrained(tmp_path / "model")
     assert main(["export-hub", str(tmp_path / "cli"), "--cache", "kivi:group_size=16"]) == 2
     assert "group_size" in capsys.readouterr().err
-    assert main(["export-hub", str(tmp_path / "cli"), "--cache", "kivi:group_size=16",
-                 "--model", str(tmp_path / "model")]) == 0
+    assert (
+        main(["export-hub", str(tmp_path / "cli"), "--cache", "kivi:group_size=16", "--model", str(tmp_path / "model")])
+        == 0
+    )
     export_custom_generate(tmp_path / "api", "kivi", {"group_size": 16}, model_config=model.config)
     for rel in FILES:
         assert (tmp_path / "cli" / rel).read_text() == (tmp_path / "api" / rel).read_text()

@@ -32,8 +32,10 @@ FAMILIES = {
     "h2o": ({"heavy": 4, "recent": 4}, {"heavy": 80, "recent": 80}),
     "h2o_compact": ({"heavy": 4, "recent": 4, "position_mode": "compact"}, None),
     "random_eviction": ({"heavy": 4, "recent": 4}, {"heavy": 80, "recent": 80}),
-    "composite": ({"preset": "sinks_heavy_recent", "budget": 12},
-                  {"preset": "sinks_heavy_recent", "budget": 160, "precision": "full"}),
+    "composite": (
+        {"preset": "sinks_heavy_recent", "budget": 12},
+        {"preset": "sinks_heavy_recent", "budget": 160, "precision": "full"},
+    ),
     "fp8": ({}, None),
     "kivi": ({"residual": 8, "group_size": 8}, None),
 }
@@ -68,7 +70,7 @@ def reference_run(model, cache, turns, sample_seed=None, temperature=1.0, suppre
     with torch.no_grad():
         for ids, new in turns:
             sequence = ids
-            feed = ids[:, cache.get_seq_length():]
+            feed = ids[:, cache.get_seq_length() :]
             for _ in range(new):
                 logits = model(input_ids=feed, **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
                 if suppress:
@@ -100,8 +102,15 @@ def test_seeded_sampling_equals_reference_loop(family, via):
     model = build_model("llama")
     ids = random_ids(1, PROMPT, seed=4)
     torch.manual_seed(123)
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-                         **selecting_kwargs(family, model, via))
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        **selecting_kwargs(family, model, via),
+    )
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)], sample_seed=123, temperature=0.7)
     assert torch.equal(out, expected)
 
@@ -137,9 +146,17 @@ def test_beam_search_reorders_each_beams_cache(family):
     fresh cache of the same settings, one token per step: a beam never sees another beam's tokens."""
     model = build_model("llama")
     ids = random_ids(1, PROMPT, seed=8)
-    out = model.generate(ids, max_new_tokens=NEW, num_beams=3, num_return_sequences=3, do_sample=False,
-                         length_penalty=0.0, output_scores=True, return_dict_in_generate=True,
-                         **cache_kwargs(make_cache(family, model)))
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        num_beams=3,
+        num_return_sequences=3,
+        do_sample=False,
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **cache_kwargs(make_cache(family, model)),
+    )
     scores = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
     assert len({tuple(s.tolist()) for s in out.sequences}) == 3  # three different beams
     for row, sequence in enumerate(out.sequences):
@@ -173,8 +190,9 @@ def test_assisted_roomy_equals_greedy_dynamic_cache(family, via, mode):
     model = build_model("llama")
     ids = _repetitive_prompt()
     expected = model.generate(ids, max_new_tokens=NEW, do_sample=False, **cache_kwargs(DynamicCache()))
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **ASSISTED[mode](),
-                         **selecting_kwargs(family, model, via, roomy=True))
+    out = model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, **ASSISTED[mode](), **selecting_kwargs(family, model, via, roomy=True)
+    )
     assert torch.equal(out, expected)
 
 
@@ -225,8 +243,11 @@ def test_quantized_crop_undoes_a_rejected_chunk(family, candidates, exact, tmp_p
 def test_assisted_with_an_evicting_budget_is_refused_up_front(family, via, mode):
     model = build_model("llama")
     kwargs = selecting_kwargs(family, model, via)
-    with pytest.raises(ValueError, match=r"cannot serve assisted generation / prompt lookup .* rolled back with "
-                                         r"`crop`.* Give a budget of at least 23"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot serve assisted generation / prompt lookup .* rolled back with "
+        r"`crop`.* Give a budget of at least 23",
+    ):
         model.generate(_repetitive_prompt(), max_new_tokens=NEW, do_sample=False, **ASSISTED[mode](), **kwargs)
     if via == "cache_object":
         assert kwargs[CACHE_ARG].get_seq_length() == 0  # refused before any forward
@@ -256,8 +277,13 @@ def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="<|im_end|>", additional_special_tokens=SPECIALS[2:])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=SPECIALS[2:],
+    )
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -281,12 +307,22 @@ SUPPRESS = list(range(len(SPECIALS)))  # keep special tokens out of replies (a r
 def test_text_streamer_streams_the_returned_text(family):
     tokenizer = tiny_chat_tokenizer()
     model = build_model("llama")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello, cache!"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello, cache!"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     streamer = CollectingStreamer(tokenizer)
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, streamer=streamer, suppress_tokens=SUPPRESS,
-                         **cache_kwargs(make_cache(family, model)))
-    text = tokenizer.decode(out[0, ids.shape[-1]:])
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        streamer=streamer,
+        suppress_tokens=SUPPRESS,
+        **cache_kwargs(make_cache(family, model)),
+    )
+    text = tokenizer.decode(out[0, ids.shape[-1] :])
     assert "".join(streamer.pieces) == text and len(text) == NEW
     (expected,) = reference_run(model, make_cache(family, model), [(ids, NEW)], suppress=SUPPRESS)
     assert torch.equal(out, expected)
@@ -300,14 +336,14 @@ def _chat(model, tokenizer, cache, new=8):
     messages, turns, outputs = [], [], []
     for user in USER_TURNS:
         messages.append({"role": "user", "content": user})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         if outputs:  # the growing prompt starts with everything the cache has seen
             assert torch.equal(ids[:, : outputs[-1].shape[-1]], outputs[-1])
-        out = model.generate(ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS,
-                             **cache_kwargs(cache))
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS, **cache_kwargs(cache))
         assert cache.get_seq_length() == out.shape[-1] - 1
-        messages.append({"role": "assistant", "content": tokenizer.decode(out[0, ids.shape[-1]:])})
+        messages.append({"role": "assistant", "content": tokenizer.decode(out[0, ids.shape[-1] :])})
         turns.append((ids, new))
         outputs.append(out)
     return turns, outputs
@@ -333,8 +369,9 @@ def test_multi_turn_chat_roomy_equals_one_generate_over_the_conversation(family)
     model = build_model("llama")
     turns, outputs = _chat(model, tokenizer, make_cache(family, model, roomy=True))
     for (ids, new), out in zip(turns, outputs):
-        fresh = model.generate(ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS,
-                               **cache_kwargs(DynamicCache()))
+        fresh = model.generate(
+            ids, max_new_tokens=new, do_sample=False, suppress_tokens=SUPPRESS, **cache_kwargs(DynamicCache())
+        )
         assert torch.equal(out, fresh)
 
 

@@ -33,7 +33,7 @@ from hf_kvcache.evaluation.cache_spec import make_cache
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-from gpu.random_models import random_model  # noqa: E402
+from gpu.random_models import random_model
 
 _ASKED = os.environ.get("HF_KVCACHE_ACCEPT_DEVICE")
 DEVICE = _ASKED or ("cuda" if torch.cuda.is_available() else None)
@@ -46,8 +46,10 @@ PROMPT, STEPS = 48, 8
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(DEVICE is None or (DEVICE == "cuda" and not torch.cuda.is_available()),
-                       reason="needs a GPU (or HF_KVCACHE_ACCEPT_DEVICE=cpu)"),
+    pytest.mark.skipif(
+        DEVICE is None or (DEVICE == "cuda" and not torch.cuda.is_available()),
+        reason="needs a GPU (or HF_KVCACHE_ACCEPT_DEVICE=cpu)",
+    ),
 ]
 if _ASKED not in (None, "cpu", "cuda"):
     raise ValueError(f"HF_KVCACHE_ACCEPT_DEVICE must be 'cpu' or 'cuda', got {_ASKED!r}")
@@ -56,16 +58,23 @@ if _ASKED not in (None, "cpu", "cuda"):
 REQUEST_IDS = {"first": [5, 6], "next": [7, 8], "suffix": [9, 10]}
 #: a config per registered cache name, small enough for PROMPT + STEPS tokens to evict
 CONFIGS = {
-    "sink": {"sinks": 4, "window": 20}, "sliding": {"window": 24}, "h2o": {"budget": 24},
-    "random_eviction": {"budget": 24}, "composite": {"preset": "sinks_heavy_recent", "budget": 24},
-    "kivi": {"bits": 4, "group_size": 16, "residual": 16}, "fp8": {},
-    "knorm": {"budget": 24}, "keydiff": {"budget": 24}, "tova": {"budget": 24}, "snapkv": {"budget": 24, "window": 8},
+    "sink": {"sinks": 4, "window": 20},
+    "sliding": {"window": 24},
+    "h2o": {"budget": 24},
+    "random_eviction": {"budget": 24},
+    "composite": {"preset": "sinks_heavy_recent", "budget": 24},
+    "kivi": {"bits": 4, "group_size": 16, "residual": 16},
+    "fp8": {},
+    "knorm": {"budget": 24},
+    "keydiff": {"budget": 24},
+    "tova": {"budget": 24},
+    "snapkv": {"budget": 24, "window": 8},
     "expected_attention": {"budget": 24},
     "kvzip": {"budget": 24, "head_budget": "adaptive", "request_ids": REQUEST_IDS},
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _models():
     """(model on DEVICE in DTYPE, the same weights on the CPU in float32)."""
     cpu = random_model("smollm2-135m", torch.float32, "cpu", layers=LAYERS, seed=0)
@@ -92,9 +101,16 @@ def test_cache_generates_on_the_device_and_matches_the_cpu(name):
         pytest.skip(f"{name} is not registered here")
     model, cpu = _models()
     ids = _ids(PROMPT)[None].to(DEVICE)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, do_sample=False,
-                         cache_implementation=name, cache_config=dict(CONFIGS[name]), pad_token_id=2,
-                         disable_compile=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=STEPS,
+        do_sample=False,
+        cache_implementation=name,
+        cache_config=dict(CONFIGS[name]),
+        pad_token_id=2,
+        disable_compile=True,
+    )
     assert out.shape == (1, PROMPT + STEPS) and out.device.type == torch.device(DEVICE).type
     got = _logprobs(model, name, CONFIGS[name])
     ref = _logprobs(cpu, name, CONFIGS[name])
@@ -115,8 +131,14 @@ def _count_calls(monkeypatch, module, attribute) -> list:
     return calls
 
 
-@pytest.mark.parametrize("name, config", [("fp8", {}), ("kivi", {"bits": 4, "group_size": 16, "residual": 16}),
-                                          ("composite", {"preset": "sinks_heavy_recent", "budget": 24})])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("fp8", {}),
+        ("kivi", {"bits": 4, "group_size": 16, "residual": 16}),
+        ("composite", {"preset": "sinks_heavy_recent", "budget": 24}),
+    ],
+)
 def test_triton_kernel_inside_the_model_equals_the_dequantize_path(name, config, monkeypatch):
     pytest.importorskip("triton")
     if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -136,10 +158,16 @@ def test_triton_kernel_inside_the_model_equals_the_dequantize_path(name, config,
     assert kl < KL_TOL, (name, kl)
 
 
-@pytest.mark.parametrize("spec", [{"format": "fp8_e4m3"}, {"format": "fp8_e5m2"},
-                                  {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"},
-                                  {"format": "int2", "granularity": "channel", "group_size": 32, "backend": "quanto"}],
-                         ids=lambda s: "-".join(str(v) for v in s.values()))
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"format": "fp8_e4m3"},
+        {"format": "fp8_e5m2"},
+        {"format": "int4", "granularity": "token", "group_size": 32, "backend": "quanto"},
+        {"format": "int2", "granularity": "channel", "group_size": 32, "backend": "quanto"},
+    ],
+    ids=lambda s: "-".join(str(v) for v in s.values()),
+)
 def test_codes_on_the_device_equal_the_cpu(spec):
     from hf_kvcache.stores.factory import make_codec
     from hf_kvcache.stores.quantization import QuantSpec
@@ -183,8 +211,15 @@ def test_fp8_pages_in_generate_batch_equal_quantized_fp8_cache():
     assert worst < KL_TOL, worst
 
 
-@pytest.mark.parametrize("name, config", [("sink", {"sinks": 4, "window": 20}), ("sliding", {"window": 24}),
-                                          ("h2o", {"budget": 24}), ("fp8", {"max_length": PROMPT + 32})])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("sink", {"sinks": 4, "window": 20}),
+        ("sliding", {"window": 24}),
+        ("h2o", {"budget": 24}),
+        ("fp8", {"max_length": PROMPT + 32}),
+    ],
+)
 def test_compiled_decode_of_fixed_budget_caches_does_not_recompile(name, config):
     from torch._dynamo.utils import counters
 

@@ -22,10 +22,22 @@ def test_accept_command_runs_every_stage_on_cpu(tmp_path):
     pytest.importorskip("triton")
     board = tmp_path / "board"
     board.mkdir()
-    env = dict(os.environ, DEVICE="cpu", PYTHON=sys.executable, OUT=str(tmp_path / "out"), BOARD=str(board),
-               STAGE=str(tmp_path / "stage"))
-    proc = subprocess.run(["bash", "eval/gpu/accept.sh", "run", ",".join(STAGES), "8"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        DEVICE="cpu",
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "out"),
+        BOARD=str(board),
+        STAGE=str(tmp_path / "stage"),
+    )
+    proc = subprocess.run(
+        ["bash", "eval/gpu/accept.sh", "run", ",".join(STAGES), "8"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Path(proc.stdout.strip().splitlines()[-1])
     assert run.parent == tmp_path / "out" / "gpu" and run.name.endswith("-cpu")
@@ -56,8 +68,9 @@ def test_accept_command_runs_every_stage_on_cpu(tmp_path):
     gpu_summary.merge(run.parent, into)
     second = tmp_path / "second" / run.name
     second.mkdir(parents=True)
-    (second / "summary.json").write_text(json.dumps({"device": "cpu", "stages": {"ruler": {"status": "timed out",
-                                                                                           "seconds": 1}}}))
+    (second / "summary.json").write_text(
+        json.dumps({"device": "cpu", "stages": {"ruler": {"status": "timed out", "seconds": 1}}})
+    )
     gpu_summary.merge(second.parent, into)
     merged = json.loads((into / run.name / "summary.json").read_text())
     assert list(merged["stages"]) == STAGES and merged["stages"]["ruler"]["status"] == "timed out"
@@ -65,11 +78,26 @@ def test_accept_command_runs_every_stage_on_cpu(tmp_path):
 
 
 def test_accept_command_refuses_bad_input():
-    for args, word in ((["run", "correctness,warp", "1"], "unknown stage 'warp'"), (["run", "speed", "x"], "MINUTES"),
-                       (["nothing"], "STAGES")):
-        proc = subprocess.run(["bash", "eval/gpu/accept.sh", *args], cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, DEVICE="cpu"), timeout=60)
+    for args, word in (
+        (["run", "correctness,warp", "1"], "unknown stage 'warp'"),
+        (["run", "speed", "x"], "MINUTES"),
+        (["nothing"], "STAGES"),
+    ):
+        proc = subprocess.run(
+            ["bash", "eval/gpu/accept.sh", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, DEVICE="cpu"),
+            timeout=60,
+        )
         assert proc.returncode == 2 and word in proc.stderr, (args, proc.stderr)
-    proc = subprocess.run(["bash", "eval/gpu/accept.sh", "run", "speed", "1"], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, DEVICE="tpu"), timeout=60)
+    proc = subprocess.run(
+        ["bash", "eval/gpu/accept.sh", "run", "speed", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, DEVICE="tpu"),
+        timeout=60,
+    )
     assert proc.returncode == 2 and "DEVICE must be cuda or cpu" in proc.stderr

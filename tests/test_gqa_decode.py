@@ -50,8 +50,7 @@ def test_packed_equals_repeated(mask_heads, kv_heads, groups):
 
 
 @pytest.mark.parametrize(
-    "case",
-    ["prefill", "mha", "mask_per_query_head", "softcap", "position_bias", "sinks", "dropout_training"],
+    "case", ["prefill", "mha", "mask_per_query_head", "softcap", "position_bias", "sinks", "dropout_training"]
 )
 def test_packing_declines(case):
     batch, kv_heads, groups, kv, dim = 1, 2, 2, 8, 16
@@ -80,7 +79,7 @@ def test_packing_declines(case):
 def _decode_logits(model, cache, ids, mask, steps):
     out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     logits = [out.logits[:, -1]]
-    for i in range(steps):
+    for _i in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         out = model(input_ids=token, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
@@ -88,11 +87,15 @@ def _decode_logits(model, cache, ids, mask, steps):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("make_cache", [
-    lambda m: hf_kvcache.SinkCache(m, sinks=2, budget=12),
-    lambda m: hf_kvcache.QuantizedFP8Cache(m, attention="dequantize"),  # ("auto" decodes from the codes on CPU)
-    lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4),
-], ids=["sink", "fp8", "h2o"])
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        lambda m: hf_kvcache.SinkCache(m, sinks=2, budget=12),
+        lambda m: hf_kvcache.QuantizedFP8Cache(m, attention="dequantize"),  # ("auto" decodes from the codes on CPU)
+        lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4),
+    ],
+    ids=["sink", "fp8", "h2o"],
+)
 def test_bridge_decodes_packed_and_matches_unpacked(monkeypatch, make_cache):
     """A GQA model (4 query / 2 KV heads), left-padded batch: decode runs through the packed path (counted) and
     gives the logits of the same run with packing switched off (the model's own sdpa, K/V repeated or packed by

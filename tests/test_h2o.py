@@ -41,8 +41,10 @@ def _kept(cache, layer_idx):
     return out
 
 
-@pytest.mark.parametrize("aggregation,attention_score", [("sum", "accumulated"), ("mean", "accumulated"),
-                                                         ("max", "accumulated"), ("sum", "average")])
+@pytest.mark.parametrize(
+    "aggregation,attention_score",
+    [("sum", "accumulated"), ("mean", "accumulated"), ("max", "accumulated"), ("sum", "average")],
+)
 def test_scores_and_kept_sets_match_eager_reference(aggregation, attention_score):
     """Reference: eager attention probabilities (output_attentions=True) mapped to tokens by stream index,
     aggregated over each KV group, accumulated in plain Python, and the H2O rule applied with sets (ranked by the
@@ -51,8 +53,9 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation, attention_score
     model = build_model("llama", attn="eager")
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     ids = random_ids(1, prefill + steps, seed=3)
-    cache = hf_kvcache.H2OCache(model, heavy=heavy, recent=recent, aggregation=aggregation,
-                                attention_score=attention_score)
+    cache = hf_kvcache.H2OCache(
+        model, heavy=heavy, recent=recent, aggregation=aggregation, attention_score=attention_score
+    )
 
     def rank(score: float, t: int, now: int) -> float:  # `now` queries so far: t was seen by now - t of them
         return score / max(now - t, 1) if attention_score == "average" else score
@@ -83,14 +86,15 @@ def test_scores_and_kept_sets_match_eager_reference(aggregation, attention_score
         for step in range(prefill, prefill + steps):
             # The rule applied before attention: evict the lowest-scoring token outside the new recent window.
             for layer in range(layers):
-                for h, ref in reference[layer].items():
+                for ref in reference[layer].values():
                     if len(ref) >= heavy + recent:
                         candidates = [t for t in ref if t <= step - recent]
                         del ref[min(candidates, key=lambda t: rank(ref[t], t, step))]
                     ref[step] = 0.0
             stream_before = [cache.layers[i].policy.stream.clone() for i in range(layers)]
-            out = model(input_ids=ids[:, step : step + 1], **cache_kwargs(cache), use_cache=True,
-                        output_attentions=True)
+            out = model(
+                input_ids=ids[:, step : step + 1], **cache_kwargs(cache), use_cache=True, output_attentions=True
+            )
             for layer in range(layers):
                 used = cache.layers[layer].used
                 probs = out.attentions[layer][0, :, 0].float()  # [Hq, kv]
@@ -127,13 +131,22 @@ def test_left_padding_matches_rows_alone_after_eviction():
     config = {"heavy": 5, "recent": 4}
     with torch.no_grad():
         batched = model.generate(
-            ids, attention_mask=mask, max_new_tokens=15, min_new_tokens=15, do_sample=False,
-            cache_implementation="h2o", cache_config=config,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=15,
+            min_new_tokens=15,
+            do_sample=False,
+            cache_implementation="h2o",
+            cache_config=config,
         )
         for i, row in enumerate(rows):
             alone = model.generate(
-                row[None], max_new_tokens=15, min_new_tokens=15, do_sample=False,
-                cache_implementation="h2o", cache_config=config,
+                row[None],
+                max_new_tokens=15,
+                min_new_tokens=15,
+                do_sample=False,
+                cache_implementation="h2o",
+                cache_config=config,
             )
             assert batched[i, ids.shape[1] :].tolist() == alone[0, row.numel() :].tolist()
 
@@ -164,8 +177,15 @@ def test_memory_flat_at_budget_during_long_decode():
     assert len(set(sizes)) == 1 and len(set(shapes)) == 1
     layer = cache.layers[0]
     expected = sum(
-        t.nbytes for t in (layer.store.keys, layer.store.values, layer.slot_pos, layer.slot_valid,
-                           layer.policy.scores, layer.policy.stream)
+        t.nbytes
+        for t in (
+            layer.store.keys,
+            layer.store.values,
+            layer.slot_pos,
+            layer.slot_valid,
+            layer.policy.scores,
+            layer.policy.stream,
+        )
     )
     assert sizes[0] == expected * model.config.num_hidden_layers
     assert layer.store.keys.shape[2] == 17  # 16 slots + the trash slot
@@ -176,8 +196,13 @@ def test_chunked_prefill_keeps_memory_near_budget_and_generates():
     ids = random_ids(1, 64, seed=9)
     with torch.no_grad():
         out = model.generate(
-            ids, max_new_tokens=8, do_sample=False, cache_implementation="h2o",
-            cache_config={"heavy": 6, "recent": 6}, prefill_chunk_size=8, return_dict_in_generate=True,
+            ids,
+            max_new_tokens=8,
+            do_sample=False,
+            cache_implementation="h2o",
+            cache_config={"heavy": 6, "recent": 6},
+            prefill_chunk_size=8,
+            return_dict_in_generate=True,
         )
     cache = returned_cache(out)
     assert cache.get_seq_length() == 64 + 7
@@ -200,8 +225,14 @@ def test_budget_split_and_generate_registration():
     assert (cache.heavy, cache.recent) == (5, 5)
     assert hf_kvcache.CACHE_IMPLEMENTATIONS["h2o"] is hf_kvcache.H2OCache
     with torch.no_grad():
-        a = model.generate(random_ids(1, 12), max_new_tokens=6, do_sample=False, num_beams=2,
-                           cache_implementation="h2o", cache_config={"budget": 40})
+        a = model.generate(
+            random_ids(1, 12),
+            max_new_tokens=6,
+            do_sample=False,
+            num_beams=2,
+            cache_implementation="h2o",
+            cache_config={"budget": 40},
+        )
         b = model.generate(random_ids(1, 12), max_new_tokens=6, do_sample=False, num_beams=2)
     assert a.tolist() == b.tolist()
 
@@ -260,8 +291,13 @@ def test_random_eviction_keeps_recent_window_and_a_random_rest():
         kept.append(sets)
     assert kept[0] != kept[1]  # the seed matters
     with torch.no_grad():
-        a = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False, cache_implementation="random_eviction",
-                           cache_config={"budget": 40})
+        a = model.generate(
+            ids[:, :20],
+            max_new_tokens=6,
+            do_sample=False,
+            cache_implementation="random_eviction",
+            cache_config={"budget": 40},
+        )
         b = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
     assert a.tolist() == b.tolist()  # within budget nothing is evicted
 
@@ -281,9 +317,16 @@ def test_random_eviction_prefill_longer_than_budget_and_padding():
 
 def _kept_sets(cache) -> list[list[list[frozenset]]]:
     """Per layer, row and KV head: the stream indices of the tokens kept."""
-    return [[[frozenset(layer.policy.stream[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
-              for h in range(layer.slot_valid.shape[1])] for b in range(layer.slot_valid.shape[0])]
-            for layer in cache.layers]
+    return [
+        [
+            [
+                frozenset(layer.policy.stream[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
+                for h in range(layer.slot_valid.shape[1])
+            ]
+            for b in range(layer.slot_valid.shape[0])
+        ]
+        for layer in cache.layers
+    ]
 
 
 def _feed(cache, heads: slice, steps, seed=0):
@@ -306,9 +349,13 @@ def test_random_eviction_draws_per_global_kv_head_and_seed():
     config = build_model("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=16).config
     steps = [20] + [1] * 15
     caches = {}
-    for name, seed, rank, heads in (("full", 0, 0, slice(0, 4)), ("again", 0, 0, slice(0, 4)),
-                                    ("other_seed", 7, 0, slice(0, 4)), ("rank0", 0, 0, slice(0, 2)),
-                                    ("rank1", 0, 1, slice(2, 4))):
+    for name, seed, rank, heads in (
+        ("full", 0, 0, slice(0, 4)),
+        ("again", 0, 0, slice(0, 4)),
+        ("other_seed", 7, 0, slice(0, 4)),
+        ("rank0", 0, 0, slice(0, 2)),
+        ("rank1", 0, 1, slice(2, 4)),
+    ):
         cache = hf_kvcache.RandomEvictionCache(config, heavy=6, recent=4, seed=seed)
         assert cache.tensor_parallel.size == 1  # a config-only cache: single process, head offset 0
         if name.startswith("rank"):
@@ -336,8 +383,17 @@ def test_random_eviction_decode_compiles_to_one_graph():
         cache = hf_kvcache.RandomEvictionCache(model, heavy=4, recent=4)
         with torch.no_grad():
             model(input_ids=ids[:, :8], **cache_kwargs(cache))  # prefill eager, as generate does
-            outputs.append(torch.cat([forward(input_ids=ids[:, i : i + 1], position_ids=torch.full((2, 1), i),
-                                              **cache_kwargs(cache)).logits for i in range(8, 24)], 1))
+            outputs.append(
+                torch.cat(
+                    [
+                        forward(
+                            input_ids=ids[:, i : i + 1], position_ids=torch.full((2, 1), i), **cache_kwargs(cache)
+                        ).logits
+                        for i in range(8, 24)
+                    ],
+                    1,
+                )
+            )
     assert cache.is_compileable
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
 

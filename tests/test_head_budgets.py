@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, left_pad, random_ids, PAD
+from conftest import PAD, build_model, left_pad, random_ids
 
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
 from hf_kvcache.policies.head_budgets import adaptive_keep, pool_destinations, pool_victims
@@ -79,8 +79,13 @@ def test_left_padded_rows_generate_as_alone():
     model = build_model("llama")
     rows = [random_ids(1, n, seed=50 + n)[0] for n in (12, 19, 15)]
     ids, mask = left_pad(rows)
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, cache_implementation="expected_attention",
-                  cache_config={"budget": BUDGET, "future": 16, "head_budget": "adaptive"})
+    kwargs = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=PAD,
+        cache_implementation="expected_attention",
+        cache_config={"budget": BUDGET, "future": 16, "head_budget": "adaptive"},
+    )
     batched = model.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
     for i, row in enumerate(rows):
         alone = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kwargs)

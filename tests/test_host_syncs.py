@@ -22,10 +22,15 @@ CACHES = {
     "h2o_compact": lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4, position_mode="compact"),
     "random_eviction": lambda m: hf_kvcache.RandomEvictionCache(m, heavy=4, recent=4),
     "composite": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12),
-    "composite_tiers": lambda m: hf_kvcache.CompositeCache(m, regions=[
-        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
-        {"role": "window", "start": 3, "end": 6, "keys": "fp8_e4m3", "values": "int8"},
-        {"role": "rest", "keys": "fp8_e4m3", "values": "fp8_e4m3"}]),
+    "composite_tiers": lambda m: hf_kvcache.CompositeCache(
+        m,
+        regions=[
+            {"role": "sinks", "tokens": 2},
+            {"role": "window", "start": 0, "end": 3},
+            {"role": "window", "start": 3, "end": 6, "keys": "fp8_e4m3", "values": "int8"},
+            {"role": "rest", "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        ],
+    ),
     "fp8": lambda m: hf_kvcache.QuantizedFP8Cache(m),
     "fp8_residual": lambda m: hf_kvcache.QuantizedFP8Cache(m, residual=4, granularity="head"),
     "kivi": lambda m: hf_kvcache.KIVICache(m, residual=8, group_size=8),

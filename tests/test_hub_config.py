@@ -1,5 +1,5 @@
-"""Configs safe to publish on the Hub (hf_kvcache.sharing.hub): a local folder stands in for a Hub model repo; nothing here
-touches the network (hf_hub_download and HfApi are patched where a repo id is used)."""
+"""Configs safe to publish on the Hub (hf_kvcache.sharing.hub): a local folder stands in for a Hub model repo; nothing
+here touches the network (hf_hub_download and HfApi are patched where a repo id is used)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def plain_transformers(script: str, timeout: int = 300) -> subprocess.CompletedP
         assert "hf_kvcache" not in sys.modules, "hf_kvcache was imported"
         print("HF_KVCACHE_ABSENT")
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ""}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd="/")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, cwd="/"
+    )
 
 
 LOAD_AND_GENERATE = """
@@ -68,7 +68,7 @@ LOAD_AND_GENERATE = """
 
 def tokens_from(stdout: str) -> list:
     line = next(line for line in stdout.splitlines() if line.startswith("TOKENS "))
-    return json.loads(line[len("TOKENS "):])
+    return json.loads(line[len("TOKENS ") :])
 
 
 # -- a published model loads everywhere, and uses our cache where hf_kvcache is imported -------------------------
@@ -80,8 +80,12 @@ def test_published_model_loads_and_generates_without_hf_kvcache(tmp_path):
     assert set(paths) == {"kvcache_config.json", "generation_config.json"}
     generation = json.loads((tmp_path / "model" / "generation_config.json").read_text())
     assert "cache_implementation" not in generation and "cache_config" not in generation
-    assert generation["hf_kvcache"] == {"cache": "sink", "config": SINK, "version": 1,
-                                        "hf_kvcache_version": hf_kvcache.__version__}
+    assert generation["hf_kvcache"] == {
+        "cache": "sink",
+        "config": SINK,
+        "version": 1,
+        "hf_kvcache_version": hf_kvcache.__version__,
+    }
     assert generation["bos_token_id"] == 1 and generation["pad_token_id"] == 0  # the model's own settings kept
     ids = random_ids(1, 12, seed=11)
     run = plain_transformers(LOAD_AND_GENERATE.format(path=str(tmp_path / "model"), ids=ids.tolist(), new=NEW))
@@ -117,8 +121,7 @@ def test_generate_uses_the_published_cache(tmp_path):
     out = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
     cache = returned_cache(out)
     assert type(cache) is SinkCache and (cache.sinks, cache.window) == (2, 6)
-    direct = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="sink",
-                             cache_config=SINK)
+    direct = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="sink", cache_config=SINK)
     assert torch.equal(out.sequences, direct)
     dense = loaded.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="dynamic")
     assert not torch.equal(out.sequences, dense)  # the published cache really evicted
@@ -147,12 +150,15 @@ def test_apply_to_a_models_generation_config_survives_save_pretrained(tmp_path):
     assert type(returned_cache(out)) is SinkCache and returned_cache(out).window == 6
 
 
-@pytest.mark.parametrize("name, cache_config, cls", [
-    ("h2o", {"heavy": 3, "recent": 3}, H2OCache),
-    ("sliding", {"window": 5}, SlidingWindowCache),
-    ("composite", {"preset": "sinks_heavy_recent", "budget": 10}, CompositeCache),
-    ("fp8", {"granularity": "head"}, QuantizedFP8Cache),
-])
+@pytest.mark.parametrize(
+    "name, cache_config, cls",
+    [
+        ("h2o", {"heavy": 3, "recent": 3}, H2OCache),
+        ("sliding", {"window": 5}, SlidingWindowCache),
+        ("composite", {"preset": "sinks_heavy_recent", "budget": 10}, CompositeCache),
+        ("fp8", {"granularity": "head"}, QuantizedFP8Cache),
+    ],
+)
 def test_generate_uses_each_published_cache(tmp_path, name, cache_config, cls):
     saved_model(tmp_path / "model", arch="qwen2")
     hf_kvcache.publish(tmp_path / "model", name, cache_config)
@@ -160,8 +166,9 @@ def test_generate_uses_each_published_cache(tmp_path, name, cache_config, cls):
     ids = random_ids(1, 14, seed=13)
     out = loaded.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
     assert type(returned_cache(out)) is cls
-    direct = loaded.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation=name,
-                             cache_config=cache_config)
+    direct = loaded.generate(
+        ids, max_new_tokens=8, do_sample=False, cache_implementation=name, cache_config=cache_config
+    )
     assert torch.equal(out.sequences, direct)
 
 
@@ -178,8 +185,9 @@ def test_caller_choice_wins_over_the_published_cache(tmp_path):
     own = SinkCache(loaded, sinks=1, window=9)
     mine = loaded.generate(ids, **cache_kwargs(own), **kw)
     assert returned_cache(mine) is own
-    ref = loaded.generate(ids, **cache_kwargs(SinkCache(loaded, sinks=1, window=9)), max_new_tokens=NEW,
-                          do_sample=False)
+    ref = loaded.generate(
+        ids, **cache_kwargs(SinkCache(loaded, sinks=1, window=9)), max_new_tokens=NEW, do_sample=False
+    )
     assert torch.equal(mine.sequences, ref)
     # a caller's own GenerationConfig naming a cache wins too
     gen = GenerationConfig(cache_implementation="dynamic", max_new_tokens=NEW, do_sample=False, pad_token_id=0)
@@ -189,14 +197,17 @@ def test_caller_choice_wins_over_the_published_cache(tmp_path):
     assert torch.equal(no_cache, dense.sequences)
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"cache": "static", "config": {}}, r"`cache` must be one of \[.*'sink'"),
-    ({"cache": "sink", "config": {"windw": 8}}, r"valid keys are \[.*'window'"),
-    ({"cache": "sink", "config": [4, 8]}, "`config` must be a JSON object"),
-    ({"name": "sink"}, r"unknown field\(s\) \['name'\]"),
-    ("sink", "must be a JSON object"),
-    ({"cache": "sink", "version": 99}, "newer hf_kvcache"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"cache": "static", "config": {}}, r"`cache` must be one of \[.*'sink'"),
+        ({"cache": "sink", "config": {"windw": 8}}, r"valid keys are \[.*'window'"),
+        ({"cache": "sink", "config": [4, 8]}, "`config` must be a JSON object"),
+        ({"name": "sink"}, r"unknown field\(s\) \['name'\]"),
+        ("sink", "must be a JSON object"),
+        ({"cache": "sink", "version": 99}, "newer hf_kvcache"),
+    ],
+)
 def test_malformed_generation_config_key_fails_clearly_at_generate(value, message):
     model = build_model("llama")
     model.generation_config.hf_kvcache = value
@@ -216,13 +227,19 @@ def test_config_round_trip_and_build(tmp_path):
     path = cfg.save_pretrained(tmp_path / "cfg")
     assert path == str(tmp_path / "cfg" / "kvcache_config.json")
     on_disk = json.loads(open(path).read())
-    assert on_disk == {"cache": "h2o", "config": {"heavy": 4, "recent": 4, "aggregation": "mean"}, "version": 1,
-                       "hf_kvcache_version": hf_kvcache.__version__}
+    assert on_disk == {
+        "cache": "h2o",
+        "config": {"heavy": 4, "recent": 4, "aggregation": "mean"},
+        "version": 1,
+        "hf_kvcache_version": hf_kvcache.__version__,
+    }
     loaded = KVCacheConfig.from_pretrained(tmp_path / "cfg")
     assert loaded == cfg and loaded.to_dict() == cfg.to_dict() == on_disk
     assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
-    assert loaded.generate_kwargs() == {"cache_implementation": "h2o",
-                                        "cache_config": {"heavy": 4, "recent": 4, "aggregation": "mean"}}
+    assert loaded.generate_kwargs() == {
+        "cache_implementation": "h2o",
+        "cache_config": {"heavy": 4, "recent": 4, "aggregation": "mean"},
+    }
     model = build_model("llama")
     cache = loaded.build(model)
     assert type(cache) is H2OCache and (cache.heavy, cache.recent, cache.aggregation) == (4, 4, "mean")
@@ -241,12 +258,15 @@ def test_config_is_a_private_json_copy():
     assert len(cfg.config["regions"]) == 2
 
 
-@pytest.mark.parametrize("settings, where", [
-    ({"sinks": torch.tensor(4), "window": 8}, "config['sinks']"),
-    ({"sinks": 4, "window": float("nan")}, "config['window']"),
-    ({"layers": {0: {"window": 4}}, "window": 8}, "config['layers']: key 0"),
-    ({"sinks": 4, "window": 8, "position_mode": {"cache"}}, "config['position_mode']"),
-])
+@pytest.mark.parametrize(
+    "settings, where",
+    [
+        ({"sinks": torch.tensor(4), "window": 8}, "config['sinks']"),
+        ({"sinks": 4, "window": float("nan")}, "config['window']"),
+        ({"layers": {0: {"window": 4}}, "window": 8}, "config['layers']: key 0"),
+        ({"sinks": 4, "window": 8, "position_mode": {"cache"}}, "config['position_mode']"),
+    ],
+)
 def test_non_json_settings_refused(settings, where):
     with pytest.raises(ValueError) as err:
         KVCacheConfig("sink", settings)
@@ -310,8 +330,11 @@ BAD_FILES = [
 def test_bad_config_files_name_the_file_and_the_problem(tmp_path, content, message):
     path = tmp_path / "kvcache_config.json"
     path.write_bytes(content)
-    for load in (lambda: KVCacheConfig.from_pretrained(tmp_path), lambda: hf_kvcache.load_cache_config(tmp_path),
-                 lambda: KVCacheConfig.from_json_file(path)):
+    for load in (
+        lambda: KVCacheConfig.from_pretrained(tmp_path),
+        lambda: hf_kvcache.load_cache_config(tmp_path),
+        lambda: KVCacheConfig.from_json_file(path),
+    ):
         with pytest.raises(ValueError, match=message) as err:
             load()
         assert str(path) in str(err.value)
@@ -339,8 +362,10 @@ def test_folder_with_only_the_generation_config_key(tmp_path):
     hf_kvcache.publish(tmp_path / "model", "sliding", {"window": 9})
     os.remove(tmp_path / "model" / "kvcache_config.json")
     assert KVCacheConfig.from_pretrained(tmp_path / "model") == KVCacheConfig("sliding", {"window": 9})
-    assert hf_kvcache.load_cache_config(tmp_path / "model") == {"cache_implementation": "sliding",
-                                                                "cache_config": {"window": 9}}
+    assert hf_kvcache.load_cache_config(tmp_path / "model") == {
+        "cache_implementation": "sliding",
+        "cache_config": {"window": 9},
+    }
 
 
 def test_publish_refuses_a_transformers_cache_name_and_missing_folder(tmp_path):
@@ -384,8 +409,9 @@ def test_from_pretrained_repo_id_goes_through_hf_hub_download(tmp_path):
 
 
 def test_from_pretrained_repo_id_falls_back_to_generation_config(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"max_new_tokens": 5, "hf_kvcache": {"cache": "h2o", "config": {"budget": 16}, "version": 1}}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 5, "hf_kvcache": {"cache": "h2o", "config": {"budget": 16}, "version": 1}})
+    )
     asked = []
 
     def fake_download(repo_id, filename, **kwargs):
@@ -417,13 +443,16 @@ def test_push_to_hub_uploads_only_the_config(tmp_path):
     uploads = []
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        uploads.append((repo_id, {f: open(os.path.join(folder_path, f)).read() for f in os.listdir(folder_path)},
-                        kwargs))
+        uploads.append(
+            (repo_id, {f: open(os.path.join(folder_path, f)).read() for f in os.listdir(folder_path)}, kwargs)
+        )
         return "commit-url"
 
-    with mock.patch("huggingface_hub.HfApi.create_repo", return_value=_Repo("me/model")) as create, \
-            mock.patch("huggingface_hub.HfApi.upload_folder", upload_folder), \
-            mock.patch("huggingface_hub.HfApi.create_branch") as branch:
+    with (
+        mock.patch("huggingface_hub.HfApi.create_repo", return_value=_Repo("me/model")) as create,
+        mock.patch("huggingface_hub.HfApi.upload_folder", upload_folder),
+        mock.patch("huggingface_hub.HfApi.create_branch") as branch,
+    ):
         assert cfg.push_to_hub("me/model", private=True, commit_message="add cache") == "commit-url"
         assert create.call_args.args == ("me/model",) and create.call_args.kwargs["exist_ok"] is True
         assert create.call_args.kwargs["private"] is True
@@ -470,23 +499,30 @@ def test_every_name_runs_without_cache_config(name, tmp_path):
         tiny_chat_tokenizer().save_pretrained(tmp_path)
         model.config._name_or_path = str(tmp_path)
     ids = random_ids(1, 30, seed=16)
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation=name,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=False, cache_implementation=name, return_dict_in_generate=True
+    )
     cls, expected = EXPECTED_DEFAULTS[name]
     cache = returned_cache(out)
     assert type(cache) is cls and out.sequences.shape == (1, 36)
     assert {key: getattr(cache, key) for key in expected} == expected
     # the same as spelling the defaults out
-    spelled = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation=name,
-                             cache_config=registry.DEFAULT_CACHE_CONFIGS[name])
+    spelled = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        cache_implementation=name,
+        cache_config=registry.DEFAULT_CACHE_CONFIGS[name],
+    )
     assert torch.equal(out.sequences, spelled)
 
 
 def test_h2o_default_is_a_20_percent_budget():
     model = build_model("llama")
     ids = random_ids(1, 40, seed=17)
-    out = model.generate(ids, max_new_tokens=1, do_sample=False, cache_implementation="h2o",
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids, max_new_tokens=1, do_sample=False, cache_implementation="h2o", return_dict_in_generate=True
+    )
     layer = returned_cache(out).compressed_layers[0]
     assert layer.get_seq_length() == 40
     kept = returned_cache(out).get_mask_sizes(torch.arange(1), 0)[0]
@@ -500,8 +536,9 @@ def test_defaults_follow_the_model_context():
     assert hf_kvcache.default_cache_config("composite", small)["budget"] == 256
     assert hf_kvcache.default_cache_config("h2o", small) == {"heavy": 0.1, "recent": 0.1}
     assert hf_kvcache.default_cache_config("sink", build_model("llama")) == {"sinks": 4, "window": 1020}
-    out = small.generate(random_ids(1, 10), max_new_tokens=3, do_sample=False, cache_implementation="sink",
-                         return_dict_in_generate=True)
+    out = small.generate(
+        random_ids(1, 10), max_new_tokens=3, do_sample=False, cache_implementation="sink", return_dict_in_generate=True
+    )
     assert (returned_cache(out).sinks, returned_cache(out).window) == (4, 252)
     # KIVI's value groups must divide head_dim (16 here): they shrink to gcd(32, head_dim), key blocks stay 32
     assert hf_kvcache.default_cache_config("kivi", small) == {"value_group_size": 16}
@@ -511,17 +548,23 @@ def test_defaults_follow_the_model_context():
     assert registry.DEFAULT_CACHE_CONFIGS["sink"] == {"sinks": 4, "window": 1020}
 
 
-@pytest.mark.parametrize("name, given, expected", [
-    ("sink", {"budget": 64}, {"sinks": 4, "budget": 64}),
-    ("sink", {"sinks": 1}, {"sinks": 1, "window": 1020}),
-    ("sink", {"window": 10, "position_mode": "original"}, {"sinks": 4, "window": 10, "position_mode": "original"}),
-    ("h2o", {"budget": 10}, {"budget": 10}),
-    ("h2o", {"heavy": 0.2}, {"heavy": 0.2, "recent": 0.1}),
-    ("composite", {"regions": [{"role": "window", "start": 0, "end": 8}]},
-     {"regions": [{"role": "window", "start": 0, "end": 8}]}),
-    ("composite", {"budget": 32}, {"preset": "sinks_heavy_recent", "budget": 32}),
-    ("fp8", {"format": "fp8_e5m2"}, {"format": "fp8_e5m2"}),
-])
+@pytest.mark.parametrize(
+    "name, given, expected",
+    [
+        ("sink", {"budget": 64}, {"sinks": 4, "budget": 64}),
+        ("sink", {"sinks": 1}, {"sinks": 1, "window": 1020}),
+        ("sink", {"window": 10, "position_mode": "original"}, {"sinks": 4, "window": 10, "position_mode": "original"}),
+        ("h2o", {"budget": 10}, {"budget": 10}),
+        ("h2o", {"heavy": 0.2}, {"heavy": 0.2, "recent": 0.1}),
+        (
+            "composite",
+            {"regions": [{"role": "window", "start": 0, "end": 8}]},
+            {"regions": [{"role": "window", "start": 0, "end": 8}]},
+        ),
+        ("composite", {"budget": 32}, {"preset": "sinks_heavy_recent", "budget": 32}),
+        ("fp8", {"format": "fp8_e5m2"}, {"format": "fp8_e5m2"}),
+    ],
+)
 def test_caller_keys_merge_over_defaults(name, given, expected):
     model = build_model("llama")
     before = json.loads(json.dumps(given))
@@ -532,5 +575,7 @@ def test_caller_keys_merge_over_defaults(name, given, expected):
 
 def test_unknown_key_still_lists_valid_keys_with_defaults():
     model = build_model("llama")
-    with pytest.raises(ValueError, match=r"Unknown cache_config for cache_implementation='sliding' key\(s\) \['size'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown cache_config for cache_implementation='sliding' key\(s\) \['size'\]"
+    ):
         model.generate(random_ids(1, 5), max_new_tokens=2, cache_implementation="sliding", cache_config={"size": 8})

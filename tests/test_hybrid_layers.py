@@ -24,8 +24,12 @@ HYBRID = dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_a
 def hybrid_configs():
     return [
         transformers.Gemma2Config(num_hidden_layers=2),
-        transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
-                                 layer_types=["sliding_attention", "full_attention"]),
+        transformers.Qwen2Config(
+            num_hidden_layers=2,
+            use_sliding_window=True,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
         transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
         transformers.MistralConfig(num_hidden_layers=2, sliding_window=4096),
     ]
@@ -53,16 +57,20 @@ def test_layers_follow_the_model_layer_types(index):
 
 
 def _generate(model, cache, ids, mask, new=8):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                          **cache_kwargs(cache))
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **cache_kwargs(cache)
+    )
 
 
-@pytest.mark.parametrize("make", [
-    lambda m: SinkCache(m, sinks=2, window=60),
-    lambda m: SlidingWindowCache(m, window=64),
-    lambda m: H2OCache(m, heavy=32, recent=32),
-    lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=64, precision="full"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: SinkCache(m, sinks=2, window=60),
+        lambda m: SlidingWindowCache(m, window=64),
+        lambda m: H2OCache(m, heavy=32, recent=32),
+        lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=64, precision="full"),
+    ],
+)
 def test_hybrid_generation_equals_dynamic_cache_at_full_budget(make):
     model = build_model("qwen2", **HYBRID)
     ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
@@ -71,8 +79,13 @@ def test_hybrid_generation_equals_dynamic_cache_at_full_budget(make):
 
 
 def test_hybrid_small_budget_bytes_are_window_plus_budget():
-    model = build_model("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=4,
-                        layer_types=["sliding_attention", "full_attention"] * 2)
+    model = build_model(
+        "qwen2",
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
     ids = random_ids(2, 20)
     sizes = []
     for new in (4, 12):
@@ -100,16 +113,23 @@ def test_linear_attention_hybrids_count_their_tokens_and_states(arch):
         with torch.no_grad():
             model(ids, **cache_kwargs(cache), use_cache=True)
         assert cache.get_seq_length() == 12
-        states = sum(t.nbytes for t in (*cache.layers[0].conv_states.values(),
-                                        *cache.layers[0].recurrent_states.values()) if t is not None)
+        states = sum(
+            t.nbytes
+            for t in (*cache.layers[0].conv_states.values(), *cache.layers[0].recurrent_states.values())
+            if t is not None
+        )
         assert states > 0
         rotation = getattr(cache, "rotation_matrix", None)  # (FP8's key rotation, counted once)
         assert cache.nbytes() == states + sum(layer.nbytes() for layer in cache.compressed_layers) + (
-            0 if rotation is None else rotation.nbytes)
+            0 if rotation is None else rotation.nbytes
+        )
     with torch.no_grad():
         model(ids, **cache_kwargs(reference), use_cache=True)
-    assert states == sum(t.nbytes for t in (*reference.layers[0].conv_states.values(),
-                                            *reference.layers[0].recurrent_states.values()) if t is not None)
+    assert states == sum(
+        t.nbytes
+        for t in (*reference.layers[0].conv_states.values(), *reference.layers[0].recurrent_states.values())
+        if t is not None
+    )
 
 
 def test_gemma4_heterogeneous_layers_and_kv_sharing(tmp_path):
@@ -128,7 +148,11 @@ def test_gemma4_heterogeneous_layers_and_kv_sharing(tmp_path):
     fp8 = QuantizedFP8Cache(model)
     assert fp8.rotation_matrix.shape == (32, 32)
     assert [type(layer).__name__ for layer in fp8.layers] == [
-        "DynamicSlidingWindowLayer", "CompressedLayer", "DummyLayer", "DummyLayer"]
+        "DynamicSlidingWindowLayer",
+        "CompressedLayer",
+        "DummyLayer",
+        "DummyLayer",
+    ]
     for cache in (SinkCache(model, sinks=2, window=60), H2OCache(model, heavy=32, recent=32), fp8):
         got = _generate(model, cache, ids, mask)
         producer = cache.layers[1]
@@ -151,9 +175,16 @@ def test_keys_repeated_after_the_cache():
     """JetMoE repeats its cached key / value heads after the cache's update: caches that read the cache as it is work
     (greedy tokens equal DynamicCache's at a budget keeping every token; the first prefill shows the repeat, so FP8
     reads that layer dequantized), and a cache that scores attention per cached head is refused by name."""
-    config = transformers.JetMoeConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                       num_key_value_heads=2, kv_channels=16, num_hidden_layers=2, vocab_size=128,
-                                       max_position_embeddings=256)
+    config = transformers.JetMoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        kv_channels=16,
+        num_hidden_layers=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.JetMoeForCausalLM(config).eval()
     ids = random_ids(1, 12, seed=5)
@@ -163,20 +194,34 @@ def test_keys_repeated_after_the_cache():
         assert not cache.layers[0].attention_from_codes
         if isinstance(cache, SinkCache):
             assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"JetMoeAttention \(layer 0\) attends with 4 key heads made from the 2 it "
-                                         r"caches .*HeavyHitterPolicy"):
+    with pytest.raises(
+        ValueError,
+        match=r"JetMoeAttention \(layer 0\) attends with 4 key heads made from the 2 it "
+        r"caches .*HeavyHitterPolicy",
+    ):
         _generate(model, H2OCache(model, heavy=32, recent=32), ids, torch.ones_like(ids), 2)
 
 
 def test_a_model_without_attention_layers_is_refused_by_name():
     """Only convolution / recurrent layers (an LFM2 config of conv layers only): no keys and values to cache, so a
     clear refusal when the cache is built (before, generate failed inside transformers' get_seq_length)."""
-    config = transformers.Lfm2Config(hidden_size=64, num_hidden_layers=2, vocab_size=128, num_attention_heads=4,
-                                     num_key_value_heads=2, layer_types=["conv", "conv"], block_dim=64,
-                                     block_ff_dim=128, conv_L_cache=3)
+    config = transformers.Lfm2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        vocab_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "conv"],
+        block_dim=64,
+        block_ff_dim=128,
+        conv_L_cache=3,
+    )
     for make in (lambda: SinkCache(config, sinks=2, window=8), lambda: QuantizedFP8Cache(config)):
-        with pytest.raises(ValueError, match=r"Lfm2Config has no attention layer \(layer types \['conv'\]\).*"
-                                             r"no KV cache to compress"):
+        with pytest.raises(
+            ValueError,
+            match=r"Lfm2Config has no attention layer \(layer types \['conv'\]\).*"
+            r"no KV cache to compress",
+        ):
             make()
 
 
@@ -185,12 +230,24 @@ def test_full_layers_of_different_shapes_are_refused_by_name():
     sizes its key rotation and scales by, so it is refused naming the shapes (not the AmbiguousGlobalPerLayer error
     of the global attribute)."""
     config = transformers.Gemma4TextConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_hidden_layers=4, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
-        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-        per_layer_config={1: {"head_dim": 32}, 3: {"head_dim": 64}})
-    with pytest.raises(ValueError, match=r"full-attention layers differ in \(heads, KV heads, head_dim\) "
-                                         r"\[\(4, 2, 32\), \(4, 2, 64\)\]"):
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=4,
+        vocab_size=128,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        per_layer_config={1: {"head_dim": 32}, 3: {"head_dim": 64}},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"full-attention layers differ in \(heads, KV heads, head_dim\) "
+        r"\[\(4, 2, 32\), \(4, 2, 64\)\]",
+    ):
         QuantizedFP8Cache(config)
 
 
@@ -212,21 +269,25 @@ def test_per_layer_settings_through_generate():
     model = build_model("qwen2", **HYBRID)
     ids = random_ids(1, 12)
     cfg = {"window": 6, "layers": {"full_attention": {"window": 4}, "sliding_attention": "keep"}}
-    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, cache_implementation="sliding",
-                         cache_config=cfg)
+    out = model.generate(
+        input_ids=ids, max_new_tokens=5, do_sample=False, cache_implementation="sliding", cache_config=cfg
+    )
     assert out.shape == (1, 17)
 
 
-@pytest.mark.parametrize("layers, match", [
-    ({"sliding_attention": {"window": 2}}, "keeps exactly the model's own window"),
-    ({"mamba": "keep"}, "not a layer type of this model"),
-    ({"7": "keep"}, "layer index must be in 0..1"),
-    (["keep"], "one entry per decoder layer"),
-    ({"full_attention": "squash"}, "must be one of"),
-    ({"full_attention": {"windw": 3}}, "windw"),
-    ({"full_attention": {"cache": "nope"}}, "`cache` must be one of"),
-    ("keep", "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "layers, match",
+    [
+        ({"sliding_attention": {"window": 2}}, "keeps exactly the model's own window"),
+        ({"mamba": "keep"}, "not a layer type of this model"),
+        ({"7": "keep"}, "layer index must be in 0..1"),
+        (["keep"], "one entry per decoder layer"),
+        ({"full_attention": "squash"}, "must be one of"),
+        ({"full_attention": {"windw": 3}}, "windw"),
+        ({"full_attention": {"cache": "nope"}}, "`cache` must be one of"),
+        ("keep", "must be a dict"),
+    ],
+)
 def test_bad_per_layer_settings_name_the_field(layers, match):
     config = build_model("qwen2", **HYBRID).config
     with pytest.raises(ValueError, match=match):
@@ -235,10 +296,28 @@ def test_bad_per_layer_settings_name_the_field(layers, match):
 
 def deepseek_v3(**overrides):
     config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-        moe_intermediate_size=32, initializer_range=0.2, pad_token_id=0, eos_token_id=None, **overrides)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=None,
+        **overrides,
+    )
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
@@ -246,11 +325,14 @@ def deepseek_v3(**overrides):
     return model
 
 
-@pytest.mark.parametrize("make", [
-    lambda m: SlidingWindowCache(m, window=64),
-    lambda m: H2OCache(m, heavy=32, recent=32),
-    lambda m: SinkCache(m, sinks=2, window=60, position_mode="original"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: SlidingWindowCache(m, window=64),
+        lambda m: H2OCache(m, heavy=32, recent=32),
+        lambda m: SinkCache(m, sinks=2, window=60, position_mode="original"),
+    ],
+)
 def test_latent_attention_equals_dynamic_cache_at_full_budget(make):
     model = deepseek_v3()
     ids, mask = left_pad([random_ids(1, 14, seed=1)[0], random_ids(1, 10, seed=2)[0]])
@@ -287,13 +369,13 @@ def test_static_sliding_layers_crop_only_within_their_window():
     make = lambda: SinkCache(model, sinks=2, window=40)
     ids = random_ids(1, 4, seed=3)
     alone = _generate(model, make(), ids, torch.ones_like(ids), 3)
-    assisted = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, assistant_model=draft,
-                              **cache_kwargs(make()))
+    assisted = model.generate(
+        input_ids=ids, max_new_tokens=3, do_sample=False, assistant_model=draft, **cache_kwargs(make())
+    )
     assert torch.equal(assisted, alone)
     long = random_ids(1, 12, seed=4)
     with pytest.raises(ValueError, match="can be cropped"):
-        model.generate(input_ids=long, max_new_tokens=3, do_sample=False, assistant_model=draft,
-                       **cache_kwargs(make()))
+        model.generate(input_ids=long, max_new_tokens=3, do_sample=False, assistant_model=draft, **cache_kwargs(make()))
     cache = make()
     with torch.no_grad():
         model(long[:, :6], **cache_kwargs(cache))
@@ -312,8 +394,17 @@ def test_modules_that_update_another_slot_than_their_layer_idx():
     attends as the layer updated last (`attended_layer`). Greedy tokens equal DynamicCache's, left padding included
     (before: the bridge attended as slot `layer_idx`, and the caches that read from codes raised)."""
     config = transformers.AutoConfig.for_model(
-        "hrm_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        head_dim=16, max_position_embeddings=256, H_cycles=2, L_cycles=2)
+        "hrm_text",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=256,
+        H_cycles=2,
+        L_cycles=2,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.pad_token_id = 0

@@ -48,8 +48,12 @@ def scenarios(draw):
     return kind, sinks, window, lengths, steps, chunk, seed
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(scenarios())
 def test_kept_tokens_are_first_sinks_and_last_window(scenario):
     kind, sinks, window, lengths, steps, chunk, seed = scenario
@@ -139,8 +143,16 @@ def held_streams(layer, stream_of) -> list[list[set[int]]]:
     """Per row and KV head, the stream indices of the tokens the layer holds (from its slot positions)."""
     valid, pos = layer.slot_valid[..., :-1], layer.slot_pos[..., :-1]
     heads = layer.heads
-    return [[{stream_of[b][int(p)] for p in pos[b, h if valid.shape[1] > 1 else 0][valid[b, h if valid.shape[1] > 1
-             else 0]].tolist()} for h in range(heads)] for b in range(valid.shape[0])]
+    return [
+        [
+            {
+                stream_of[b][int(p)]
+                for p in pos[b, h if valid.shape[1] > 1 else 0][valid[b, h if valid.shape[1] > 1 else 0]].tolist()
+            }
+            for h in range(heads)
+        ]
+        for b in range(valid.shape[0])
+    ]
 
 
 @st.composite
@@ -164,12 +176,18 @@ def build_cache(kind, sizes, config):
     if kind == "random_eviction":
         return RandomEvictionCache(config, heavy=a, recent=b, seed=a + b)
     regions = ([{"role": "sinks", "tokens": a}] if a else []) + [
-        {"role": "window", "start": 0, "end": b}, {"role": "heavy", "tokens": 2}]
+        {"role": "window", "start": 0, "end": b},
+        {"role": "heavy", "tokens": 2},
+    ]
     return CompositeCache(config, regions=regions, sink_positions="original")
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(model_scenarios())
 def test_attention_uses_exactly_the_held_tokens(scenario):
     kind, sizes, lengths, chunks, seed = scenario
@@ -188,8 +206,9 @@ def test_attention_uses_exactly_the_held_tokens(scenario):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             stream_of = [{int(positions[b, t]): t for t in range(total) if mask[b, t]} for b in range(batch)]
             before = held_streams(layer, stream_of) if step else None
-            out = model(ids[:, -q:], attention_mask=mask, position_ids=positions[:, -q:], **cache_kwargs(cache),
-                        use_cache=True).logits
+            out = model(
+                ids[:, -q:], attention_mask=mask, position_ids=positions[:, -q:], **cache_kwargs(cache), use_cache=True
+            ).logits
             allowed = torch.eye(total, dtype=torch.bool).expand(batch, layer.heads, total, total).clone()
             held = held_streams(layer, stream_of) if q == 1 and step else before
             for b in range(batch):

@@ -20,7 +20,9 @@ def llama():
     return build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
 
 
-@pytest.mark.parametrize("kind,dim", [("hadamard", 64), ("hadamard", 96), ("hadamard", 2), ("random", 96), ("random", 5)])
+@pytest.mark.parametrize(
+    "kind,dim", [("hadamard", 64), ("hadamard", 96), ("hadamard", 2), ("random", 96), ("random", 5)]
+)
 def test_rotations_are_orthogonal(kind, dim):
     r = rotation_matrix(kind, dim)
     torch.testing.assert_close(r @ r.T, torch.eye(dim), atol=1e-6, rtol=0)
@@ -124,7 +126,10 @@ def test_generate_with_rotation_from_cache_config(llama):
     out = {}
     for rotation in ("none", "hadamard", "random"):
         out[rotation] = llama.generate(
-            input_ids=ids, max_new_tokens=6, do_sample=False, cache_implementation="fp8",
+            input_ids=ids,
+            max_new_tokens=6,
+            do_sample=False,
+            cache_implementation="fp8",
             cache_config={"key_rotation": rotation, "residual": 64},
         )
     # everything in the full-precision residual: the rotation is exact up to float rounding
@@ -143,8 +148,8 @@ def test_rotation_is_exact_across_architectures_and_attention_functions(arch, at
         ref_cache = DynamicCache(config=model.config)
         ref = [model(input_ids=ids[:, :12], **cache_kwargs(ref_cache), use_cache=True).logits[:, -1]]
         for t in range(12, 20):
-            ours.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
-            ref.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(ref_cache), use_cache=True).logits[:, -1])
+            ours.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
+            ref.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(ref_cache), use_cache=True).logits[:, -1])
     torch.testing.assert_close(torch.stack(ours), torch.stack(ref), atol=1e-4, rtol=1e-5)
 
 
@@ -158,7 +163,7 @@ def test_rotated_fp8_cache_in_half_precision_models(dtype):
         with torch.no_grad():
             out = [model(input_ids=ids[:, :24], **cache_kwargs(cache), use_cache=True).logits[:, -1]]
             for t in range(24, 40):
-                out.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
+                out.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
         return torch.stack(out).float().log_softmax(-1)
 
     def kl(other):

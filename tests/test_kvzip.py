@@ -33,7 +33,7 @@ def reference_scores(model, ids: torch.Tensor, chunk: int, sinks: int) -> torch.
     row = ids[0].tolist()
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
-        request = REQUEST["first"] if start == 0 else REQUEST["next"] + row[max(0, start - PREVIOUS_TAIL):start]
+        request = REQUEST["first"] if start == 0 else REQUEST["next"] + row[max(0, start - PREVIOUS_TAIL) : start]
         repeat = torch.tensor([request + REQUEST["suffix"] + row[start:end]])
         with torch.no_grad():
             attentions = model(torch.cat((ids, repeat), 1), output_attentions=True).attentions
@@ -75,14 +75,18 @@ def test_kept_tokens_are_the_reference_top_budget(chunk):
 def test_the_bridge_max_reduction_with_a_restricted_softmax():
     """scored_attention(reduce="max", normalize_over=...) against the formula, with padding queries weighted out."""
     g = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g),
-                         torch.randn(2, 2, 9, 8, generator=g))
+    query, key, value = (
+        torch.randn(2, 4, 5, 8, generator=g),
+        torch.randn(2, 2, 9, 8, generator=g),
+        torch.randn(2, 2, 9, 8, generator=g),
+    )
     columns = torch.rand(2, 9, generator=g) > 0.3
     columns[:, -5:] = True
     weight = torch.ones(2, 5)
     weight[1, :2] = 0
-    _, scores = scored_attention(query, key, value, None, 5, 0.35, query_weight=weight, reduce="max",
-                                 normalize_over=columns, chunk=2)
+    _, scores = scored_attention(
+        query, key, value, None, 5, 0.35, query_weight=weight, reduce="max", normalize_over=columns, chunk=2
+    )
     logits = query.view(2, 2, 2, 5, 8) @ key[:, :, None].transpose(-1, -2) * 0.35
     causal = torch.ones(5, 9, dtype=torch.bool).tril(4)
     probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -101,7 +105,7 @@ def test_left_padded_rows_keep_and_generate_as_alone():
     for b, row in enumerate(rows):
         alone = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST)
         single = model.generate(row[None], max_new_tokens=5, do_sample=False, **cache_kwargs(alone))
-        assert together[b, ids.shape[1]:].tolist() == single[0, row.numel():].tolist()
+        assert together[b, ids.shape[1] :].tolist() == single[0, row.numel() :].tolist()
         pad = ids.shape[1] - row.numel()
         assert kept_positions(batch, b, 6) == kept_positions(alone, 0, 6)  # (positions count real tokens only)
         assert pad >= 0
@@ -114,11 +118,18 @@ def test_a_budget_that_keeps_everything_equals_the_full_cache(arch):
     DynamicCache's with the same step logits."""
     model = model_zoo.ZOO[arch]()
     ids = random_ids(1, 14, seed=4)
-    want = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                          **cache_kwargs(DynamicCache(config=model.config)))
+    want = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **cache_kwargs(DynamicCache(config=model.config)),
+    )
     cache = KVzipCache(model, budget=14, chunk_size=6, request_ids=REQUEST)
-    got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         **cache_kwargs(cache))
+    got = model.generate(
+        ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, **cache_kwargs(cache)
+    )
     assert got.sequences.tolist() == want.sequences.tolist()
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
     assert cache.get_seq_length() == 14 + 5
@@ -168,8 +179,9 @@ def test_reset_collects_a_new_context():
     model.generate(first, max_new_tokens=3, do_sample=False, **cache_kwargs(cache))
     cache.reset()
     again = model.generate(second, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
-    fresh = model.generate(second, max_new_tokens=4, do_sample=False,
-                           **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)))
+    fresh = model.generate(
+        second, max_new_tokens=4, do_sample=False, **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST))
+    )
     assert again.tolist() == fresh.tolist()
 
 
@@ -181,10 +193,16 @@ def test_cache_implementation_name_and_the_tokenizer_request():
     assert tokenizer.decode(requests["next"]) == NEXT_REQUEST
     assert tokenizer.decode(requests["suffix"]) == "<|im_end|>\n<|im_start|>assistant\n"  # the assistant's turn
     ids = random_ids(1, 16, seed=10)
-    by_name = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="kvzip",
-                             cache_config={"budget": 0.5, "request_ids": requests})
-    direct = model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(
-        KVzipCache(model, budget=0.5, tokenizer=tokenizer)))
+    by_name = model.generate(
+        ids,
+        max_new_tokens=4,
+        do_sample=False,
+        cache_implementation="kvzip",
+        cache_config={"budget": 0.5, "request_ids": requests},
+    )
+    direct = model.generate(
+        ids, max_new_tokens=4, do_sample=False, **cache_kwargs(KVzipCache(model, budget=0.5, tokenizer=tokenizer))
+    )
     assert by_name.tolist() == direct.tolist()
 
 
@@ -232,8 +250,9 @@ def test_layer_budgets_are_the_model_wide_top():
 def test_layer_adaptive_budgets_hold_the_models_budget(head_budget):
     model = build_model("llama")
     heads = model.config.num_key_value_heads
-    cache = KVzipCache(model, budget=8, head_budget=head_budget, layer_budget="adaptive", safeguard=0.0,
-                       request_ids=REQUEST)
+    cache = KVzipCache(
+        model, budget=8, head_budget=head_budget, layer_budget="adaptive", safeguard=0.0, request_ids=REQUEST
+    )
     ids = random_ids(1, 30, seed=5)
     with torch.no_grad():
         model(ids, **cache_kwargs(cache))
@@ -245,8 +264,14 @@ def test_layer_adaptive_budgets_hold_the_models_budget(head_budget):
         assert [layer.store.keys.shape[2] - 1 for layer in cache.layers] == held
     else:  # a uniform layer keeps its share's per-head average
         assert sum(held) <= 8 * heads * len(cache.layers)
-    out = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(KVzipCache(
-        model, budget=8, head_budget=head_budget, layer_budget="adaptive", request_ids=REQUEST)))
+    out = model.generate(
+        ids,
+        max_new_tokens=3,
+        do_sample=False,
+        **cache_kwargs(
+            KVzipCache(model, budget=8, head_budget=head_budget, layer_budget="adaptive", request_ids=REQUEST)
+        ),
+    )
     assert out.shape[1] == 33
 
 
@@ -281,11 +306,17 @@ def test_generate_modes_beam_chunked_prefill_and_assisted():
     ids = random_ids(2, 20, seed=5)
 
     def run(**kwargs):
-        return model.generate(ids, max_new_tokens=4, **kwargs, **cache_kwargs(KVzipCache(model, budget=6,
-                                                                                         request_ids=REQUEST)))
+        return model.generate(
+            ids, max_new_tokens=4, **kwargs, **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST))
+        )
 
     assert torch.equal(run(do_sample=False), run(do_sample=False, prefill_chunk_size=7))  # one context either way
     assert run(num_beams=2, do_sample=False).shape == (2, 24)
     with pytest.raises(ValueError, match="cannot crop the context it is collecting"):
-        model.generate(ids[:1], max_new_tokens=4, do_sample=False, assistant_model=build_model("llama", seed=1),
-                       **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)))
+        model.generate(
+            ids[:1],
+            max_new_tokens=4,
+            do_sample=False,
+            assistant_model=build_model("llama", seed=1),
+            **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)),
+        )

@@ -7,7 +7,8 @@ the stream would take; every logit is finite; positions are right at the end:
   cache keeps, with the position ids the policy gives them (one layer: the cached keys and values depend only on
   each token and its position, so the fresh run sees exactly what the cache holds);
 - every cache storing keys at original positions (sliding, sink "original", h2o, random_eviction, composite in full
-  precision with its sinks at original positions): each kept slot's key equals the key a fresh forward computes for the token at the slot's recorded
+  precision with its sinks at original positions): each kept slot's key equals the key a fresh forward computes for the
+  token at the slot's recorded
   position, and the `recent` newest positions are all kept.
 """
 
@@ -37,15 +38,21 @@ CACHES = {
     "sliding": lambda m: hf_kvcache.SlidingWindowCache(m, window=64),
     "h2o": lambda m: hf_kvcache.H2OCache(m, heavy=32, recent=32),
     "random_eviction": lambda m: hf_kvcache.RandomEvictionCache(m, heavy=32, recent=32),
-    "composite": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=68, precision="full",
-                                                 sink_positions="original"),
+    "composite": lambda m: hf_kvcache.CompositeCache(
+        m, preset="sinks_heavy_recent", budget=68, precision="full", sink_positions="original"
+    ),
 }
 RECENT = {"sliding": 64, "sink_original": 60, "h2o": 32, "random_eviction": 32, "composite": 32}
 
 
 def _model():
-    return build_model("llama", num_hidden_layers=1, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
-                       max_position_embeddings=2 * STREAM)
+    return build_model(
+        "llama",
+        num_hidden_layers=1,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=2 * STREAM,
+    )
 
 
 def _stream(model, cache, ids):
@@ -123,6 +130,7 @@ def _fresh_at(model, ids, tokens, positions):
     """Like `_fresh`, for tokens (stream indices) placed at other position ids."""
     cache = DynamicCache()
     with torch.no_grad():
-        logits = model(input_ids=ids[:, tokens], position_ids=torch.tensor(positions)[None],
-                       **cache_kwargs(cache)).logits
+        logits = model(
+            input_ids=ids[:, tokens], position_ids=torch.tensor(positions)[None], **cache_kwargs(cache)
+        ).logits
     return logits, cache.layers[0].keys

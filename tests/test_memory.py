@@ -121,8 +121,15 @@ def test_sink_policy_state_is_counted():
     assert policy.sink_keys is not None  # in-cache mode keeps un-rotated copies of the sinks
     shift = policy.memory._shift  # the rotation's per-sink position offsets ([B, 1, sinks] long)
     assert shift is not None and shift.shape == (2, 1, 4)
-    assert layer.nbytes() == store_and_slots + policy.n_real.nbytes + policy.sink_keys.nbytes + \
-        policy.sink_pos.nbytes + policy.sink_index.nbytes + shift.nbytes
+    assert (
+        layer.nbytes()
+        == store_and_slots
+        + policy.n_real.nbytes
+        + policy.sink_keys.nbytes
+        + policy.sink_pos.nbytes
+        + policy.sink_index.nbytes
+        + shift.nbytes
+    )
 
 
 def test_full_cache_grows_and_is_at_least_dynamic():
@@ -141,8 +148,9 @@ def test_full_cache_grows_and_is_at_least_dynamic():
     assert b >= dyn_bytes
     # growth is by doubling: at most ~2x what is needed (+ trash slot + metadata)
     assert all(layer.slot_pos is None for layer in cache.layers)  # keep-all: slot i is token i, no positions kept
-    assert b <= 2 * dyn_bytes + sum(layer.slot_valid.nbytes for layer in cache.layers) + \
-        4 * sum(layer.store.keys[:, :, :1].nbytes for layer in cache.layers)
+    assert b <= 2 * dyn_bytes + sum(layer.slot_valid.nbytes for layer in cache.layers) + 4 * sum(
+        layer.store.keys[:, :, :1].nbytes for layer in cache.layers
+    )
 
 
 def test_fixed_caches_smaller_than_dynamic_for_long_streams():

@@ -15,13 +15,24 @@ from conftest import build_model
 from hf_kvcache.evaluation.sweep import read_results, run_sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-from merge_sweep import merge  # noqa: E402
+from merge_sweep import merge
 
-SPEC = {"name": "full", "model": "tiny-model", "text": "random", "text_offset": 0, "context_lengths": [24],
-        "scored_tokens": 4, "metrics": ["quality"], "budgets": [0.25, 0.5],
-        "caches": [{"name": "dynamic"}, {"name": "sink", "config": {"sinks": 2}, "budget_key": "budget"}]}
-SUBSET = {**SPEC, "name": "subset", "caches": [{"name": "sink", "config": {"sinks": 2}, "budget_key": "budget",
-                                                "budgets": [0.5]}]}
+SPEC = {
+    "name": "full",
+    "model": "tiny-model",
+    "text": "random",
+    "text_offset": 0,
+    "context_lengths": [24],
+    "scored_tokens": 4,
+    "metrics": ["quality"],
+    "budgets": [0.25, 0.5],
+    "caches": [{"name": "dynamic"}, {"name": "sink", "config": {"sinks": 2}, "budget_key": "budget"}],
+}
+SUBSET = {
+    **SPEC,
+    "name": "subset",
+    "caches": [{"name": "sink", "config": {"sinks": 2}, "budget_key": "budget", "budgets": [0.5]}],
+}
 
 
 def _loader(name, dtype):

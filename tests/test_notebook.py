@@ -29,8 +29,9 @@ def execute(name: str, summary_expr: str, workdir: Path):
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     own_cells = len(nb.cells)
     nb.cells.append(nbformat.v4.new_code_cell(f"import json as _json\nprint({MARKER!r} + _json.dumps({summary_expr}))"))
-    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                     resources={"metadata": {"path": str(workdir)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    )
     client.execute()
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert MARKER in printed, printed
@@ -61,8 +62,9 @@ def test_committed_without_outputs():
 
 
 def test_quickstart(tmp_path):
-    nb, s = execute("quickstart", '{"seen": cache.get_seq_length(), "prompt": prompt.shape[1], '
-                    '"names": list(configs)}', tmp_path)
+    nb, s = execute(
+        "quickstart", '{"seen": cache.get_seq_length(), "prompt": prompt.shape[1], "names": list(configs)}', tmp_path
+    )
     printed = "".join(outputs(nb, "stream"))
     for name in s["names"]:
         assert f"\n{name} " in "\n" + printed  # the by-name cell prints one line per cache
@@ -70,9 +72,12 @@ def test_quickstart(tmp_path):
 
 
 def test_budget_sweep(tmp_path):
-    nb, s = execute("budget_sweep", '{"rows": [{k: r[k] for k in ("label", "cache", "budget", "kl_mean", '
-                    '"bytes_held")} for r in rows], "budgets": spec["budgets"], "caches": len(spec["caches"])}',
-                    tmp_path)
+    nb, s = execute(
+        "budget_sweep",
+        '{"rows": [{k: r[k] for k in ("label", "cache", "budget", "kl_mean", '
+        '"bytes_held")} for r in rows], "budgets": spec["budgets"], "caches": len(spec["caches"])}',
+        tmp_path,
+    )
     assert outputs(nb, "image/png"), "no quality-vs-bytes plot shown"
     assert (tmp_path / "results" / "notebook_budget_sweep" / "quality_vs_bytes.png").is_file()
     rows = s["rows"]
@@ -90,11 +95,15 @@ def test_budget_sweep(tmp_path):
 
 
 def test_streaming(tmp_path):
-    nb, s = execute("streaming", '{k: {"tokens": r["tokens"], "buckets": len(r["buckets"]), '
-                    '"seen": r["tokens_seen"], "bytes": r["bytes_held"]} for k, r in results.items()} '
-                    '| {"_": {"sink_within": segment(sink, 1024, TRAIN_CONTEXT), '
-                    '"sink_past": segment(sink, TRAIN_CONTEXT, STREAM), "window": segment(window, 1024, 2048), '
-                    '"sink_1k3k": segment(sink, 1024, 2048), "train": TRAIN_CONTEXT}}', tmp_path)
+    nb, s = execute(
+        "streaming",
+        '{k: {"tokens": r["tokens"], "buckets": len(r["buckets"]), '
+        '"seen": r["tokens_seen"], "bytes": r["bytes_held"]} for k, r in results.items()} '
+        '| {"_": {"sink_within": segment(sink, 1024, TRAIN_CONTEXT), '
+        '"sink_past": segment(sink, TRAIN_CONTEXT, STREAM), "window": segment(window, 1024, 2048), '
+        '"sink_1k3k": segment(sink, 1024, 2048), "train": TRAIN_CONTEXT}}',
+        tmp_path,
+    )
     assert outputs(nb, "image/png"), "no per-bucket plot shown"
     values = s.pop("_")
     sink, window, dense = s.values()
@@ -110,10 +119,14 @@ def test_streaming(tmp_path):
 
 
 def test_quantization(tmp_path):
-    nb, s = execute("quantization", '{"labels": [r["label"] for r in rows], "kl": [r["kl_mean"] for r in rows], '
-                    '"bytes": [r["bytes_held"] for r in rows], "equal": loaded == saved, "loaded": loaded.to_dict(), '
-                    '"saved": saved.to_dict(), "cache": type(published_cache).__name__, "same_tokens": same_tokens, '
-                    '"files": sorted(p.name for p in repo.iterdir())}', tmp_path)
+    nb, s = execute(
+        "quantization",
+        '{"labels": [r["label"] for r in rows], "kl": [r["kl_mean"] for r in rows], '
+        '"bytes": [r["bytes_held"] for r in rows], "equal": loaded == saved, "loaded": loaded.to_dict(), '
+        '"saved": saved.to_dict(), "cache": type(published_cache).__name__, "same_tokens": same_tokens, '
+        '"files": sorted(p.name for p in repo.iterdir())}',
+        tmp_path,
+    )
     assert outputs(nb, "image/png"), "no KL-vs-bytes plot shown"
     assert s["labels"][0].startswith("DynamicCache") and len(s["labels"]) == 8
     assert any(label.startswith("transformers quanto") for label in s["labels"])
@@ -129,9 +142,13 @@ def test_quantization(tmp_path):
 
 
 def test_choosing_a_strategy(tmp_path):
-    nb, s = execute("choosing_a_strategy", '{"budget": MEMORY_BUDGET, "plan": plan, "rows": [{k: r[k] for k in '
-                    '("label", "cache", "bytes_held", "kl_mean", "fits")} for r in rows], '
-                    '"best": fits[0]["label"] if fits else None}', tmp_path)
+    nb, s = execute(
+        "choosing_a_strategy",
+        '{"budget": MEMORY_BUDGET, "plan": plan, "rows": [{k: r[k] for k in '
+        '("label", "cache", "bytes_held", "kl_mean", "fits")} for r in rows], '
+        '"best": fits[0]["label"] if fits else None}',
+        tmp_path,
+    )
     measured = {r["label"]: r for r in s["rows"]}
     planned_fit = [p["strategy"] for p in s["plan"] if p["fits"]]
     assert set(planned_fit) <= set(measured)  # every strategy the calculator let through was measured

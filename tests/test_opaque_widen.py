@@ -44,6 +44,7 @@ def test_compiled_fp8_per_token_decode_widens_scales_opaquely():
     with torch.no_grad():
         model(input_ids=random_ids(1, 8), **cache_kwargs(cache))
         for step in range(3):
-            forward(input_ids=random_ids(1, 1, seed=step), position_ids=torch.full((1, 1), 8 + step),
-                    **cache_kwargs(cache))
+            forward(
+                input_ids=random_ids(1, 1, seed=step), position_ids=torch.full((1, 1), 8 + step), **cache_kwargs(cache)
+            )
     assert graphs and all("widen_to_float32" in g for g in graphs)

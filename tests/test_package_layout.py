@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import io
 import pathlib
+import tokenize
 
 import pytest
 from importlinter.cli import lint_imports
@@ -15,16 +17,45 @@ import hf_kvcache
 
 ROOT = pathlib.Path(hf_kvcache.__file__).parent
 SETUP = ROOT.parent / "setup.cfg"
-MAX_LINES = 410  # "no module past ~400 lines": the largest today is cli/eval_commands.py (402)
+# "no module past ~400 lines", counted so that the formatter's layout does not change it (`module_size`): statements,
+# comment lines and the lines of multi-line strings. The largest today is policies/cascade.py (322).
+MAX_SIZE = 330
 
 #: the public API of `import hf_kvcache` (changing it is a release note, not a refactor)
 PUBLIC = {
-    "CACHE_ARG", "CACHE_IMPLEMENTATIONS", "CompositeCache", "DEFAULT_CACHE_CONFIGS", "ExpectedAttentionCache",
-    "FullCache", "H2OCache", "KIVICache", "KVCache", "KVCacheConfig", "KVzipCache", "KeyDiffCache", "KnormCache",
-    "QuantizedFP8Cache", "RandomEvictionCache", "SinkCache", "SlidingWindowCache", "SnapKVCache", "TOVACache",
-    "UnsupportedTransformersError", "build_cache", "cache_kwargs", "default_cache_config", "enable", "enable_paged",
-    "load_cache_config", "load_cache_state", "publish", "read_cache_state_header", "register", "returned_cache",
-    "save_cache_config", "save_cache_state",
+    "CACHE_ARG",
+    "CACHE_IMPLEMENTATIONS",
+    "CompositeCache",
+    "DEFAULT_CACHE_CONFIGS",
+    "ExpectedAttentionCache",
+    "FullCache",
+    "H2OCache",
+    "KIVICache",
+    "KVCache",
+    "KVCacheConfig",
+    "KVzipCache",
+    "KeyDiffCache",
+    "KnormCache",
+    "QuantizedFP8Cache",
+    "RandomEvictionCache",
+    "SinkCache",
+    "SlidingWindowCache",
+    "SnapKVCache",
+    "TOVACache",
+    "UnsupportedTransformersError",
+    "build_cache",
+    "cache_kwargs",
+    "default_cache_config",
+    "enable",
+    "enable_paged",
+    "load_cache_config",
+    "load_cache_state",
+    "publish",
+    "read_cache_state_header",
+    "register",
+    "returned_cache",
+    "save_cache_config",
+    "save_cache_state",
 }
 
 
@@ -58,8 +89,28 @@ def test_the_top_level_keeps_little_else():
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_stay_small(path):
-    lines = len(path.read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by job"
+    size = module_size(path.read_text(encoding="utf-8"))
+    assert size <= MAX_SIZE, f"{path.relative_to(ROOT)} has {size} logical lines (max {MAX_SIZE}): split it by job"
+
+
+def module_size(source: str) -> int:
+    """Logical lines (one a statement, however the formatter wraps it), plus comment-only lines and the lines of
+    multi-line strings (docstrings): what a reader reads, independent of line wrapping."""
+    size = 0
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NEWLINE:
+            size += 1
+        elif token.type == tokenize.STRING and token.end[0] > token.start[0]:
+            size += token.end[0] - token.start[0]
+        elif token.type == tokenize.COMMENT and token.line.lstrip().startswith("#"):
+            size += 1
+    return size
+
+
+def test_module_size_ignores_wrapping():
+    assert module_size("x = f(1, 2)\n") == module_size("x = f(\n    1,\n    2,\n)\n") == 1
+    # the docstring's three lines, the comment line, the statement (a trailing comment is part of its line)
+    assert module_size('"""One\ntwo\nthree."""\n# a comment\nx = 1  # trailing\n') == 3 + 1 + 1
 
 
 def test_public_api():
@@ -72,8 +123,20 @@ def test_public_api():
     assert hf_kvcache.SinkCache is caches.SinkCache and hf_kvcache.KVCacheConfig is hf_kvcache.sharing.hub.KVCacheConfig
     assert hf_kvcache.CACHE_IMPLEMENTATIONS["sink"] is hf_kvcache.SinkCache
     assert set(hf_kvcache.CACHE_IMPLEMENTATIONS) == {
-        "sink", "sliding", "h2o", "composite", "random_eviction", "fp8", "kivi", "knorm", "keydiff", "tova", "snapkv",
-        "expected_attention", "kvzip"}
+        "sink",
+        "sliding",
+        "h2o",
+        "composite",
+        "random_eviction",
+        "fp8",
+        "kivi",
+        "knorm",
+        "keydiff",
+        "tova",
+        "snapkv",
+        "expected_attention",
+        "kvzip",
+    }
     assert hf_kvcache.__version__ == hf_kvcache.version.__version__
 
 

@@ -59,8 +59,9 @@ GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_
 
 def _run(model, prompts, cb, force=None, **kwargs):
     with record_logits(model, force) as rec:
-        out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb, warmup=False,
-                                   **kwargs)
+        out = model.generate_batch(
+            prompts, generation_config=GREEDY, continuous_batching_config=cb, warmup=False, **kwargs
+        )
     assert all(o.error is None for o in out.values()), [o.error for o in out.values()]
     return {rid: o.generated_tokens for rid, o in out.items()}, rec
 
@@ -75,17 +76,24 @@ def llama_reference():
     return model, prompts, tokens, rec
 
 
-@pytest.mark.parametrize("kv_dtype, options, reference", [
-    # like with like: default FP8 pages (Hadamard keys) vs QuantizedFP8Cache's default (Hadamard keys), ...
-    ("fp8_e4m3", None, dict(format="fp8_e4m3")),
-    # ... unrotated pages vs the unrotated cache
-    ("fp8_e4m3", {"key_rotation": "none"}, dict(format="fp8_e4m3", key_rotation="none")),
-    ("int8", {"group_size": 8}, dict(key={"format": "int8", "granularity": "token", "group_size": 8,
-                                          "scale_dtype": "bfloat16"},
-                                     value={"format": "int8", "granularity": "token", "group_size": 8,
-                                            "scale_dtype": "bfloat16"},
-                                     key_rotation=DEFAULT_KEY_ROTATION["int8"])),
-])
+@pytest.mark.parametrize(
+    "kv_dtype, options, reference",
+    [
+        # like with like: default FP8 pages (Hadamard keys) vs QuantizedFP8Cache's default (Hadamard keys), ...
+        ("fp8_e4m3", None, dict(format="fp8_e4m3")),
+        # ... unrotated pages vs the unrotated cache
+        ("fp8_e4m3", {"key_rotation": "none"}, dict(format="fp8_e4m3", key_rotation="none")),
+        (
+            "int8",
+            {"group_size": 8},
+            dict(
+                key={"format": "int8", "granularity": "token", "group_size": 8, "scale_dtype": "bfloat16"},
+                value={"format": "int8", "granularity": "token", "group_size": 8, "scale_dtype": "bfloat16"},
+                key_rotation=DEFAULT_KEY_ROTATION["int8"],
+            ),
+        ),
+    ],
+)
 def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, kv_dtype, options, reference):
     model, prompts, ref_tokens, ref_rec = llama_reference
     force = {rid: dict(enumerate(t)) for rid, t in ref_tokens.items()}
@@ -104,7 +112,7 @@ def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, k
         worst = max(worst, float((paged[rid] - one_by_one).abs().max()))
         kl_paged.append(divergence_metrics(full[rid], paged[rid])["kl_mean"])
     assert worst < 1e-4, worst
-    assert 0 < max(kl_paged)  # the pages really are quantized (the runs are not the same computation)
+    assert max(kl_paged) > 0  # the pages really are quantized (the runs are not the same computation)
 
 
 def test_first_forward_attends_unquantized_then_reads_codes():
@@ -118,8 +126,10 @@ def test_first_forward_attends_unquantized_then_reads_codes():
     def step(batch):  # batch: [(request_id, past, new keys [n, H, D])] -> keys returned by cache.update
         read, write, cu_q, cu_k = [[]], [[]], [0], [0]
         for rid, past, new in batch:
-            assert allocator.needs_new_blocks(rid, past, new.shape[0]) <= cache.pool.count_free_blocks(0) or \
-                cache.pool.num_free_sectors > 0
+            assert (
+                allocator.needs_new_blocks(rid, past, new.shape[0]) <= cache.pool.count_free_blocks(0)
+                or cache.pool.num_free_sectors > 0
+            )
             for _ in range(allocator.needs_new_sectors(rid, past, new.shape[0])):
                 cache.pool.allocate_sector(allocator.index)
             allocator.allocate_cache_to_request(rid, past, new.shape[0])
@@ -127,9 +137,13 @@ def test_first_forward_attends_unquantized_then_reads_codes():
             cu_q.append(cu_q[-1] + new.shape[0])
             cu_k.append(cu_k[-1] + past + new.shape[0])
         keys = torch.cat([new for _, _, new in batch]).transpose(0, 1).unsqueeze(0)
-        kwargs = {"read_index": [torch.tensor(read[0])], "write_index": [torch.tensor(write[0])],
-                  "cu_seq_lens_q": torch.tensor(cu_q), "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k)},
-                  "max_length_k": {"full_attention": max(cu_k)}}
+        kwargs = {
+            "read_index": [torch.tensor(read[0])],
+            "write_index": [torch.tensor(write[0])],
+            "cu_seq_lens_q": torch.tensor(cu_q),
+            "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k)},
+            "max_length_k": {"full_attention": max(cu_k)},
+        }
         k, _ = cache.update(keys, keys.clone(), 0, kwargs)
         return k[0].transpose(0, 1)  # [read tokens, H, D]
 
@@ -166,8 +180,13 @@ def test_first_forward_masks_pack_requests_in_order():
 
 
 def test_hybrid_model_sliding_and_full_layers_quantized():
-    model = build_model("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                        use_sliding_window=True, max_window_layers=0)
+    model = build_model(
+        "qwen2",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        use_sliding_window=True,
+        max_window_layers=0,
+    )
     prompts = _prompts()
     ref_tokens, ref_rec = _run(model, prompts, _cb())
     force = {rid: dict(enumerate(t)) for rid, t in ref_tokens.items()}
@@ -188,13 +207,21 @@ def test_hybrid_model_sliding_and_full_layers_quantized():
 
 
 def test_hybrid_allocators_are_quantized():
-    config = build_config("qwen2", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                          use_sliding_window=True, max_window_layers=0)
-    cache = QuantizedPagedAttentionCache(config, _cb("int8", {"group_size": 8}), "cpu",
-                                         DistributedHelper(None, None), torch.float32)
+    config = build_config(
+        "qwen2",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        use_sliding_window=True,
+        max_window_layers=0,
+    )
+    cache = QuantizedPagedAttentionCache(
+        config, _cb("int8", {"group_size": 8}), "cpu", DistributedHelper(None, None), torch.float32
+    )
     names = {name: type(a).__name__ for name, a in cache.cache_allocators.items()}
-    assert names == {"sliding_attention": "QuantizedSlidingAttentionCacheAllocator",
-                     "full_attention": "QuantizedFullAttentionCacheAllocator"}
+    assert names == {
+        "sliding_attention": "QuantizedSlidingAttentionCacheAllocator",
+        "full_attention": "QuantizedFullAttentionCacheAllocator",
+    }
     # the module-level mapping transformers builds from is back to its own classes
     assert cb_cache.ATTN_TYPE_TO_ALLOCATOR["full_attention"].__name__ == "FullAttentionCacheAllocator"
 
@@ -207,8 +234,13 @@ def test_pages_in_use_return_to_zero_after_every_batch_and_are_reused():
     try:
         for _ in range(2):
             with record_logits(model) as rec:
-                out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb,
-                                           warmup=False, persistent_manager=True)
+                out = model.generate_batch(
+                    prompts,
+                    generation_config=GREEDY,
+                    continuous_batching_config=cb,
+                    warmup=False,
+                    persistent_manager=True,
+                )
                 cache = model._cached_continuous_batching_manager.batch_processor.cache
             assert all(o.error is None and len(o.generated_tokens) == NEW_TOKENS for o in out.values())
             caches.append(cache)
@@ -248,8 +280,7 @@ def test_requests_hold_only_the_pages_of_their_tokens_and_memory_limits_admissio
     with record_logits(model) as rec:
         handle = model.register_forward_hook(check_pages)
         try:
-            out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb,
-                                       warmup=False)
+            out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb, warmup=False)
         finally:
             handle.remove()
     (cache,) = caches
@@ -262,20 +293,28 @@ def test_requests_hold_only_the_pages_of_their_tokens_and_memory_limits_admissio
     assert cache.compute_free_capacity() == 1.0 and cache.cache_allocators["full_attention"].block_table == {}
 
 
-@pytest.mark.parametrize("waiting, tokens, requests, expected", [
-    (0, 10, 2, "no waiting request"),
-    (3, 64, 5, "batch tokens"),
-    (3, 20, 8, "requests per batch"),
-    (3, 20, 5, "memory"),
-])
+@pytest.mark.parametrize(
+    "waiting, tokens, requests, expected",
+    [
+        (0, 10, 2, "no waiting request"),
+        (3, 64, 5, "batch tokens"),
+        (3, 20, 8, "requests per batch"),
+        (3, 20, 5, "memory"),
+    ],
+)
 def test_admission_limit_names_what_stopped_admission(waiting, tokens, requests, expected):
     assert admission_limit(waiting, tokens, 64, requests, 8) == expected
 
 
 def _forward(resident, waiting, limit, pages_each=2):
-    return ForwardRecord(resident=frozenset(resident), pages_in_use=pages_each * len(resident),
-                         waiting_requests=waiting, batch_requests=len(resident), batch_tokens=len(resident),
-                         admission_limit=limit)
+    return ForwardRecord(
+        resident=frozenset(resident),
+        pages_in_use=pages_each * len(resident),
+        waiting_requests=waiting,
+        batch_requests=len(resident),
+        batch_tokens=len(resident),
+        admission_limit=limit,
+    )
 
 
 def test_steady_state_starts_when_the_fill_has_left_and_ends_with_the_queue():
@@ -300,8 +339,11 @@ def test_steady_state_starts_when_the_fill_has_left_and_ends_with_the_queue():
 
 
 def test_steady_state_is_not_measured_when_the_queue_runs_dry_or_memory_never_refuses():
-    dry = [_forward("abc", 2, "memory"), _forward("bcd", 0, "no waiting request"), _forward("d", 0,
-                                                                                            "no waiting request")]
+    dry = [
+        _forward("abc", 2, "memory"),
+        _forward("bcd", 0, "no waiting request"),
+        _forward("d", 0, "no waiting request"),
+    ]
     steady = steady_state(dry)
     assert not steady["measured"] and "queue ran dry" in steady["reason"]
     token_bound = [_forward("ab", 3, "batch tokens"), _forward("c", 0, "no waiting request")]
@@ -314,8 +356,9 @@ def test_memory_budget_holds_more_tokens_with_quantized_pages():
     helper = DistributedHelper(None, None)
     model_pages = cb_cache.PagedAttentionCache(config, _cb(num_blocks=64), "cpu", helper, torch.bfloat16)
     fp8 = QuantizedPagedAttentionCache(config, _cb("fp8_e4m3", num_blocks=64), "cpu", helper, torch.bfloat16)
-    int4 = QuantizedPagedAttentionCache(config, _cb("int4", {"group_size": 32}, num_blocks=64), "cpu", helper,
-                                        torch.bfloat16)
+    int4 = QuantizedPagedAttentionCache(
+        config, _cb("int4", {"group_size": 32}, num_blocks=64), "cpu", helper, torch.bfloat16
+    )
     same = abs(fp8.cache_tensor.nbytes - model_pages.cache_tensor.nbytes)
     assert same <= 2 * fp8.bytes_per_sector  # the same memory (to a sector's rounding)...
     ratio = fp8.num_blocks / model_pages.num_blocks
@@ -326,32 +369,38 @@ def test_memory_budget_holds_more_tokens_with_quantized_pages():
 
 def test_block_table_path_is_off_with_a_clear_error():
     config = build_config("llama")
-    cache = QuantizedPagedAttentionCache(config, _cb("fp8_e4m3", max_blocks_per_request=8), "cpu",
-                                         DistributedHelper(None, None), torch.float32)
+    cache = QuantizedPagedAttentionCache(
+        config, _cb("fp8_e4m3", max_blocks_per_request=8), "cpu", DistributedHelper(None, None), torch.float32
+    )
     assert cache.max_decode_fast_path_length == 0  # transformers never takes the block-table path with these pages
     with pytest.raises(NotImplementedError, match="block-table path.*flash"):
         cache.cache_allocators["full_attention"].get_cache_for_block_table(0)
-    plain = QuantizedPagedAttentionCache(config, _cb(max_blocks_per_request=8), "cpu",
-                                         DistributedHelper(None, None), torch.float32)
+    plain = QuantizedPagedAttentionCache(
+        config, _cb(max_blocks_per_request=8), "cpu", DistributedHelper(None, None), torch.float32
+    )
     assert plain.max_decode_fast_path_length > 0  # without kv_cache_dtype: transformers' own cache
 
 
-@pytest.mark.parametrize("kv_dtype, options, match", [
-    ("fp4", None, r"`kv_cache_dtype` must be one of .*'fp8_e4m3'"),
-    ("fp8_e4m3", {"groups": 8}, r"`kv_cache_quantization` has unknown keys \['groups'\]"),
-    ("fp8_e4m3", {"granularity": "head"}, r"`kv_cache_quantization.granularity` must be one of \('token',\)"),
-    ("fp8_e4m3", {"group_size": 0}, r"`kv_cache_quantization.group_size` must be a positive integer"),
-    ("fp8_e4m3", {"key_rotation": "qr"}, r"`kv_cache_quantization.key_rotation` must be one of"),
-    ("fp8_e4m3", {"scale_dtype": "int8"}, r"`kv_cache_quantization`: .*scale_dtype"),
-    ("fp8_e4m3", "group_size=8", r"`kv_cache_quantization` must be a dict"),
-    ("model", {"group_size": 8}, r"`kv_cache_quantization` .* `kv_cache_dtype` is 'model'"),
-    ("fp8_e4m3", {"group_size": 12}, r"`kv_cache_quantization`: `group_size` \(12\) must divide .*head_dim \(16\)"),
-])
+@pytest.mark.parametrize(
+    "kv_dtype, options, match",
+    [
+        ("fp4", None, r"`kv_cache_dtype` must be one of .*'fp8_e4m3'"),
+        ("fp8_e4m3", {"groups": 8}, r"`kv_cache_quantization` has unknown keys \['groups'\]"),
+        ("fp8_e4m3", {"granularity": "head"}, r"`kv_cache_quantization.granularity` must be one of \('token',\)"),
+        ("fp8_e4m3", {"group_size": 0}, r"`kv_cache_quantization.group_size` must be a positive integer"),
+        ("fp8_e4m3", {"key_rotation": "qr"}, r"`kv_cache_quantization.key_rotation` must be one of"),
+        ("fp8_e4m3", {"scale_dtype": "int8"}, r"`kv_cache_quantization`: .*scale_dtype"),
+        ("fp8_e4m3", "group_size=8", r"`kv_cache_quantization` must be a dict"),
+        ("model", {"group_size": 8}, r"`kv_cache_quantization` .* `kv_cache_dtype` is 'model'"),
+        ("fp8_e4m3", {"group_size": 12}, r"`kv_cache_quantization`: `group_size` \(12\) must divide .*head_dim \(16\)"),
+    ],
+)
 def test_bad_configs_name_the_field(kv_dtype, options, match):
     config = build_config("llama")
     with pytest.raises(ValueError, match=match):
-        QuantizedPagedAttentionCache(config, _cb(kv_dtype, options), "cpu", DistributedHelper(None, None),
-                                     torch.float32)
+        QuantizedPagedAttentionCache(
+            config, _cb(kv_dtype, options), "cpu", DistributedHelper(None, None), torch.float32
+        )
 
 
 def test_enable_paged_switches_a_model_and_back():
@@ -392,16 +441,24 @@ def test_transformers_internals_relied_on_are_present_and_checked(monkeypatch):
 def test_spec_round_trip_and_defaults():
     spec = PagedKVSpec.from_fields("int8", {"key_rotation": "hadamard"})
     assert spec.quant_spec(64).group_size == 32 and spec.quant_spec(16).group_size is None
-    assert PagedKVSpec.from_fields(**{"kv_dtype": spec.kv_dtype, "options": {
-        k: v for k, v in spec.to_dict().items() if k != "kv_dtype"}}) == spec
+    assert (
+        PagedKVSpec.from_fields(
+            kv_dtype=spec.kv_dtype, options={k: v for k, v in spec.to_dict().items() if k != "kv_dtype"}
+        )
+        == spec
+    )
     assert PagedKVSpec.from_fields(None) is None and PagedKVSpec.from_fields("model") is None
     # key rotation defaults: Hadamard for FP8 (as QuantizedFP8Cache) and INT4, none for INT8 (measured, spec.py)
     assert [PagedKVSpec.from_fields(d).key_rotation for d in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")] == [
-        "hadamard", "hadamard", "none", "hadamard"]
+        "hadamard",
+        "hadamard",
+        "none",
+        "hadamard",
+    ]
     assert PagedKVSpec.from_fields("fp8_e4m3", {"key_rotation": "none"}).key_rotation == "none"
-    allocator = QuantizedPagedAttentionCache(build_config("llama"), _cb("fp8_e4m3"), "cpu",
-                                             DistributedHelper(None, None), torch.float32).cache_allocators[
-                                                 "full_attention"]
+    allocator = QuantizedPagedAttentionCache(
+        build_config("llama"), _cb("fp8_e4m3"), "cpu", DistributedHelper(None, None), torch.float32
+    ).cache_allocators["full_attention"]
     eye = torch.eye(allocator.key_rotation.shape[0])
     assert torch.allclose(allocator.key_rotation @ allocator.key_rotation.T, eye, atol=1e-6)  # orthogonal...
     assert not torch.allclose(allocator.key_rotation, eye)  # ...and not the identity: keys really are rotated
@@ -420,8 +477,7 @@ def test_reference_runs_agree_with_dynamic_cache(llama_reference):
 
 
 def test_serve_bench_settings_and_cli_errors_name_the_option():
-    from hf_kvcache.cli import main
-    from hf_kvcache.cli import build_parser
+    from hf_kvcache.cli import build_parser, main
     from hf_kvcache.paged.serve_bench import ServeBenchSettings, parse_format
 
     args = build_parser().parse_args(["serve-bench", "--requests", "3", "--formats", "model,fp8_e4m3:hadamard"])
@@ -459,8 +515,9 @@ def test_install_on_a_changed_transformers_leaves_it_untouched_and_quantized_pag
     with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
         hf_kvcache.enable_paged(build_model("llama"), kv_dtype="fp8_e4m3")
     with pytest.raises(UnsupportedTransformersError, match="ATTN_TYPE_TO_ALLOCATOR"):
-        build_model("llama").generate_batch([[2, 3, 4]], generation_config=GREEDY,
-                                            continuous_batching_config=_cb("fp8_e4m3"), warmup=False)
+        build_model("llama").generate_batch(
+            [[2, 3, 4]], generation_config=GREEDY, continuous_batching_config=_cb("fp8_e4m3"), warmup=False
+        )
 
 
 def test_continuous_batching_after_our_caches_switched_the_model_to_the_bridge():
@@ -471,13 +528,21 @@ def test_continuous_batching_after_our_caches_switched_the_model_to_the_bridge()
     reference, _ = _run(build_model("llama"), prompts, _cb())
     model = build_model("llama")
     ids = torch.tensor([prompts[1]])
-    first = model.generate(ids, **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
-                           max_new_tokens=4, do_sample=False)
+    first = model.generate(
+        ids,
+        **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
+        max_new_tokens=4,
+        do_sample=False,
+    )
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
     tokens, _ = _run(model, prompts, _cb())
     assert tokens == reference
     assert model.config._attn_implementation == "sdpa"
-    again = model.generate(ids, **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
-                           max_new_tokens=4, do_sample=False)
+    again = model.generate(
+        ids,
+        **hf_kvcache.cache_kwargs(hf_kvcache.SinkCache(model, sinks=2, window=8)),
+        max_new_tokens=4,
+        do_sample=False,
+    )
     assert model.config._attn_implementation == "hf_kvcache_sdpa"
     assert torch.equal(again, first)

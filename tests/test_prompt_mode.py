@@ -36,8 +36,13 @@ EVICTING = {
     "expected_attention": {"budget": BUDGET, "future": 16},
 }
 #: the scorers' prompt-mode recent windows (the papers'), which "always" mode widens by default
-PROMPT_WINDOWS = {"knorm": {"recent": 0}, "keydiff": {"recent": 0}, "tova": {"recent": 1},
-                  "snapkv": {"recent": 3}, "expected_attention": {"recent": 0}}
+PROMPT_WINDOWS = {
+    "knorm": {"recent": 0},
+    "keydiff": {"recent": 0},
+    "tova": {"recent": 1},
+    "snapkv": {"recent": 3},
+    "expected_attention": {"recent": 0},
+}
 
 
 def _kept(cache, layer=0):
@@ -47,8 +52,10 @@ def _kept(cache, layer=0):
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
 
 
-@pytest.mark.parametrize("name,config", [("sliding", {"window": BUDGET}),
-                                         ("sink", {"sinks": 2, "budget": BUDGET, "position_mode": "original"})])
+@pytest.mark.parametrize(
+    "name,config",
+    [("sliding", {"window": BUDGET}), ("sink", {"sinks": 2, "budget": BUDGET, "position_mode": "original"})],
+)
 def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config):
     model = build_model("llama")
     ids = random_ids(1, PROMPT + STEPS, seed=7)
@@ -60,8 +67,12 @@ def test_equals_a_full_cache_with_the_evicted_prompt_tokens_masked(name, config)
     with torch.no_grad():
         model(input_ids=ids[:, :PROMPT], **cache_kwargs(cache))
         for t in range(PROMPT, PROMPT + STEPS):
-            out = model(input_ids=ids[:, t : t + 1], attention_mask=visible[:, : t + 1],
-                        position_ids=torch.tensor([[t]]), **cache_kwargs(cache))
+            out = model(
+                input_ids=ids[:, t : t + 1],
+                attention_mask=visible[:, : t + 1],
+                position_ids=torch.tensor([[t]]),
+                **cache_kwargs(cache),
+            )
             reference.append(out.logits[:, -1])
     reference = torch.stack(reference, 1)
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
@@ -114,8 +125,13 @@ def test_padded_batch_generates_each_row_as_alone(name):
     model = build_model("llama")
     rows = [random_ids(1, n, seed=60 + n)[0] for n in (14, 21, 17)]
     ids, mask = left_pad(rows)
-    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, cache_implementation=name,
-                  cache_config={**EVICTING[name], "compress": "prompt"})
+    kwargs = dict(
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=PAD,
+        cache_implementation=name,
+        cache_config={**EVICTING[name], "compress": "prompt"},
+    )
     batched = model.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
     for i, row in enumerate(rows):
         alone = model.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kwargs)
@@ -127,10 +143,17 @@ def test_generate_cache_config_equals_the_cache_object(name):
     model = build_model("llama")
     ids = random_ids(2, PROMPT, seed=10)
     config = {**EVICTING[name], "compress": "prompt"}
-    by_name = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation=name, cache_config=config,
-                             return_dict_in_generate=True)
-    by_object = model.generate(ids, max_new_tokens=8, do_sample=False,
-                               **cache_kwargs(CACHE_IMPLEMENTATIONS[name](model, **config)))
+    by_name = model.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        cache_implementation=name,
+        cache_config=config,
+        return_dict_in_generate=True,
+    )
+    by_object = model.generate(
+        ids, max_new_tokens=8, do_sample=False, **cache_kwargs(CACHE_IMPLEMENTATIONS[name](model, **config))
+    )
     assert torch.equal(by_name.sequences, by_object)
     assert returned_cache(by_name).layers[0].used == BUDGET + 7  # grew by the generated tokens after the prompt
 
@@ -146,7 +169,9 @@ def test_decode_after_the_prompt_never_syncs(name):
 
 def test_budget_fractions_in_the_harness_and_bad_modes():
     assert check_cache("knorm", {"budget": "20%", "compress": "prompt"}, context_len=100) == {
-        "budget": 20, "compress": "prompt"}
+        "budget": 20,
+        "compress": "prompt",
+    }
     assert check_cache("h2o", {"budget": 0.1, "compress": "prompt"}, context_len=200)["budget"] == 20
     with pytest.raises(ValueError, match="compress"):
         hf_kvcache.SinkCache(build_model("llama").config, budget=8, compress="decode")

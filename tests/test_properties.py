@@ -48,7 +48,10 @@ MAX_BATCH = 4
 ROPE = Rope(CONFIG)
 
 SETTINGS = settings(
-    max_examples=40, stateful_step_count=15, deadline=None, derandomize=True,
+    max_examples=40,
+    stateful_step_count=15,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 
@@ -89,16 +92,24 @@ def composite_pair(draw):
     regions = ([{"role": "sinks", "tokens": sinks}] if sinks else []) + [{"role": "window", "start": 0, "end": first}]
     windows = [(0, first, "full")]
     if second:
-        regions.append({"role": "window", "start": first, "end": first + second, "keys": precision,
-                        "values": precision})
+        regions.append(
+            {"role": "window", "start": first, "end": first + second, "keys": precision, "values": precision}
+        )
         windows.append((first, first + second, precision))
     if final == "heavy":
         regions.append({"role": "heavy", "tokens": heavy, "keys": final_precision, "values": final_precision})
     elif final == "keep":
         regions.append({"role": "rest", "keys": final_precision, "values": final_precision})
     cache = CompositeCache(CONFIG, regions=regions, sink_positions=sink_positions)
-    rule = CascadeRule(sinks, windows, final, heavy, final_precision if final != "evict" else "full",
-                       move_sinks=sink_positions == "cache" and sinks > 0, sink_precision="full")
+    rule = CascadeRule(
+        sinks,
+        windows,
+        final,
+        heavy,
+        final_precision if final != "evict" else "full",
+        move_sinks=sink_positions == "cache" and sinks > 0,
+        sink_precision="full",
+    )
     return cache, rule
 
 
@@ -133,6 +144,7 @@ PAIRS = {
 def column_scores(layer, table, positions, real) -> torch.Tensor:
     """Synthetic attention [B, H, columns] for the columns of the layer's last update: each valid column gets the
     table's entry for its token's position (padding and empty slots get 0)."""
+
     def lookup(pos):  # pos [B, H, n] -> table values
         return table.gather(2, pos.long().clamp(0, table.shape[-1] - 1))  # (stale positions of empty slots: masked)
 
@@ -298,7 +310,8 @@ class CacheMachine(RuleBasedStateMachine):
                 got_k, got_v = keys[b, h, cols[order]], values[b, h, cols[order]]
                 key_err, value_err = (got_k - want_k).abs(), (got_v - want_v).abs()
                 assert (key_err <= key_tol).all(), (
-                    f"row {b} head {h}: keys off by {key_err.max():.3g} (positions {want}, moved to {pos})")
+                    f"row {b} head {h}: keys off by {key_err.max():.3g} (positions {want}, moved to {pos})"
+                )
                 assert (value_err <= value_tol).all(), f"row {b} head {h}: values off by {value_err.max():.3g}"
                 if kept and float(key_tol.max()) <= 1e-5:  # full precision: attention output over the valid columns
                     q = torch.randn(HEAD_DIM, generator=self.generator)
@@ -353,43 +366,73 @@ def test_regression_composite_padded_row_sink_written_in_decode():
     """A left-padded row's second real token arrives in decode as a sink: it was marked valid but never written
     (the sinks region was skipped by the write's region hint), so attention read zeros there."""
     # sinks 2, window [0, 2) + [2, 4) full, "rest" kept in full precision, sink_positions "cache", seed
-    replay("composite", (2, 2, 2, "full", "keep", "full", "cache", 341),
-           [("first_forward", 3, [5, 3, 1]), ("decode",)])
+    replay("composite", (2, 2, 2, "full", "keep", "full", "cache", 341), [("first_forward", 3, [5, 3, 1]), ("decode",)])
 
 
 def test_regression_composite_crop_replaces_survivors_by_age():
     """After a crop the surviving tokens are younger: they must move back to the windows of their new ages (they
     stayed in the older regions, outside the columns read, and were lost)."""
     # no sinks, window [0, 1) + [1, 4) in FP8, heavy 2 in full precision, seed
-    replay("composite", (0, 1, 3, "fp8_e4m3", "heavy", 2, "full", "cache", 9467),
-           [("first_forward", 3, [4, 5, 6]), ("select", [1, 0, 2]), ("repeat_interleave", 1), ("crop", 3)])
+    replay(
+        "composite",
+        (0, 1, 3, "fp8_e4m3", "heavy", 2, "full", "cache", 9467),
+        [("first_forward", 3, [4, 5, 6]), ("select", [1, 0, 2]), ("repeat_interleave", 1), ("crop", 3)],
+    )
 
 
 def test_regression_composite_crop_to_nothing_then_a_new_prompt():
     """Crops down to no tokens, then a new padded prompt and crops again: cropped slots must not come back."""
-    replay("composite", (0, 2, 3, "full", "heavy", 2, "full", "cache", 7198),
-           [("first_forward", 4, [2, 4, 2, 1]), ("crop", 2), ("crop", 2), ("first_forward", [6, 3, 2, 4]),
-            ("crop", 1), ("crop", 1)])
+    replay(
+        "composite",
+        (0, 2, 3, "full", "heavy", 2, "full", "cache", 7198),
+        [
+            ("first_forward", 4, [2, 4, 2, 1]),
+            ("crop", 2),
+            ("crop", 2),
+            ("first_forward", [6, 3, 2, 4]),
+            ("crop", 1),
+            ("crop", 1),
+        ],
+    )
 
 
 def test_regression_composite_quantized_region_after_batch_select():
     """A quantized region read after batch_select_indices: every buffer of the region store follows the rows."""
     # no sinks, window [0, 1) full, everything older kept in FP8, seed
-    replay("composite", (0, 1, 0, "full", "keep", "fp8_e4m3", "cache", 1),
-           [("first_forward", 2, [3, 3]), ("select", [1]), ("decode",), ("repeat_interleave", 2), ("decode",)])
+    replay(
+        "composite",
+        (0, 1, 0, "full", "keep", "fp8_e4m3", "cache", 1),
+        [("first_forward", 2, [3, 3]), ("select", [1]), ("decode",), ("repeat_interleave", 2), ("decode",)],
+    )
 
 
 def test_regression_kivi_crop_into_a_quantized_block_is_refused_and_the_cache_stays_usable():
     """A crop into a quantized block was accepted, and every later forward raised: now the crop itself refuses."""
     # KIVI 4-bit, key blocks of 4 tokens, no residual, seed
-    replay("kivi", (4, 0, 1),
-           [("first_forward", 4, [2, 6, 6, 4]), ("select", [3, 2, 0]), ("chunk", 4), ("select", [2]), ("chunk", 2),
-            ("chunk", 4), ("crop", 3), ("decode",), ("crop", 1), ("decode",)])
+    replay(
+        "kivi",
+        (4, 0, 1),
+        [
+            ("first_forward", 4, [2, 6, 6, 4]),
+            ("select", [3, 2, 0]),
+            ("chunk", 4),
+            ("select", [2]),
+            ("chunk", 2),
+            ("chunk", 4),
+            ("crop", 3),
+            ("decode",),
+            ("crop", 1),
+            ("decode",),
+        ],
+    )
 
 
 def test_regression_composite_new_prompt_after_cropping_everything():
     """Sinks re-positioned ("cache") after a crop to no tokens: the next prompt's read had no columns after the sinks
     to find the oldest other token in (an IndexError from amin over nothing)."""
     # sinks 1, window [0, 2) full + [2, 4) full, heavy 3 in FP8, sink_positions "cache", seed
-    replay("composite", (1, 2, 2, "full", "heavy", 3, "fp8_e4m3", "cache", 4548),
-           [("first_forward", 2, [6, 6]), ("crop", 3), ("crop", 2), ("crop", 3), ("first_forward", [1, 6])])
+    replay(
+        "composite",
+        (1, 2, 2, "full", "heavy", 3, "fp8_e4m3", "cache", 4548),
+        [("first_forward", 2, [6, 6]), ("crop", 3), ("crop", 2), ("crop", 3), ("first_forward", [1, 6])],
+    )

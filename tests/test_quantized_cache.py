@@ -56,9 +56,12 @@ def reference(llama, ids):
 def test_residual_covering_everything_is_exact(llama, ids, reference):
     """With every token in the full-precision residual nothing is quantized: identical to the full cache (up to
     float rounding of the rotated dot products when keys are rotated)."""
-    for cache in (QuantizedFP8Cache(llama, residual=1000, key_rotation="none"),
-                  KIVICache(llama, residual=1000, group_size=8)
-                  if PACKER else QuantizedFP8Cache(llama, residual=500, key_rotation="none")):
+    for cache in (
+        QuantizedFP8Cache(llama, residual=1000, key_rotation="none"),
+        KIVICache(llama, residual=1000, group_size=8)
+        if PACKER
+        else QuantizedFP8Cache(llama, residual=500, key_rotation="none"),
+    ):
         assert torch.equal(teacher_forced_logprobs(llama, cache, ids), reference)
         assert cache.layers[0].store.qlen == 0
     for rotation in ("hadamard", "random"):
@@ -75,8 +78,9 @@ def test_format_precision_orders_the_error(llama, ids, reference):
         "e5m2": kl(reference, teacher_forced_logprobs(llama, QuantizedFP8Cache(llama, format="fp8_e5m2"), ids)),
     }
     if PACKER:
-        results["int2"] = kl(reference, teacher_forced_logprobs(llama, KIVICache(llama, bits=2, group_size=8,
-                                                                                 residual=0), ids))
+        results["int2"] = kl(
+            reference, teacher_forced_logprobs(llama, KIVICache(llama, bits=2, group_size=8, residual=0), ids)
+        )
     assert 0 < results["int8"] < results["e4m3"] < results["e5m2"], results
     assert results["e4m3_r16"] < results["e4m3"], results
     if PACKER:
@@ -87,16 +91,19 @@ def test_format_precision_orders_the_error(llama, ids, reference):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize(
     "name, cache_config",
-    [("fp8", {}), ("fp8", {"granularity": "channel", "group_size": 8, "residual": 4}),
-     ("fp8", {"key": {"format": "int8"}, "granularity": "head"}), ("kivi", {"group_size": 8, "residual": 8})],
+    [
+        ("fp8", {}),
+        ("fp8", {"granularity": "channel", "group_size": 8, "residual": 4}),
+        ("fp8", {"key": {"format": "int8"}, "granularity": "head"}),
+        ("kivi", {"group_size": 8, "residual": 8}),
+    ],
 )
 def test_generate_with_registered_names(arch, name, cache_config):
     if name == "kivi" and PACKER is None:
         pytest.skip("neither optimum-quanto nor hqq is installed")
     model = build_model(arch)
     ids = random_ids(2, 30)
-    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation=name,
-                         cache_config=cache_config)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation=name, cache_config=cache_config)
     full = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_kwargs(FullCache(model)))
     assert out.shape == (2, 42)
     assert (out[:, 30:] == full[:, 30:]).float().mean() > 0.3  # quantization noise, not garbage
@@ -120,12 +127,17 @@ def test_left_padded_batch_equals_rows_alone(llama):
     """Per-token scales depend only on the token itself: a padded batch generates what each row generates alone."""
     rows = [random_ids(1, n, seed=n)[0] for n in (10, 17, 13)]
     ids, mask = left_pad(rows)
-    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD, cache_implementation="fp8",
-                  cache_config={"key_smoothing": False})
-    batched = llama.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1]:]
+    kwargs = dict(
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=PAD,
+        cache_implementation="fp8",
+        cache_config={"key_smoothing": False},
+    )
+    batched = llama.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
     for i, row in enumerate(rows):
         alone = llama.generate(row[None], attention_mask=torch.ones(1, row.numel(), dtype=torch.long), **kwargs)
-        assert torch.equal(batched[i], alone[0, row.numel():]), i
+        assert torch.equal(batched[i], alone[0, row.numel() :]), i
 
 
 @needs_packer
@@ -134,18 +146,25 @@ def test_left_padded_batch_kivi(llama):
     ids, mask = left_pad(rows)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     full = llama.generate(ids, attention_mask=mask, **cache_kwargs(FullCache(llama)), **kwargs)
-    exact = llama.generate(ids, attention_mask=mask, cache_implementation="kivi",
-                           cache_config={"group_size": 8, "residual": 100}, **kwargs)
+    exact = llama.generate(
+        ids, attention_mask=mask, cache_implementation="kivi", cache_config={"group_size": 8, "residual": 100}, **kwargs
+    )
     assert torch.equal(exact, full)
-    out = llama.generate(ids, attention_mask=mask, cache_implementation="kivi",
-                         cache_config={"bits": 8, "group_size": 8, "residual": 0}, **kwargs)
-    assert (out[:, ids.shape[1]:] == full[:, ids.shape[1]:]).float().mean() > 0.6
+    out = llama.generate(
+        ids,
+        attention_mask=mask,
+        cache_implementation="kivi",
+        cache_config={"bits": 8, "group_size": 8, "residual": 0},
+        **kwargs,
+    )
+    assert (out[:, ids.shape[1] :] == full[:, ids.shape[1] :]).float().mean() > 0.6
 
 
 def test_non_finite_activation_is_a_clear_error(llama):
     model = build_model("llama")
     handle = model.model.layers[1].self_attn.v_proj.register_forward_hook(
-        lambda module, args, out: out.index_fill(-1, torch.tensor([3]), float("nan")))
+        lambda module, args, out: out.index_fill(-1, torch.tensor([3]), float("nan"))
+    )
     try:
         with pytest.raises(NonFiniteError, match=r"QuantizedFP8Cache \(layer 1\): \d+ non-finite values"):
             model.generate(random_ids(1, 10), max_new_tokens=3, cache_implementation="fp8")
@@ -176,7 +195,7 @@ def test_calibration_records_the_maxima(llama):
     for start in range(0, 48, 16):
         cache = DynamicCache(config=llama.config)
         with torch.no_grad():
-            llama(input_ids=ids[:, start:start + 16], **cache_kwargs(cache))
+            llama(input_ids=ids[:, start : start + 16], **cache_kwargs(cache))
         dyn_k.append([layer.keys for layer in cache.layers])
         dyn_v.append([layer.values for layer in cache.layers])
     for i in range(llama.config.num_hidden_layers):
@@ -216,8 +235,12 @@ def test_calibration_save_and_load(tmp_path, llama):
     assert loaded["cache_implementation"] == "fp8" and loaded["cache_config"]["scales"] == scales
     ids = random_ids(1, 20)
     a = llama.generate(ids, max_new_tokens=8, do_sample=False, **loaded)
-    b = llama.generate(ids, max_new_tokens=8, do_sample=False,
-                       **cache_kwargs(QuantizedFP8Cache(llama, granularity="head", scales=scales)))
+    b = llama.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        **cache_kwargs(QuantizedFP8Cache(llama, granularity="head", scales=scales)),
+    )
     assert torch.equal(a, b)
     # published in generation_config.json instead
     llama.generation_config.cache_implementation = "fp8"
@@ -247,8 +270,12 @@ def test_bad_calibration_dicts(llama):
     with pytest.raises(ValueError, match=r"Unknown `scales` .* key\(s\) \['extra'\]"):
         QuantizedFP8Cache(llama, granularity="head", scales={**scales, "extra": 1})
     with pytest.raises(ValueError, match=r"FP8 scales must be finite and positive"):
-        QuantizedFP8Cache(llama, granularity="head", key_smoothing=False,
-                          scales={**calibrated_scales(llama, 1.0), "value_scale": [[0.0, 1.0]] * 2})
+        QuantizedFP8Cache(
+            llama,
+            granularity="head",
+            key_smoothing=False,
+            scales={**calibrated_scales(llama, 1.0), "value_scale": [[0.0, 1.0]] * 2},
+        )
     with pytest.raises(ValueError, match=r"Give `input_ids` or a `tokenizer`"):
         calibrate(llama)
 
@@ -256,11 +283,15 @@ def test_bad_calibration_dicts(llama):
 def test_composite_cache_region_in_fp8():
     """CompositeCache regions use these stores (slot layout): sinks in full precision, older tokens FP8/INT."""
     model = build_model("llama")
-    regions = [{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 8},
-               {"role": "rest", "keys": "fp8_e4m3", "values": "int4" if PACKER else "int8"}]
+    regions = [
+        {"role": "sinks", "tokens": 2},
+        {"role": "window", "start": 0, "end": 8},
+        {"role": "rest", "keys": "fp8_e4m3", "values": "int4" if PACKER else "int8"},
+    ]
     ids = random_ids(1, 30)
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="composite",
-                         cache_config={"regions": regions})
+    out = model.generate(
+        ids, max_new_tokens=10, do_sample=False, cache_implementation="composite", cache_config={"regions": regions}
+    )
     full = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(FullCache(model)))
     assert out.shape == full.shape
     assert (out[:, 30:] == full[:, 30:]).float().mean() > 0.3
@@ -297,8 +328,9 @@ def test_crop_for_assisted_decoding(llama):
 def test_4k_tokens_whole_cache_bytes_versus_dynamic_cache_in_bfloat16():
     """The issue's memory bound on everything `nbytes()` counts (stores, slot metadata, rotation matrix): at 4K
     tokens FP8 (per-token scales) <= 0.52x and INT4 group 64 <= 0.30x of a bfloat16 DynamicCache."""
-    model = build_model("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
-                        max_position_embeddings=8192).to(torch.bfloat16)  # head_dim 64, as SmolLM2
+    model = build_model(
+        "llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=8192
+    ).to(torch.bfloat16)  # head_dim 64, as SmolLM2
     ids = random_ids(1, 4096, seed=8)
     dynamic = DynamicCache(config=model.config)
     caches = {"fp8": QuantizedFP8Cache(model), "int4": KIVICache(model, bits=4, group_size=64, residual=0)}
@@ -318,8 +350,9 @@ def test_whole_cache_nbytes_is_the_theoretical_size_while_decoding():
     """`cache.nbytes()` (everything held: stores, slot metadata, rotation matrix) within 1% of values x bits / 8 +
     scales (+ zero points) + the residual buffer (+ the one rotation matrix), after a prefill and through 100
     decode steps. SmolLM2's attention shape: 3 KV heads of 64."""
-    model = build_model("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
-                        max_position_embeddings=2048)
+    model = build_model(
+        "llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=2048
+    )
     layers, heads, d = model.config.num_hidden_layers, 3, 64
     ids = random_ids(1, 1101, seed=12)
     fp8, kivi = QuantizedFP8Cache(model), KIVICache(model, bits=4, group_size=32, residual=128)
@@ -328,7 +361,7 @@ def test_whole_cache_nbytes_is_the_theoretical_size_while_decoding():
             model(input_ids=ids[:, :1000], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         for t in range(1000, 1100):
             for cache in (fp8, kivi):
-                model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
+                model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
             n = t + 1
             # E4M3 bytes + one bfloat16 scale per token and head, + the [d, d] float32 rotation matrix
             fp8_theory = layers * heads * n * 2 * (d + 2) + d * d * 4

@@ -18,7 +18,10 @@ from hf_kvcache.stores.workspace import DequantWorkspace
 
 INT_BACKENDS = ["torch"] + [b for b in ("quanto", "hqq") if backend_available(b)]
 PACKING_BACKENDS = [b for b in ("quanto", "hqq") if backend_available(b)]
-FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 2.0**-4, 2.0**-6, 2.0**-9), "fp8_e5m2": (torch.float8_e5m2, 2.0**-3, 2.0**-14, 2.0**-16)}
+FP8 = {
+    "fp8_e4m3": (torch.float8_e4m3fn, 2.0**-4, 2.0**-6, 2.0**-9),
+    "fp8_e5m2": (torch.float8_e5m2, 2.0**-3, 2.0**-14, 2.0**-16),
+}
 
 
 def roundtrip(key: QuantSpec, x: torch.Tensor, append_only: bool = False) -> tuple[torch.Tensor, QuantizedStore]:
@@ -34,7 +37,8 @@ def roundtrip(key: QuantSpec, x: torch.Tensor, append_only: bool = False) -> tup
 @pytest.mark.parametrize("fmt", FP8)
 def test_fp8_bit_conversion_equals_the_native_one_for_every_code(fmt):
     """The CPU read path's integer route to float16 (stores/fp8.fp8_as_half) times its factor gives exactly torch's
-    own FP8 -> float32 conversion for all 256 codes: signs, zeros, subnormals, the largest values, E5M2's infinities (NaN codes aside)."""
+    own FP8 -> float32 conversion for all 256 codes: signs, zeros, subnormals, the largest values, E5M2's infinities
+    (NaN codes aside)."""
     from hf_kvcache.stores.fp8 import fp8_as_half
 
     dtype = FP8[fmt][0]
@@ -70,8 +74,12 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(x=tensors(), fmt=st.sampled_from(list(FP8)), group=st.sampled_from([None, 8, 16]),
-       scale_dtype=st.sampled_from([None, "float16", "float32", "e8m0"]))
+@given(
+    x=tensors(),
+    fmt=st.sampled_from(list(FP8)),
+    group=st.sampled_from([None, 8, 16]),
+    scale_dtype=st.sampled_from([None, "float16", "float32", "e8m0"]),
+)
 def test_fp8_token_round_trip(x, fmt, group, scale_dtype):
     spec = QuantSpec(fmt, "token", group, scale_dtype=scale_dtype)
     y, store = roundtrip(spec, x)
@@ -98,7 +106,7 @@ def test_fp8_channel_round_trip(x, fmt):
     spec = QuantSpec(fmt, "channel", 4)
     y, store = roundtrip(spec, x, append_only=True)
     scale = store.keys_codec.slot["scale"][:, :, : x.shape[2] // 4].float().repeat_interleave(4, 2)
-    assert (( y - x).abs() <= fp8_bound(x, scale, fmt)).all()
+    assert ((y - x).abs() <= fp8_bound(x, scale, fmt)).all()
 
 
 @SETTINGS
@@ -111,8 +119,13 @@ def test_fp8_fixed_scale_round_trip(x, fmt, gran):
 
 
 @SETTINGS
-@given(x=tensors(), bits=st.sampled_from([8, 4, 2]), group=st.sampled_from([None, 8, 16]),
-       backend=st.sampled_from([b for b in INT_BACKENDS if b != "hqq"]), scale_dtype=st.sampled_from([None, "bfloat16"]))
+@given(
+    x=tensors(),
+    bits=st.sampled_from([8, 4, 2]),
+    group=st.sampled_from([None, 8, 16]),
+    backend=st.sampled_from([b for b in INT_BACKENDS if b != "hqq"]),
+    scale_dtype=st.sampled_from([None, "bfloat16"]),
+)
 def test_int_token_within_half_a_step(x, bits, group, backend, scale_dtype):
     if bits != 8 and backend == "torch":
         backend = PACKING_BACKENDS[0] if PACKING_BACKENDS else pytest.skip("no packing backend installed")
@@ -137,8 +150,11 @@ def test_int_channel_within_half_a_step(x, bits):
 
 @pytest.mark.skipif(not backend_available("hqq"), reason="hqq is not installed")
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=tensors(dims=(16, 32), token_multiple=4, max_tokens=3), bits=st.sampled_from([8, 4, 2]),
-       granularity=st.sampled_from(["token", "channel"]))
+@given(
+    x=tensors(dims=(16, 32), token_multiple=4, max_tokens=3),
+    bits=st.sampled_from([8, 4, 2]),
+    granularity=st.sampled_from(["token", "channel"]),
+)
 def test_hqq_round_trip_is_bounded(x, bits, granularity):
     """HQQ optimises the zero point for an l_p (p < 1) error, not the max error: values stay within the group's range
     widened by one step, and the mean error is at most half a step."""
@@ -170,8 +186,12 @@ def test_hqq_and_quanto_pack_the_same_values_differently():
 
 # -- special inputs --------------------------------------------------------------------------------------------
 ALL_SPECS = [
-    QuantSpec("fp8_e4m3", "token"), QuantSpec("fp8_e5m2", "token", 8), QuantSpec("fp8_e4m3", "head"),
-    QuantSpec("fp8_e4m3", "tensor"), QuantSpec("fp8_e4m3", "token", scale_dtype="e8m0"), QuantSpec("int8", "token"),
+    QuantSpec("fp8_e4m3", "token"),
+    QuantSpec("fp8_e5m2", "token", 8),
+    QuantSpec("fp8_e4m3", "head"),
+    QuantSpec("fp8_e4m3", "tensor"),
+    QuantSpec("fp8_e4m3", "token", scale_dtype="e8m0"),
+    QuantSpec("int8", "token"),
 ] + [QuantSpec(f"int{b}", "token", 8, backend) for b in (4, 2) for backend in PACKING_BACKENDS]
 
 
@@ -255,9 +275,12 @@ def test_non_finite_input_is_an_error_and_leaves_the_store_unchanged(spec, bad, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", [QuantSpec("fp8_e4m3"), QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("int8", "token", 8)]
-                         + [QuantSpec("int4", "channel", 4, b) for b in PACKING_BACKENDS],
-                         ids=lambda s: f"{s.format}-{s.granularity}-{s.backend}")
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec("fp8_e4m3"), QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("int8", "token", 8)]
+    + [QuantSpec("int4", "channel", 4, b) for b in PACKING_BACKENDS],
+    ids=lambda s: f"{s.format}-{s.granularity}-{s.backend}",
+)
 def test_half_precision_models(spec, dtype):
     """Keys and values in bfloat16/float16: read back in that dtype, within the format's bound (plus the rounding
     of the output to the model's dtype), with smoothing and the full-precision residual in the same dtype."""
@@ -268,7 +291,7 @@ def test_half_precision_models(spec, dtype):
     store.write(torch.arange(40).expand(2, 1, 40), x, x, start=0)
     k, v = store.read(40)
     assert k.dtype == v.dtype == dtype and store.qlen >= 32
-    assert torch.equal(k[:, :, store.qlen:], x[:, :, store.qlen:])  # residual: exact
+    assert torch.equal(k[:, :, store.qlen :], x[:, :, store.qlen :])  # residual: exact
     xf, eps = x.float(), torch.finfo(dtype).eps
     step = 2 * xf.abs().amax() / (2**spec.bits - 1) if spec.is_int else 0.0
     # values: the format's bound, plus rounding the output to the model's dtype

@@ -16,8 +16,13 @@ from hf_kvcache.stores.regions import store_for_precisions
 
 def test_defaults_and_json_round_trip():
     spec = QuantSpec()
-    assert spec.to_dict() == {"format": "fp8_e4m3", "granularity": "token", "group_size": None, "backend": "torch",
-                              "scale_dtype": None}
+    assert spec.to_dict() == {
+        "format": "fp8_e4m3",
+        "granularity": "token",
+        "group_size": None,
+        "backend": "torch",
+        "scale_dtype": None,
+    }
     for s in (
         QuantSpec("fp8_e5m2", "head"),
         QuantSpec("int8", "token", 16),
@@ -100,8 +105,15 @@ def test_cache_argument_errors():
 
 def test_cache_config_is_json_and_generation_config_round_trip(tmp_path):
     config = build_config("llama")
-    cache_config = {"format": "fp8_e4m3", "granularity": "token", "group_size": 8, "key": {"format": "int8"},
-                    "value": {"format": "fp8_e5m2", "scale_dtype": "e8m0"}, "residual": 4, "key_smoothing": True}
+    cache_config = {
+        "format": "fp8_e4m3",
+        "granularity": "token",
+        "group_size": 8,
+        "key": {"format": "int8"},
+        "value": {"format": "fp8_e5m2", "scale_dtype": "e8m0"},
+        "residual": 4,
+        "key_smoothing": True,
+    }
     generation = GenerationConfig(cache_implementation="fp8", cache_config=cache_config)
     generation.save_pretrained(tmp_path)
     loaded = GenerationConfig.from_pretrained(tmp_path)

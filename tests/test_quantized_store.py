@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcache.stores.quantization import QuantSpec, backend_available
 from hf_kvcache.stores.growing_layout import GROWTH_TOKENS
+from hf_kvcache.stores.quantization import QuantSpec, backend_available
 from hf_kvcache.stores.quantized import GROWTH, QuantizedStore
 from hf_kvcache.stores.workspace import DequantWorkspace
 
@@ -187,7 +187,11 @@ def theoretical(tokens: int, key: QuantSpec, value: QuantSpec, model_bytes: int,
             groups = D // (spec.group_size or D) if spec.granularity == "token" else D / spec.group_size
             total += tokens * groups * scale_bytes
         else:
-            scale_bytes = model_bytes if spec.scale_dtype is None else {"float16": 2, "bfloat16": 2, "float32": 4}[spec.scale_dtype]
+            scale_bytes = (
+                model_bytes
+                if spec.scale_dtype is None
+                else {"float16": 2, "bfloat16": 2, "float32": 4}[spec.scale_dtype]
+            )
             groups = D // (spec.group_size or D) if spec.granularity == "token" else D / spec.group_size
             total += tokens * groups * 2 * scale_bytes  # scale and zero point
     total += 2 * residual_slots * D * model_bytes
@@ -201,10 +205,16 @@ SPECS = [
     (QuantSpec("fp8_e4m3", "channel", 4), QuantSpec("none"), 0),
 ]
 if PACKER:
-    SPECS += [(*kivi(4, 4), 6), (*kivi(2, 8), 0), (QuantSpec("int4", "token", 8, PACKER, "float16"), QuantSpec("int2", "token", 4, PACKER), 3)]
+    SPECS += [
+        (*kivi(4, 4), 6),
+        (*kivi(2, 8), 0),
+        (QuantSpec("int4", "token", 8, PACKER, "float16"), QuantSpec("int2", "token", 4, PACKER), 3),
+    ]
 
 
-@pytest.mark.parametrize("key, value, residual", SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.granularity}")
+@pytest.mark.parametrize(
+    "key, value, residual", SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.granularity}"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nbytes_is_the_theoretical_size(key, value, residual, dtype):
     store = QuantizedStore(key, value, residual=residual, append_only=True)
@@ -236,8 +246,9 @@ def test_4k_tokens_bytes_versus_dynamic_cache_in_bfloat16():
     dynamic = 2 * heads * n * dim * 2
     x = torch.randn(1, heads, n, dim, dtype=torch.bfloat16)
     fp8 = QuantizedStore(QuantSpec("fp8_e4m3"), QuantSpec("fp8_e4m3"), append_only=True)
-    int4 = QuantizedStore(QuantSpec("int4", "channel", 64, PACKER), QuantSpec("int4", "token", 64, PACKER),
-                          append_only=True)
+    int4 = QuantizedStore(
+        QuantSpec("int4", "channel", 64, PACKER), QuantSpec("int4", "token", 64, PACKER), append_only=True
+    )
     ratios = {}
     for name, store in (("fp8", fp8), ("int4", int4)):
         store.allocate(1, heads, dim, 17, torch.bfloat16, "cpu")
@@ -263,13 +274,24 @@ def test_workspace_is_reused_and_sized_for_one_layer():
     assert workspace.nbytes() <= 2 * (one_layer + scratch)
 
 
-@pytest.mark.parametrize("key,value,smoothing", [
-    (QuantSpec("fp8_e4m3", "token"), QuantSpec("fp8_e4m3", "token"), False),  # joint codec
-    (QuantSpec("fp8_e4m3", "token", 8), QuantSpec("fp8_e4m3", "token", 8), True),  # joint, channel groups, smoothing
-    (QuantSpec("fp8_e5m2", "head"), QuantSpec("int8", "token"), True),
-    pytest.param(QuantSpec("int4", "token", 8, PACKER or "torch"), QuantSpec("int2", "token", 16, PACKER or "torch"),
-                 False, marks=needs_packer),
-])
+@pytest.mark.parametrize(
+    "key,value,smoothing",
+    [
+        (QuantSpec("fp8_e4m3", "token"), QuantSpec("fp8_e4m3", "token"), False),  # joint codec
+        (
+            QuantSpec("fp8_e4m3", "token", 8),
+            QuantSpec("fp8_e4m3", "token", 8),
+            True,
+        ),  # joint, channel groups, smoothing
+        (QuantSpec("fp8_e5m2", "head"), QuantSpec("int8", "token"), True),
+        pytest.param(
+            QuantSpec("int4", "token", 8, PACKER or "torch"),
+            QuantSpec("int2", "token", 16, PACKER or "torch"),
+            False,
+            marks=needs_packer,
+        ),
+    ],
+)
 def test_read_slots_dequantizes_only_the_slots_asked_for(key, value, smoothing):
     """read_slots (CompositeCache moves) equals the gathered full read, per row and per head."""
     torch.manual_seed(2)

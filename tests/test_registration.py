@@ -23,8 +23,10 @@ OURS = set(hf_kvcache.CACHE_IMPLEMENTATIONS)
 def fresh_builtin_names() -> set[str]:
     """transformers' own names recomputed from the module's untouched component tuples, plus 'paged'."""
     cu = configuration_utils
-    recomputed = set(cu.STATIC_CACHE_IMPLEMENTATIONS) | set(cu.DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS) | set(
-        cu.DYNAMIC_CACHE_IMPLEMENTATIONS
+    recomputed = (
+        set(cu.STATIC_CACHE_IMPLEMENTATIONS)
+        | set(cu.DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS)
+        | set(cu.DYNAMIC_CACHE_IMPLEMENTATIONS)
     )
     return recomputed | {"paged"}
 
@@ -62,7 +64,7 @@ def test_register_is_idempotent():
     hf_kvcache.register()
     names = list(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
     assert len(names) == len(set(names))
-    assert OURS <= set(names)
+    assert set(names) >= OURS
     wrapper = GenerationMixin._prepare_cache_for_generation
     assert wrapper is upstream_generation._prepare_cache_for_generation
     original = wrapper.original
@@ -73,8 +75,9 @@ def test_register_is_idempotent():
     model = build_model("llama")
     ids = random_ids(1, 6)
     ref = model.generate(ids, max_new_tokens=5, do_sample=False)
-    out = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="sink",
-                         cache_config={"sinks": 2, "window": 20})
+    out = model.generate(
+        ids, max_new_tokens=5, do_sample=False, cache_implementation="sink", cache_config={"sinks": 2, "window": 20}
+    )
     assert torch.equal(out, ref)
 
 
@@ -125,7 +128,7 @@ def test_register_on_an_untested_version_warns_once_and_registers(monkeypatch):
     monkeypatch.setattr(versions, "_warned", False)
     with pytest.warns(UserWarning, match=r"4\.57\.0.*>=5\.23,<5\.25"):
         hf_kvcache.register()  # every contract still holds here: registration proceeds
-    assert OURS <= set(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
+    assert set(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) >= OURS
 
 
 def test_unknown_cache_config_key_lists_valid_keys():
@@ -146,8 +149,13 @@ def test_unknown_cache_config_key_lists_valid_keys():
 def test_cache_implementation_and_cache_object_conflict():
     model = build_model("llama")
     with pytest.raises(ValueError, match=f"`{CACHE_ARG}`"):
-        model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink",
-                       cache_config={"window": 8}, **cache_kwargs(SinkCache(model, window=8)))
+        model.generate(
+            random_ids(1, 5),
+            max_new_tokens=3,
+            cache_implementation="sink",
+            cache_config={"window": 8},
+            **cache_kwargs(SinkCache(model, window=8)),
+        )
 
 
 def test_cache_config_not_consumed_by_generate():
@@ -165,10 +173,12 @@ def test_generation_config_round_trip(tmp_path):
     model = build_model("llama")
     ids = random_ids(2, 12, seed=5)
     cache_config = {"sinks": 2, "window": 6, "position_mode": "cache"}
-    direct = model.generate(ids, max_new_tokens=15, do_sample=False, cache_implementation="sink",
-                            cache_config=cache_config)
-    gen = GenerationConfig(cache_implementation="sink", cache_config=cache_config, max_new_tokens=15,
-                           do_sample=False, pad_token_id=0)
+    direct = model.generate(
+        ids, max_new_tokens=15, do_sample=False, cache_implementation="sink", cache_config=cache_config
+    )
+    gen = GenerationConfig(
+        cache_implementation="sink", cache_config=cache_config, max_new_tokens=15, do_sample=False, pad_token_id=0
+    )
     gen.save_pretrained(tmp_path)
     on_disk = json.loads((tmp_path / "generation_config.json").read_text())
     assert on_disk["cache_implementation"] == "sink" and on_disk["cache_config"] == cache_config
@@ -185,8 +195,9 @@ def test_model_published_with_generation_config(tmp_path):
     model = build_model("qwen2")
     ids = random_ids(1, 12, seed=6)
     cache_config = {"window": 7}
-    direct = model.generate(ids, max_new_tokens=15, do_sample=False, cache_implementation="sliding",
-                            cache_config=cache_config)
+    direct = model.generate(
+        ids, max_new_tokens=15, do_sample=False, cache_implementation="sliding", cache_config=cache_config
+    )
     model.generation_config.cache_implementation = "sliding"
     model.generation_config.cache_config = cache_config
     model.generation_config.max_new_tokens = 15
@@ -203,17 +214,23 @@ def test_save_load_cache_config_round_trip(tmp_path):
     path = hf_kvcache.save_cache_config(tmp_path / "model", "sink", {"sinks": 4, "budget": 16})
     assert path.endswith("kvcache_config.json")
     data = json.loads(open(path).read())
-    # the safe form (hf_kvcache.sharing.hub): never a `cache_implementation`, which transformers refuses without our package
-    assert data == {"cache": "sink", "config": {"sinks": 4, "budget": 16}, "version": 1,
-                    "hf_kvcache_version": hf_kvcache.__version__}
+    # the safe form (hf_kvcache.sharing.hub): never a `cache_implementation`, which transformers refuses without our
+    # package
+    assert data == {
+        "cache": "sink",
+        "config": {"sinks": 4, "budget": 16},
+        "version": 1,
+        "hf_kvcache_version": hf_kvcache.__version__,
+    }
     assert "cache_implementation" not in open(path).read()
     loaded = hf_kvcache.load_cache_config(tmp_path / "model")
     assert loaded == {"cache_implementation": "sink", "cache_config": {"sinks": 4, "budget": 16}}
     model = build_model("llama")
     ids = random_ids(1, 10, seed=7)
     out = model.generate(ids, max_new_tokens=20, do_sample=False, **loaded)
-    direct = model.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation="sink",
-                            cache_config={"sinks": 4, "budget": 16})
+    direct = model.generate(
+        ids, max_new_tokens=20, do_sample=False, cache_implementation="sink", cache_config={"sinks": 4, "budget": 16}
+    )
     assert torch.equal(out, direct)
     cache = hf_kvcache.build_cache(loaded["cache_implementation"], model.config, loaded["cache_config"])
     assert isinstance(cache, SinkCache) and (cache.sinks, cache.window) == (4, 12)
@@ -231,8 +248,15 @@ def test_save_cache_config_rejects_bad_input(tmp_path):
 # 'builds a valid cache description' but only checks key names: values that every model rejects (sinks >= budget,
 # budget 0, ...) are written and only fail later, at load/generate time. ({"sinks": 4} without a window is valid
 # since every name has defaults: registry.DEFAULT_CACHE_CONFIGS fills the window.)
-@pytest.mark.parametrize("cache_config", [{"sinks": 4, "budget": 2}, {"sinks": 4, "budget": 0},
-                                          {"sinks": 4, "window": 0}, {"sinks": 4, "position_mode": "rope"}])
+@pytest.mark.parametrize(
+    "cache_config",
+    [
+        {"sinks": 4, "budget": 2},
+        {"sinks": 4, "budget": 0},
+        {"sinks": 4, "window": 0},
+        {"sinks": 4, "position_mode": "rope"},
+    ],
+)
 def test_save_cache_config_rejects_invalid_values(tmp_path, cache_config):
     with pytest.raises(ValueError):
         hf_kvcache.save_cache_config(tmp_path, "sink", cache_config)
@@ -242,9 +266,12 @@ def test_save_cache_config_rejects_invalid_values(tmp_path, cache_config):
 def test_load_cache_config_reads_the_old_format(tmp_path):
     """Folders written by hf_kvcache 0.1 ({"cache_implementation": ..., "cache_config": ...}) still load."""
     (tmp_path / "kvcache_config.json").write_text(
-        json.dumps({"cache_implementation": "sink", "cache_config": {"sinks": 2, "window": 6}}))
-    assert hf_kvcache.load_cache_config(tmp_path) == {"cache_implementation": "sink",
-                                                      "cache_config": {"sinks": 2, "window": 6}}
+        json.dumps({"cache_implementation": "sink", "cache_config": {"sinks": 2, "window": 6}})
+    )
+    assert hf_kvcache.load_cache_config(tmp_path) == {
+        "cache_implementation": "sink",
+        "cache_config": {"sinks": 2, "window": 6},
+    }
 
 
 def test_load_cache_config_rejects_bad_files(tmp_path):
@@ -274,10 +301,16 @@ def test_register_custom_cache_class():
         assert "test_my_sink" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
         model = build_model("llama")
         ids = random_ids(1, 8)
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="test_my_sink",
-                             cache_config={"sinks": 1, "window": 5})
-        ref = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="sink",
-                             cache_config={"sinks": 1, "window": 5})
+        out = model.generate(
+            ids,
+            max_new_tokens=12,
+            do_sample=False,
+            cache_implementation="test_my_sink",
+            cache_config={"sinks": 1, "window": 5},
+        )
+        ref = model.generate(
+            ids, max_new_tokens=12, do_sample=False, cache_implementation="sink", cache_config={"sinks": 1, "window": 5}
+        )
         assert torch.equal(out, ref)
         with pytest.raises(ValueError, match="KVCache"):
             hf_kvcache.register("test_bad", dict)

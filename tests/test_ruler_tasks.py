@@ -92,12 +92,19 @@ def test_the_board_runs_resumes_and_summarizes(tmp_path):
     from hf_kvcache.evaluation.ruler.board import Method, jobs, plot_board, run_board, summarize
 
     model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
-    methods = [Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
-               Method("StreamingLLM prompt", "sink", {"sinks": 2, "compress": "prompt"}, budget_key="window"),
-               Method("FP8", "fp8", {}, budget_key=None)]
-    plan = dict(compressions=[0.0, 0.5], protocols=["agnostic"], tasks=["niah_single_1", "qa_records_code"],
-                lengths=[600], samples=2)
-    build = lambda name, config, context: make_cache(model, name, config, context)  # noqa: E731
+    methods = [
+        Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
+        Method("StreamingLLM prompt", "sink", {"sinks": 2, "compress": "prompt"}, budget_key="window"),
+        Method("FP8", "fp8", {}, budget_key=None),
+    ]
+    plan = dict(
+        compressions=[0.0, 0.5],
+        protocols=["agnostic"],
+        tasks=["niah_single_1", "qa_records_code"],
+        lengths=[600],
+        samples=2,
+    )
+    build = lambda name, config, context: make_cache(model, name, config, context)
     path = run_board(model, TOKENIZER, build, methods, out=tmp_path, **plan)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 2 * 2 * (1 + 2 + 1)  # tasks x seeds x (full + two budgets at 50% + FP8 at its ratio)
@@ -154,8 +161,13 @@ def test_only_and_exclude_select_the_full_cache_by_its_label(monkeypatch):
     planned = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the command sets it: not for the later tests)
     monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: (None, None))
-    monkeypatch.setattr(board, "run_board", lambda model, tok, build, methods, compressions, *args, **kwargs:
-                        planned.append(([m.label for m in methods], compressions)))
+    monkeypatch.setattr(
+        board,
+        "run_board",
+        lambda model, tok, build, methods, compressions, *args, **kwargs: planned.append(
+            ([m.label for m in methods], compressions)
+        ),
+    )
     for flags, full_runs in ((["--only", "KVzip", "KIVI"], False), (["--exclude", "KVzip", "KIVI"], True)):
         assert main(["ruler", "--shard", "0/2", "--quiet", *flags]) == 0
         methods, compressions = planned.pop()
@@ -174,11 +186,17 @@ def _same_tail(task, length, seeds, count):
     return max(by_tail.values(), key=len)[:count]
 
 
-@pytest.mark.parametrize("name, config", [
-    ("dynamic", {}), ("snapkv", {"compress": "prompt", "budget": 150, "window": 4}),
-    ("h2o", {"compress": "always", "budget": 150}), ("sink", {"sinks": 2, "window": 150}),
-    ("kvzip", {"budget": 150, "head_budget": "adaptive"}), ("fp8", {}),
-])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("dynamic", {}),
+        ("snapkv", {"compress": "prompt", "budget": 150, "window": 4}),
+        ("h2o", {"compress": "always", "budget": 150}),
+        ("sink", {"sinks": 2, "window": 150}),
+        ("kvzip", {"budget": 150, "head_budget": "adaptive"}),
+        ("fp8", {}),
+    ],
+)
 def test_a_batch_answers_each_sample_as_alone(name, config):
     """run_batch left-pads the contexts (of different token lengths) and feeds the equal-length tails: every row's
     answer is the one its sample gets alone through the same cache. (Not so for KIVI, whose token blocks follow the
@@ -215,19 +233,22 @@ def test_the_board_in_batches_and_shards_writes_what_one_process_writes(tmp_path
     from hf_kvcache.evaluation.ruler.board import Method, load_samples, records, result_files, run_board, summarize
 
     model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
-    methods = [Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
-               Method("H2O always", "h2o", {"compress": "always"}),
-               Method("KIVI", "kivi", {"group_size": 16}, budget_key=None, batchable=False)]
+    methods = [
+        Method("SnapKV prompt", "snapkv", {"compress": "prompt", "window": 4}),
+        Method("H2O always", "h2o", {"compress": "always"}),
+        Method("KIVI", "kivi", {"group_size": 16}, budget_key=None, batchable=False),
+    ]
     plan = dict(compressions=[0.0, 0.5], protocols=["agnostic"], tasks=["qa_records_code"], lengths=[600], samples=5)
-    build = lambda name, config, context: make_cache(model, name, config, context)  # noqa: E731
+    build = lambda name, config, context: make_cache(model, name, config, context)
     one = run_board(model, TOKENIZER, build, methods, out=tmp_path / "one", **plan)
     for i in range(2):
         run_board(model, TOKENIZER, build, methods, out=tmp_path / "two", batch_size=4, shard=(i, 2), **plan)
     assert [p.name for p in result_files(tmp_path / "two")] == ["results.0of2.jsonl", "results.1of2.jsonl"]
     # the samples are made once: shard 0 wrote them all (its cells cover every seed), shard 1 read them back
     assert len(load_samples(tmp_path / "two")) == 5 and not (tmp_path / "two" / "samples.1of2.jsonl").exists()
-    assert load_samples(tmp_path / "two")["qa_records_code", 600, 3] == make_sample("qa_records_code", 600, 3,
-                                                                                      TOKENIZER)
+    assert load_samples(tmp_path / "two")["qa_records_code", 600, 3] == make_sample(
+        "qa_records_code", 600, 3, TOKENIZER
+    )
     alone = {r["key"]: r for r in records(one)}
     batched = {r["key"]: r for r in records(tmp_path / "two")}
     assert set(batched) == set(alone) and len(alone) == 5 * 4
@@ -265,8 +286,19 @@ def test_a_batch_out_of_device_memory_runs_as_halves(tmp_path, monkeypatch):
 
     monkeypatch.setattr(board, "run_batch", small_device)
     model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
-    board.run_board(model, TOKENIZER, lambda name, config, context: make_cache(model, name, config, context), [],
-                    [0.0], ["agnostic"], ["qa_records_code"], [600], 5, tmp_path, batch_size=5)
+    board.run_board(
+        model,
+        TOKENIZER,
+        lambda name, config, context: make_cache(model, name, config, context),
+        [],
+        [0.0],
+        ["agnostic"],
+        ["qa_records_code"],
+        [600],
+        5,
+        tmp_path,
+        batch_size=5,
+    )
     rows = board.records(tmp_path)
     assert sorted(r["seed"] for r in rows) == list(range(5)) and max(r["batch"] for r in rows) == 2
 

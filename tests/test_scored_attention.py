@@ -44,13 +44,24 @@ def reference(query, key, value, valid, causal_tail, scaling, softcap=None, sink
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3]),
-    q=st.integers(1, 13), past=st.integers(0, 11), chunk=st.sampled_from([None, 1, 3, 5, 64]),
-    per_head=st.booleans(), holes=st.booleans(), causal=st.booleans(), softcap=st.sampled_from([None, 5.0]),
-    with_sinks=st.booleans(), weighted=st.booleans(), score_from=st.integers(0, 13), seed=st.integers(0, 2**16),
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 3),
+    groups=st.sampled_from([1, 2, 3]),
+    q=st.integers(1, 13),
+    past=st.integers(0, 11),
+    chunk=st.sampled_from([None, 1, 3, 5, 64]),
+    per_head=st.booleans(),
+    holes=st.booleans(),
+    causal=st.booleans(),
+    softcap=st.sampled_from([None, 5.0]),
+    with_sinks=st.booleans(),
+    weighted=st.booleans(),
+    score_from=st.integers(0, 13),
+    seed=st.integers(0, 2**16),
 )
-def test_equals_eager_reference(batch, kv_heads, groups, q, past, chunk, per_head, holes, causal, softcap,
-                                with_sinks, weighted, score_from, seed):
+def test_equals_eager_reference(
+    batch, kv_heads, groups, q, past, chunk, per_head, holes, causal, softcap, with_sinks, weighted, score_from, seed
+):
     g = torch.Generator().manual_seed(seed)
     q_heads, kv, dim = kv_heads * groups, past + q, 8
     query = torch.randn(batch, q_heads, q, dim, generator=g) * 2
@@ -63,8 +74,19 @@ def test_equals_eager_reference(batch, kv_heads, groups, q, past, chunk, per_hea
     sinks = torch.randn(q_heads, generator=g) if with_sinks else None
     weight = (torch.rand(batch, q, generator=g) > 0.3).float() if weighted else None
     score_from = min(score_from, q)
-    out, scores = scored_attention(query, key, value, valid, causal_tail, 0.3, softcap=softcap, sinks=sinks,
-                                   query_weight=weight, score_from=score_from, chunk=chunk)
+    out, scores = scored_attention(
+        query,
+        key,
+        value,
+        valid,
+        causal_tail,
+        0.3,
+        softcap=softcap,
+        sinks=sinks,
+        query_weight=weight,
+        score_from=score_from,
+        chunk=chunk,
+    )
     ref_out, ref_scores = reference(query, key, value, valid, causal_tail, 0.3, softcap, sinks, weight, score_from)
     assert out.shape == (batch, q, q_heads, 6) and out.dtype == query.dtype
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
@@ -86,8 +108,11 @@ class _LargestTensor(TorchDispatchMode):
 
 def test_memory_is_chunk_by_kv_never_the_whole_prompt():
     batch, q_heads, kv_heads, q, dim, chunk = 1, 4, 2, 512, 16, 32
-    query, key, value = torch.randn(batch, q_heads, q, dim), torch.randn(batch, kv_heads, q, dim), \
-        torch.randn(batch, kv_heads, q, dim)
+    query, key, value = (
+        torch.randn(batch, q_heads, q, dim),
+        torch.randn(batch, kv_heads, q, dim),
+        torch.randn(batch, kv_heads, q, dim),
+    )
     valid = torch.ones(batch, kv_heads, q, dtype=torch.bool)
     with _LargestTensor() as mode:
         scored_attention(query, key, value, valid, q, 0.25, chunk=chunk)
@@ -115,11 +140,17 @@ def _h2o_run(model, ids, mask, prefill, output_attentions):
     """Logits of a padded prefill + one-token steps through H2O, and the final scores of every layer."""
     cache = hf_kvcache.H2OCache(model, heavy=5, recent=4)
     kwargs = {"output_attentions": True} if output_attentions else {}
-    logits = [model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], **cache_kwargs(cache),
-                    **kwargs).logits[:, -1]]
+    logits = [
+        model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], **cache_kwargs(cache), **kwargs).logits[
+            :, -1
+        ]
+    ]
     for i in range(prefill, ids.shape[1]):
-        logits.append(model(input_ids=ids[:, i : i + 1], attention_mask=mask[:, : i + 1], **cache_kwargs(cache),
-                            **kwargs).logits[:, -1])
+        logits.append(
+            model(input_ids=ids[:, i : i + 1], attention_mask=mask[:, : i + 1], **cache_kwargs(cache), **kwargs).logits[
+                :, -1
+            ]
+        )
     return torch.stack(logits, 1), [layer.policy.scores.clone() for layer in cache.layers], cache
 
 

@@ -59,8 +59,9 @@ def test_knorm_is_minus_key_norm(eager):
 def test_keydiff_is_minus_cosine_to_the_mean_unit_key(eager):
     model, ids, (keys, _, _, _) = eager
     anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)
-    torch.testing.assert_close(_scores(model, "keydiff", ids), -F.cosine_similarity(keys, anchor, dim=-1),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _scores(model, "keydiff", ids), -F.cosine_similarity(keys, anchor, dim=-1), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_tova_is_the_last_querys_attention_averaged_over_all_heads(eager):
@@ -139,8 +140,9 @@ def test_scorers_without_attention_never_compute_it(name, monkeypatch):
 
     monkeypatch.setattr(bridge, "attention_column_scores", refuse)
     model = build_model("llama")
-    out = model.generate(random_ids(1, 20), max_new_tokens=6, do_sample=False, cache_implementation=name,
-                         cache_config={"budget": 8})
+    out = model.generate(
+        random_ids(1, 20), max_new_tokens=6, do_sample=False, cache_implementation=name, cache_config={"budget": 8}
+    )
     assert out.shape == (1, 26)
 
 
@@ -184,7 +186,7 @@ def test_bad_settings_name_the_parameter(name):
 
 @pytest.mark.parametrize("name", SCORERS)
 def test_decode_time_eviction_protects_half_the_budget_by_default(name):
-    """"always" mode keeps at least DECODE_RECENT_SHARE of the budget (Knorm: KNORM_DECODE_RECENT_SHARE) as a recent
+    """ "always" mode keeps at least DECODE_RECENT_SHARE of the budget (Knorm: KNORM_DECODE_RECENT_SHARE) as a recent
     window when `recent` is unset (the scorers' paper windows let decode-time eviction drop the newest tokens:
     eval/results/scorers); prompt mode keeps the paper's window; a given `recent` is used as given."""
     from hf_kvcache.caches.scorers import DECODE_RECENT_SHARE, KNORM_DECODE_RECENT_SHARE

@@ -30,8 +30,7 @@ openai = pytest.importorskip("openai")
 START_TIMEOUT = 240  # s: import, load SmolLM2, bind
 REQUEST_TIMEOUT = 120  # s per request
 NEAR_TIE = 0.01  # logits: float32 batching noise is ~1e-5, SmolLM2's own near-ties are common under 0.1
-PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow.",
-           "Write one sentence about the sea."]
+PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow.", "Write one sentence about the sea."]
 NEW_TOKENS = 16
 
 
@@ -73,8 +72,8 @@ def fp8_pages(smollm2):
 
 def chat(server, prompt: str, **kwargs) -> str:
     response = server.client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0,
-        **kwargs)
+        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0, **kwargs
+    )
     return response.choices[0].message.content
 
 
@@ -83,11 +82,18 @@ def reference(model, tokenizer, prompt: str, cache) -> str:
     """Greedy text of `generate` with `cache`, cut before the first near-tie of the greedy choice."""
     from hf_kvcache import cache_kwargs
 
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, **cache_kwargs(cache))
-    tokens = out.sequences[0, ids.shape[1]:]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **cache_kwargs(cache),
+    )
+    tokens = out.sequences[0, ids.shape[1] :]
     keep = len(tokens)
     for step, scores in enumerate(out.scores):
         top2 = scores[0].float().topk(2).values
@@ -116,8 +122,14 @@ def test_fp8_pages_equal_quantized_fp8_cache(fp8_pages, smollm2):
     model, tokenizer = smollm2
     compared = 0
     for prompt in PROMPTS:
-        cache = QuantizedFP8Cache(model, format="fp8_e4m3", granularity="token", key_rotation="hadamard",
-                                  key={"scale_dtype": "bfloat16"}, value={"scale_dtype": "bfloat16"})
+        cache = QuantizedFP8Cache(
+            model,
+            format="fp8_e4m3",
+            granularity="token",
+            key_rotation="hadamard",
+            key={"scale_dtype": "bfloat16"},
+            value={"scale_dtype": "bfloat16"},
+        )
         expected, steps = reference(model, tokenizer, prompt, cache)
         answer = chat(fp8_pages, prompt)
         assert answer.startswith(expected), (prompt, answer, expected)
@@ -128,14 +140,19 @@ def test_fp8_pages_equal_quantized_fp8_cache(fp8_pages, smollm2):
 def test_streaming_and_completions(fp8_pages):
     plain = chat(fp8_pages, PROMPTS[0])
     stream = fp8_pages.client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=NEW_TOKENS, temperature=0,
-        stream=True)
+        model="smollm2",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+    )
     chunks = [c for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain and plain
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    completion = fp8_pages.client.completions.create(model="smollm2", prompt="The quick brown fox", max_tokens=8,
-                                                     temperature=0)
+    completion = fp8_pages.client.completions.create(
+        model="smollm2", prompt="The quick brown fox", max_tokens=8, temperature=0
+    )
     assert completion.choices[0].text and completion.usage.completion_tokens <= 8
 
 
@@ -145,13 +162,15 @@ def _load_request(server, i: int) -> tuple[int, int]:
     max_tokens = 4 + (i * 5) % 13
     messages = [{"role": "user", "content": f"Repeat the last word of: {words}"}]
     if i % 2:
-        stream = server.client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens,
-                                                       temperature=0, stream=True)
+        stream = server.client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+        )
         chunks = [c for c in stream]
         usage = chunks[-1].usage
         return usage.completion_tokens, max_tokens
-    response = server.client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens,
-                                                     temperature=0)
+    response = server.client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0
+    )
     return response.usage.completion_tokens, max_tokens
 
 
@@ -181,7 +200,8 @@ def test_prompt_longer_than_memory_is_refused_and_server_keeps_serving(fp8_pages
     limit = fp8_pages.kv_cache()["tokens_capacity"]
     with pytest.raises(openai.BadRequestError) as error:
         fp8_pages.client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "word " * (limit + 100)}], max_tokens=4)
+            model="smollm2", messages=[{"role": "user", "content": "word " * (limit + 100)}], max_tokens=4
+        )
     body = error.value.body
     assert body["code"] == "context_length_exceeded" and f"at most {limit} tokens" in body["message"], body
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -192,8 +212,12 @@ def test_prompt_longer_than_memory_is_refused_and_server_keeps_serving(fp8_pages
 
 def test_client_disconnect_mid_stream_frees_pages(fp8_pages):
     stream = fp8_pages.client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-        max_tokens=1000, temperature=0, stream=True)
+        model="smollm2",
+        messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+    )
     received = 0
     for chunk in stream:
         received += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -209,10 +233,21 @@ def test_client_disconnect_mid_stream_frees_pages(fp8_pages):
     assert chat(fp8_pages, PROMPTS[1])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", "12"), ("temperature", -1), ("temperature", "hot"), ("top_p", 1.5),
-    ("seed", 1.5), ("stream", "yes"), ("n", 2), ("messages", []), ("messages", [{"content": "no role"}]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", "12"),
+        ("temperature", -1),
+        ("temperature", "hot"),
+        ("top_p", 1.5),
+        ("seed", 1.5),
+        ("stream", "yes"),
+        ("n", 2),
+        ("messages", []),
+        ("messages", [{"content": "no role"}]),
+    ],
+)
 def test_bad_values_get_400_naming_the_field(fp8_pages, field, value):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
     status, answer = fp8_pages.post("/v1/chat/completions", body)
@@ -221,8 +256,9 @@ def test_bad_values_get_400_naming_the_field(fp8_pages, field, value):
 
 
 def test_unknown_field_and_bad_prompt(fp8_pages):
-    status, answer = fp8_pages.post("/v1/chat/completions", {"model": "smollm2", "messages": [
-        {"role": "user", "content": "hi"}], "max_tokenz": 4})
+    status, answer = fp8_pages.post(
+        "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokenz": 4}
+    )
     assert status == 422 and "max_tokenz" in json.dumps(answer)
     status, answer = fp8_pages.post("/v1/completions", {"model": "smollm2", "prompt": "", "max_tokens": 4})
     assert status == 400 and answer["error"]["param"] == "prompt"

@@ -19,8 +19,17 @@ from hf_kvcache.paged.serve_requests import RequestRejected, admit
 from hf_kvcache.paged.server import build_server, plan_memory
 
 
-@pytest.mark.parametrize("text, size", [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
-                                        ("64M", 64_000_000), ("4096", 4096), (" 1 kib ", 1024)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("64M", 64_000_000),
+        ("4096", 4096),
+        (" 1 kib ", 1024),
+    ],
+)
 def test_memory_size(text, size):
     assert memory_size(text) == size
 
@@ -71,8 +80,11 @@ def test_admission_refuses_what_the_pages_cannot_hold():
     manager = FakeManager()
     admit(manager, limit=100, label="1 MiB of int8 pages")
     assert manager.add_request(list(range(60)), request_id="a", max_new_tokens=40) == "a"
-    with pytest.raises(RequestRejected, match=r"needs 101 tokens .* \(1 MiB of int8 pages\) holds at most 100 "
-                                              r"tokens") as error:
+    with pytest.raises(
+        RequestRejected,
+        match=r"needs 101 tokens .* \(1 MiB of int8 pages\) holds at most 100 "
+        r"tokens",
+    ) as error:
         manager.add_request(list(range(61)), request_id="b", max_new_tokens=40)
     assert error.value.param == "max_tokens" and error.value.code == "context_length_exceeded"
     with pytest.raises(RequestRejected, match="needs 101 tokens") as error:  # the manager's default max_new_tokens

@@ -19,11 +19,21 @@ SETTINGS = ServeBenchSettings(formats=("model", "fp8_e4m3"), budget_scales=(1.0,
 def run(round_, scale, fmt, mean, steady=True, **extra) -> dict:
     """One run's row; `mean` concurrent requests at the steady state, everything else derived from it."""
     return {
-        "round": round_, "budget_scale": scale, "format": fmt, "steady_measured": steady,
-        "steady_reason": "" if steady else "the queue ran dry", "steady_mean_concurrent_requests": mean,
-        "steady_peak_concurrent_requests": mean + 2, "peak_concurrent_requests": mean + 4, "num_blocks": 10 * mean,
-        "tokens_per_s": 100.0 + mean, "ttft_mean_s": 1.0, "kl_mean": 0.001 * (round_ + 1) if fmt != "model" else 0.0,
-        "kv_bytes": int(2**20 * scale), "trace": [{"forward": 0, "resident": mean}], **extra,
+        "round": round_,
+        "budget_scale": scale,
+        "format": fmt,
+        "steady_measured": steady,
+        "steady_reason": "" if steady else "the queue ran dry",
+        "steady_mean_concurrent_requests": mean,
+        "steady_peak_concurrent_requests": mean + 2,
+        "peak_concurrent_requests": mean + 4,
+        "num_blocks": 10 * mean,
+        "tokens_per_s": 100.0 + mean,
+        "ttft_mean_s": 1.0,
+        "kl_mean": 0.001 * (round_ + 1) if fmt != "model" else 0.0,
+        "kv_bytes": int(2**20 * scale),
+        "trace": [{"forward": 0, "resident": mean}],
+        **extra,
     }
 
 
@@ -55,14 +65,20 @@ def test_no_concurrency_ratio_unless_every_run_was_memory_bound():
     assert row["concurrency_ratio"] is None and row["steady_peak_ratio"] is None
     assert row["whole_run_peak_ratio"] == pytest.approx(44 / 24)  # (the whole-run peak needs no steady state)
     lines = summary_lines({"summary": {"fp8_e4m3@x1.0": row}, "quantized_fp8_cache_kl_same_text": None})
-    assert lines == [f"fp8_e4m3@x1.0: no memory-bound steady state in every run (see the JSON), whole-run peak "
-                     f"x{44 / 24:.2f}, pages x2.00, tokens/s x{140 / 120:.2f}, TTFT x1.00, KL 2.00e-03"]
+    assert lines == [
+        f"fp8_e4m3@x1.0: no memory-bound steady state in every run (see the JSON), whole-run peak "
+        f"x{44 / 24:.2f}, pages x2.00, tokens/s x{140 / 120:.2f}, TTFT x1.00, KL 2.00e-03"
+    ]
 
 
 def test_files_hold_every_run(tmp_path):
     rows = runs()
-    result = {"settings": dataclasses.asdict(SETTINGS), "runs": rows, "summary": summarize(rows, SETTINGS),
-              "quantized_fp8_cache_kl_same_text": {"QuantizedFP8Cache": {"kl_mean": 0.004, "top1_agreement": 0.98}}}
+    result = {
+        "settings": dataclasses.asdict(SETTINGS),
+        "runs": rows,
+        "summary": summarize(rows, SETTINGS),
+        "quantized_fp8_cache_kl_same_text": {"QuantizedFP8Cache": {"kl_mean": 0.004, "top1_agreement": 0.98}},
+    }
     paths = write_results(result, str(tmp_path / "serve.bench"))
     assert paths == [str(tmp_path / f"serve.bench.{s}") for s in ("json", "csv", "png")]  # the dot in the name kept
     saved = json.loads((tmp_path / "serve.bench.json").read_text())

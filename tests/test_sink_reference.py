@@ -6,7 +6,8 @@ keys go to positions (p_query - L + 1 + slot), slot = 0..L-1: by RoPE relativity
 positions 0..L-1 with the query at L-1. In "original" mode each key keeps the position it arrived at.
 
 The reference knows the RoPE conventions it is given (written here from the modeling files, independently of
-hf_kvcache.common.rope): rotate-half or interleaved pairs (GLM-4), and layers without RoPE (SmolLM3's NoPE layers, Cohere2's
+hf_kvcache.common.rope): rotate-half or interleaved pairs (GLM-4), and layers without RoPE (SmolLM3's NoPE layers,
+Cohere2's
 full-attention layers), whose keys it keeps as they arrived. The rotator's own tests follow at the end.
 """
 
@@ -20,8 +21,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from hf_kvcache import SinkCache, SlidingWindowCache, cache_kwargs
 
 
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, inv_freq: torch.Tensor | None = None,
-                interleaved: bool = False):
+def rope_rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    inv_freq: torch.Tensor | None = None,
+    interleaved: bool = False,
+):
     """Rotate-half RoPE of x [B, H, n, D] to positions [n] (float64 for a clean reference). By default the standard
     frequencies theta^(-2i/D) over the whole head; `inv_freq` overrides them (scaled RoPE types, partial rotary:
     only the first 2 * len(inv_freq) dims rotate). `interleaved`: pair i is dims (2i, 2i + 1) instead of
@@ -48,8 +54,7 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, inv_freq
 class ReferenceSinkLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, sinks: int, window: int, theta: float, mode: str, inv_freq=None, interleaved=False,
-                 rope=True):
+    def __init__(self, sinks: int, window: int, theta: float, mode: str, inv_freq=None, interleaved=False, rope=True):
         super().__init__()
         self.sinks, self.window, self.theta, self.mode, self.inv_freq = sinks, window, theta, mode, inv_freq
         self.interleaved, self.rope = interleaved, rope  # rope=False: a NoPE layer, keys carry no position
@@ -129,14 +134,16 @@ class ReferenceSinkCache(Cache):
     """`rope_layers[i]` False: layer i has no RoPE. Sliding layers (config.layer_types) keep the model's own window
     through transformers' sliding layer, as our caches do."""
 
-    def __init__(self, config, sinks: int, window: int, mode: str = "cache", inv_freq=None, interleaved=False,
-                 rope_layers=None):
+    def __init__(
+        self, config, sinks: int, window: int, mode: str = "cache", inv_freq=None, interleaved=False, rope_layers=None
+    ):
         theta = config.rope_parameters["rope_theta"]
         n = config.num_hidden_layers
         types = getattr(config, "layer_types", None) or ["full_attention"] * n
         rope_layers = [True] * n if rope_layers is None else rope_layers
         layers = [
-            DynamicSlidingWindowLayer(sliding_window=config.sliding_window) if types[i] == "sliding_attention"
+            DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
+            if types[i] == "sliding_attention"
             else ReferenceSinkLayer(sinks, window, theta, mode, inv_freq, interleaved, rope_layers[i])
             for i in range(n)
         ]
@@ -271,11 +278,30 @@ def test_multi_turn_generate_matches_reference(mode):
 
 ROPE_VARIANTS = {
     "linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
-                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                             "original_max_position_embeddings": 64}}),
-    "yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                           "original_max_position_embeddings": 64}}),
+    "llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 500000.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "yarn": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "partial_rotary": ("phi3", {"partial_rotary_factor": 0.5}),
     "head_dim_32": ("qwen3", {"head_dim": 32}),
     "gpt_neox_partial_25": ("gpt_neox", {}),
@@ -298,11 +324,22 @@ def test_rope_variants_match_reference(variant):
     assert (other - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("arch,rope_parameters", [
-    ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    ("phi3", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-              "original_max_position_embeddings": 64}),
-])
+@pytest.mark.parametrize(
+    "arch,rope_parameters",
+    [
+        ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        (
+            "phi3",
+            {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],
+)
 def test_length_dependent_rope_rejected_in_cache_mode(arch, rope_parameters):
     from conftest import build_config
 
@@ -321,12 +358,16 @@ def test_generate_with_prefill_chunks_matches_reference(mode):
     ref = model.generate(prompt, **cache_kwargs(ReferenceSinkCache(model.config, 2, 6, mode)), **kw)
     got = model.generate(prompt, **cache_kwargs(SinkCache(model.config, sinks=2, window=6, position_mode=mode)), **kw)
     assert torch.equal(got, ref)
-    whole = model.generate(prompt, **cache_kwargs(SinkCache(model.config, sinks=2, window=6, position_mode=mode)),
-                           max_new_tokens=12, do_sample=False)
+    whole = model.generate(
+        prompt,
+        **cache_kwargs(SinkCache(model.config, sinks=2, window=6, position_mode=mode)),
+        max_new_tokens=12,
+        do_sample=False,
+    )
     assert not torch.equal(whole, got)  # chunking the prompt really changed what was attended
 
 
-# -- the rotator per layer (hf_kvcache.common.rope.KeyRotator) on the architectures whose RoPE differs ------------------
+# -- the rotator per layer (hf_kvcache.common.rope.KeyRotator) on the architectures whose RoPE differs ---------------
 import warnings  # noqa: E402
 
 import model_zoo  # noqa: E402
@@ -386,10 +427,19 @@ def test_models_whose_full_layers_have_no_rope_are_planned_so(model_type):
     ~1 and refused by the first forward's check)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128, head_dim=16,
-                                  num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                  max_position_embeddings=256, sliding_window=8,
-                                  layer_types=["sliding_attention", "full_attention"])
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     rotator = KeyRotator(model.config)
@@ -401,8 +451,10 @@ def test_models_whose_full_layers_have_no_rope_are_planned_so(model_type):
 def _one_rotate_half_for_all(rotator, model) -> None:
     """What KeyRotator did before it knew layers: the rotate-half RoPE of the config on every compressed layer."""
     head_dim = attention_head_dim(model.config)
-    inv_freq = next((p.inv_freq for p in rotator.layers.values() if p is not None),
-                    1.0 / (model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2) / head_dim)))
+    inv_freq = next(
+        (p.inv_freq for p in rotator.layers.values() if p is not None),
+        1.0 / (model.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2) / head_dim)),
+    )
     rotator.layers = {i: LayerRope(inv_freq.float(), "half") for i in rotator.layers}
 
 
@@ -420,7 +472,7 @@ def test_check_catches_the_single_rotate_half_rotator(arch, layer):
     # and an identity everywhere is caught on layers that do have RoPE
     if arch != "cohere2":
         rotator.layers = {i: None for i in rotator.layers}
-        with pytest.raises(ValueError, match=rf"layer \d: re-rotating cached keys .* with no RoPE"):
+        with pytest.raises(ValueError, match=r"layer \d: re-rotating cached keys .* with no RoPE"):
             check_rotator_against_model(model, rotator)
 
 
@@ -481,13 +533,20 @@ def _wrong_convention(monkeypatch):
     monkeypatch.setattr(rope_module, "INTERLEAVED_MODEL_TYPES", rope_module.INTERLEAVED_MODEL_TYPES - {"glm4"})
 
 
-@pytest.mark.parametrize("build", [
-    lambda m: SinkCache(m, sinks=2, window=6),
-    lambda m: H2OCache(m, heavy=4, recent=4, position_mode="compact"),
-    lambda m: CompositeCache(m, regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}]),
-    lambda m: CompositeCache(m, regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}],
-                             layers={0: {"cache": "sink", "sinks": 2, "window": 6}}),
-], ids=["sink", "h2o_compact", "composite", "composite_with_a_sink_layer"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda m: SinkCache(m, sinks=2, window=6),
+        lambda m: H2OCache(m, heavy=4, recent=4, position_mode="compact"),
+        lambda m: CompositeCache(m, regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}]),
+        lambda m: CompositeCache(
+            m,
+            regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}],
+            layers={0: {"cache": "sink", "sinks": 2, "window": 6}},
+        ),
+    ],
+    ids=["sink", "h2o_compact", "composite", "composite_with_a_sink_layer"],
+)
 def test_caches_built_with_a_model_check_the_rotation(monkeypatch, build):
     _wrong_convention(monkeypatch)
     model = model_zoo.build("glm4")
@@ -503,8 +562,11 @@ def test_no_check_without_a_model_or_without_re_rotation(monkeypatch):
     SinkCache(model.config, sinks=2, window=6)  # a config: nothing to run
     SinkCache(model, sinks=2, window=6, position_mode="original")
     H2OCache(model, heavy=4, recent=4)  # original positions
-    CompositeCache(model, regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}],
-                   sink_positions="original")
+    CompositeCache(
+        model,
+        regions=[{"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 6}],
+        sink_positions="original",
+    )
     assert calls == []
 
 
@@ -512,8 +574,7 @@ def test_check_runs_once_per_model_and_rotator(monkeypatch):
     model = model_zoo.build("smollm3")
     calls = []
     real = rope_module.check_rotator_against_model
-    monkeypatch.setattr(rope_module, "check_rotator_against_model",
-                        lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(rope_module, "check_rotator_against_model", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     SinkCache(model, sinks=2, window=6)
     SinkCache(model, sinks=4, window=10)  # same rotator: already checked
     assert calls == [[0, 1]]

@@ -120,8 +120,9 @@ def test_native_in_place_rotation_equals_the_torch_one(convention, rotary_dim, p
         results.append(regions.stores[0].keys[:, :, :SINKS].clone())
     native, torch_ops = results
     assert calls == [True]
-    torch.testing.assert_close(native.float(), torch_ops.float(), **(
-        {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)))  # (16-bit: one rounding either side)
+    torch.testing.assert_close(
+        native.float(), torch_ops.float(), **({} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2))
+    )  # (16-bit: one rounding either side)
     torch.testing.assert_close(native[0], keys[0], rtol=0, atol=0)  # no other token: unchanged
     torch.testing.assert_close(native[..., rotary_dim:], keys[..., rotary_dim:], rtol=0, atol=0)
     assert not torch.equal(native[1], keys[1])
@@ -138,5 +139,12 @@ def test_native_rotation_refuses_a_wrong_shape():
     target = torch.zeros(1, HEADS, SINKS, HEAD_DIM)
     oldest = torch.tensor([[40]])
     with pytest.raises(RuntimeError, match="shift"):
-        cpu_rope.rotate_sinks_into(keys, target, oldest, torch.zeros(1, 1, SINKS + 2, dtype=torch.long), None,
-                                   torch.ones(HEAD_DIM // 2), "half")
+        cpu_rope.rotate_sinks_into(
+            keys,
+            target,
+            oldest,
+            torch.zeros(1, 1, SINKS + 2, dtype=torch.long),
+            None,
+            torch.ones(HEAD_DIM // 2),
+            "half",
+        )

@@ -1,5 +1,5 @@
-"""Cache state files (hf_kvcache.sharing.state): pause a stream, save, load into a fresh cache, resume -- the logits of every
-step after the pause equal those of the uninterrupted run exactly, for every cache family; files from another
+"""Cache state files (hf_kvcache.sharing.state): pause a stream, save, load into a fresh cache, resume -- the logits of
+every step after the pause equal those of the uninterrupted run exactly, for every cache family; files from another
 version, cache or model shape, and files that are not state files, are refused naming the field."""
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ CACHES = {
     "h2o_ratio": lambda m: hf_kvcache.H2OCache(m, heavy=0.3, recent=0.3),
     "random_eviction": lambda m: hf_kvcache.RandomEvictionCache(m, heavy=4, recent=4, seed=3),
     "composite": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12),
-    "composite_tiers": lambda m: hf_kvcache.CompositeCache(m, regions=[
-        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
-        {"role": "window", "start": 3, "end": 6, "keys": "fp8_e4m3", "values": "int8"},
-        {"role": "rest", "keys": "fp8_e4m3", "values": "fp8_e4m3"}]),
+    "composite_tiers": lambda m: hf_kvcache.CompositeCache(
+        m,
+        regions=[
+            {"role": "sinks", "tokens": 2},
+            {"role": "window", "start": 0, "end": 3},
+            {"role": "window", "start": 3, "end": 6, "keys": "fp8_e4m3", "values": "int8"},
+            {"role": "rest", "keys": "fp8_e4m3", "values": "fp8_e4m3"},
+        ],
+    ),
     "fp8": lambda m: hf_kvcache.QuantizedFP8Cache(m),
     "fp8_residual_head": lambda m: hf_kvcache.QuantizedFP8Cache(m, residual=4, granularity="head"),
     "fp8_tensor": lambda m: hf_kvcache.QuantizedFP8Cache(m, granularity="tensor", key_smoothing=True),
@@ -45,16 +50,29 @@ CACHES = {
     "snapkv": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["snapkv"](m, budget=8, window=4),
     "expected_attention": lambda m: hf_kvcache.CACHE_IMPLEMENTATIONS["expected_attention"](m, budget=8),
     "kvzip": lambda m: hf_kvcache.KVzipCache(m, budget=5, request_ids=KVZIP_REQUEST),
-    "kvzip_model_wide": lambda m: hf_kvcache.KVzipCache(m, budget=5, head_budget="adaptive", layer_budget="adaptive",
-                                                        request_ids=KVZIP_REQUEST),
-    "composite_prompt": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12,
-                                                            compress="prompt"),
-    "composite_snapkv": lambda m: hf_kvcache.CompositeCache(m, regions=[
-        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
-        {"role": "heavy", "tokens": 4, "scorer": "snapkv", "window": 3}]),
-    "composite_expected_attention_prompt": lambda m: hf_kvcache.CompositeCache(m, compress="prompt", regions=[
-        {"role": "sinks", "tokens": 2}, {"role": "window", "start": 0, "end": 3},
-        {"role": "heavy", "tokens": 4, "scorer": "expected_attention", "keys": "fp8_e4m3", "values": "int8"}]),
+    "kvzip_model_wide": lambda m: hf_kvcache.KVzipCache(
+        m, budget=5, head_budget="adaptive", layer_budget="adaptive", request_ids=KVZIP_REQUEST
+    ),
+    "composite_prompt": lambda m: hf_kvcache.CompositeCache(
+        m, preset="sinks_heavy_recent", budget=12, compress="prompt"
+    ),
+    "composite_snapkv": lambda m: hf_kvcache.CompositeCache(
+        m,
+        regions=[
+            {"role": "sinks", "tokens": 2},
+            {"role": "window", "start": 0, "end": 3},
+            {"role": "heavy", "tokens": 4, "scorer": "snapkv", "window": 3},
+        ],
+    ),
+    "composite_expected_attention_prompt": lambda m: hf_kvcache.CompositeCache(
+        m,
+        compress="prompt",
+        regions=[
+            {"role": "sinks", "tokens": 2},
+            {"role": "window", "start": 0, "end": 3},
+            {"role": "heavy", "tokens": 4, "scorer": "expected_attention", "keys": "fp8_e4m3", "values": "int8"},
+        ],
+    ),
 }
 STEPS_BEFORE, STEPS_AFTER = 9, 8
 
@@ -62,7 +80,7 @@ STEPS_BEFORE, STEPS_AFTER = 9, 8
 def _forward(model, cache, ids, mask):
     """One forward of `ids` [B, q] after the tokens of `mask` already in the cache; returns (logits, new mask)."""
     mask = torch.cat((mask, torch.ones_like(ids)), 1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
     return out.logits, mask
@@ -72,10 +90,15 @@ def _prefix(model, cache):
     """A left-padded prompt of 2 rows in two chunks, then STEPS_BEFORE decode steps (past every budget)."""
     ids, mask = left_pad([random_ids(1, 10, seed=1)[0], random_ids(1, 7, seed=2)[0]])
     with torch.no_grad():
-        model(input_ids=ids[:, :6], attention_mask=mask[:, :6], position_ids=(mask[:, :6].cumsum(-1) - 1).clamp(min=0),
-              **cache_kwargs(cache), use_cache=True)
+        model(
+            input_ids=ids[:, :6],
+            attention_mask=mask[:, :6],
+            position_ids=(mask[:, :6].cumsum(-1) - 1).clamp(min=0),
+            **cache_kwargs(cache),
+            use_cache=True,
+        )
     logits, mask = _forward(model, cache, ids[:, 6:], mask[:, :6])
-    for step in range(STEPS_BEFORE):
+    for _step in range(STEPS_BEFORE):
         logits, mask = _forward(model, cache, logits[:, -1:].argmax(-1), mask)
     return logits[:, -1:].argmax(-1), mask
 
@@ -136,9 +159,9 @@ from conftest import build_model
 from test_state import _continue
 import hf_kvcache
 model = build_model("llama")
-cache = hf_kvcache.load_cache_state({str(tmp_path / 'c.safetensors')!r}, model)
-inputs = torch.load({str(tmp_path / 'inputs.pt')!r})
-torch.save(_continue(model, cache, inputs["token"], inputs["mask"]), {str(tmp_path / 'out.pt')!r})
+cache = hf_kvcache.load_cache_state({str(tmp_path / "c.safetensors")!r}, model)
+inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+torch.save(_continue(model, cache, inputs["token"], inputs["mask"]), {str(tmp_path / "out.pt")!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=120)
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
@@ -156,7 +179,7 @@ def _saved(tmp_path, make=CACHES["sink"], arch="llama", **overrides):
 
 def _rewrite_header(path, edit):
     with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (safe_open is not iterable)
         header = json.loads(f.metadata()["hf_kvcache"])
     edit(header)
     save_file(tensors, str(path), metadata={"hf_kvcache": json.dumps(header)})
@@ -187,8 +210,11 @@ def test_state_tree_of_another_layout_is_refused(tmp_path):
         store["object"] = "hf_kvcache.stores.quantized.QuantizedStore"
 
     _rewrite_header(path, swap_store)
-    with pytest.raises(ValueError, match=r"field `state.layers.0.store`: the file holds a .*QuantizedStore here, this "
-                                         r"cache a hf_kvcache.stores.full.FullPrecisionStore"):
+    with pytest.raises(
+        ValueError,
+        match=r"field `state.layers.0.store`: the file holds a .*QuantizedStore here, this "
+        r"cache a hf_kvcache.stores.full.FullPrecisionStore",
+    ):
         load_cache_state(path, build_model("llama"))
 
 
@@ -228,16 +254,21 @@ def test_no_pickle_and_json_header(tmp_path):
     assert b"pickle" not in path.read_bytes()[:64] and path.read_bytes()[8:9] == b"{"
 
 
-@pytest.mark.parametrize("make,window_class", [
-    (lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4), "StaticSlidingWindowLayer"),  # fixed capacity
-    (lambda m: hf_kvcache.QuantizedFP8Cache(m), "DynamicSlidingWindowLayer"),  # grows with the stream
-])
+@pytest.mark.parametrize(
+    "make,window_class",
+    [
+        (lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4), "StaticSlidingWindowLayer"),  # fixed capacity
+        (lambda m: hf_kvcache.QuantizedFP8Cache(m), "DynamicSlidingWindowLayer"),  # grows with the stream
+    ],
+)
 def test_hybrid_model_keeps_transformers_sliding_layers_state(tmp_path, make, window_class):
     """A model with a sliding-window layer: that layer is transformers' own (StaticCache's under a fixed-capacity
     cache, DynamicCache's otherwise), saved and restored like ours."""
+
     def make_model():
-        return build_model("qwen2", use_sliding_window=True, sliding_window=4,
-                           layer_types=["sliding_attention", "full_attention"])
+        return build_model(
+            "qwen2", use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+        )
 
     model = make_model()
     cache = make(model)

@@ -36,8 +36,9 @@ def fixture_model():
     """The tiny hybrid model of the fixtures, saved once (model/) so that every version loads the same weights."""
     folder = HERE / "model"
     if not (folder / "config.json").exists():
-        build_model("qwen2", use_sliding_window=True, sliding_window=4,
-                    layer_types=["sliding_attention", "full_attention"]).save_pretrained(folder)
+        build_model(
+            "qwen2", use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+        ).save_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
     return model
 

@@ -11,13 +11,7 @@ from conftest import build_model, random_ids
 from transformers import DynamicCache
 
 from hf_kvcache import FullCache, SinkCache
-from hf_kvcache.evaluation.streaming import (
-    bucket_perplexity,
-    load_checkpoint,
-    perplexity,
-    read_progress,
-    stream_nll,
-)
+from hf_kvcache.evaluation.streaming import bucket_perplexity, load_checkpoint, perplexity, read_progress, stream_nll
 
 N = 48
 
@@ -69,12 +63,13 @@ def sink_factory(model):
 def test_resume_from_explicit_stop(tiny, ids, tmp_path):
     full = stream_nll(tiny, ids, sink_factory(tiny), progress=False)
     ckpt = tmp_path / "run.pt"
-    part = stream_nll(tiny, ids, sink_factory(tiny), checkpoint=ckpt, checkpoint_every=7, stop_after=25, tag="s",
-                      progress=False)
+    part = stream_nll(
+        tiny, ids, sink_factory(tiny), checkpoint=ckpt, checkpoint_every=7, stop_after=25, tag="s", progress=False
+    )
     assert part.shape == (25,)
     state = load_checkpoint(ckpt)
     assert state["meta"]["done"] == 25 and state["cache"].get_seq_length() == 25
-    nlls, meta = read_progress(ckpt)
+    nlls, _meta = read_progress(ckpt)
     np.testing.assert_array_equal(nlls, part)
     # A fresh model object (as in a new process): the bridge must be re-enabled from the checkpoint path.
     fresh = build_model("llama", seed=3)
@@ -101,9 +96,7 @@ def test_resume_after_crash_mid_forward(tiny, ids, tmp_path):
         stream_nll(model, ids, sink_factory(model), checkpoint=ckpt, checkpoint_every=8, progress=False)
     assert read_progress(ckpt)[1]["done"] == 24
     fresh = build_model("llama", seed=3)
-    np.testing.assert_array_equal(
-        stream_nll(fresh, ids, sink_factory(fresh), checkpoint=ckpt, progress=False), full
-    )
+    np.testing.assert_array_equal(stream_nll(fresh, ids, sink_factory(fresh), checkpoint=ckpt, progress=False), full)
 
 
 def test_checkpoint_refuses_other_tokens_or_tag(tiny, ids, tmp_path):

@@ -95,34 +95,82 @@ class Spec:
 KVZIP_REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
 _SINKS_WINDOW = [{"role": "sinks", "tokens": 4}, {"role": "window", "start": 0, "end": 32}]
 SPECS: dict[str, Spec] = {
-    "sink": Spec({"sinks": 4, "window": 60}, {"sinks": 2, "window": 6}, "exact", "bounded", 4,
-                 "sinks 4 + window 60 / 2 + 6", ({"sinks": EVICT_SINKS, "window": EVICT_WINDOW}, EVICT_SINKS)),
-    "sliding": Spec({"window": 64}, {"window": 8}, "exact", "bounded", 4, "window 64 / 8",
-                    ({"window": EVICT_WINDOW}, 0)),
-    "h2o": Spec({"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4,
-                "heavy 32 + recent 32 / 4 + 4"),
-    "random_eviction": Spec({"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4,
-                            "heavy 32 + recent 32 / 4 + 4"),
-    "composite": Spec({"regions": _SINKS_WINDOW + [{"role": "heavy", "tokens": 32}]},
-                      {"preset": "sinks_heavy_recent", "budget": BUDGET}, "exact", "bounded", 1,
-                      "full-precision sinks 4 + window 32 + heavy 32 / preset sinks_heavy_recent, budget 8 "
-                      "(4 full-precision sinks, recent and heavy in FP8)",
-                      ({"regions": [{"role": "sinks", "tokens": EVICT_SINKS},
-                                    {"role": "window", "start": 0, "end": EVICT_WINDOW}]}, EVICT_SINKS)),
+    "sink": Spec(
+        {"sinks": 4, "window": 60},
+        {"sinks": 2, "window": 6},
+        "exact",
+        "bounded",
+        4,
+        "sinks 4 + window 60 / 2 + 6",
+        ({"sinks": EVICT_SINKS, "window": EVICT_WINDOW}, EVICT_SINKS),
+    ),
+    "sliding": Spec(
+        {"window": 64}, {"window": 8}, "exact", "bounded", 4, "window 64 / 8", ({"window": EVICT_WINDOW}, 0)
+    ),
+    "h2o": Spec(
+        {"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4, "heavy 32 + recent 32 / 4 + 4"
+    ),
+    "random_eviction": Spec(
+        {"heavy": 32, "recent": 32}, {"heavy": 4, "recent": 4}, "exact", "bounded", 4, "heavy 32 + recent 32 / 4 + 4"
+    ),
+    "composite": Spec(
+        {"regions": _SINKS_WINDOW + [{"role": "heavy", "tokens": 32}]},
+        {"preset": "sinks_heavy_recent", "budget": BUDGET},
+        "exact",
+        "bounded",
+        1,
+        "full-precision sinks 4 + window 32 + heavy 32 / preset sinks_heavy_recent, budget 8 "
+        "(4 full-precision sinks, recent and heavy in FP8)",
+        (
+            {
+                "regions": [
+                    {"role": "sinks", "tokens": EVICT_SINKS},
+                    {"role": "window", "start": 0, "end": EVICT_WINDOW},
+                ]
+            },
+            EVICT_SINKS,
+        ),
+    ),
     "fp8": Spec({}, {}, "kl", "grows", 1, "defaults (E4M3 per token, Hadamard keys)"),
-    "kivi": Spec({"bits": 4, "group_size": 8, "residual": 0}, {"bits": 4, "group_size": 8, "residual": 0}, "kl",
-                 "grows", 0.5, "int4, group 8, residual 0"),
-    **{name: Spec({"budget": 64}, {"budget": BUDGET}, "exact", "bounded", 4, f"budget 64 / {BUDGET}")
-       for name in ("knorm", "keydiff", "tova")},
+    "kivi": Spec(
+        {"bits": 4, "group_size": 8, "residual": 0},
+        {"bits": 4, "group_size": 8, "residual": 0},
+        "kl",
+        "grows",
+        0.5,
+        "int4, group 8, residual 0",
+    ),
+    **{
+        name: Spec({"budget": 64}, {"budget": BUDGET}, "exact", "bounded", 4, f"budget 64 / {BUDGET}")
+        for name in ("knorm", "keydiff", "tova")
+    },
     # query covariance [heads, head_dim, head_dim] per layer does not scale with the budget: on these tiny models it
     # alone passes the 2x-budget bound, so the small config uses the mean only
-    "expected_attention": Spec({"budget": 64}, {"budget": BUDGET, "use_covariance": False}, "exact", "bounded", 4,
-                               f"budget 64 / {BUDGET} (query mean only)"),
-    "snapkv": Spec({"budget": 64}, {"budget": BUDGET, "window": 2}, "exact", "bounded", 4,
-                   f"budget 64 (window 64) / {BUDGET} (window 2)"),
+    "expected_attention": Spec(
+        {"budget": 64},
+        {"budget": BUDGET, "use_covariance": False},
+        "exact",
+        "bounded",
+        4,
+        f"budget 64 / {BUDGET} (query mean only)",
+    ),
+    "snapkv": Spec(
+        {"budget": 64},
+        {"budget": BUDGET, "window": 2},
+        "exact",
+        "bounded",
+        4,
+        f"budget 64 (window 64) / {BUDGET} (window 2)",
+    ),
     # the reconstruction request as ids: these random models have no tokenizer
-    "kvzip": Spec({"budget": 64, "request_ids": KVZIP_REQUEST}, {"budget": BUDGET, "request_ids": KVZIP_REQUEST},
-                  "exact", "prompt", 4, f"budget 64 / {BUDGET} of the prompt, then appended (request as ids)"),
+    "kvzip": Spec(
+        {"budget": 64, "request_ids": KVZIP_REQUEST},
+        {"budget": BUDGET, "request_ids": KVZIP_REQUEST},
+        "exact",
+        "prompt",
+        4,
+        f"budget 64 / {BUDGET} of the prompt, then appended (request as ids)",
+    ),
 }
 
 # (arch, cache, check) -> diagnosis, for BROKEN results we know about (fnmatch patterns allowed, e.g. "*").
@@ -155,7 +203,7 @@ def first_line(error: BaseException) -> str:
     if len(line) <= 220:
         return line
     cut = line[:220].rfind(". ")  # whole sentences where possible
-    return line[:cut + 1] if cut > 80 else line[:217] + "..."
+    return line[: cut + 1] if cut > 80 else line[:217] + "..."
 
 
 def _raised_in_library(error: BaseException) -> bool:
@@ -180,15 +228,22 @@ def prompt(rows: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor
     ids = torch.full((len(rows), width), model_zoo.PAD, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, n in enumerate(rows):
-        ids[i, width - n:] = torch.randint(2, model_zoo.VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = torch.randint(2, model_zoo.VOCAB, (n,), generator=g)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
 def generate(model, ids, mask, new, cache=None):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            **cache_kwargs(cache),
+            max_new_tokens=new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
 
 def teacher_forced(model, cache, seq, mask, prompt_len):
@@ -197,12 +252,24 @@ def teacher_forced(model, cache, seq, mask, prompt_len):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = []
     with torch.no_grad():
-        logits = model(seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], position_ids=pos[:, :prompt_len],
-                       **cache_kwargs(cache), use_cache=True).logits
+        logits = model(
+            seq[:, :prompt_len],
+            attention_mask=mask[:, :prompt_len],
+            position_ids=pos[:, :prompt_len],
+            **cache_kwargs(cache),
+            use_cache=True,
+        ).logits
         out.append(logits[:, -1:])
         for t in range(prompt_len, seq.shape[1] - 1):
-            out.append(model(seq[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                             **cache_kwargs(cache), use_cache=True).logits)
+            out.append(
+                model(
+                    seq[:, t : t + 1],
+                    attention_mask=mask[:, : t + 1],
+                    position_ids=pos[:, t : t + 1],
+                    **cache_kwargs(cache),
+                    use_cache=True,
+                ).logits
+            )
     return torch.cat(out, 1).float()
 
 
@@ -215,7 +282,7 @@ class Reference:
     forced: torch.Tensor  # [B, new, V] teacher-forced logits along `sequences`
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(arch: str) -> Reference:
     """DynamicCache results on the `equal` prompt (float32), on a model that never sees our caches."""
     model = model_zoo.build(arch)
@@ -225,7 +292,7 @@ def reference(arch: str) -> Reference:
     return Reference(ids, mask, out.sequences, torch.stack(out.logits, 1).float(), forced)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kv_bytes(arch: str) -> tuple[int, int]:
     """(float32 key + value bytes of one token of the batch summed over the full-attention layers, bytes the sliding
     layers hold once their window is full): read from the tensors a DynamicCache holds after the 16-token prompt,
@@ -253,14 +320,14 @@ def kv_bytes(arch: str) -> tuple[int, int]:
     return per_token, sliding
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_unsupported(arch: str, dtype_name: str) -> str | None:
     """Why the architecture itself (DynamicCache) cannot run the smoke prompt in this dtype on CPU, or None."""
     try:
         model = model_zoo.build(arch, dtype=DTYPES[dtype_name])
         ids, mask = prompt(BUDGET_ROWS, seed=2)
         out = generate(model, ids, mask, SHORT_NEW)
-    except Exception as error:  # noqa: BLE001 - any failure of the architecture itself
+    except Exception as error:
         return f"DynamicCache raises {type(error).__name__}: {first_line(error)}"
     if not torch.stack(out.logits).isfinite().all():
         return "DynamicCache gives non-finite logits"
@@ -273,7 +340,7 @@ def build_cache(model, name: str, config: dict):
         return hf_kvcache.build_cache(name, model, copy.deepcopy(config))
     except (ValueError, NotImplementedError) as error:
         raise Refused(first_line(error)) from error
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise Broken(f"building the cache: {type(error).__name__}: {first_line(error)}") from error
 
 
@@ -289,7 +356,7 @@ def run(model, fn):
         raise Broken(f"{type(error).__name__}: {first_line(error)}") from error
     except (Refused, Broken):
         raise
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise Broken(f"{type(error).__name__}: {first_line(error)}") from error
     finally:
         handle.remove()
@@ -307,13 +374,15 @@ def check_equal(arch: str, name: str) -> str:
     cache = build_cache(model, name, spec.full)
     out = run(model, lambda: generate(model, ref.ids, ref.mask, EQUAL_NEW, cache))
     check_finite(out, "generate")
-    got = out.sequences[:, ref.ids.shape[1]:]
-    want = ref.sequences[:, ref.ids.shape[1]:]
+    got = out.sequences[:, ref.ids.shape[1] :]
+    want = ref.sequences[:, ref.ids.shape[1] :]
     if spec.criterion == "exact":
         if not torch.equal(got, want):
             row, step = (got != want).nonzero()[0].tolist()
-            raise Broken(f"tokens differ from DynamicCache: row {row}, new token {step}: "
-                         f"{got[row, step].item()} vs {want[row, step].item()}")
+            raise Broken(
+                f"tokens differ from DynamicCache: row {row}, new token {step}: "
+                f"{got[row, step].item()} vs {want[row, step].item()}"
+            )
         diff = (torch.stack(out.logits, 1).float() - ref.logits).abs().max().item()
         if diff > LOGIT_ATOL:
             raise Broken(f"same tokens but step logits differ from DynamicCache by {diff:.2e} > {LOGIT_ATOL}")
@@ -351,22 +420,30 @@ def check_budget(arch: str, name: str) -> str:
         if short != long:
             raise Broken(f"nbytes grows with the stream: {short} after {SHORT_NEW} new tokens, {long} after {LONG_NEW}")
         if not low <= long <= high:
-            raise Broken(f"nbytes {long} outside [{low:.0f}, {high:.0f}] implied by budget {BUDGET}"
-                         + (f" and the sliding layers' {sliding}" if sliding else ""))
+            raise Broken(
+                f"nbytes {long} outside [{low:.0f}, {high:.0f}] implied by budget {BUDGET}"
+                + (f" and the sliding layers' {sliding}" if sliding else "")
+            )
         return f"nbytes {long} = {long / (BUDGET * per_token + sliding):.2f} x full-precision budget"
     if spec.memory == "prompt":  # the compressed prompt, then every new token appended
         low = BUDGET * per_token * spec.min_bytes_per_value / 4 + sliding
         high = BOUND_FACTOR * ((BUDGET + LONG_NEW) * per_token + sliding)
         if not (short <= long and low <= long <= high):
-            raise Broken(f"nbytes {short} -> {long}: a compressed prompt plus appended tokens must stay in "
-                         f"[{low:.0f}, {high:.0f}] and never shrink")
-        return (f"nbytes {long} = {long / ((BUDGET + LONG_NEW - 1) * per_token + sliding):.2f} x full-precision "
-                "budget + appended tokens")
+            raise Broken(
+                f"nbytes {short} -> {long}: a compressed prompt plus appended tokens must stay in "
+                f"[{low:.0f}, {high:.0f}] and never shrink"
+            )
+        return (
+            f"nbytes {long} = {long / ((BUDGET + LONG_NEW - 1) * per_token + sliding):.2f} x full-precision "
+            "budget + appended tokens"
+        )
     tokens = ids.shape[1] + LONG_NEW - 1  # the last generated token is never fed back
     full = tokens * per_token
     if not short < long <= QUANTIZED_MAX_RATIO * full + sliding:
-        raise Broken(f"nbytes {short} -> {long} (keep-all: must grow and stay <= {QUANTIZED_MAX_RATIO} x {full}"
-                     + (f" + the sliding layers' {sliding})" if sliding else ")"))
+        raise Broken(
+            f"nbytes {short} -> {long} (keep-all: must grow and stay <= {QUANTIZED_MAX_RATIO} x {full}"
+            + (f" + the sliding layers' {sliding})" if sliding else ")")
+        )
     return f"nbytes {long} = {(long - sliding) / full:.2f} x full precision (full-attention layers)"
 
 
@@ -385,8 +462,12 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
         model(ids[:, :length], **cache_kwargs(prefill), use_cache=True)
         moved = DynamicCache(config=model.config)
         if sinks:
-            model(ids[:, :sinks], position_ids=torch.arange(shift, shift + sinks)[None], **cache_kwargs(moved),
-                  use_cache=True)
+            model(
+                ids[:, :sinks],
+                position_ids=torch.arange(shift, shift + sinks)[None],
+                **cache_kwargs(moved),
+                use_cache=True,
+            )
         for i, layer in enumerate(prefill.layers):
             if getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None:  # (linear, dummy layers)
                 continue
@@ -396,8 +477,11 @@ def evict_reference(arch: str, ids: torch.Tensor, sinks: int, window: int) -> to
                 parts_k.insert(0, moved.layers[i].keys)
                 parts_v.insert(0, moved.layers[i].values)
             layer.keys, layer.values = torch.cat(parts_k, -2), torch.cat(parts_v, -2)
-        return model(ids[:, length:], position_ids=torch.tensor([[length]]), **cache_kwargs(prefill),
-                     use_cache=True).logits[:, -1].float()
+        return (
+            model(ids[:, length:], position_ids=torch.tensor([[length]]), **cache_kwargs(prefill), use_cache=True)
+            .logits[:, -1]
+            .float()
+        )
 
 
 def check_evict(arch: str, name: str) -> str:
@@ -418,12 +502,14 @@ def check_evict(arch: str, name: str) -> str:
     got = run(model, stream)
     try:
         want = evict_reference(arch, ids, sinks, EVICT_WINDOW)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise Broken(f"reference failed ({type(error).__name__}: {first_line(error)})") from error
     diff = (got - want).abs().max().item()
     if not diff <= EVICT_ATOL:
-        raise Broken(f"decode step after eviction differs from the rebuilt DynamicCache by {diff:.2e} "
-                     f"(> {EVICT_ATOL:g}; {sinks} sinks moved by {EVICT_PROMPT - (EVICT_WINDOW - 1) - sinks})")
+        raise Broken(
+            f"decode step after eviction differs from the rebuilt DynamicCache by {diff:.2e} "
+            f"(> {EVICT_ATOL:g}; {sinks} sinks moved by {EVICT_PROMPT - (EVICT_WINDOW - 1) - sinks})"
+        )
     return f"max |logit diff| {diff:.1e}"
 
 
@@ -478,7 +564,8 @@ def render_cell(results: list[Result]) -> tuple[str, str | None]:
     broken = [(c, r) for c, r in named if r.status == "broken"]
     if broken:
         return "BROKEN", "BROKEN (diagnosed in the test's KNOWN_FAILURES): " + "; ".join(
-            f"{ABBREV[c]}: {r.detail}" for c, r in broken)
+            f"{ABBREV[c]}: {r.detail}" for c, r in broken
+        )
     refused = [(c, r) for c, r in named if r.status == "refused"]
     ok = [c for c, r in named if r.status == "ok"]
     if not refused:
@@ -625,15 +712,25 @@ def test_cell(arch, cache_name, check):
 def _whole_matrix_or_skip():
     missing = [k for k in ALL_KEYS if k not in RESULTS]
     if missing:
-        pytest.skip(f"only {len(ALL_KEYS) - len(missing)} of {len(ALL_KEYS)} matrix checks ran in this session "
-                    f"(-k selection or test order); the comparison needs them all")
+        pytest.skip(
+            f"only {len(ALL_KEYS) - len(missing)} of {len(ALL_KEYS)} matrix checks ran in this session "
+            f"(-k selection or test order); the comparison needs them all"
+        )
 
 
 def test_known_failures_are_current():
     _whole_matrix_or_skip()
-    stale = [key for key in KNOWN_FAILURES
-             if not any(r.status == "broken" and fnmatch.fnmatchcase(a, key[0]) and fnmatch.fnmatchcase(c, key[1])
-                        and fnmatch.fnmatchcase(k, key[2]) for (a, c, k), r in RESULTS.items())]
+    stale = [
+        key
+        for key in KNOWN_FAILURES
+        if not any(
+            r.status == "broken"
+            and fnmatch.fnmatchcase(a, key[0])
+            and fnmatch.fnmatchcase(c, key[1])
+            and fnmatch.fnmatchcase(k, key[2])
+            for (a, c, k), r in RESULTS.items()
+        )
+    ]
     assert not stale, f"KNOWN_FAILURES entries that no longer fail (remove them, regenerate the table): {stale}"
 
 

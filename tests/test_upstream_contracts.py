@@ -40,7 +40,7 @@ def test_contract_holds_on_the_installed_transformers(name):
 
 def test_the_cache_argument_name_is_read_from_the_signature():
     expected = "cache" if versions.installed() >= versions.Version("5.24.0") else "past_key_values"
-    assert hf_kvcache.CACHE_ARG == expected
+    assert expected == hf_kvcache.CACHE_ARG
     assert cache_argument.FORWARD_NAMES[0] == expected and "past_key_values" in cache_argument.FORWARD_NAMES
     assert hf_kvcache.cache_kwargs("x") == {expected: "x"}
 
@@ -72,7 +72,8 @@ def test_contract_listing_in_the_docs_is_current():
     """docs/upstream_contracts.md lists every internal relied on, generated from the registry (cannot drift)."""
     table = contracts.markdown_table()
     assert table in CONTRACTS_DOC.read_text(encoding="utf-8"), (
-        f"regenerate the table in {CONTRACTS_DOC} (python scripts/upstream_contracts_table.py):\n{table}")
+        f"regenerate the table in {CONTRACTS_DOC} (python scripts/upstream_contracts_table.py):\n{table}"
+    )
 
 
 # -- a broken contract raises where the feature is used ---------------------------------------------------------
@@ -92,8 +93,13 @@ def test_broken_bridge_contract_refuses_to_enable_the_bridge():
     model = build_model("llama")
     with broken("decoder attention forward (cache.update)"):
         with pytest.raises(hf_kvcache.UnsupportedTransformersError, match="cache.update"):
-            model.generate(random_ids(1, 6), max_new_tokens=2, do_sample=False, cache_implementation="sink",
-                           cache_config={"sinks": 1, "window": 4})
+            model.generate(
+                random_ids(1, 6),
+                max_new_tokens=2,
+                do_sample=False,
+                cache_implementation="sink",
+                cache_config={"sinks": 1, "window": 4},
+            )
     assert not hf_kvcache.attention.is_enabled(model)
 
 
@@ -109,23 +115,32 @@ def test_quantized_pages_on_a_broken_contract_raise_instead_of_model_dtype_pages
     from hf_kvcache.paged import cache as paged_cache
 
     monkeypatch.setattr(paged_cache, "_installed", False)
-    monkeypatch.setattr(continuous_batching.continuous_api, "PagedAttentionCache",
-                        continuous_batching.PagedAttentionCache)  # as if `import hf_kvcache` had not installed it
+    monkeypatch.setattr(
+        continuous_batching.continuous_api, "PagedAttentionCache", continuous_batching.PagedAttentionCache
+    )  # as if `import hf_kvcache` had not installed it
     model = build_model("llama")
     cb = ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=64, allow_block_sharing=False)
     cb.kv_cache_dtype = "fp8_e4m3"
     with broken(name, "faked"):
         assert paged_cache.install(strict=False) is False  # import-time install leaves transformers untouched
         with pytest.raises(hf_kvcache.UnsupportedTransformersError, match="quantized pages"):
-            model.generate_batch([[2, 3, 4]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
-                                 continuous_batching_config=cb, warmup=False)
+            model.generate_batch(
+                [[2, 3, 4]],
+                generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+                continuous_batching_config=cb,
+                warmup=False,
+            )
         with pytest.raises(hf_kvcache.UnsupportedTransformersError, match="faked"):
             hf_kvcache.enable_paged(model, kv_dtype="int8")
     # model-dtype pages never needed our internals: the same run without kv_cache_dtype works
     plain = ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=64, allow_block_sharing=False)
     with broken(name, "faked"):
-        out = model.generate_batch([[2, 3, 4]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
-                                   continuous_batching_config=plain, warmup=False)
+        out = model.generate_batch(
+            [[2, 3, 4]],
+            generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+            continuous_batching_config=plain,
+            warmup=False,
+        )
     assert all(o.error is None for o in out.values())
 
 
@@ -133,9 +148,14 @@ def test_compilation_asked_for_on_a_broken_auto_compile_contract_raises():
     model = build_model("llama")
     with broken(generation.AUTO_COMPILE):
         with pytest.raises(hf_kvcache.UnsupportedTransformersError, match="_valid_auto_compile_criteria"):
-            model.generate(random_ids(1, 6), max_new_tokens=2, do_sample=False, cache_implementation="sink",
-                           cache_config={"sinks": 1, "window": 4},
-                           compile_config=transformers.CompileConfig(fullgraph=True))
+            model.generate(
+                random_ids(1, 6),
+                max_new_tokens=2,
+                do_sample=False,
+                cache_implementation="sink",
+                cache_config={"sinks": 1, "window": 4},
+                compile_config=transformers.CompileConfig(fullgraph=True),
+            )
 
 
 def test_untested_version_imports_with_one_warning_and_checks_raise(monkeypatch):
@@ -185,13 +205,20 @@ def test_our_own_calls_raise_no_future_warning():
         for name in ("sink", "h2o", "fp8"):
             model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=name)
         cache = hf_kvcache.SinkCache(model, sinks=1, window=6)
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                             **hf_kvcache.cache_kwargs(cache))
+        out = model.generate(
+            ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **hf_kvcache.cache_kwargs(cache)
+        )
         assert hf_kvcache.returned_cache(out) is cache
         logits = model(input_ids=ids[:, -1:], **hf_kvcache.cache_kwargs(cache), use_cache=True).logits
         assert torch.isfinite(logits).all()
-        rows = measure_speed(model, ids, {"sink": lambda: hf_kvcache.SinkCache(model, sinks=1, window=6)},
-                             prompt_len=8, decode_tokens=2, rounds=1)
+        rows = measure_speed(
+            model,
+            ids,
+            {"sink": lambda: hf_kvcache.SinkCache(model, sinks=1, window=6)},
+            prompt_len=8,
+            decode_tokens=2,
+            rounds=1,
+        )
         assert {row["cache"] for row in rows} >= {"sink"}
 
 

@@ -102,8 +102,9 @@ def test_first_argument_must_be_model_or_config():
 
 # -- unsupported models -----------------------------------------------------------------------------------------
 def gpt2_config():
-    return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256,
-                                   bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256, bos_token_id=1, eos_token_id=2
+    )
 
 
 def test_cache_mode_needs_rope():
@@ -120,12 +121,24 @@ def test_original_mode_without_rope_is_accepted_and_runs():
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = random_ids(1, 10)
     ref = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation="sink",
-                         cache_config={"sinks": 4, "window": 40, "position_mode": "original"})
+    out = model.generate(
+        ids,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="sink",
+        cache_config={"sinks": 4, "window": 40, "position_mode": "original"},
+    )
     assert torch.equal(out, ref)
     # and sliding (no positions involved) too
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation="sliding",
-                         cache_config={"window": 40})
+    out = model.generate(
+        ids,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="sliding",
+        cache_config={"window": 40},
+    )
     assert torch.equal(out, ref)
 
 
@@ -153,9 +166,17 @@ def test_encoder_decoder_rejected_as_such_in_default_mode(config_cls):
 
 
 def test_enable_rejects_encoder_decoder_and_non_models():
-    config = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
-                                     encoder_attention_heads=2, decoder_attention_heads=2,
-                                     encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
+    config = transformers.BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+    )
     model = transformers.BartForConditionalGeneration(config)
     with pytest.raises(ValueError, match="encoder-decoder"):
         hf_kvcache.enable(model)
@@ -164,18 +185,20 @@ def test_enable_rejects_encoder_decoder_and_non_models():
 
 
 # -- the attention bridge -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("make", [
-    lambda c: SinkCache(c, sinks=2, window=6),
-    lambda c: SinkCache(c, sinks=2, window=6, position_mode="original"),
-    lambda c: SlidingWindowCache(c, window=8),
-    lambda c: FullCache(c),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c: SinkCache(c, sinks=2, window=6),
+        lambda c: SinkCache(c, sinks=2, window=6, position_mode="original"),
+        lambda c: SlidingWindowCache(c, window=8),
+        lambda c: FullCache(c),
+    ],
+)
 def test_direct_call_without_bridge_raises(make):
     model = build_model("llama")
     cache = make(model.config)
-    with pytest.raises(RuntimeError, match="enable"):
-        with torch.no_grad():
-            model(random_ids(1, 5), **cache_kwargs(cache), use_cache=True)
+    with pytest.raises(RuntimeError, match="enable"), torch.no_grad():
+        model(random_ids(1, 5), **cache_kwargs(cache), use_cache=True)
     # after enabling, the same kind of call works
     hf_kvcache.enable(model)
     cache = make(model.config)
@@ -213,23 +236,29 @@ def test_prepared_four_d_mask_equals_the_padding_mask_and_three_d_is_rejected():
     model = build_model("llama")
     ids = random_ids(1, 5)
     with torch.no_grad():
-        plain = model(ids, attention_mask=torch.ones(1, 5, dtype=torch.long),
-                      **cache_kwargs(SinkCache(model, sinks=2, window=6)), use_cache=True).logits
+        plain = model(
+            ids,
+            attention_mask=torch.ones(1, 5, dtype=torch.long),
+            **cache_kwargs(SinkCache(model, sinks=2, window=6)),
+            use_cache=True,
+        ).logits
         causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
-        prepared = model(ids, attention_mask=causal, **cache_kwargs(SinkCache(model, sinks=2, window=6)),
-                         use_cache=True).logits
+        prepared = model(
+            ids, attention_mask=causal, **cache_kwargs(SinkCache(model, sinks=2, window=6)), use_cache=True
+        ).logits
     torch.testing.assert_close(prepared, plain)
-    with pytest.raises(ValueError, match="2-D"):
-        with torch.no_grad():
-            model(ids, attention_mask=torch.ones(1, 5, 5), **cache_kwargs(SinkCache(model, sinks=2, window=6)),
-                  use_cache=True)
+    with pytest.raises(ValueError, match="2-D"), torch.no_grad():
+        model(
+            ids, attention_mask=torch.ones(1, 5, 5), **cache_kwargs(SinkCache(model, sinks=2, window=6)), use_cache=True
+        )
 
 
 # -- crop ------------------------------------------------------------------------------------------------------------
 def run(model, cache, ids, attention_mask=None, position_ids=None):
     with torch.no_grad():
-        return model(ids, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache),
-                     use_cache=True).logits
+        return model(
+            ids, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache), use_cache=True
+        ).logits
 
 
 CROPPABLE = {
@@ -287,8 +316,15 @@ def test_crop_into_sinks_of_padded_batch_matches_dynamic_cache(cache_name):
         new_pos = (kept_mask.cumsum(-1) - 1)[:, 5:]
         after = [run(model, cache, new[:, :2], attention_mask=kept_mask[:, :7], position_ids=new_pos[:, :2])]
         for t in range(2, 5):
-            after.append(run(model, cache, new[:, t : t + 1], attention_mask=kept_mask[:, : 6 + t],
-                             position_ids=new_pos[:, t : t + 1]))
+            after.append(
+                run(
+                    model,
+                    cache,
+                    new[:, t : t + 1],
+                    attention_mask=kept_mask[:, : 6 + t],
+                    position_ids=new_pos[:, t : t + 1],
+                )
+            )
         results.append((first, torch.cat(after, 1)))
     real = mask.bool()
     torch.testing.assert_close(results[1][0][real], results[0][0][real], atol=1e-5, rtol=1e-5)
@@ -325,8 +361,11 @@ def test_assisted_decoding_before_eviction_matches_default():
     ids = random_ids(1, 10, seed=6)
     ref = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant)
     assert torch.equal(ref, model.generate(ids, max_new_tokens=12, do_sample=False))
-    for cache in (SinkCache(model.config, sinks=2, window=40), SlidingWindowCache(model.config, window=40),
-                  FullCache(model.config)):
+    for cache in (
+        SinkCache(model.config, sinks=2, window=40),
+        SlidingWindowCache(model.config, window=40),
+        FullCache(model.config),
+    ):
         out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, **cache_kwargs(cache))
         assert torch.equal(out, ref), type(cache).__name__
 
@@ -334,13 +373,17 @@ def test_assisted_decoding_before_eviction_matches_default():
 def test_assisted_decoding_after_eviction_raises_clear_error():
     model, assistant = build_model("llama"), build_model("llama", seed=5)
     with pytest.raises(ValueError, match="evict"):
-        model.generate(random_ids(1, 10, seed=6), max_new_tokens=12, do_sample=False, assistant_model=assistant,
-                       **cache_kwargs(SinkCache(model.config, sinks=2, window=4)))
+        model.generate(
+            random_ids(1, 10, seed=6),
+            max_new_tokens=12,
+            do_sample=False,
+            assistant_model=assistant,
+            **cache_kwargs(SinkCache(model.config, sinks=2, window=4)),
+        )
 
 
 def test_generate_sink_without_size_uses_the_documented_default():
     model = build_model("llama")  # max_position_embeddings 1024: the default 4 + 1020 fits as is
-    out = model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink",
-                         return_dict_in_generate=True)
+    out = model.generate(random_ids(1, 5), max_new_tokens=3, cache_implementation="sink", return_dict_in_generate=True)
     cache = returned_cache(out)
     assert isinstance(cache, hf_kvcache.SinkCache) and (cache.sinks, cache.window) == (4, 1020)

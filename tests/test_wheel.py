@@ -29,8 +29,11 @@ pytestmark = pytest.mark.skipif(not VENV, reason="HF_KVCACHE_WHEEL_VENV not set 
 def _package_files() -> set[str]:
     """Every file of the package in the checkout (sources and data), as paths inside a wheel."""
     base = ROOT / "hf_kvcache"
-    return {str(p.relative_to(ROOT)) for p in base.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    return {
+        str(p.relative_to(ROOT))
+        for p in base.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
 
 
 def _one(pattern: str) -> Path:
@@ -48,8 +51,9 @@ def _run(code: str, tmp_path: Path, env: dict | None = None, timeout: int = 600)
     full_env = {**os.environ, **(env or {})}
     for name in [n for n, v in full_env.items() if v is None] + ["PYTHONPATH"]:  # None: left out
         full_env.pop(name, None)
-    done = subprocess.run([python, str(script)], cwd=tmp_path, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [python, str(script)], cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-6000:]}"
     return done.stdout
 
@@ -73,14 +77,18 @@ def test_wheel_and_sdist_hold_every_file_of_the_package():
 
 
 def test_the_installed_package_is_the_wheel(tmp_path):
-    out = _run("import json, importlib.metadata, hf_kvcache\n"
-               "print(json.dumps({'file': hf_kvcache.__file__, 'version': hf_kvcache.__version__,"
-               " 'dist': importlib.metadata.version('hf-kvcache')}))\n", tmp_path)
+    out = _run(
+        "import json, importlib.metadata, hf_kvcache\n"
+        "print(json.dumps({'file': hf_kvcache.__file__, 'version': hf_kvcache.__version__,"
+        " 'dist': importlib.metadata.version('hf-kvcache')}))\n",
+        tmp_path,
+    )
     found = json.loads(out.strip().splitlines()[-1])
     assert Path(found["file"]).resolve().is_relative_to(Path(VENV).resolve())
     assert found["version"] == found["dist"] == hf_kvcache.__version__
-    cli = subprocess.run([str(Path(VENV) / "bin" / "hf-kvcache"), "--version"], capture_output=True, text=True,
-                         cwd=tmp_path)
+    cli = subprocess.run(
+        [str(Path(VENV) / "bin" / "hf-kvcache"), "--version"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert cli.returncode == 0 and cli.stdout.strip() == f"hf-kvcache {hf_kvcache.__version__}"
 
 
@@ -89,7 +97,7 @@ def test_readme_quickstart_runs_from_the_wheel(tmp_path):
     assert "README.md, python block 2" in out and "snippets ran:" in out
 
 
-_EVERY_CACHE = '''
+_EVERY_CACHE = """
 import json
 import hf_kvcache
 from hf_kvcache.caches.catalog import CACHE_IMPLEMENTATIONS
@@ -104,7 +112,8 @@ for name in sorted(CACHE_IMPLEMENTATIONS):
     done[name] = out.shape[1] - ids["input_ids"].shape[1]
 tasks = Path(evaluation.__file__).with_name("tasks")
 print(json.dumps({"generated": done, "tasks": sorted(p.name for p in tasks.glob("*.yaml"))}))
-'''
+"""
+
 
 def test_every_cache_name_generates_from_the_wheel(tmp_path):
     """Each registered name by `cache_implementation` with its defaults: KIVI's packing comes from the quanto extra,
@@ -116,7 +125,7 @@ def test_every_cache_name_generates_from_the_wheel(tmp_path):
     assert found["tasks"] == sorted(p.name for p in (ROOT / "hf_kvcache/evaluation/tasks").glob("*.yaml"))
 
 
-_NATIVE = '''
+_NATIVE = """
 import json, logging, torch
 from hf_kvcache.kernels import cpu_blockwise
 from hf_kvcache.evaluation.models import load_model
@@ -127,7 +136,7 @@ ids = tokenizer("Rome is the capital of Italy. Paris is the capital of", return_
 out = model.generate(**ids, cache_implementation="fp8", max_new_tokens=6, min_new_tokens=6, do_sample=False)
 print(json.dumps({"unavailable": why, "sources": [str(s) for s in cpu_blockwise.SOURCES],
                   "tokens": out[0].tolist()}))
-'''
+"""
 
 
 def _native(tmp_path, env):
@@ -141,8 +150,12 @@ def test_native_kernel_builds_from_the_wheel_sources_and_falls_back_without_a_co
     built = _native(tmp_path, {})
     assert built["unavailable"] is None
     assert all(Path(s).resolve().is_relative_to(Path(VENV).resolve()) for s in built["sources"])
-    hidden = {"PATH": str(Path(VENV) / "bin"), "CC": None, "CXX": None,
-              "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty_extension_cache")}
+    hidden = {
+        "PATH": str(Path(VENV) / "bin"),
+        "CC": None,
+        "CXX": None,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty_extension_cache"),
+    }
     fallback = _native(tmp_path, hidden)
     assert fallback["unavailable"].startswith("building the native CPU kernel failed")
     switched_off = _native(tmp_path, {"HF_KVCACHE_NATIVE": "0"})

@@ -16,21 +16,57 @@ import torch
 #: published config values (config.json of each model on the Hub), written here so nothing is downloaded
 PUBLISHED: dict[str, dict] = {
     "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     ),
     "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ),
     "qwen3-8b": dict(  # Qwen/Qwen3-8B
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
         eos_token_id=151645,
     ),
 }
@@ -44,8 +80,9 @@ def published_config(name: str, layers: int | None = None, max_position_embeddin
     values = dict(PUBLISHED[name])
     if layers is not None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= values["num_hidden_layers"]:
-            raise ValueError(f"`layers` must be an integer in [1, {values['num_hidden_layers']}] for {name}, "
-                             f"got {layers!r}.")
+            raise ValueError(
+                f"`layers` must be an integer in [1, {values['num_hidden_layers']}] for {name}, got {layers!r}."
+            )
         values["num_hidden_layers"] = layers
     if max_position_embeddings is not None and max_position_embeddings > values["max_position_embeddings"]:
         values["max_position_embeddings"] = max_position_embeddings
@@ -69,8 +106,14 @@ def _set_rope(config, rope: dict) -> None:
             config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
-def random_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", layers: int | None = None,
-                 max_position_embeddings: int | None = None, seed: int = 0):
+def random_model(
+    name: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    layers: int | None = None,
+    max_position_embeddings: int | None = None,
+    seed: int = 0,
+):
     """A causal LM of `name`'s published shape with seeded random weights in `dtype` on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 

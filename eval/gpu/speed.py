@@ -40,15 +40,31 @@ CACHES = [
 #: device -> (model cells in priority order: (config, layers, context, batch), decode steps, rounds, kernel lengths)
 PLANS = {
     "cuda": {
-        "cells": [("llama-3.1-8b", 4, 8192, 1), ("llama-3.1-8b", 4, 8192, 8), ("qwen3-8b", 4, 8192, 1),
-                  ("llama-3.1-8b", 4, 32768, 1), ("llama-3.1-8b", 4, 65536, 1), ("llama-3.1-8b", 4, 32768, 8),
-                  ("qwen3-8b", 4, 32768, 1), ("llama-3.1-8b", 4, 65536, 8)],
-        "steps": 32, "rounds": 3, "kernel_lengths": [8192, 32768, 65536], "kernel_layers": 8, "repeats": 10,
+        "cells": [
+            ("llama-3.1-8b", 4, 8192, 1),
+            ("llama-3.1-8b", 4, 8192, 8),
+            ("qwen3-8b", 4, 8192, 1),
+            ("llama-3.1-8b", 4, 32768, 1),
+            ("llama-3.1-8b", 4, 65536, 1),
+            ("llama-3.1-8b", 4, 32768, 8),
+            ("qwen3-8b", 4, 32768, 1),
+            ("llama-3.1-8b", 4, 65536, 8),
+        ],
+        "steps": 32,
+        "rounds": 3,
+        "kernel_lengths": [8192, 32768, 65536],
+        "kernel_layers": 8,
+        "repeats": 10,
         "min_cell_s": 45,
     },
     "cpu": {
         "cells": [("smollm2-135m", 2, 64, 2)],
-        "steps": 4, "rounds": 2, "kernel_lengths": [128], "kernel_layers": 1, "min_cell_s": 5, "repeats": 2,
+        "steps": 4,
+        "rounds": 2,
+        "kernel_lengths": [128],
+        "kernel_layers": 1,
+        "min_cell_s": 5,
+        "repeats": 2,
     },
 }
 
@@ -62,10 +78,34 @@ def model_cell(cell, plan, device: str, out: Path, timeout: float) -> dict:
     """One bench_gpu.py process for a (config, layers, context, batch) cell; its outcome."""
     config, layers, context, batch = cell
     name = cell_name(*cell)
-    argv = [sys.executable, str(EVAL / "bench_gpu.py"), "--device", device, "--config", config, "--layers",
-            str(layers), "--prompt-tokens", str(context), "--batch", str(batch), "--new-tokens", str(plan["steps"]),
-            "--rounds", str(plan["rounds"]), "--modes", "eager", "--references", "dynamic", "--sync-steps", "0",
-            "--out", str(out), "--name", name]
+    argv = [
+        sys.executable,
+        str(EVAL / "bench_gpu.py"),
+        "--device",
+        device,
+        "--config",
+        config,
+        "--layers",
+        str(layers),
+        "--prompt-tokens",
+        str(context),
+        "--batch",
+        str(batch),
+        "--new-tokens",
+        str(plan["steps"]),
+        "--rounds",
+        str(plan["rounds"]),
+        "--modes",
+        "eager",
+        "--references",
+        "dynamic",
+        "--sync-steps",
+        "0",
+        "--out",
+        str(out),
+        "--name",
+        name,
+    ]
     if device == "cpu":
         argv += ["--dtype", "float32"]
     for cache in CACHES:
@@ -77,15 +117,25 @@ def kernel_cell(plan, device: str, out: Path, timeout: float) -> dict:
     """The code-reading kernel alone vs a plain read, in the first model cell's attention shape."""
     config = plan["cells"][0][0]
     code = (
-        "import json, sys, torch; sys.path[:0] = [%r, %r]\n"
+        "import json, sys, torch; sys.path[:0] = [%r, %r]\n"  # noqa: UP031  (program text: %r writes each value as Python)
         "import bench_decode_bandwidth as b\n"
         "from gpu.random_models import published_config\n"
         "shape = b.attention_shape(published_config(%r, layers=1))\n"
         "dtype = torch.bfloat16 if %r == 'cuda' else torch.float32\n"
         "rows = b.kernel_rows(%r, %d, %d, device=%r, dtype=dtype, **shape)\n"
         "json.dump({'model_shape': %r, **shape, 'dtype': str(dtype), 'rows': rows}, open(%r, 'w'), indent=1)\n"
-    ) % (str(EVAL), str(EVAL), config, device, plan["kernel_lengths"], plan["kernel_layers"], plan["repeats"], device,
-         config, str(out / "kernel.json"))
+    ) % (
+        str(EVAL),
+        str(EVAL),
+        config,
+        device,
+        plan["kernel_lengths"],
+        plan["kernel_layers"],
+        plan["repeats"],
+        device,
+        config,
+        str(out / "kernel.json"),
+    )
     return _run([sys.executable, "-c", code], "kernel", timeout, out / "kernel.log")
 
 

@@ -38,8 +38,12 @@ def device_slug(device: str) -> str:
 
 def _driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -51,8 +55,12 @@ def _commit(commit_file: Path | None) -> str | None:
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
         if head.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=20).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
             return head.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
@@ -65,10 +73,18 @@ def environment(device: str, commit_file: Path | None = None) -> dict:
     import torch
     import transformers
 
-    env = {"device": device, "device_name": platform.processor() or platform.machine(), "driver": None,
-           "cuda": torch.version.cuda, "torch": torch.__version__, "transformers": transformers.__version__,
-           "triton": None, "python": platform.python_version(), "commit": _commit(commit_file),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    env = {
+        "device": device,
+        "device_name": platform.processor() or platform.machine(),
+        "driver": None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": None,
+        "python": platform.python_version(),
+        "commit": _commit(commit_file),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     try:
         import triton
 
@@ -90,17 +106,20 @@ def status_text(code: str) -> str:
     return "ok" if n == 0 else "timed out" if n in (124, 130) else f"failed (exit {n})"
 
 
-def update(run: Path, device: str, commit_file: Path | None, stage: str | None, status: str | None,
-           seconds: float | None) -> dict:
+def update(
+    run: Path, device: str, commit_file: Path | None, stage: str | None, status: str | None, seconds: float | None
+) -> dict:
     path = run / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
     if "torch" not in summary:
         summary.update(environment(device, commit_file))
     summary.setdefault("stages", {})
     if stage is not None:
-        summary["stages"][stage] = {"status": status_text(status or "ok"), "seconds": seconds,
-                                    "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                                        timespec="seconds")}
+        summary["stages"][stage] = {
+            "status": status_text(status or "ok"),
+            "seconds": seconds,
+            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
     run.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -34,8 +34,17 @@ def pydoc_text() -> str:
 
 
 def presses(budget: float) -> dict:
-    from kvpress import (AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
-                         ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        KVzipPress,
+        ObservedAttentionPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
 
     ratio = 1.0 - budget
     return {
@@ -67,8 +76,9 @@ def scored_logprobs(model, ids: torch.Tensor, prompt: int, press=None) -> torch.
     for t in range(prompt, ids.shape[1] - 1):
         # positions given: after a press the cache holds fewer tokens than were seen (kvpress's pipeline does so too)
         position = torch.tensor([[t]])
-        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=position,
-                    cache_position=position[0])
+        out = model(
+            input_ids=ids[:, t : t + 1], past_key_values=cache, position_ids=position, cache_position=position[0]
+        )
         rows.append(torch.log_softmax(out.logits[0, -1].float(), -1))
     return torch.stack(rows), cache
 
@@ -77,7 +87,9 @@ def metrics(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> dict
     ref64, got64 = ref.double(), got.double()
     kl = (ref64.exp() * (ref64 - got64)).sum(-1)
     return {
-        "kl_mean": kl.mean().item(), "kl_p99": torch.quantile(kl, 0.99).item(), "kl_max": kl.max().item(),
+        "kl_mean": kl.mean().item(),
+        "kl_p99": torch.quantile(kl, 0.99).item(),
+        "kl_max": kl.max().item(),
         "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).double().mean().item(),
         "nll": -got.gather(-1, targets[:, None]).double().mean().item(),
         "nll_ref": -ref.gather(-1, targets[:, None]).double().mean().item(),
@@ -106,8 +118,10 @@ def main() -> None:
     ids = tokenizer(pydoc_text(), return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids[:, args.offset : args.offset + args.prompt + args.scored].long()
     targets = ids[0, args.prompt :]
-    models = {impl: AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=impl)
-              for impl in ("sdpa", "eager")}  # ObservedAttentionPress needs the attention weights (eager)
+    models = {
+        impl: AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=impl)
+        for impl in ("sdpa", "eager")
+    }  # ObservedAttentionPress needs the attention weights (eager)
     args.out.mkdir(parents=True, exist_ok=True)
     records_path = args.out / "results.jsonl"
     done = set()
@@ -122,17 +136,33 @@ def main() -> None:
             start = time.perf_counter()
             got, cache = scored_logprobs(model, ids, args.prompt, press)
             seconds = time.perf_counter() - start
-            record = {"label": name, "budget": budget, "context_len": args.prompt, "scored_tokens": args.scored,
-                      **metrics(reference, got, targets), "seconds": round(seconds, 1),
-                      # what layer 0 holds of the prompt (AdaKV presses mask dropped keys: they hold all of it)
-                      "prompt_tokens_held_layer0": int(cache.layers[0].keys.shape[-2]) - (args.scored - 1)}
+            record = {
+                "label": name,
+                "budget": budget,
+                "context_len": args.prompt,
+                "scored_tokens": args.scored,
+                **metrics(reference, got, targets),
+                "seconds": round(seconds, 1),
+                # what layer 0 holds of the prompt (AdaKV presses mask dropped keys: they hold all of it)
+                "prompt_tokens_held_layer0": int(cache.layers[0].keys.shape[-2]) - (args.scored - 1),
+            }
             with records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"{name:32s} {budget:4.0%}  KL {record['kl_mean']:.4f}  top-1 {record['top1_agreement']:.3f}  "
-                  f"({seconds:.0f} s)", flush=True)
-    environment = {"kvpress": "0.5.5", "transformers": transformers.__version__, "torch": torch.__version__,
-                   "python": platform.python_version(), "machine": platform.machine(), "threads": args.threads,
-                   "kvpress_path": os.path.dirname(kvpress.__file__), "protocol": vars(args) | {"out": str(args.out)}}
+            print(
+                f"{name:32s} {budget:4.0%}  KL {record['kl_mean']:.4f}  top-1 {record['top1_agreement']:.3f}  "
+                f"({seconds:.0f} s)",
+                flush=True,
+            )
+    environment = {
+        "kvpress": "0.5.5",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "kvpress_path": os.path.dirname(kvpress.__file__),
+        "protocol": vars(args) | {"out": str(args.out)},
+    }
     (args.out / "environment.json").write_text(json.dumps(environment, indent=2, default=str) + "\n")
 
 

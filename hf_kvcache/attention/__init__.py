@@ -7,15 +7,23 @@ May import: layers, policies, stores, kernels, common, integration.
 """
 
 from .bridge import (
-           BRIDGE_NAMES,
-           active_cache,
-           attention_column_scores,
-           build_validity_mask,
-           disable,
-           enable,
-           is_enabled,
-           register_attention_functions,
+    BRIDGE_NAMES,
+    active_cache,
+    attention_column_scores,
+    build_validity_mask,
+    disable,
+    enable,
+    is_enabled,
+    register_attention_functions,
 )
 
-__all__ = ["BRIDGE_NAMES", "active_cache", "attention_column_scores", "build_validity_mask", "disable", "enable",
-           "is_enabled", "register_attention_functions"]
+__all__ = [
+    "BRIDGE_NAMES",
+    "active_cache",
+    "attention_column_scores",
+    "build_validity_mask",
+    "disable",
+    "enable",
+    "is_enabled",
+    "register_attention_functions",
+]

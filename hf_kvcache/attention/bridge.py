@@ -71,7 +71,7 @@ def active_cache():
 def build_validity_mask(validity: torch.Tensor, causal_tail: int, query: torch.Tensor) -> torch.Tensor:
     """Boolean mask [B, H or 1, q, kv] from column validity [B, Hm, kv]. The last `causal_tail` columns are the new
     tokens in order (causal among themselves); each new token always sees itself, so no row is empty."""
-    batch, q_heads, q_len, _ = query.shape
+    _batch, q_heads, q_len, _ = query.shape
     kv = validity.shape[-1]
     mask = validity[:, :, None, :].expand(-1, -1, q_len, -1).clone()
     if causal_tail:
@@ -155,11 +155,18 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     out, scores = scored_attention(
-        query, key, value, valid, causal_tail, scaling,
+        query,
+        key,
+        value,
+        valid,
+        causal_tail,
+        scaling,
         softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) or None,
-        sinks=getattr(module, "sinks", None), query_weight=weight,
+        sinks=getattr(module, "sinks", None),
+        query_weight=weight,
         score_from=q - window if window is not None and q > window else 0,
-        reduce=layer.policy.attention_reduce, normalize_over=layer.policy.score_columns,
+        reduce=layer.policy.attention_reduce,
+        normalize_over=layer.policy.score_columns,
     )
     layer.policy.observe(layer.view, scores)
     return out, None
@@ -225,12 +232,18 @@ def _make_bridge(name: str):
                     return out
             if rotation is not None:
                 query = rotate(query, rotation)
-            if layer.policy.needs_attention and first and (spec is not None or attention_mask is None) and not (
-                not sdpa and attention_weights_requested()  # eager then returns the weights itself
+            if (
+                layer.policy.needs_attention
+                and first
+                and (spec is not None or attention_mask is None)
+                and not (
+                    not sdpa and attention_weights_requested()  # eager then returns the weights itself
+                )
             ):  # output and column scores from one pass (hf_kvcache.attention.scored)
                 return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
             if sdpa and query.shape[2] == 1 and not layer.policy.needs_attention:
-                # one decode token: each KV head read once, not once per query head (hf_kvcache.attention.gqa_decode); the
+                # one decode token: each KV head read once, not once per query head (hf_kvcache.attention.gqa_decode);
+                # the
                 # layer's validity [B, Hm, kv] is the whole mask of a decode step
                 mask = attention_mask if spec is None else spec[0][:, :, None, :]
                 packed = packed_decode_attention(module, query, key, value, mask, kwargs)
@@ -251,10 +264,15 @@ def _make_bridge(name: str):
                     if scored_mask.shape[2] > 1:
                         scored_mask = scored_mask[:, :, -window:]
                 scores = attention_column_scores(
-                    scored_query, key, scored_mask, kwargs.get("scaling", module.scaling), weight,
+                    scored_query,
+                    key,
+                    scored_mask,
+                    kwargs.get("scaling", module.scaling),
+                    weight,
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
                     sinks=getattr(module, "sinks", None),
-                    reduce=layer.policy.attention_reduce, normalize_over=layer.policy.score_columns,
+                    reduce=layer.policy.attention_reduce,
+                    normalize_over=layer.policy.score_columns,
                 )
                 layer.policy.observe(layer.view, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)
@@ -304,7 +322,9 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         return model
     require(*BRIDGE_CONTRACTS)
     if model.config.is_encoder_decoder:
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models.")
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; hf_kvcache supports decoder-only models."
+        )
     if not can_set_attention(model):
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "

@@ -27,8 +27,16 @@ def block_size(layer, segments) -> int:
     return block
 
 
-def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec, kwargs: dict,
-           rotation: torch.Tensor | None = None):
+def attend(
+    module,
+    layer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spec,
+    kwargs: dict,
+    rotation: torch.Tensor | None = None,
+):
     """Attention output [B, q, Hq, Dv] (and None for the weights, as transformers' attention functions return) of
     `query` over the segments the layer's last update recorded; None when that update had nothing stored (the first
     prefill: the caller attends to the new tokens as usual). `spec`: the layer's `attention_validity()` for that
@@ -71,23 +79,45 @@ def attend(module, layer, query: torch.Tensor, key: torch.Tensor, value: torch.T
         # an eager CPU decode step: the native kernel straight away (the layer's own segments, consistent by
         # construction: blockwise_attention's checks and backend choice cost ~30 us a layer for nothing here)
         if getattr(layer, "attention_block", None) is not None:
-            block_size(layer, sum(read.segments(), []))  # (a setting the native kernel does not use, checked alike)
+            block_size(
+                layer, [s for segments in read.segments() for s in segments]
+            )  # (a setting the native kernel does not use, checked alike)
         valid, sinks = None if spec is None else spec[0], getattr(module, "sinks", None)
         if read.flat is not None:  # the layer's kept view of its store (codes_read.KernelView)
-            result = cpu_blockwise.attend_flat(query, *read.flat, valid, float(scaling), 0, softcap or None, sinks,
-                                               query_rotation=rotation)
+            result = cpu_blockwise.attend_flat(
+                query, *read.flat, valid, float(scaling), 0, softcap or None, sinks, query_rotation=rotation
+            )
         else:
             n = sum(s.length for s in read.keys)
-            result = cpu_blockwise.cpu_blockwise_attention(query, read.keys, read.values, n, valid, float(scaling), 0,
-                                                           softcap or None, sinks, False, query_rotation=rotation)
+            result = cpu_blockwise.cpu_blockwise_attention(
+                query,
+                read.keys,
+                read.values,
+                n,
+                valid,
+                float(scaling),
+                0,
+                softcap or None,
+                sinks,
+                False,
+                query_rotation=rotation,
+            )
         return result.transpose(1, 2).contiguous(), None
     if rotation is not None:
         query = rotate(query, rotation)
     keys, values = read.segments()
     result = blockwise_attention(
-        query, keys, values, None if spec is None else spec[0], float(scaling),
-        block=block_size(layer, keys + values), causal_tail=q if q > 1 else 0, softcap=softcap or None,
-        sinks=getattr(module, "sinks", None), return_column_scores=needs_scores, query_weight=weight,
+        query,
+        keys,
+        values,
+        None if spec is None else spec[0],
+        float(scaling),
+        block=block_size(layer, keys + values),
+        causal_tail=q if q > 1 else 0,
+        softcap=softcap or None,
+        sinks=getattr(module, "sinks", None),
+        return_column_scores=needs_scores,
+        query_weight=weight,
     )
     if needs_scores:
         result, scores = result

@@ -20,8 +20,9 @@ import torch
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias")
 
 
-def packed_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            mask: torch.Tensor | None, kwargs: dict):
+def packed_decode_attention(
+    module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, kwargs: dict
+):
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1 or q_heads == kv_heads or q_heads % kv_heads:

@@ -48,33 +48,49 @@ REDUCTIONS = ("sum", "max")
 
 def _check(query, key, value, valid, causal_tail, query_weight, score_from, chunk, reduce="sum", normalize_over=None):
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"scored_attention: `query`, `key`, `value` must be 4-D [B, H, tokens, D], got "
-                         f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+        raise ValueError(
+            f"scored_attention: `query`, `key`, `value` must be 4-D [B, H, tokens, D], got "
+            f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+        )
     batch, q_heads, q, _ = query.shape
     kv_heads, kv = key.shape[1], key.shape[2]
     if q_heads % kv_heads or value.shape[1] != kv_heads or value.shape[2] != kv:
-        raise ValueError(f"scored_attention: query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}), and "
-                         f"values [H, kv] = {list(value.shape[1:3])} must match keys {[kv_heads, kv]}")
+        raise ValueError(
+            f"scored_attention: query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}), and "
+            f"values [H, kv] = {list(value.shape[1:3])} must match keys {[kv_heads, kv]}"
+        )
     if causal_tail not in (0, q) or causal_tail > kv:
-        raise ValueError(f"scored_attention: `causal_tail` must be 0 or the query length {q} (<= {kv} columns), got "
-                         f"{causal_tail}")
-    if valid is not None and (valid.dtype != torch.bool or valid.dim() != 3 or valid.shape[0] != batch
-                              or valid.shape[1] not in (1, kv_heads) or valid.shape[2] != kv):
-        raise ValueError(f"scored_attention: `valid` must be bool [B={batch}, Hkv={kv_heads} or 1, kv={kv}], got "
-                         f"{valid.dtype} {list(valid.shape)}")
+        raise ValueError(
+            f"scored_attention: `causal_tail` must be 0 or the query length {q} (<= {kv} columns), got {causal_tail}"
+        )
+    if valid is not None and (
+        valid.dtype != torch.bool
+        or valid.dim() != 3
+        or valid.shape[0] != batch
+        or valid.shape[1] not in (1, kv_heads)
+        or valid.shape[2] != kv
+    ):
+        raise ValueError(
+            f"scored_attention: `valid` must be bool [B={batch}, Hkv={kv_heads} or 1, kv={kv}], got "
+            f"{valid.dtype} {list(valid.shape)}"
+        )
     if query_weight is not None and tuple(query_weight.shape) != (batch, q):
-        raise ValueError(f"scored_attention: `query_weight` must be [B, q] = {[batch, q]}, got "
-                         f"{list(query_weight.shape)}")
+        raise ValueError(
+            f"scored_attention: `query_weight` must be [B, q] = {[batch, q]}, got {list(query_weight.shape)}"
+        )
     if not 0 <= score_from <= q:
         raise ValueError(f"scored_attention: `score_from` must be in [0, q={q}], got {score_from}")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"scored_attention: `chunk` must be None or an int >= 1, got {chunk!r}")
     if reduce not in REDUCTIONS:
         raise ValueError(f"scored_attention: `reduce` must be one of {REDUCTIONS}, got {reduce!r}")
-    if normalize_over is not None and (reduce != "max" or normalize_over.dtype != torch.bool
-                                       or tuple(normalize_over.shape) != (batch, kv)):
-        raise ValueError(f"scored_attention: `normalize_over` must be bool [B={batch}, kv={kv}] and needs "
-                         f"reduce='max', got {normalize_over.dtype} {list(normalize_over.shape)} with {reduce!r}")
+    if normalize_over is not None and (
+        reduce != "max" or normalize_over.dtype != torch.bool or tuple(normalize_over.shape) != (batch, kv)
+    ):
+        raise ValueError(
+            f"scored_attention: `normalize_over` must be bool [B={batch}, kv={kv}] and needs "
+            f"reduce='max', got {normalize_over.dtype} {list(normalize_over.shape)} with {reduce!r}"
+        )
 
 
 def _mask_chunk(logits, valid, causal_tail: int, start: int, end: int, kv: int) -> None:
@@ -148,8 +164,11 @@ def scored_attention(
             total = probs.sum(-1, keepdim=True) + torch.exp(sink - top)
             probs.div_(torch.where(total > 0, total, 1.0))
         chunk_out = torch.matmul(probs.view(batch, kv_heads, groups * size, cols).to(value.dtype), value[:, :, :cols])
-        chunk_out = chunk_out.view(batch, kv_heads, groups, size, value_dim).permute(0, 3, 1, 2, 4).reshape(
-            batch, size, q_heads, value_dim)
+        chunk_out = (
+            chunk_out.view(batch, kv_heads, groups, size, value_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(batch, size, q_heads, value_dim)
+        )
         if single:
             out = chunk_out.to(query.dtype)
         else:

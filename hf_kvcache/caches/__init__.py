@@ -14,7 +14,24 @@ from .quantized import KIVICache, QuantizedFP8Cache
 from .registry import CACHE_IMPLEMENTATIONS, DEFAULT_CACHE_CONFIGS, build_cache, default_cache_config
 from .scorers import ExpectedAttentionCache, KeyDiffCache, KnormCache, SnapKVCache, TOVACache
 
-__all__ = ["CACHE_IMPLEMENTATIONS", "CompositeCache", "DEFAULT_CACHE_CONFIGS", "ExpectedAttentionCache", "FullCache",
-           "H2OCache", "KIVICache", "KVCache", "KVzipCache", "KeyDiffCache", "KnormCache", "QuantizedFP8Cache",
-           "RandomEvictionCache", "SinkCache", "SlidingWindowCache", "SnapKVCache", "TOVACache", "build_cache",
-           "default_cache_config"]
+__all__ = [
+    "CACHE_IMPLEMENTATIONS",
+    "CompositeCache",
+    "DEFAULT_CACHE_CONFIGS",
+    "ExpectedAttentionCache",
+    "FullCache",
+    "H2OCache",
+    "KIVICache",
+    "KVCache",
+    "KVzipCache",
+    "KeyDiffCache",
+    "KnormCache",
+    "QuantizedFP8Cache",
+    "RandomEvictionCache",
+    "SinkCache",
+    "SlidingWindowCache",
+    "SnapKVCache",
+    "TOVACache",
+    "build_cache",
+    "default_cache_config",
+]

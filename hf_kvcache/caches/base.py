@@ -12,8 +12,15 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..common.architecture import COMPRESSED_TYPE, check_supported_config, is_latent_attention, layer_plan
 from ..common.tensor_parallel import TensorParallel
 from ..common.validation import check_keys, require_int
-from ..integration.cache_layers import (Cache, CacheLayerMixin, kv_sharing_consumers, kv_sharing_producers,
-                                       upstream_croppable, upstream_layer, upstream_layer_nbytes)
+from ..integration.cache_layers import (
+    Cache,
+    CacheLayerMixin,
+    kv_sharing_consumers,
+    kv_sharing_producers,
+    upstream_croppable,
+    upstream_layer,
+    upstream_layer_nbytes,
+)
 from ..layers.forward_info import ForwardAnnounced, ForwardInfo
 from ..layers.layer import CompressedLayer
 from ..policies import KeepAllPolicy
@@ -76,7 +83,7 @@ def _layer_specs(layers, layer_types: list[str]) -> list:
             if layer_types[index] != COMPRESSED_TYPE:
                 raise ValueError(
                     f"{where}: layer {index} is a {layer_types[index]!r} layer, which keeps exactly the model's own "
-                    f"window; settings apply to {COMPRESSED_TYPE!r} layers only (use \"keep\")."
+                    f'window; settings apply to {COMPRESSED_TYPE!r} layers only (use "keep").'
                 )
             specs[index] = dict(value)
         else:
@@ -132,7 +139,7 @@ class KVCache(Cache, ForwardAnnounced):
         self.layer_types = layer_types
         specs = _layer_specs(layers, layer_types)
         built = []
-        for i, (layer_type, kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
+        for i, (layer_type, _kwargs, spec) in enumerate(zip(layer_types, layer_kwargs, specs)):
             if layer_type != COMPRESSED_TYPE:
                 built.append(None)  # transformers' layer, built below (its class follows the compressed layers')
             elif spec is None:
@@ -146,14 +153,19 @@ class KVCache(Cache, ForwardAnnounced):
                 built.append(self._layer_from_settings(config, spec, i))
         compressed = [layer for layer in built if isinstance(layer, CompressedLayer)]
         static = bool(compressed) and all(layer.is_compileable for layer in compressed)  # fixed shapes: compile all
-        built = [upstream_layer(layer_type, kwargs, static) if layer is None else layer
-                 for layer, layer_type, kwargs in zip(built, layer_types, layer_kwargs)]
+        built = [
+            upstream_layer(layer_type, kwargs, static) if layer is None else layer
+            for layer, layer_type, kwargs in zip(built, layer_types, layer_kwargs)
+        ]
         latent = is_latent_attention(config)
         shared = any(kv_sharing_consumers(config))  # later layers attend to earlier layers' caches
         #: consumer layer index -> the index of the compressed layer whose keys and values it attends to (the bridge
         #: attends as that layer; an index, since a cache may replace its layers: KVzip places them at the prompt's end)
-        self.kv_producers = {i: j for i, j in enumerate(kv_sharing_producers(config))
-                             if j is not None and isinstance(built[j], CompressedLayer)}
+        self.kv_producers = {
+            i: j
+            for i, j in enumerate(kv_sharing_producers(config))
+            if j is not None and isinstance(built[j], CompressedLayer)
+        }
         for layer in built:  # named in the error for a budget larger than memory (CompressedLayer._check_budget_fits)
             if isinstance(layer, CompressedLayer) and not hasattr(layer, "size_parameters"):
                 layer.size_parameters = self.size_keys or ("max_length",)
@@ -170,7 +182,9 @@ class KVCache(Cache, ForwardAnnounced):
         if not any(isinstance(layer, CompressedLayer) for layer in built):
             logger.warning(
                 "hf_kvcache: %s has no full-attention layer to compress (layer types %s); every layer keeps the "
-                "model's own cache.", type(config).__name__, sorted(set(layer_types))
+                "model's own cache.",
+                type(config).__name__,
+                sorted(set(layer_types)),
             )
         super().__init__(layers=built)
         if model is not None:
@@ -205,8 +219,10 @@ class KVCache(Cache, ForwardAnnounced):
     def is_croppable(self) -> bool:
         """Whether `crop` can put every layer back as it was (assisted decoding): ours until they evict, transformers'
         own as `upstream_croppable` says (a window-sized StaticCache layer only while it holds every token seen)."""
-        return all(layer.is_croppable if isinstance(layer, CompressedLayer) else upstream_croppable(layer)
-                   for layer in self.layers)
+        return all(
+            layer.is_croppable if isinstance(layer, CompressedLayer) else upstream_croppable(layer)
+            for layer in self.layers
+        )
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens of every layer (assisted decoding), or raise before changing any of them."""
@@ -263,7 +279,7 @@ class KVCache(Cache, ForwardAnnounced):
         return [name for name in params if name not in ("self", "config_or_model")]
 
     @classmethod
-    def from_cache_config(cls, config_or_model, cache_config: dict[str, Any] | None) -> "KVCache":
+    def from_cache_config(cls, config_or_model, cache_config: dict[str, Any] | None) -> KVCache:
         """Build from a `generate(cache_config=...)` dict; unknown keys raise with the list of valid ones."""
         cache_config = dict(cache_config or {})
         check_keys(f"cache_config for cache_implementation={cls.cache_name!r}", cache_config, cls.config_keys())

@@ -84,9 +84,7 @@ def make_store(keys: Any, values: Any, where: str, workspace=None):
     try:
         from ..stores.regions import store_for_precisions
     except ImportError:
-        raise ValueError(
-            f"{where}: precision keys={keys!r}, values={values!r} is not available; use 'full'."
-        ) from None
+        raise ValueError(f"{where}: precision keys={keys!r}, values={values!r} is not available; use 'full'.") from None
     return store_for_precisions(keys, values, where, workspace)
 
 
@@ -126,9 +124,15 @@ def parse_regions(regions: Any) -> dict:
     expected = 0
     for w in windows:
         if w["start"] < expected:
-            raise ValueError(f"{w['where']}: window [{w['start']}, {w['end']}) overlaps the previous window, which ends at {expected}.")
+            raise ValueError(
+                f"{w['where']}: window [{w['start']}, {w['end']}) overlaps the previous window, which ends at "
+                f"{expected}."
+            )
         if w["start"] > expected:
-            raise ValueError(f"{w['where']}: window starts at {w['start']} but the previous one ends at {expected}: a gap of {w['start'] - expected} tokens.")
+            raise ValueError(
+                f"{w['where']}: window starts at {w['start']} but the previous one ends at {expected}: a gap of "
+                f"{w['start'] - expected} tokens."
+            )
         expected = w["end"]
     if final is not None and "window" in final.get("options", {}) and final["options"]["window"] > expected:
         raise ValueError(
@@ -143,8 +147,9 @@ def _scorer_options(where: str, scorer: str, region: dict) -> dict:
     given = [key for key in ("window", "kernel") if key in region]
     if scorer != "snapkv":
         if given:
-            raise ValueError(f"{where}.{given[0]} is an option of scorer 'snapkv' only (this region's scorer is "
-                             f"{scorer!r}).")
+            raise ValueError(
+                f"{where}.{given[0]} is an option of scorer 'snapkv' only (this region's scorer is {scorer!r})."
+            )
         return {}
     window = require_int(f"{where}.window", region.get("window", SNAPKV_WINDOW), 1)
     kernel = require_int(f"{where}.kernel", region.get("kernel", SNAPKV_KERNEL), 1)
@@ -181,9 +186,11 @@ def preset_regions(preset: str, budget: int, precision: Any, scorer: str = "h2o"
     scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
     recent = (budget - PRESET_SINKS) // 2
     if scorer == "snapkv" and recent < SNAPKV_WINDOW:  # SnapKV's observation window lies in the recent window
-        raise ValueError(f"`preset` {preset!r} with scorer 'snapkv' needs `budget` >= "
-                         f"{PRESET_SINKS + 2 * SNAPKV_WINDOW} (a recent window of at least SnapKV's "
-                         f"{SNAPKV_WINDOW}-token observation window), got {budget}.")
+        raise ValueError(
+            f"`preset` {preset!r} with scorer 'snapkv' needs `budget` >= "
+            f"{PRESET_SINKS + 2 * SNAPKV_WINDOW} (a recent window of at least SnapKV's "
+            f"{SNAPKV_WINDOW}-token observation window), got {budget}."
+        )
     heavy = {"role": "heavy", "tokens": budget - PRESET_SINKS - recent, "keys": precision, "values": precision}
     return [
         {"role": "sinks", "tokens": PRESET_SINKS},
@@ -225,8 +232,10 @@ class CompositeCache(KVCache):
         elif budget is not None:
             raise ValueError("`budget` is for presets; with `regions`, sizes are given per region.")
         elif scorer is not None:
-            raise ValueError("`scorer` is for presets; with `regions`, give it in the heavy region "
-                             '({"role": "heavy", ..., "scorer": ...}).')
+            raise ValueError(
+                "`scorer` is for presets; with `regions`, give it in the heavy region "
+                '({"role": "heavy", ..., "scorer": ...}).'
+            )
         self.preset, self.budget, self.precision, self.scorer = preset, budget, precision, scorer
         layout = parse_regions(regions)
         aggregation = require_choice("aggregation", aggregation, AGGREGATIONS)
@@ -236,14 +245,17 @@ class CompositeCache(KVCache):
         self.compress = require_choice("compress", compress, COMPRESS_MODES)  # KVCache wraps the policies for "prompt"
         sinks, windows, final = layout["sinks"], merge_windows(layout["windows"]), layout["final"]
         if compress == "prompt" and final is not None and final["role"] == "rest":
-            raise ValueError(f"compress='prompt': {final['where']} ('rest') keeps every token already, there is "
-                             "nothing to compress; use compress='always' or a 'heavy' region / no final region.")
+            raise ValueError(
+                f"compress='prompt': {final['where']} ('rest') keeps every token already, there is "
+                "nothing to compress; use compress='always' or a 'heavy' region / no final region."
+            )
         scorer = final.get("scorer", "h2o") if final else "h2o"
         rotators = {}  # built after the base class checked the architecture
         final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
         # heavy hitters at the last window's precision share its slots (one pool, no move from window to heavy)
         pooled = final_kind == "heavy" and precision_key(final["keys"], final["values"]) == precision_key(
-            windows[-1]["keys"], windows[-1]["values"])
+            windows[-1]["keys"], windows[-1]["values"]
+        )
         parts = ([sinks] if sinks else []) + windows + ([final] if final and not pooled else [])
         sizes = [sinks["tokens"]] if sinks else []
         sizes += [w["end"] - w["start"] for w in windows]
@@ -288,7 +300,9 @@ class CompositeCache(KVCache):
                 layer.attention, layer.attention_block = mode, self.attention_block
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree
         if isinstance(config_or_model, PreTrainedModel) and "queries" in rotators:
-            check_rotator_once(config_or_model, rotators["queries"], [layer.layer_idx for layer in self.compressed_layers])
+            check_rotator_once(
+                config_or_model, rotators["queries"], [layer.layer_idx for layer in self.compressed_layers]
+            )
 
     def workspace_nbytes(self) -> int:
         """Bytes of the shared read workspace (one layer's keys and values in the model's dtype, grown by doubling,

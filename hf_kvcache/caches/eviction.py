@@ -26,8 +26,9 @@ class SlidingWindowCache(KVCache):
     cache_name = "sliding"
     size_keys = ("window",)
 
-    def __init__(self, config_or_model, window: int = 1024, compress: str = "always",
-                 layers: dict | list | None = None):
+    def __init__(
+        self, config_or_model, window: int = 1024, compress: str = "always", layers: dict | list | None = None
+    ):
         window = require_int("window", window, 1)
         self.window = window
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
@@ -114,14 +115,18 @@ class H2OCache(KVCache):
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
         position_mode = require_choice("position_mode", position_mode, ("original", "compact"))
         if position_mode == "compact" and self.head_budget == "adaptive":
-            raise ValueError("`position_mode` 'compact' re-rotates each head's keys in place, which the heads' shared "
-                             "pool of `head_budget` 'adaptive' does not hold: use position_mode 'original'.")
+            raise ValueError(
+                "`position_mode` 'compact' re-rotates each head's keys in place, which the heads' shared "
+                "pool of `head_budget` 'adaptive' does not hold: use position_mode 'original'."
+            )
         heavy = None if heavy is None else _size_or_ratio("heavy", heavy)
         recent = None if recent is None else _size_or_ratio("recent", recent)
         if budget is not None:
             budget = require_int("budget", budget, 1)
             if isinstance(heavy, float) or isinstance(recent, float):
-                raise ValueError("`budget` is a token count; give `heavy`/`recent` as token counts with it, not ratios.")
+                raise ValueError(
+                    "`budget` is a token count; give `heavy`/`recent` as token counts with it, not ratios."
+                )
             if heavy is None and recent is None:
                 heavy = budget // 2
                 recent = budget - heavy
@@ -130,9 +135,7 @@ class H2OCache(KVCache):
             elif recent is None:
                 recent = budget - heavy
             if heavy < 0 or recent < 0 or heavy + recent > budget:
-                raise ValueError(
-                    f"`heavy` + `recent` ({heavy} + {recent}) must fit in `budget` ({budget}), each >= 0."
-                )
+                raise ValueError(f"`heavy` + `recent` ({heavy} + {recent}) must fit in `budget` ({budget}), each >= 0.")
         elif heavy is None or recent is None:
             raise ValueError("Give `heavy` and `recent` (tokens or prompt ratios), or a `budget` in tokens.")
         if not isinstance(heavy, float) and not isinstance(recent, float) and heavy + recent < 1:
@@ -171,5 +174,6 @@ class RandomEvictionCache(H2OCache):
         seed = require_int("seed", seed, 0)
         self.seed = seed
         self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(
-            heavy, recent, seed, self.tensor_parallel)  # draws keyed by global KV head under tensor parallelism
+            heavy, recent, seed, self.tensor_parallel
+        )  # draws keyed by global KV head under tensor parallelism
         super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, compress=compress, layers=layers)

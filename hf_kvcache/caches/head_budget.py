@@ -15,7 +15,8 @@ def check_head_budget(head_budget, safeguard) -> tuple[str, float]:
     head_budget = require_choice("head_budget", head_budget, HEAD_BUDGETS)
     if isinstance(safeguard, bool) or not isinstance(safeguard, (int, float)) or not 0.0 <= safeguard <= 1.0:
         raise ValueError(
-            f"`safeguard` (the share of the budget every head keeps) must be in [0, 1], got {safeguard!r}.")
+            f"`safeguard` (the share of the budget every head keeps) must be in [0, 1], got {safeguard!r}."
+        )
     return head_budget, float(safeguard)
 
 

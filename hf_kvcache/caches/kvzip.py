@@ -60,8 +60,9 @@ def request_ids_from_tokenizer(tokenizer) -> dict[str, list[int]]:
     if getattr(tokenizer, "chat_template", None):
         dummy = "dummy context"
         separator = "\n" + "#" * len(dummy)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
+        )
         suffix = text.split(separator)[1]
 
     def encode(text: str) -> list[int]:
@@ -74,13 +75,15 @@ def _check_request_ids(request_ids) -> dict[str, list[int]] | None:
     if request_ids is None:
         return None
     if not isinstance(request_ids, dict) or set(request_ids) != set(REQUEST_KEYS):
-        raise ValueError(f"`request_ids` must be a dict with the keys {REQUEST_KEYS} (lists of token ids), got "
-                         f"{request_ids!r}.")
+        raise ValueError(
+            f"`request_ids` must be a dict with the keys {REQUEST_KEYS} (lists of token ids), got {request_ids!r}."
+        )
     checked = {}
     for key in REQUEST_KEYS:
         ids = request_ids[key]
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                         for i in ids):
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
             raise ValueError(f"`request_ids[{key!r}]` must be a list of token ids (ints >= 0), got {ids!r}.")
         checked[key] = list(ids)
     if not checked["first"]:
@@ -96,10 +99,21 @@ class KVzipCache(KVCache):
     cache_name = "kvzip"
     size_keys = ("budget",)
 
-    def __init__(self, config_or_model, budget: int | float | None = None, sinks: int = 4, recent: int = 0,
-                 chunk_size: int = 2048, head_budget: str = "uniform", safeguard: float = 0.2,
-                 layer_budget: str = "uniform", tokenizer=None, request_ids: dict | None = None,
-                 compress: str = "prompt", layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        sinks: int = 4,
+        recent: int = 0,
+        chunk_size: int = 2048,
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        layer_budget: str = "uniform",
+        tokenizer=None,
+        request_ids: dict | None = None,
+        compress: str = "prompt",
+        layers: dict | list | None = None,
+    ):
         require_choice("compress", compress, ("prompt",))  # (scores need model forwards: never at decode time)
         self.budget = _budget(budget)
         self.sinks = require_int("sinks", sinks, 0)
@@ -109,15 +123,19 @@ class KVzipCache(KVCache):
         self.layer_budget = require_choice("layer_budget", layer_budget, LAYER_BUDGETS)
         encodes = callable(getattr(tokenizer, "encode", None))
         if tokenizer is not None and not isinstance(tokenizer, str) and not encodes:
-            raise ValueError(f"`tokenizer` must be a name or path, or a tokenizer (with `encode`), got "
-                             f"{type(tokenizer).__name__}.")
+            raise ValueError(
+                f"`tokenizer` must be a name or path, or a tokenizer (with `encode`), got {type(tokenizer).__name__}."
+            )
         self.tokenizer, self.request_ids = tokenizer, _check_request_ids(request_ids)
         # (set after the layers are built: KVCache wraps a "prompt" cache's policies for prompt mode, and these
         # layers collect the context instead; their placed successors are wrapped in `_placed_layer`)
         super().__init__(config_or_model, lambda cfg: (ReconstructionScoringPolicy(), FullPrecisionStore()), layers)
         self.compress = "prompt"
-        self._scoring_layers = {layer.layer_idx: layer for layer in self.compressed_layers
-                                if isinstance(layer.policy, ReconstructionScoringPolicy)}
+        self._scoring_layers = {
+            layer.layer_idx: layer
+            for layer in self.compressed_layers
+            if isinstance(layer.policy, ReconstructionScoringPolicy)
+        }
         self._forget_context()
         self._requests: dict[str, list[int]] | None = self.request_ids
 
@@ -146,8 +164,10 @@ class KVzipCache(KVCache):
             self.compress_context(model)
             return
         if ids is None:
-            raise ValueError("KVzipCache reconstructs the context from its token ids: call the model with "
-                             "`input_ids`, not `inputs_embeds`.")
+            raise ValueError(
+                "KVzipCache reconstructs the context from its token ids: call the model with "
+                "`input_ids`, not `inputs_embeds`."
+            )
         if ids is self._last_ids:  # the same forward announced again by a nested model (its base model)
             return
         self._requests_for(model)  # a missing tokenizer fails now, before any token is generated
@@ -178,22 +198,25 @@ class KVzipCache(KVCache):
 
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-                except Exception as error:  # noqa: BLE001  (any loading failure: say what to give instead)
+                except Exception as error:
                     raise ValueError(
                         f"KVzipCache needs a tokenizer for its reconstruction request and could not load one from "
                         f"{tokenizer!r} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
                         "Give `tokenizer` (a name, a path or a tokenizer) or `request_ids`."
                     ) from None
             if tokenizer is None:
-                raise ValueError("KVzipCache needs a tokenizer for its reconstruction request and the model has no "
-                                 "`name_or_path` to load one from: give `tokenizer` (a name, a path or a tokenizer) "
-                                 "or `request_ids`.")
+                raise ValueError(
+                    "KVzipCache needs a tokenizer for its reconstruction request and the model has no "
+                    "`name_or_path` to load one from: give `tokenizer` (a name, a path or a tokenizer) "
+                    "or `request_ids`."
+                )
             self._requests = request_ids_from_tokenizer(tokenizer)
         vocab = getattr(self.config, "vocab_size", None)
         too_large = [i for ids in self._requests.values() for i in ids if vocab is not None and i >= vocab]
         if too_large:
-            raise ValueError(f"`request_ids`: token ids {too_large[:5]} are outside the model's vocabulary "
-                             f"({vocab} tokens).")
+            raise ValueError(
+                f"`request_ids`: token ids {too_large[:5]} are outside the model's vocabulary ({vocab} tokens)."
+            )
         return self._requests
 
     # -- compression ------------------------------------------------------------------------------------------
@@ -208,8 +231,10 @@ class KVzipCache(KVCache):
         context = ids.shape[1]
         scoring = list(self._scoring_layers.values())
         if any(layer.seen != context for layer in scoring):
-            raise RuntimeError(f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} "
-                               "context tokens were recorded; a forward bypassed the cache's announcement.")
+            raise RuntimeError(
+                f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} "
+                "context tokens were recorded; a forward bypassed the cache's announcement."
+            )
         requests = self._requests_for(model)
         base = getattr(model, "base_model", model)
         self._reconstructing = True
@@ -219,8 +244,13 @@ class KVzipCache(KVCache):
                 for layer in scoring:
                     layer.policy.begin_scoring(context, targets, columns)
                 try:
-                    base(input_ids=repeat, attention_mask=torch.cat((real, repeat_real), 1).long(),
-                         position_ids=repeat_pos, use_cache=True, **cache_kwargs(self))
+                    base(
+                        input_ids=repeat,
+                        attention_mask=torch.cat((real, repeat_real), 1).long(),
+                        position_ids=repeat_pos,
+                        use_cache=True,
+                        **cache_kwargs(self),
+                    )
                 finally:
                     for layer in scoring:
                         layer.policy.end_scoring()
@@ -240,7 +270,7 @@ class KVzipCache(KVCache):
     def _chunks(self, ids, real, positions, requests):
         """Per chunk: (request + suffix + chunk ids [B, r] left-padded, their validity, position ids, the chunk's
         context columns [B, context], the columns its scores are normalised over [B, context + r])."""
-        batch, context = ids.shape
+        batch, _context = ids.shape
         rank = real.long().cumsum(1) - 1  # each real token's index among its row's real tokens
         counts = real.sum(1).tolist()
         last = torch.where(real, positions, -1).amax(1)
@@ -249,15 +279,15 @@ class KVzipCache(KVCache):
             start, end = k * self.chunk_size, (k + 1) * self.chunk_size
             sequences = []
             for row in rows:
-                request = requests["first"] if k == 0 else requests["next"] + row[max(0, start - PREVIOUS_TAIL):start]
+                request = requests["first"] if k == 0 else requests["next"] + row[max(0, start - PREVIOUS_TAIL) : start]
                 sequences.append(request + requests["suffix"] + row[start:end])
             width = max(len(s) for s in sequences)
             repeat = torch.zeros(batch, width, dtype=ids.dtype, device=ids.device)
             repeat_real = torch.zeros(batch, width, dtype=torch.bool, device=ids.device)
             for b, sequence in enumerate(sequences):
                 if sequence:
-                    repeat[b, width - len(sequence):] = torch.tensor(sequence, dtype=ids.dtype)
-                    repeat_real[b, width - len(sequence):] = True
+                    repeat[b, width - len(sequence) :] = torch.tensor(sequence, dtype=ids.dtype)
+                    repeat_real[b, width - len(sequence) :] = True
             repeat_pos = (last[:, None] + repeat_real.long().cumsum(1)).masked_fill(~repeat_real, 1)
             targets = real & (rank >= start) & (rank < end)
             columns = torch.cat((real & ((rank < self.sinks) | targets), repeat_real), 1)
@@ -275,11 +305,18 @@ class KVzipCache(KVCache):
 
     def _settings(self, layer) -> dict:
         """The placement settings of `layer`: the cache's, with a per-layer setting (`layers`) winning."""
-        return {"budget": self.budget, "sinks": self.sinks, "recent": self.recent, "head_budget": self.head_budget,
-                "safeguard": self.safeguard, **getattr(layer, "placement_settings", {})}
+        return {
+            "budget": self.budget,
+            "sinks": self.sinks,
+            "recent": self.recent,
+            "head_budget": self.head_budget,
+            "safeguard": self.safeguard,
+            **getattr(layer, "placement_settings", {}),
+        }
 
-    def _layer_totals(self, scoring: list[CompressedLayer], real: torch.Tensor,
-                      positions: torch.Tensor) -> dict[int, int]:
+    def _layer_totals(
+        self, scoring: list[CompressedLayer], real: torch.Tensor, positions: torch.Tensor
+    ) -> dict[int, int]:
         """Layer-adaptive budgets: each layer's share (tokens over its heads) of the model's budget, by score. The
         sinks count as the placing policy will keep them (ScoredPolicy.protect: position id below `sinks`)."""
         scores, budgets = [], []
@@ -310,9 +347,16 @@ class KVzipCache(KVCache):
         settings = self._settings(layer)
         head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
         policy, store = with_head_budget(
-            KVzipPolicy(budget or _budget(settings["budget"]), scores, settings["sinks"], settings["recent"],
-                        total=total if head_budget == "adaptive" else None),
-            head_budget, safeguard)
+            KVzipPolicy(
+                budget or _budget(settings["budget"]),
+                scores,
+                settings["sinks"],
+                settings["recent"],
+                total=total if head_budget == "adaptive" else None,
+            ),
+            head_budget,
+            safeguard,
+        )
         placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
         placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
         return placed
@@ -320,9 +364,11 @@ class KVzipCache(KVCache):
     # -- state files ------------------------------------------------------------------------------------------
     def state_phase(self) -> dict:
         if self._ids and not self._compressed:
-            raise ValueError("save_cache_state: this KVzipCache holds a context it has not compressed yet (a state "
-                             "file holds no token ids to reconstruct it from); save after the first decode step or "
-                             "`cache.compress_context(model)`.")
+            raise ValueError(
+                "save_cache_state: this KVzipCache holds a context it has not compressed yet (a state "
+                "file holds no token ids to reconstruct it from); save after the first decode step or "
+                "`cache.compress_context(model)`."
+            )
         return {"context_placed": self._compressed}
 
     def enter_state_phase(self, phase: dict, where: str) -> None:
@@ -352,8 +398,9 @@ class KVzipCache(KVCache):
         super().crop(tokens_to_remove)
 
     def _map_context(self, fn) -> None:
-        self._ids, self._real, self._positions = ([fn(t) for t in parts]
-                                                  for parts in (self._ids, self._real, self._positions))
+        self._ids, self._real, self._positions = (
+            [fn(t) for t in parts] for parts in (self._ids, self._real, self._positions)
+        )
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)

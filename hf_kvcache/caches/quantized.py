@@ -33,8 +33,19 @@ from .base import KVCache
 
 #: keys of a calibration dict (hf_kvcache.sharing.calibration.calibrate) accepted in `scales`
 CALIBRATION_KEYS = (
-    "format", "key_scale", "value_scale", "key_mean", "num_layers", "num_kv_heads", "head_dim", "num_tokens",
-    "source", "margin", "version", "key_smoothing", "key_rotation",
+    "format",
+    "key_scale",
+    "value_scale",
+    "key_mean",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "num_tokens",
+    "source",
+    "margin",
+    "version",
+    "key_smoothing",
+    "key_rotation",
 )
 
 
@@ -55,9 +66,19 @@ def model_dims(config) -> tuple[int, int, int]:
 class _QuantizedKeepAllCache(KVCache):
     """Keep-all cache whose layers store keys and values quantized (see the module docstring)."""
 
-    def _build(self, config_or_model, key: QuantSpec, value: QuantSpec, residual: int, key_smoothing: bool,
-               scales: dict | None, key_rotation: str = "none", layers=None, max_length: int | None = None,
-               fixed_ring: bool = False) -> None:
+    def _build(
+        self,
+        config_or_model,
+        key: QuantSpec,
+        value: QuantSpec,
+        residual: int,
+        key_smoothing: bool,
+        scales: dict | None,
+        key_rotation: str = "none",
+        layers=None,
+        max_length: int | None = None,
+        fixed_ring: bool = False,
+    ) -> None:
         config = _text_config(config_or_model)
         num_layers, kv_heads, head_dim = model_dims(config)
         latent = is_latent_attention(config)
@@ -88,8 +109,16 @@ class _QuantizedKeepAllCache(KVCache):
         workspace = self.workspace
 
         def layer_parts(cfg):
-            store = QuantizedStore(key, value, residual=residual, append_only=True, key_smoothing=key_smoothing,
-                                   workspace=workspace, name=type(self).__name__, fixed_slots=max_length is not None)
+            store = QuantizedStore(
+                key,
+                value,
+                residual=residual,
+                append_only=True,
+                key_smoothing=key_smoothing,
+                workspace=workspace,
+                name=type(self).__name__,
+                fixed_slots=max_length is not None,
+            )
             return KeepAllPolicy(max_length), store
 
         super().__init__(config_or_model, layer_parts, layers)
@@ -115,7 +144,8 @@ class _QuantizedKeepAllCache(KVCache):
         `attention_block`: tokens dequantized at a time by the torch path (None: DEFAULT_BLOCK)."""
         self.attention = require_choice("attention", attention, ATTENTION_MODES)
         attention, self.attention_block = attention_option(
-            attention, attention_block, is_latent_attention(_text_config(config_or_model)))
+            attention, attention_block, is_latent_attention(_text_config(config_or_model))
+        )
         if getattr(self, "fixed_ring", False):  # max_length with a residual / token blocks (KIVI): see the store
             if attention == "blockwise":
                 raise ValueError(
@@ -138,13 +168,24 @@ class _QuantizedKeepAllCache(KVCache):
         self.workspace.clear()
 
 
-def _parse_scales(scales, key: QuantSpec, value: QuantSpec, key_smoothing: bool, key_rotation: str, layers: int,
-                  kv_heads: int, head_dim: int) -> dict[str, list]:
+def _parse_scales(
+    scales,
+    key: QuantSpec,
+    value: QuantSpec,
+    key_smoothing: bool,
+    key_rotation: str,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+) -> dict[str, list]:
     """Per-layer static parameters from a calibration dict: {store argument: [value per layer]}."""
     if scales is None:
         return {}
     if not isinstance(scales, dict):
-        raise ValueError(f"`scales` must be a calibration dict (hf_kvcache.sharing.calibration.calibrate), got {type(scales).__name__}.")
+        raise ValueError(
+            "`scales` must be a calibration dict (hf_kvcache.sharing.calibration.calibrate), got "
+            f"{type(scales).__name__}."
+        )
     check_keys("`scales` (calibration dict)", scales, CALIBRATION_KEYS)
     for name, expected in (("num_layers", layers), ("num_kv_heads", kv_heads), ("head_dim", head_dim)):
         if name in scales and scales[name] != expected:
@@ -224,7 +265,8 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
             the KL divergence of unrotated E4M3 keys, but adds nothing once keys are rotated (and costs a pass).
         key_rotation: "auto" (default: "hadamard", or "none" for latent-attention models whose cache holds no
             attention keys), "hadamard", "random" or "none": keys are rotated by an orthogonal matrix before
-            they are stored, and queries alike in attention (hf_kvcache.common.rotation), which spreads outlier channels;
+            they are stored, and queries alike in attention (hf_kvcache.common.rotation), which spreads outlier
+            channels;
             on SmolLM2 it cuts the KL divergence of E4M3 caches 2.5-4x at no cost in bytes.
         scales: a calibration dict (hf_kvcache.sharing.calibration.calibrate): static per-head scales and key means
             (calibrated with the same key_smoothing and key_rotation).
@@ -266,8 +308,9 @@ class QuantizedFP8Cache(_QuantizedKeepAllCache):
         key_spec = _spec(base, key, "key")
         value_spec = _spec(value_base, value, "value")
         self.max_length = max_length
-        self._build(config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers,
-                    max_length)
+        self._build(
+            config_or_model, key_spec, value_spec, residual, key_smoothing, scales, key_rotation, layers, max_length
+        )
         self._set_attention(config_or_model, attention, attention_block)
 
 
@@ -277,8 +320,11 @@ def _spec(base: dict, override: dict | None, kind: str) -> QuantSpec:
     if not isinstance(override, dict):
         raise ValueError(f"`{kind}` must be a dict of QuantSpec fields, got {type(override).__name__}.")
     check_keys(f"`{kind}` spec", override, ("format", "granularity", "group_size", "backend", "scale_dtype"))
-    if (override.get("format") in INT_BITS and "granularity" not in override
-            and base.get("granularity") not in INT_GRANULARITIES):
+    if (
+        override.get("format") in INT_BITS
+        and "granularity" not in override
+        and base.get("granularity") not in INT_GRANULARITIES
+    ):
         # integer keys/values under an FP8-only shorthand granularity ('tensor', 'head'): the integer default
         base = {"format": override["format"]}
     return QuantSpec.from_value({**base, **override}, f"`{kind}` spec")
@@ -336,6 +382,16 @@ class KIVICache(_QuantizedKeepAllCache):
                 "(pip install optimum-quanto), or drop `max_length` (the cache then grows and runs eagerly)."
             )
         self.max_length = max_length
-        self._build(config_or_model, key, value, residual, key_smoothing, None, key_rotation, layers, max_length,
-                    fixed_ring=True)
+        self._build(
+            config_or_model,
+            key,
+            value,
+            residual,
+            key_smoothing,
+            None,
+            key_rotation,
+            layers,
+            max_length,
+            fixed_ring=True,
+        )
         self._set_attention(config_or_model, attention, attention_block)

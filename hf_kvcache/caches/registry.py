@@ -2,12 +2,14 @@
 
 transformers 5.x validates `cache_implementation` against a fixed tuple and hard-codes the name-to-class mapping in
 `GenerationMixin._prepare_cache_for_generation`; hf_kvcache.integration.generation extends both (idempotently, each
-step behind a contract) and calls hf_kvcache.install's `build_for_generate`, which builds from this catalog. `GenerationMixin.init_continuous_batching` is extended
+step behind a contract) and calls hf_kvcache.install's `build_for_generate`, which builds from this catalog.
+`GenerationMixin.init_continuous_batching` is extended
 too: it hands a model our caches switched to the attention bridge back to its own attention implementation (the
 only kind continuous batching accepts) and checks that quantized pages asked for can be honoured.
 
 Published configs. A model's `generation_config.json` may carry `"hf_kvcache": {"cache": NAME, "config": {...},
-"version": 1}` (see hf_kvcache.sharing.hub): transformers keeps that key and ignores it, so the model loads and generates
+"version": 1}` (see hf_kvcache.sharing.hub): transformers keeps that key and ignores it, so the model loads and
+generates
 everywhere; with hf_kvcache imported, `generate` builds that cache whenever the call sets no `cache_implementation`
 and passes no `cache` (either of which wins). `save_cache_config` writes that safe form, never a
 `cache_implementation` (which makes `from_pretrained` fail wherever hf_kvcache is not imported).
@@ -21,15 +23,18 @@ token sizes capped by the model's `max_position_embeddings` (L below; 1024 when 
 | `sliding` | window 1024 | window L |
 | `h2o` | heavy 0.1 + recent 0.1 of the prompt (H2O's 20% budget) | same |
 | `random_eviction` | heavy 0.1 + recent 0.1 of the prompt | same |
-| `composite` | preset "sinks_heavy_recent", budget 1024 (4 sinks, recent + heavy hitters in FP8 E4M3) | budget max(L, 6) |
+| `composite` | preset "sinks_heavy_recent", budget 1024 (4 sinks, recent + heavy hitters in FP8 E4M3) | budget max(L,
+6) |
 | `fp8` | the class defaults: E4M3, per-token scales, Hadamard-rotated keys, no full-precision window | same |
-| `kivi` | the class defaults: int4, group 32, residual 128, quanto (else hqq); value groups gcd(32, head_dim) when head_dim is not a multiple of 32 | same |
+| `kivi` | the class defaults: int4, group 32, residual 128, quanto (else hqq); value groups gcd(32, head_dim) when
+head_dim is not a multiple of 32 | same |
 | `knorm` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `keydiff` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `tova` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `snapkv` | budget 1024 tokens (a prompt ratio can fall below its 64-token window); window 64, kernel 5 | same |
 | `expected_attention` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
-| `kvzip` | budget 0.2 of the prompt; 4 sinks, chunks of 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) | same |
+| `kvzip` | budget 0.2 of the prompt; 4 sinks, chunks of 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) |
+same |
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -57,17 +62,19 @@ from .quantized import KIVICache, QuantizedFP8Cache
 from .scorers import SCORER_CACHES
 
 #: cache_implementation name -> class (the dict lives in hf_kvcache.caches.catalog, which the base class reads)
-CACHE_IMPLEMENTATIONS.update({
-    SinkCache.cache_name: SinkCache,
-    SlidingWindowCache.cache_name: SlidingWindowCache,
-    H2OCache.cache_name: H2OCache,
-    CompositeCache.cache_name: CompositeCache,
-    RandomEvictionCache.cache_name: RandomEvictionCache,
-    QuantizedFP8Cache.cache_name: QuantizedFP8Cache,
-    KIVICache.cache_name: KIVICache,
-    **{cls.cache_name: cls for cls in SCORER_CACHES},
-    KVzipCache.cache_name: KVzipCache,
-})
+CACHE_IMPLEMENTATIONS.update(
+    {
+        SinkCache.cache_name: SinkCache,
+        SlidingWindowCache.cache_name: SlidingWindowCache,
+        H2OCache.cache_name: H2OCache,
+        CompositeCache.cache_name: CompositeCache,
+        RandomEvictionCache.cache_name: RandomEvictionCache,
+        QuantizedFP8Cache.cache_name: QuantizedFP8Cache,
+        KIVICache.cache_name: KIVICache,
+        **{cls.cache_name: cls for cls in SCORER_CACHES},
+        KVzipCache.cache_name: KVzipCache,
+    }
+)
 
 CONFIG_FILE = "kvcache_config.json"
 
@@ -159,8 +166,9 @@ def build_cache(name: str, config_or_model, cache_config: dict[str, Any] | None 
         raise ValueError(f"Unknown cache {name!r}; hf_kvcache caches are {sorted(CACHE_IMPLEMENTATIONS)}.")
     if cache_config is not None and not isinstance(cache_config, dict):
         raise ValueError(f"cache_config for {name!r} must be a dict of settings, got {type(cache_config).__name__}.")
-    return CACHE_IMPLEMENTATIONS[name].from_cache_config(config_or_model, resolve_cache_config(
-        name, config_or_model, cache_config))
+    return CACHE_IMPLEMENTATIONS[name].from_cache_config(
+        config_or_model, resolve_cache_config(name, config_or_model, cache_config)
+    )
 
 
 def _validation_config():

@@ -74,8 +74,9 @@ class _ScorerCache(KVCache):
 
         super().__init__(config_or_model, build, layers)
 
-    def _window(self, recent, budget, compress, paper: int, decode_share: float = DECODE_RECENT_SHARE
-                ) -> tuple[int, float]:
+    def _window(
+        self, recent, budget, compress, paper: int, decode_share: float = DECODE_RECENT_SHARE
+    ) -> tuple[int, float]:
         """(`recent` tokens, share of the budget) the policy protects: as given, else the paper's window in prompt
         mode and at least `decode_share` of the budget in "always" mode."""
         if recent is not None:
@@ -89,9 +90,16 @@ class KnormCache(_ScorerCache):
 
     cache_name = "knorm"
 
-    def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
-                 compress: str = "always", head_budget: str = "uniform", safeguard: float = 0.2,
-                 layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        recent: int | None = None,
+        compress: str = "always",
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        layers: dict | list | None = None,
+    ):
         self.recent, share = self._window(recent, budget, compress, paper=0, decode_share=KNORM_DECODE_RECENT_SHARE)
         policy = lambda cfg: KnormPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
         self._setup(config_or_model, budget, compress, policy, layers, head_budget, safeguard)
@@ -103,14 +111,28 @@ class KeyDiffCache(_ScorerCache):
 
     cache_name = "keydiff"
 
-    def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
-                 compress: str = "always", rescore_every: int = 1, head_budget: str = "uniform",
-                 safeguard: float = 0.2, layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        recent: int | None = None,
+        compress: str = "always",
+        rescore_every: int = 1,
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        layers: dict | list | None = None,
+    ):
         self.recent, share = self._window(recent, budget, compress, paper=0)
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
-        self._setup(config_or_model, budget, compress, lambda cfg: KeyDiffPolicy(
-            self.budget, self.recent, recent_share=share, rescore_every=self.rescore_every),
-            layers, head_budget, safeguard)
+        self._setup(
+            config_or_model,
+            budget,
+            compress,
+            lambda cfg: KeyDiffPolicy(self.budget, self.recent, recent_share=share, rescore_every=self.rescore_every),
+            layers,
+            head_budget,
+            safeguard,
+        )
 
 
 class TOVACache(_ScorerCache):
@@ -119,8 +141,14 @@ class TOVACache(_ScorerCache):
 
     cache_name = "tova"
 
-    def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None,
-                 compress: str = "always", layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        recent: int | None = None,
+        compress: str = "always",
+        layers: dict | list | None = None,
+    ):
         self.recent, share = self._window(recent, budget, compress, paper=1)
         policy = lambda cfg: TOVAPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
         self._setup(config_or_model, budget, compress, policy, layers)  # (one token set per layer: no head budgets)
@@ -133,9 +161,19 @@ class SnapKVCache(_ScorerCache):
 
     cache_name = "snapkv"
 
-    def __init__(self, config_or_model, budget: int | float | None = None, window: int = 64, kernel: int = 5,
-                 recent: int | None = None, compress: str = "always", rescore_every: int = 1,
-                 head_budget: str = "uniform", safeguard: float = 0.2, layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        window: int = 64,
+        kernel: int = 5,
+        recent: int | None = None,
+        compress: str = "always",
+        rescore_every: int = 1,
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        layers: dict | list | None = None,
+    ):
         self.window = require_int("window", window, 1)
         self.kernel = require_int("kernel", kernel, 1)
         if self.kernel % 2 == 0:
@@ -143,9 +181,22 @@ class SnapKVCache(_ScorerCache):
         _recent(window, _budget(budget), "window")
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
         self.recent, share = self._window(recent, budget, compress, paper=window)
-        self._setup(config_or_model, budget, compress, lambda cfg: SnapKVPolicy(
-            self.budget, self.window, self.kernel, recent=self.recent, recent_share=share,
-            rescore_every=self.rescore_every), layers, head_budget, safeguard)
+        self._setup(
+            config_or_model,
+            budget,
+            compress,
+            lambda cfg: SnapKVPolicy(
+                self.budget,
+                self.window,
+                self.kernel,
+                recent=self.recent,
+                recent_share=share,
+                rescore_every=self.rescore_every,
+            ),
+            layers,
+            head_budget,
+            safeguard,
+        )
 
 
 class ExpectedAttentionCache(_ScorerCache):
@@ -155,10 +206,21 @@ class ExpectedAttentionCache(_ScorerCache):
 
     cache_name = "expected_attention"
 
-    def __init__(self, config_or_model, budget: int | float | None = None, recent: int | None = None, sinks: int = 4,
-                 future: int = 512, use_covariance: bool = True, use_value_norm: bool = True,
-                 compress: str = "always", rescore_every: int = 1, head_budget: str = "uniform",
-                 safeguard: float = 0.2, layers: dict | list | None = None):
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        recent: int | None = None,
+        sinks: int = 4,
+        future: int = 512,
+        use_covariance: bool = True,
+        use_value_norm: bool = True,
+        compress: str = "always",
+        rescore_every: int = 1,
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        layers: dict | list | None = None,
+    ):
         self.recent, share = self._window(recent, budget, compress, paper=0)
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
         self.sinks = require_int("sinks", sinks, 0)
@@ -171,9 +233,17 @@ class ExpectedAttentionCache(_ScorerCache):
         def make_policy(cfg):
             if "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg, parameter="expected_attention")
-            return ExpectedAttentionPolicy(self.budget, self.recent, self.sinks, self.future, use_covariance,
-                                           use_value_norm, rotator=rotators["rotator"], recent_share=share,
-                                           rescore_every=self.rescore_every)
+            return ExpectedAttentionPolicy(
+                self.budget,
+                self.recent,
+                self.sinks,
+                self.future,
+                use_covariance,
+                use_value_norm,
+                rotator=rotators["rotator"],
+                recent_share=share,
+                rescore_every=self.rescore_every,
+            )
 
         self._setup(config_or_model, budget, compress, make_policy, layers, head_budget, safeguard)
         if isinstance(config_or_model, PreTrainedModel) and rotators:  # the model's own RoPE must agree

@@ -23,12 +23,21 @@ def _demo(args) -> int:
     print(f"Loading {args.model} ...", flush=True)
     model, tokenizer = load_model(args.model)
     ids = load_tokens(tokenizer, args.text, max_tokens=args.offset + args.prompt_tokens)[:, args.offset :]
-    print(f"Prompt: {ids.shape[1]} tokens of {args.text!r}; {args.new_tokens} new tokens per cache (a bar per row "
-          "counts its forwards: prefill, generation, teacher-forced pass).", flush=True)
+    print(
+        f"Prompt: {ids.shape[1]} tokens of {args.text!r}; {args.new_tokens} new tokens per cache (a bar per row "
+        "counts its forwards: prefill, generation, teacher-forced pass).",
+        flush=True,
+    )
     rows = run_demo(model, tokenizer, ids, new_tokens=args.new_tokens, progress=True)
-    settings = {"model": args.model, "text": args.text, "offset": args.offset, "prompt_tokens": ids.shape[1],
-                "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(),
-                "total_seconds": time.perf_counter() - start}
+    settings = {
+        "model": args.model,
+        "text": args.text,
+        "offset": args.offset,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": args.new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "total_seconds": time.perf_counter() - start,
+    }
     paths = write_demo_report(rows, args.out, settings)
     print()
     print(format_table(rows))
@@ -55,12 +64,15 @@ def _export_hub(args) -> int:
             model_config = AutoConfig.from_pretrained(args.model)
         except (OSError, ValueError) as err:
             raise OSError(f"--model {args.model!r}: cannot load its config: {err}") from err
-    written = export_custom_generate(args.directory, name, config, model_config=model_config,
-                                     overwrite=args.overwrite, source=f"--cache {text!r}")
+    written = export_custom_generate(
+        args.directory, name, config, model_config=model_config, overwrite=args.overwrite, source=f"--cache {text!r}"
+    )
     for rel in written.values():
         print(rel)
-    print(f"Use: model.generate(..., custom_generate={args.directory!r}, trust_remote_code=True), or push the "
-          f"folder to a Hub repo and pass its id.")
+    print(
+        f"Use: model.generate(..., custom_generate={args.directory!r}, trust_remote_code=True), or push the "
+        f"folder to a Hub repo and pass its id."
+    )
     return 0
 
 
@@ -87,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
     demo.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
     demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
-    demo.add_argument("--offset", type=non_negative_int, default=20000,
-                      help="where the prompt starts in the corpus, in tokens")
-    demo.add_argument("--out", default="demo_results", help="directory for demo.csv / .json / .png (default "
-                      "demo_results)")
+    demo.add_argument(
+        "--offset", type=non_negative_int, default=20000, help="where the prompt starts in the corpus, in tokens"
+    )
+    demo.add_argument(
+        "--out", default="demo_results", help="directory for demo.csv / .json / .png (default demo_results)"
+    )
     demo.set_defaults(func=_demo)
     export = sub.add_parser(
         "export-hub",
@@ -100,16 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
         "then generates with the cache.",
     )
     export.add_argument("directory", metavar="DIR", help="folder to write (created when missing)")
-    export.add_argument("--cache", required=True, metavar="NAME:key=value,...",
-                        help="cache name and settings, e.g. sink:sinks=4,window=1020 or "
-                        "'composite:{\"regions\": [...]}'")
-    export.add_argument("--model", metavar="ID|PATH", help="check the settings against this model's config "
-                        "(folder or Hub id) instead of a minimal Llama-shaped one (head_dim 8)")
+    export.add_argument(
+        "--cache",
+        required=True,
+        metavar="NAME:key=value,...",
+        help="cache name and settings, e.g. sink:sinks=4,window=1020 or 'composite:{\"regions\": [...]}'",
+    )
+    export.add_argument(
+        "--model",
+        metavar="ID|PATH",
+        help="check the settings against this model's config "
+        "(folder or Hub id) instead of a minimal Llama-shaped one (head_dim 8)",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace existing files of the folder")
     export.set_defaults(func=_export_hub)
     from ..paged.serve_bench import add_serve_bench_command
     from .eval_commands import add_eval_commands
-
     from .ruler_command import add_ruler_command
     from .serve_command import add_serve_command
 

@@ -10,6 +10,7 @@ import json
 def _number(parse, valid, wanted: str):
     """An argparse type: `parse` (int or float) the text, then require `valid(value)`; else "expected `wanted`, got
     ..." (the text as typed, or the integer it parsed to)."""
+
     def convert(text: str):
         try:
             value = parse(text)
@@ -19,6 +20,7 @@ def _number(parse, valid, wanted: str):
             got = value if parse is int else repr(text)
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {got}")
         return value
+
     return convert
 
 
@@ -46,8 +48,9 @@ def needle_positions(text: str) -> list:
         except ValueError:
             depth = None
         if depth is None or (isinstance(depth, float) and not 0.0 <= depth <= 1.0):
-            raise ValueError(f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], "
-                             f"got {item!r}.")
+            raise ValueError(
+                f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], got {item!r}."
+            )
         positions.append(depth)
     return positions
 
@@ -60,7 +63,7 @@ def _value(text: str):
 
 
 def parse_cache(text: str) -> tuple[str, str, dict]:
-    """"NAME" or "NAME:key=value,key=value" (values as JSON when they parse: 4, 0.25, "25%", true) or
+    """ "NAME" or "NAME:key=value,key=value" (values as JSON when they parse: 4, 0.25, "25%", true) or
     "NAME:{json}" -> (label, name, config)."""
     name, _, rest = text.partition(":")
     name = name.strip()

@@ -52,8 +52,15 @@ def demo_specs(prompt_len: int) -> list[tuple[str, str, dict, str, str]]:
         specs.append((f"sink 4+{budget - 4}", "sink", "sink", {"sinks": 4, "window": budget - 4}, str(budget)))
         specs.append((f"sliding {budget}", "sliding", "sliding", {"window": budget}, str(budget)))
         specs.append((f"h2o {budget}", "h2o", "h2o", {"budget": budget}, str(budget)))
-        specs.append((f"composite fp8 {budget}", "composite fp8", "composite",
-                      {"preset": "sinks_heavy_recent", "budget": budget}, str(budget)))
+        specs.append(
+            (
+                f"composite fp8 {budget}",
+                "composite fp8",
+                "composite",
+                {"preset": "sinks_heavy_recent", "budget": budget},
+                str(budget),
+            )
+        )
     specs.append(("fp8 (E4M3, Hadamard)", "fp8", "fp8", {}, "all"))
     specs.append(("kivi int4", "kivi int4", "kivi", {"bits": 4}, "all"))
     return specs
@@ -90,8 +97,12 @@ def _run_row(model, prompt, cache, new_tokens: int, reference, pad: int, bar):
     forced_cache = copy.deepcopy(cache) if reference is not None else None
     start = time.perf_counter()
     out = model.generate(
-        torch.cat((prompt, first), 1), **cache_kwargs(cache), max_new_tokens=new_tokens - 1,
-        min_new_tokens=new_tokens - 1, do_sample=False, pad_token_id=pad,
+        torch.cat((prompt, first), 1),
+        **cache_kwargs(cache),
+        max_new_tokens=new_tokens - 1,
+        min_new_tokens=new_tokens - 1,
+        do_sample=False,
+        pad_token_id=pad,
         stopping_criteria=StoppingCriteriaList([_Ticks(bar)]),
     )
     speed = (new_tokens - 1) / (time.perf_counter() - start)
@@ -109,7 +120,7 @@ def _run_row(model, prompt, cache, new_tokens: int, reference, pad: int, bar):
 
 @torch.no_grad()
 def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 32, progress: bool = False) -> list[DemoRow]:
-    """One row per cache of `demo_specs` (the first is the full cache, the reference). `progress`: a tqdm bar per row."""
+    """One row per cache of `demo_specs` (the first is the full cache, the reference); `progress`: a tqdm bar a row."""
     import hf_kvcache  # noqa: F401  (registers the cache names)
 
     if new_tokens < 2:
@@ -124,20 +135,38 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 32, p
             cache = make_cache(model, name, config, context_len=prompt_len, total_len=prompt_len + new_tokens)
         except ImportError as missing:  # an optional backend (e.g. KIVI's packing): said in the table, not fatal
             nan = float("nan")
-            rows.append(DemoRow(cache=label, family=family, budget=budget, bytes_held=0, decode_tokens_per_s=nan,
-                                generated_agreement=nan, top1_agreement=nan, seconds=0.0, cpu_seconds=0.0,
-                                not_run=str(missing)))
+            rows.append(
+                DemoRow(
+                    cache=label,
+                    family=family,
+                    budget=budget,
+                    bytes_held=0,
+                    decode_tokens_per_s=nan,
+                    generated_agreement=nan,
+                    top1_agreement=nan,
+                    seconds=0.0,
+                    cpu_seconds=0.0,
+                    not_run=str(missing),
+                )
+            )
             continue
         bar = _row_bar(label, 1 + (new_tokens - 1) * (1 if reference is None else 2), progress)
         generated, speed, forced = _run_row(model, prompt_ids, cache, new_tokens, reference, pad, bar)
         if reference is None:  # the full cache: its greedy output is the reference (teacher-forced, it is itself)
             reference = forced = generated
-        rows.append(DemoRow(
-            cache=label, family=family, budget=budget, bytes_held=cache_nbytes(cache), decode_tokens_per_s=speed,
-            generated_agreement=float((generated == reference).float().mean()),
-            top1_agreement=float((forced == reference).float().mean()),
-            seconds=time.perf_counter() - wall, cpu_seconds=time.process_time() - cpu,
-        ))
+        rows.append(
+            DemoRow(
+                cache=label,
+                family=family,
+                budget=budget,
+                bytes_held=cache_nbytes(cache),
+                decode_tokens_per_s=speed,
+                generated_agreement=float((generated == reference).float().mean()),
+                top1_agreement=float((forced == reference).float().mean()),
+                seconds=time.perf_counter() - wall,
+                cpu_seconds=time.process_time() - cpu,
+            )
+        )
         if bar is not None:
             bar.close()
     return rows
@@ -145,8 +174,10 @@ def run_demo(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int = 32, p
 
 def format_table(rows: list[DemoRow]) -> str:
     full = rows[0].bytes_held
-    header = (f"{'cache':<24}{'budget':>8}{'bytes held':>14}{'vs full':>9}{'decode tok/s':>14}{'gen agree':>11}"
-              f"{'top-1':>8}{'row s':>8}")
+    header = (
+        f"{'cache':<24}{'budget':>8}{'bytes held':>14}{'vs full':>9}{'decode tok/s':>14}{'gen agree':>11}"
+        f"{'top-1':>8}{'row s':>8}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.not_run:

@@ -20,7 +20,7 @@ from .args import parse_cache, positive_int
 
 
 def _method(text: str):
-    """"LABEL=NAME:key=value,..." (or "NAME:..." labelled by itself); the kept share goes to `budget`, or to
+    """ "LABEL=NAME:key=value,..." (or "NAME:..." labelled by itself); the kept share goes to `budget`, or to
     `window` for sink and sliding."""
     from ..evaluation.ruler.board import Method
 
@@ -72,9 +72,22 @@ def cmd_ruler(args) -> int:
     out = Path(args.out)
     if not args.summarize_only:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-        run_board(model, tokenizer, lambda name, config, context: make_cache(model, name, config, context), methods,
-                  compressions, args.protocols, args.tasks, args.lengths, args.samples, out,
-                  progress=not args.quiet, batch_size=args.batch_size, shard=shard, keep_going=args.keep_going)
+        run_board(
+            model,
+            tokenizer,
+            lambda name, config, context: make_cache(model, name, config, context),
+            methods,
+            compressions,
+            args.protocols,
+            args.tasks,
+            args.lengths,
+            args.samples,
+            out,
+            progress=not args.quiet,
+            batch_size=args.batch_size,
+            shard=shard,
+            keep_going=args.keep_going,
+        )
         if shard[1] > 1:
             return 0  # the shards' answers are summarized by one `--summarize-only` run once all have finished
     if not out.is_dir() or not result_files(out):
@@ -88,8 +101,10 @@ def cmd_ruler(args) -> int:
     (out / "board.json").write_text(json.dumps({"model": args.model, "tasks": args.tasks, **summary}, indent=1) + "\n")
     plot_board(summary["board"], out / "board.png", args.title or f"{args.model}: generated RULER-style tasks")
     for row in summary["board"]:
-        print(f"{row['method']:28s} {row['compression']:.2f} {row['protocol']:8s} {row['context_len']:6d} "
-              f"{row['score']:.3f} +- {row['ci95_halfwidth']:.3f} (n={row['samples']})")
+        print(
+            f"{row['method']:28s} {row['compression']:.2f} {row['protocol']:8s} {row['context_len']:6d} "
+            f"{row['score']:.3f} +- {row['ci95_halfwidth']:.3f} (n={row['samples']})"
+        )
     return 0
 
 
@@ -97,11 +112,18 @@ def add_ruler_command(sub) -> None:
     from ..evaluation.ruler import TASKS
     from ..evaluation.ruler.protocol import PROTOCOLS
 
-    p = sub.add_parser("ruler", help="the RULER-style leaderboard: generated tasks x caches x compressions",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "ruler",
+        help="the RULER-style leaderboard: generated tasks x caches x compressions",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--model", default="smollm2", help="a Hub id, a local directory, or smollm2 (offline)")
-    p.add_argument("--method", action="append", default=[],
-                   help='"LABEL=NAME:key=value,...", repeatable (default: every cache family, see the docs)')
+    p.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        help='"LABEL=NAME:key=value,...", repeatable (default: every cache family, see the docs)',
+    )
     p.add_argument("--compressions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     p.add_argument("--protocols", nargs="+", default=["agnostic"], choices=PROTOCOLS)
     p.add_argument("--tasks", nargs="+", default=sorted(TASKS))
@@ -110,9 +132,12 @@ def add_ruler_command(sub) -> None:
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-size", type=positive_int, default=1,
-                   help="samples of a cell generated together, left-padded (rows share the budget of their mean "
-                        "context length)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="samples of a cell generated together, left-padded (rows share the budget of their mean context length)",
+    )
     p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th, writing results.IofN.jsonl")
     p.add_argument("--only", nargs="+", default=[], help="run the default methods whose label contains one of these")
     p.add_argument("--exclude", nargs="+", default=[], help="leave out the methods whose label contains one of these")

@@ -16,8 +16,22 @@ from .args import positive_int
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # auto (as in vLLM) and model: pages in the model's dtype
 DEFAULT_KV_MEMORY = "1GiB"
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai")  # transformers[serving], which transformers serve checks
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def memory_size(text: str) -> int:
@@ -27,7 +41,8 @@ def memory_size(text: str) -> int:
     if not match or unit is None or float(match.group(1)) * unit < 1:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 512MiB, 2GiB, 1.5GB or a number of bytes (units: {', '.join(_UNITS)}), "
-            f"got {text!r}")
+            f"got {text!r}"
+        )
     return int(float(match.group(1)) * unit)
 
 
@@ -52,27 +67,57 @@ def add_serve_command(sub) -> None:
         "format next to model-dtype pages, then serves until interrupted. GET /v1/kv_cache reports the pages and "
         "requests. See docs/serving.md.",
     )
-    p.add_argument("model", nargs="?", default="smollm2",
-                   help="Hub id, local path, <repo>:<file>.gguf, or smollm2 (offline; default)")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_CACHE_DTYPES,
-                   help="format of the KV pages (default fp8_e4m3; auto / model: the model's dtype)")
-    p.add_argument("--kv-memory", type=memory_size, default=memory_size(DEFAULT_KV_MEMORY), metavar="SIZE",
-                   help=f"bytes of KV pages, e.g. 512MiB or 20GiB (default {DEFAULT_KV_MEMORY})")
-    p.add_argument("--kv-cache-quantization", type=json_object, default=None, metavar="JSON",
-                   help="page format details: group_size, scale_dtype, key_rotation (docs/serving.md)")
-    p.add_argument("--typical-request-tokens", type=positive_int, default=1024, metavar="N",
-                   help="prompt + output tokens of the typical request in the start-up summary (default 1024)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="smollm2",
+        help="Hub id, local path, <repo>:<file>.gguf, or smollm2 (offline; default)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="fp8_e4m3",
+        choices=KV_CACHE_DTYPES,
+        help="format of the KV pages (default fp8_e4m3; auto / model: the model's dtype)",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=memory_size,
+        default=memory_size(DEFAULT_KV_MEMORY),
+        metavar="SIZE",
+        help=f"bytes of KV pages, e.g. 512MiB or 20GiB (default {DEFAULT_KV_MEMORY})",
+    )
+    p.add_argument(
+        "--kv-cache-quantization",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="page format details: group_size, scale_dtype, key_rotation (docs/serving.md)",
+    )
+    p.add_argument(
+        "--typical-request-tokens",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="prompt + output tokens of the typical request in the start-up summary (default 1024)",
+    )
     upstream = p.add_argument_group("transformers serve options")
     options = serve_options()
     for option in options:
         flag = "--" + option.name.replace("_", "-")
         text = option.help.replace("%", "%%")
         if option.type is bool:
-            upstream.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                                  default=option.default, help=text)
+            upstream.add_argument(
+                flag, dest=option.name, action=argparse.BooleanOptionalAction, default=option.default, help=text
+            )
         else:
-            upstream.add_argument(flag, dest=option.name, type=option.type, default=option.default,
-                                  choices=option.choices, help=f"{text} (default {option.default})")
+            upstream.add_argument(
+                flag,
+                dest=option.name,
+                type=option.type,
+                default=option.default,
+                choices=option.choices,
+                help=f"{text} (default {option.default})",
+            )
     p.set_defaults(func=_serve, serve_option_names=[o.name for o in options])
 
 
@@ -85,17 +130,24 @@ def _serve(args) -> int:
     PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads
     missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"hf-kvcache serve: error: the server needs {missing}: pip install 'hf-kvcache[serving]' (or "
-              "'transformers[serving]')", file=sys.stderr)
+        print(
+            f"hf-kvcache serve: error: the server needs {missing}: pip install 'hf-kvcache[serving]' (or "
+            "'transformers[serving]')",
+            file=sys.stderr,
+        )
         return 2
     options = {name: getattr(args, name) for name in args.serve_option_names}
     page_size = options.pop("cb_block_size", None) or DEFAULT_PAGE_SIZE
     model = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
-    serve, plan = build_server(model, kv_dtype, args.kv_memory, args.kv_cache_quantization, page_size, options,
-                               alias=args.model)
+    serve, plan = build_server(
+        model, kv_dtype, args.kv_memory, args.kv_cache_quantization, page_size, options, alias=args.model
+    )
     for line in plan.lines(args.typical_request_tokens):
         print(line)
-    print(f"Serving {args.model} on http://{options.get('host')}:{options.get('port')}/v1 (OpenAI API); "
-          "GET /v1/kv_cache reports pages and requests.", flush=True)
+    print(
+        f"Serving {args.model} on http://{options.get('host')}:{options.get('port')}/v1 (OpenAI API); "
+        "GET /v1/kv_cache reports pages and requests.",
+        flush=True,
+    )
     run(serve)
     return 0

@@ -58,7 +58,9 @@ def static_values(obj) -> dict:
     holder = vars(obj).get("_static_values")
     if holder is None:
         return {}
-    declared = {name for klass in type(obj).__mro__ for name, attr in vars(klass).items() if isinstance(attr, StaticInt)}
+    declared = {
+        name for klass in type(obj).__mro__ for name, attr in vars(klass).items() if isinstance(attr, StaticInt)
+    }
     return {name: value for name, value in vars(holder).items() if name in declared}
 
 

@@ -221,7 +221,8 @@ class KeyRotator:
     def fingerprint(self) -> tuple:
         """What the rotator does, as a hashable value (to remember which rotations were checked on a model)."""
         return tuple(
-            (i, None if p is None else (p.convention, tuple(p.inv_freq.tolist()))) for i, p in sorted(self.layers.items())
+            (i, None if p is None else (p.convention, tuple(p.inv_freq.tolist())))
+            for i, p in sorted(self.layers.items())
         )
 
     @staticmethod
@@ -246,7 +247,7 @@ PROBE_POSITIONS = ((0, 1), (3, 29), (11, 200), (40, 97))  # (p, d) per batch row
 # of tests/model_zoo.py: at most 6e-7 in float32, 3.4e-3 in float16, 1.8e-2 in bfloat16 (rounding of the model's own
 # 16-bit RoPE); a wrong convention, wrong dims or a rotated NoPE layer gives 0.4-1.8 (tests/test_sink_reference.py).
 RELATIVE_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
-_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> fingerprints already checked
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> fingerprints already checked
 
 
 class _KeyRecorder(DynamicCache):
@@ -277,7 +278,8 @@ def check_rotator_against_model(model, rotator: KeyRotator, layers=None) -> dict
     states are the same in both runs and the keys a layer hands to its cache differ only by what the layer does
     with positions: the RoPE convention, its dims and frequencies, or nothing at all (NoPE). The rotator must turn
     the keys at p into the keys at p + d: ||error|| <= tolerance x ||keys|| over all probe rows, heads and dims
-    (RELATIVE_TOLERANCE by the model's dtype; a wrong convention or a rotated NoPE layer is off by ~1). The model runs in eval mode (restored afterwards) and
+    (RELATIVE_TOLERANCE by the model's dtype; a wrong convention or a rotated NoPE layer is off by ~1). The model runs
+    in eval mode (restored afterwards) and
     without our cache. Skipped, with a warning giving the reason, where the model cannot be run (weights on the
     meta device) or a layer never hands keys to the cache."""
     layers = sorted(rotator.layers) if layers is None else sorted(layers)
@@ -317,8 +319,10 @@ def check_rotator_against_model(model, rotator: KeyRotator, layers=None) -> dict
         tolerance = RELATIVE_TOLERANCE.get(before[i].dtype, RELATIVE_TOLERANCE[torch.bfloat16])
         if not error <= tolerance:
             plan = rotator.plan(i)
-            what = "no RoPE (identity)" if plan is None else (
-                f"{plan.convention} RoPE on the first {plan.rotary_dim} of {before[i].shape[-1]} dims"
+            what = (
+                "no RoPE (identity)"
+                if plan is None
+                else (f"{plan.convention} RoPE on the first {plan.rotary_dim} of {before[i].shape[-1]} dims")
             )
             raise ValueError(
                 f"{name} layer {i}: re-rotating cached keys to new positions with {what} does not reproduce the "

@@ -34,7 +34,7 @@ class TensorParallel:
     kv_heads: int | None = None  # the model's KV heads over all ranks (from its config)
 
     @classmethod
-    def of(cls, config_or_model) -> "TensorParallel":
+    def of(cls, config_or_model) -> TensorParallel:
         """The TP facts of a model (single-process default for a config or a model that is not sharded)."""
         size = tensor_parallel_size(config_or_model)
         if size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():

@@ -1,9 +1,10 @@
-"""Validation of user-facing parameters: every bad value gets a ValueError that names the parameter and what is allowed."""
+"""Validation of user-facing parameters: every bad value gets a ValueError naming the parameter and what is allowed."""
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def require_int(name: str, value: Any, minimum: int = 1) -> int:

@@ -101,9 +101,7 @@ def _fraction(value: Any) -> float | None:
     return None
 
 
-def resolve_config(
-    name: str, config: dict | None, context_len: int | None = None, where: str = "cache_config"
-) -> dict:
+def resolve_config(name: str, config: dict | None, context_len: int | None = None, where: str = "cache_config") -> dict:
     """`config` with budget fractions turned into token counts; unknown names, unknown keys and bad budgets raise
     ValueError naming `where` and the key."""
     if not isinstance(name, str) or not (name in BUILTIN_CACHES or name in _ours()):
@@ -155,8 +153,13 @@ def _dummy_config():
         # head_dim 128: divisible by the usual quantization group sizes (checks that depend on the real model's
         # shape run again when the cache is built for it)
         _DUMMY_CONFIG = LlamaConfig(
-            vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=256,
+            vocab_size=32,
+            hidden_size=256,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
         )
     return _DUMMY_CONFIG
 

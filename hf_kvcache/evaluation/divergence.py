@@ -16,7 +16,7 @@ Metrics (`divergence_metrics`), per scored position, then aggregated:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
 def prefill(model, ids: torch.Tensor, cache, chunk: int | None = None) -> torch.Tensor:
     """Feed `ids` [1, n] into `cache` (one forward or chunks of `chunk`); return the last position's logits [V]."""
     n = ids.shape[1]
-    step = n if not chunk else chunk
+    step = chunk if chunk else n
     logits = None
     for start in range(0, n, step):
         out = model(input_ids=ids[:, start : start + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
@@ -83,8 +83,13 @@ def full_sequence_logprobs(model, input_ids: torch.Tensor, prompt_len: int) -> t
     return _log_softmax(logits).cpu()
 
 
-def divergence_metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor | None = None, k: int = 5,
-                       return_per_position: bool = False) -> dict:
+def divergence_metrics(
+    ref: torch.Tensor,
+    test: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    k: int = 5,
+    return_per_position: bool = False,
+) -> dict:
     """Compare log-prob rows [m, V] of the reference and of a cache. `targets` [m]: the true next tokens (for
     NLL/perplexity). KL is computed in float64."""
     if ref.shape != test.shape:

@@ -52,7 +52,7 @@ def _aten_name(func) -> str:
 
 
 class _FunctionCounter(TorchFunctionMode):
-    def __init__(self, owner: "HostSyncCounter"):
+    def __init__(self, owner: HostSyncCounter):
         super().__init__()
         self.owner = owner
 
@@ -64,7 +64,7 @@ class _FunctionCounter(TorchFunctionMode):
 
 
 class _DispatchCounter(TorchDispatchMode):
-    def __init__(self, owner: "HostSyncCounter"):
+    def __init__(self, owner: HostSyncCounter):
         super().__init__()
         self.owner = owner
 
@@ -87,7 +87,7 @@ def _has_bool_index(args) -> bool:
 
 
 def _is_tensor_repeats(args) -> bool:
-    return len(args) > 1 and isinstance(args[1], torch.Tensor) or len(args) == 1
+    return (len(args) > 1 and isinstance(args[1], torch.Tensor)) or len(args) == 1
 
 
 class HostSyncCounter:
@@ -104,7 +104,7 @@ class HostSyncCounter:
         self.syncs += 1
         self.by_name[name] += 1
 
-    def __enter__(self) -> "HostSyncCounter":
+    def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
         return self

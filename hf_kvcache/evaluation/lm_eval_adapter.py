@@ -60,12 +60,14 @@ def _parse_config(cache_config: Any) -> dict:
     if isinstance(cache_config, str):
         try:
             value = json.loads(cache_config)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as not_json:
             # "sinks:4;budget:256" (commas separate lm-eval's own model_args)
             value = {}
             for part in filter(None, cache_config.replace(";", " ").split()):
                 if ":" not in part:
-                    raise ValueError(f"`cache_config` must be JSON or 'key:value;key:value', got {cache_config!r}.")
+                    raise ValueError(
+                        f"`cache_config` must be JSON or 'key:value;key:value', got {cache_config!r}."
+                    ) from not_json
                 k, v = part.split(":", 1)
                 value[k] = json.loads(v) if v.replace(".", "", 1).lstrip("-").isdigit() else v
         if not isinstance(value, dict):
@@ -82,8 +84,16 @@ class HFKVCacheLM(HFLM):
     "key:value;key:value"; budget fractions resolve against each request's context length), `prefill_chunk`,
     `decode_tail` (default 1), `cont_chunk` (default 1). `pretrained="smollm2"` loads the offline model."""
 
-    def __init__(self, pretrained="smollm2", cache: str = "dynamic", cache_config: Any = None,
-                 prefill_chunk: int | None = None, decode_tail: int = 1, cont_chunk: int = 1, **kwargs):
+    def __init__(
+        self,
+        pretrained="smollm2",
+        cache: str = "dynamic",
+        cache_config: Any = None,
+        prefill_chunk: int | None = None,
+        decode_tail: int = 1,
+        cont_chunk: int = 1,
+        **kwargs,
+    ):
         self.cache_name = cache
         self.cache_config = _parse_config(cache_config)
         check_cache(cache, self.cache_config, context_len=1024, where="cache_config")  # before loading anything
@@ -105,8 +115,7 @@ class HFKVCacheLM(HFLM):
 
     # -- the cache ---------------------------------------------------------------------------------------------------
     def new_cache(self, context_len: int, total_len: int):
-        return make_cache(self.model, self.cache_name, self.cache_config, context_len=context_len,
-                          total_len=total_len)
+        return make_cache(self.model, self.cache_name, self.cache_config, context_len=context_len, total_len=total_len)
 
     def _forward(self, ids: list[int] | torch.Tensor, cache, keep: int = 1) -> torch.Tensor:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
@@ -134,15 +143,16 @@ class HFKVCacheLM(HFLM):
         for i, (request_str, context_enc, continuation_enc) in enumerate(requests):
             assert len(context_enc) > 0 and len(continuation_enc) > 0
             # left-truncate as HFLM does: the model sees (context + continuation)[-(max_length + 1):][:-1]
-            whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
+            whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
             ctx = tuple(whole[: len(whole) - len(continuation_enc)])
             prepared.append((ctx, tuple(continuation_enc), request_str, i))
         groups: dict[tuple, list] = {}
         for item in sorted(prepared, key=lambda r: (-len(r[0]), r[0])):
             groups.setdefault(item[0], []).append(item)
         results: list = [None] * len(requests)
-        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
-                   desc=f"loglikelihood through {self.cache_name}")
+        bar = tqdm(
+            total=len(requests), disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood through {self.cache_name}"
+        )
         for ctx, items in groups.items():
             longest = max(len(c) for _, c, _, _ in items)
             cache = self.new_cache(context_len=len(ctx), total_len=len(ctx) + longest)
@@ -192,12 +202,16 @@ class HFKVCacheLM(HFLM):
             with torch.no_grad():
                 self._prefill(row[0, : row.shape[1] - tail].tolist(), cache)
                 out = self.model.generate(
-                    input_ids=row, attention_mask=torch.ones_like(row), **cache_kwargs(cache),
-                    max_new_tokens=max_new, pad_token_id=pad, use_cache=True,
+                    input_ids=row,
+                    attention_mask=torch.ones_like(row),
+                    **cache_kwargs(cache),
+                    max_new_tokens=max_new,
+                    pad_token_id=pad,
+                    use_cache=True,
                     stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, row.shape[1], 1),
                     **generation_kwargs,
                 )
-            outputs.append(out[0, row.shape[1]:])
+            outputs.append(out[0, row.shape[1] :])
         longest = max(o.shape[0] for o in outputs)
         new = torch.full((len(outputs), longest), pad, dtype=context.dtype, device=context.device)
         for b, o in enumerate(outputs):
@@ -206,6 +220,11 @@ class HFKVCacheLM(HFLM):
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info.update(kvcache=self.cache_name, kvcache_config=self.cache_config, decode_tail=self.decode_tail,
-                    prefill_chunk=self.prefill_chunk, cont_chunk=self.cont_chunk)
+        info.update(
+            kvcache=self.cache_name,
+            kvcache_config=self.cache_config,
+            decode_tail=self.decode_tail,
+            prefill_chunk=self.prefill_chunk,
+            cont_chunk=self.cont_chunk,
+        )
         return info

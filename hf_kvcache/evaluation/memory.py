@@ -100,13 +100,22 @@ def _latent(name: str, layers: int, kv_lora_rank: int, rope_dim: int, params_b: 
     return KVShape(name, layers, 1, kv_lora_rank, params_b, (LayerKV(1, kv_lora_rank, value_dim=rope_dim),) * layers)
 
 
-def _hybrid(name: str, layers: int, kv_heads: int, head_dim: int, params_b: float, window: int,
-            full_every: int) -> KVShape:
+def _hybrid(
+    name: str, layers: int, kv_heads: int, head_dim: int, params_b: float, window: int, full_every: int
+) -> KVShape:
     """A published sliding / full hybrid: layer i is full attention when (i + 1) % full_every == 0, else a sliding
     window (Gemma 2 and GPT-OSS: every second layer; Gemma 3: every sixth), all of one KV shape."""
-    return KVShape(name, layers, kv_heads, head_dim, params_b, tuple(
-        LayerKV(kv_heads, head_dim) if (i + 1) % full_every == 0 else LayerKV(kv_heads, head_dim, window, False)
-        for i in range(layers)))
+    return KVShape(
+        name,
+        layers,
+        kv_heads,
+        head_dim,
+        params_b,
+        tuple(
+            LayerKV(kv_heads, head_dim) if (i + 1) % full_every == 0 else LayerKV(kv_heads, head_dim, window, False)
+            for i in range(layers)
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -182,10 +191,17 @@ def shape_from_config(config, name: str | None = None, params_b: float | None = 
             continue
         heads, key_dim, value_dim = layer_kv_shape(config, index)
         window = None if layer_type == COMPRESSED_TYPE else kwargs.get("sliding_window")
-        layer_kv.append(LayerKV(heads, key_dim, window, layer_type == COMPRESSED_TYPE,
-                                None if value_dim == key_dim else value_dim))
-    return KVShape(name or getattr(config, "model_type", "model"), config.num_hidden_layers, kv_head_count(config),
-                   attention_head_dim(config), params_b, tuple(layer_kv))
+        layer_kv.append(
+            LayerKV(heads, key_dim, window, layer_type == COMPRESSED_TYPE, None if value_dim == key_dim else value_dim)
+        )
+    return KVShape(
+        name or getattr(config, "model_type", "model"),
+        config.num_hidden_layers,
+        kv_head_count(config),
+        attention_head_dim(config),
+        params_b,
+        tuple(layer_kv),
+    )
 
 
 def is_model_reference(shape: str) -> bool:
@@ -222,8 +238,10 @@ def get_shape(shape) -> KVShape:
             return SHAPES[shape]
         if is_model_reference(shape):
             return shape_from_pretrained(shape)
-        raise ValueError(f"Unknown model shape {shape!r}; known shapes are {sorted(SHAPES)}, or a Hub model id "
-                         "(org/name) or a local directory with a config.json (or pass a config).")
+        raise ValueError(
+            f"Unknown model shape {shape!r}; known shapes are {sorted(SHAPES)}, or a Hub model id "
+            "(org/name) or a local directory with a config.json (or pass a config)."
+        )
     return shape_from_config(shape)
 
 
@@ -252,14 +270,22 @@ def kv_cache_bytes(shape, precision="fp16", tokens: int = 1, batch: int = 1, kep
     return per_batch * p.bytes_per_value * batch
 
 
-def max_concurrent_requests(memory_bytes: float, shape, precision="fp16", context: int = 8192,
-                            reserved_bytes: float = 0.0, budget_tokens: int | None = None) -> int:
+def max_concurrent_requests(
+    memory_bytes: float,
+    shape,
+    precision="fp16",
+    context: int = 8192,
+    reserved_bytes: float = 0.0,
+    budget_tokens: int | None = None,
+) -> int:
     """How many requests of `context` tokens fit in `memory_bytes` after `reserved_bytes` (e.g. the weights); a
     compressed cache holding at most `budget_tokens` per request needs only that many."""
     per_request = kv_cache_bytes(shape, precision, context, kept=budget_tokens)
     if per_request <= 0:
-        raise ValueError(f"{get_shape(shape).name} holds no keys and values (no attention layer keeps a KV cache): "
-                         "no KV-cache bound on its concurrent requests.")
+        raise ValueError(
+            f"{get_shape(shape).name} holds no keys and values (no attention layer keeps a KV cache): "
+            "no KV-cache bound on its concurrent requests."
+        )
     return max(0, int((memory_bytes - reserved_bytes) // per_request))
 
 
@@ -270,8 +296,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def memory_table(shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8", "int4-g64"),
-                 contexts=(8192, 32768, 131072)) -> list[dict]:
+def memory_table(
+    shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8", "int4-g64"), contexts=(8192, 32768, 131072)
+) -> list[dict]:
     """Rows {model, precision, bytes_per_token, tokens, bytes} for every combination (bytes layer by layer, so a
     hybrid model's are not bytes_per_token x tokens)."""
     rows = []
@@ -280,15 +307,26 @@ def memory_table(shapes=("llama-3-8b", "llama-3-70b"), precisions=("fp16", "fp8"
         for precision in precisions:
             per_token = bytes_per_token(s, precision)
             for tokens in contexts:
-                rows.append({"model": s.name, "precision": get_precision(precision).name,
-                             "bytes_per_token": per_token, "tokens": tokens,
-                             "bytes": kv_cache_bytes(s, precision, tokens)})
+                rows.append(
+                    {
+                        "model": s.name,
+                        "precision": get_precision(precision).name,
+                        "bytes_per_token": per_token,
+                        "tokens": tokens,
+                        "bytes": kv_cache_bytes(s, precision, tokens),
+                    }
+                )
     return rows
 
 
-def concurrency_table(shape="llama-3-8b", memory_bytes: float = 80e9, weight_bits: int = 16,
-                      precisions=("fp16", "fp8", "int4-g64"), contexts=(8192, 32768, 131072),
-                      budgets=(None, 4096, 1024)) -> list[dict]:
+def concurrency_table(
+    shape="llama-3-8b",
+    memory_bytes: float = 80e9,
+    weight_bits: int = 16,
+    precisions=("fp16", "fp8", "int4-g64"),
+    contexts=(8192, 32768, 131072),
+    budgets=(None, 4096, 1024),
+) -> list[dict]:
     """Max concurrent requests in `memory_bytes` once the weights (`params_b` x `weight_bits`) are loaded, for full
     and budgeted caches."""
     s = get_shape(shape)
@@ -299,12 +337,17 @@ def concurrency_table(shape="llama-3-8b", memory_bytes: float = 80e9, weight_bit
             for budget in budgets:
                 if budget is not None and budget >= context:
                     continue
-                rows.append({
-                    "model": s.name, "precision": get_precision(precision).name, "context": context,
-                    "budget": "full" if budget is None else budget, "memory_bytes": memory_bytes,
-                    "weights_bytes": weights,
-                    "requests": max_concurrent_requests(memory_bytes, s, precision, context, weights, budget),
-                })
+                rows.append(
+                    {
+                        "model": s.name,
+                        "precision": get_precision(precision).name,
+                        "context": context,
+                        "budget": "full" if budget is None else budget,
+                        "memory_bytes": memory_bytes,
+                        "weights_bytes": weights,
+                        "requests": max_concurrent_requests(memory_bytes, s, precision, context, weights, budget),
+                    }
+                )
     return rows
 
 
@@ -364,7 +407,15 @@ def measured_vs_theory(model, specs, input_ids, decode_tokens: int = 8, prefill_
         held = cache_nbytes(cache)
         tokens = expected_tokens(resolved, n)
         theory = kv_cache_bytes(shape, precision, n, kept=tokens)
-        rows.append({"cache": label, "tokens_seen": n, "tokens_kept": tokens, "theory_bytes": theory,
-                     "measured_bytes": held, "measured_over_theory": held / theory,
-                     "dense_bytes": kv_cache_bytes(shape, precision, n)})
+        rows.append(
+            {
+                "cache": label,
+                "tokens_seen": n,
+                "tokens_kept": tokens,
+                "theory_bytes": theory,
+                "measured_bytes": held,
+                "measured_over_theory": held / theory,
+                "dense_bytes": kv_cache_bytes(shape, precision, n),
+            }
+        )
     return rows

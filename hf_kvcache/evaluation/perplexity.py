@@ -14,7 +14,7 @@ NLLs are float64 and indexed like `stream_nll`: `nlls[t] = -log p(ids[t + 1] | i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,8 +28,14 @@ MODES = ("stream", "chunked")
 
 
 @torch.inference_mode()
-def chunked_nll(model, input_ids: torch.Tensor, cache_factory: Callable[[], object], chunk: int = 64,
-                progress: bool = False, desc: str = "chunked") -> np.ndarray:
+def chunked_nll(
+    model,
+    input_ids: torch.Tensor,
+    cache_factory: Callable[[], object],
+    chunk: int = 64,
+    progress: bool = False,
+    desc: str = "chunked",
+) -> np.ndarray:
     """NLLs of `input_ids` fed `chunk` tokens per forward through `cache_factory()` (see the module docstring for
     the approximation)."""
     if chunk < 1:
@@ -56,8 +62,16 @@ def chunked_nll(model, input_ids: torch.Tensor, cache_factory: Callable[[], obje
     return nlls
 
 
-def run_perplexity(model, input_ids: torch.Tensor, cache_factory: Callable[[], object], mode: str = "stream",
-                   chunk: int = 64, bucket: int = 1024, progress: bool = False, **stream_kwargs) -> dict:
+def run_perplexity(
+    model,
+    input_ids: torch.Tensor,
+    cache_factory: Callable[[], object],
+    mode: str = "stream",
+    chunk: int = 64,
+    bucket: int = 1024,
+    progress: bool = False,
+    **stream_kwargs,
+) -> dict:
     """{"ppl", "tokens", "protocol", "buckets": [per-bucket rows], "nlls"} for one cache.
     `stream_kwargs` go to `stream_nll` (checkpoint, tag, ...) in "stream" mode."""
     if mode not in MODES:

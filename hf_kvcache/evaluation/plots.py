@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["log_bytes_axes", "plot_all", "plot_buckets", "plot_quality_vs_bytes", "plot_retrieval", "save_figure"]
 

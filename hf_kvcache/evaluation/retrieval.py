@@ -22,25 +22,35 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
 from ..integration.cache_argument import cache_kwargs
 
-__all__ = ["KINDS", "POSITIONS", "Probe", "make_probe", "passkey_probe", "records_probe", "run_probe",
-           "run_retrieval", "score_answer"]
+__all__ = [
+    "KINDS",
+    "POSITIONS",
+    "Probe",
+    "make_probe",
+    "passkey_probe",
+    "records_probe",
+    "run_probe",
+    "run_retrieval",
+    "score_answer",
+]
 
 POSITIONS = {"early": 0.1, "middle": 0.5, "late": 0.9}
 KINDS = ("passkey", "records")
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
-PASSKEY_HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                  "I will quiz you about the important information there.\n\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_HEADER = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 FIRST = ["Maria", "John", "Aiko", "Omar", "Lena", "Carlos", "Priya", "Tom", "Fatima", "Ivan", "Chen", "Sara"]
-LAST = ["Keller", "Smith", "Tanaka", "Haddad", "Novak", "Garcia", "Patel", "Brown", "Rossi", "Ivanova", "Wei",
-        "Lind"]
+LAST = ["Keller", "Smith", "Tanaka", "Haddad", "Novak", "Garcia", "Patel", "Brown", "Rossi", "Ivanova", "Wei", "Lind"]
 CITIES = ["Lyon", "Osaka", "Cairo", "Quito", "Oslo", "Pune", "Perth", "Leeds", "Porto", "Graz", "Turku", "Malmo"]
 RECORDS_HEADER = (
     "Below is a list of customer records, one per line. Each record has an id, a name, a date, a city and a code. "
@@ -118,20 +128,24 @@ def passkey_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
         return PASSKEY_HEADER + "".join(fill[:at]) + needle + "".join(fill[at:])
 
     fill = _fill(units, build, budget, count)
-    return Probe("passkey", build(fill), question, str(key), name, depth,
-                 {"key": key, "filler_units": len(fill)})
+    return Probe("passkey", build(fill), question, str(key), name, depth, {"key": key, "filler_units": len(fill)})
 
 
 def record_line(r: dict) -> str:
-    return (f'{{"id": "{r["id"]}", "name": "{r["name"]}", "date": "{r["date"]}", "city": "{r["city"]}", '
-            f'"code": {r["code"]}}}\n')
+    return (
+        f'{{"id": "{r["id"]}", "name": "{r["name"]}", "date": "{r["date"]}", "city": "{r["city"]}", '
+        f'"code": {r["code"]}}}\n'
+    )
 
 
 def make_records(rng: random.Random, n: int) -> tuple[list[dict], dict]:
     """`n` records; the target plus distractors sharing its name, date or a near-identical id."""
+
     def rid():
-        return f"{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}-{rng.randint(1000, 9999)}-" \
-               f"{rng.randint(10, 99)}"
+        return (
+            f"{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}{rng.choice('ABCDEFGHKLMNPRSTWXYZ')}-{rng.randint(1000, 9999)}-"
+            f"{rng.randint(10, 99)}"
+        )
 
     def date():
         return f"20{rng.randint(10, 24)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
@@ -152,31 +166,44 @@ def make_records(rng: random.Random, n: int) -> tuple[list[dict], dict]:
                 used_ids.add(v)
                 return v
 
-    target = {"id": unique(rid), "name": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "date": date(),
-              "city": rng.choice(CITIES), "code": code()}
+    target = {
+        "id": unique(rid),
+        "name": f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+        "date": date(),
+        "city": rng.choice(CITIES),
+        "code": code(),
+    }
     out = []
     for i in range(n - 1):
-        r = {"id": unique(rid), "name": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "date": date(),
-             "city": rng.choice(CITIES), "code": code()}
+        r = {
+            "id": unique(rid),
+            "name": f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+            "date": date(),
+            "city": rng.choice(CITIES),
+            "code": code(),
+        }
         kind = i % 4
         if kind == 0:
             r["name"] = target["name"]
         elif kind == 1:
             r["date"] = target["date"]
         elif kind == 2:  # the same id but one character
+
             def near():
                 s = list(target["id"])
                 j = rng.choice([k for k, ch in enumerate(s) if ch.isdigit()])
                 s[j] = str((int(s[j]) + rng.randint(1, 9)) % 10)
                 return "".join(s)
+
             r["id"] = unique(near)
         out.append(r)
     rng.shuffle(out)
     return out, target
 
 
-def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=None,
-                  n_records: int | None = None) -> Probe:
+def records_probe(
+    context_len: int, position="middle", seed: int = 0, tokenizer=None, n_records: int | None = None
+) -> Probe:
     """Similar records; the question asks for the code of the target record, in strict JSON.
 
     By default the context is all records (as many as fit). With `n_records`, exactly that many records (the target
@@ -186,12 +213,12 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
     count = _counter(tokenizer)
     if n_records is not None:
         return _sparse_records_probe(context_len, name, depth, rng, count, n_records)
-    line_tokens = max(1, count('{"id": "AB-1234-56", "name": "Maria Keller", "date": "2019-04-12", "city": "Lyon", '
-                               '"code": 12345}\n'))
+    line_tokens = max(
+        1, count('{"id": "AB-1234-56", "name": "Maria Keller", "date": "2019-04-12", "city": "Lyon", "code": 12345}\n')
+    )
     n = max(4, (context_len - count(RECORDS_HEADER)) // line_tokens + 4)
     records, target = make_records(rng, n)
-    question = (f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\n'
-                "Answer: ")
+    question = f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\nAnswer: '
     budget = context_len - count(question) - 2
 
     def build(rs: list[dict]) -> str:
@@ -199,21 +226,28 @@ def records_probe(context_len: int, position="middle", seed: int = 0, tokenizer=
         return RECORDS_HEADER + "".join(record_line(r) for r in rs[:at] + [target] + rs[at:])
 
     kept = _fill(records, build, budget, count)
-    shown = kept[: int(round(depth * len(kept)))] + [target] + kept[int(round(depth * len(kept))):]
+    shown = kept[: int(round(depth * len(kept)))] + [target] + kept[int(round(depth * len(kept))) :]
     answer = json.dumps({"id": target["id"], "code": target["code"]})
-    return Probe("records", build(kept), question, answer, name, depth,
-                 {"id": target["id"], "code": target["code"], "records": len(shown),
-                  "index": shown.index(target)})
+    return Probe(
+        "records",
+        build(kept),
+        question,
+        answer,
+        name,
+        depth,
+        {"id": target["id"], "code": target["code"], "records": len(shown), "index": shown.index(target)},
+    )
 
 
 def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random.Random, count, n_records: int):
     if isinstance(n_records, bool) or not isinstance(n_records, int) or n_records < 2:
-        raise ValueError(f"`n_records` must be an integer >= 2 (the target and at least one distractor), got {n_records!r}.")
+        raise ValueError(
+            f"`n_records` must be an integer >= 2 (the target and at least one distractor), got {n_records!r}."
+        )
     distractors, target = make_records(rng, n_records)
     at = int(round(depth * len(distractors)))
     shown = distractors[:at] + [target] + distractors[at:]
-    question = (f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\n'
-                "Answer: ")
+    question = f'\nQuestion: what is the code of the record with id "{target["id"]}"? Answer with JSON only.\nAnswer: '
     budget = context_len - count(question) - 2
     units = [FILLER] * (budget // max(1, count(FILLER)) + 2)
 
@@ -233,13 +267,26 @@ def _sparse_records_probe(context_len: int, name: str, depth: float, rng: random
     if count(build(fill)) > budget:
         raise ValueError(f"{n_records} records do not fit in {context_len} tokens.")
     answer = json.dumps({"id": target["id"], "code": target["code"]})
-    return Probe("records", build(fill), question, answer, name, depth,
-                 {"id": target["id"], "code": target["code"], "records": len(shown), "index": shown.index(target),
-                  "filler_units": len(fill)})
+    return Probe(
+        "records",
+        build(fill),
+        question,
+        answer,
+        name,
+        depth,
+        {
+            "id": target["id"],
+            "code": target["code"],
+            "records": len(shown),
+            "index": shown.index(target),
+            "filler_units": len(fill),
+        },
+    )
 
 
-def make_probe(kind: str, context_len: int, position="middle", seed: int = 0, tokenizer=None,
-               n_records: int | None = None) -> Probe:
+def make_probe(
+    kind: str, context_len: int, position="middle", seed: int = 0, tokenizer=None, n_records: int | None = None
+) -> Probe:
     if kind == "passkey":
         return passkey_probe(context_len, position, seed, tokenizer)
     if kind == "records":
@@ -266,8 +313,11 @@ def score_answer(probe: Probe, text: str) -> dict:
     ok = isinstance(parsed, dict) and "id" in parsed and "code" in parsed
     exact = ok and str(parsed["id"]) == probe.meta["id"] and str(parsed["code"]).strip() == str(probe.meta["code"])
     number = re.search(r"(?<![\d-])\d{5}(?![\d-])", text)  # lenient: the first 5-digit number, JSON or not
-    return {"exact": int(bool(exact)), "parsed": int(ok),
-            "value_match": int(bool(number) and number.group() == str(probe.meta["code"]))}
+    return {
+        "exact": int(bool(exact)),
+        "parsed": int(ok),
+        "value_match": int(bool(number) and number.group() == str(probe.meta["code"])),
+    }
 
 
 def split_prompt(probe: Probe, tokenizer=None, chat: bool = False) -> tuple[str, str]:
@@ -278,15 +328,23 @@ def split_prompt(probe: Probe, tokenizer=None, chat: bool = False) -> tuple[str,
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("`chat=True` needs a tokenizer with a chat template.")
     question = probe.question.rsplit("\nAnswer:", 1)[0]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": probe.context + question}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": probe.context + question}], tokenize=False, add_generation_prompt=True
+    )
     at = text.rindex(question)
     return text[:at], text[at:]
 
 
 @torch.inference_mode()
-def run_probe(model, tokenizer, probe: Probe, cache, max_new_tokens: int | None = None,
-              prefill_chunk: int | None = None, chat: bool = False) -> dict:
+def run_probe(
+    model,
+    tokenizer,
+    probe: Probe,
+    cache,
+    max_new_tokens: int | None = None,
+    prefill_chunk: int | None = None,
+    chat: bool = False,
+) -> dict:
     """Prefill the context into `cache`, feed the question through it, generate greedily; score the answer."""
     from .divergence import prefill
 
@@ -299,17 +357,34 @@ def run_probe(model, tokenizer, probe: Probe, cache, max_new_tokens: int | None 
     if max_new_tokens is None:
         max_new_tokens = 8 if probe.kind == "passkey" else 32
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwargs(cache),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     if probe.kind == "records":
         text = text.strip().split("\n")[0]
     return {**score_answer(probe, text), "output": text, "prompt_tokens": int(ids.shape[1])}
 
 
-def run_retrieval(model, tokenizer, cache_factory: Callable[[], object], kinds=KINDS, context_lens=(2048,),
-                  positions=tuple(POSITIONS), samples: int = 3, seed: int = 0, prefill_chunk: int | None = None,
-                  chat: bool = False, progress: bool = False, n_records: int | None = None) -> list[dict]:
+def run_retrieval(
+    model,
+    tokenizer,
+    cache_factory: Callable[[], object],
+    kinds=KINDS,
+    context_lens=(2048,),
+    positions=tuple(POSITIONS),
+    samples: int = 3,
+    seed: int = 0,
+    prefill_chunk: int | None = None,
+    chat: bool = False,
+    progress: bool = False,
+    n_records: int | None = None,
+) -> list[dict]:
     """One row per (kind, context length, position, sample) with exact/parsed, the output and the probe's answer."""
     jobs = [(k, c, p, s) for k in kinds for c in context_lens for p in positions for s in range(samples)]
     if progress:
@@ -320,8 +395,16 @@ def run_retrieval(model, tokenizer, cache_factory: Callable[[], object], kinds=K
     for kind, context_len, position, s in jobs:
         probe = make_probe(kind, context_len, position, seed + s, tokenizer, n_records)
         result = run_probe(model, tokenizer, probe, cache_factory(), prefill_chunk=prefill_chunk, chat=chat)
-        rows.append({"kind": kind, "context_len": context_len, "position": probe.position, "sample": s,
-                     "answer": probe.answer, **result})
+        rows.append(
+            {
+                "kind": kind,
+                "context_len": context_len,
+                "position": probe.position,
+                "sample": s,
+                "answer": probe.answer,
+                **result,
+            }
+        )
     return rows
 
 
@@ -330,10 +413,18 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kind"], r["context_len"], r["position"]), []).append(r)
-    return [{"kind": k, "context_len": c, "position": p, "n": len(rs),
-             "exact_match": sum(r["exact"] for r in rs) / len(rs), "parse_rate": sum(r["parsed"] for r in rs) / len(rs),
-             "value_match": sum(r["value_match"] for r in rs) / len(rs)}
-            for (k, c, p), rs in groups.items()]
+    return [
+        {
+            "kind": k,
+            "context_len": c,
+            "position": p,
+            "n": len(rs),
+            "exact_match": sum(r["exact"] for r in rs) / len(rs),
+            "parse_rate": sum(r["parsed"] for r in rs) / len(rs),
+            "value_match": sum(r["value_match"] for r in rs) / len(rs),
+        }
+        for (k, c, p), rs in groups.items()
+    ]
 
 
 def probe_dict(probe: Probe) -> dict:

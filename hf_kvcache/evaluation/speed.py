@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,9 +32,16 @@ def _one(model, ids, factory, prompt_len: int, decode_tokens: int) -> tuple[floa
     return prefill_s, decode_ms
 
 
-def measure_speed(model, input_ids: torch.Tensor, caches: dict[str, Callable[[], object]], prompt_len: int,
-                  decode_tokens: int = 32, rounds: int = 3, reference: str | None = None,
-                  progress: bool = False) -> list[dict]:
+def measure_speed(
+    model,
+    input_ids: torch.Tensor,
+    caches: dict[str, Callable[[], object]],
+    prompt_len: int,
+    decode_tokens: int = 32,
+    rounds: int = 3,
+    reference: str | None = None,
+    progress: bool = False,
+) -> list[dict]:
     """`caches`: {label: factory}. Returns one row per cache: prefill_s, decode_ms_per_token (medians) and their
     ratios to the reference (`reference` label, default: a "dynamic" DynamicCache added if absent)."""
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
@@ -59,7 +66,7 @@ def measure_speed(model, input_ids: torch.Tensor, caches: dict[str, Callable[[],
 
         schedule = tqdm(schedule, desc="speed rounds", leave=False)
     for r in schedule:
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
             p, d = _one(model, ids, caches[label], prompt_len, decode_tokens)
             times[label][0].append(p)
@@ -69,7 +76,16 @@ def measure_speed(model, input_ids: torch.Tensor, caches: dict[str, Callable[[],
     rows = []
     for label in labels:
         p, d = statistics.median(times[label][0]), statistics.median(times[label][1])
-        rows.append({"cache": label, "prefill_s": p, "decode_ms_per_token": d, "prefill_ratio": p / ref_p,
-                     "decode_ratio": d / ref_d, "rounds": rounds, "prompt_tokens": prompt_len,
-                     "decode_tokens": decode_tokens})
+        rows.append(
+            {
+                "cache": label,
+                "prefill_s": p,
+                "decode_ms_per_token": d,
+                "prefill_ratio": p / ref_p,
+                "decode_ratio": d / ref_d,
+                "rounds": rounds,
+                "prompt_tokens": prompt_len,
+                "decode_tokens": decode_tokens,
+            }
+        )
     return rows

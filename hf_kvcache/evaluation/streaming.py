@@ -27,8 +27,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -36,13 +36,7 @@ from transformers import Cache
 
 from ..integration.cache_argument import cache_kwargs
 
-__all__ = [
-    "bucket_perplexity",
-    "load_checkpoint",
-    "perplexity",
-    "read_progress",
-    "stream_nll",
-]
+__all__ = ["bucket_perplexity", "load_checkpoint", "perplexity", "read_progress", "stream_nll"]
 
 
 def _tokens_digest(ids: torch.Tensor) -> str:
@@ -201,8 +195,14 @@ def stream_nll(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=end, initial=done, desc=desc or tag or "stream", unit="tok", mininterval=progress_interval,
-                   smoothing=0.05)
+        bar = tqdm(
+            total=end,
+            initial=done,
+            desc=desc or tag or "stream",
+            unit="tok",
+            mininterval=progress_interval,
+            smoothing=0.05,
+        )
     since_save = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -243,6 +243,7 @@ def bucket_perplexity(nlls, bucket: int = 1024) -> list[dict]:
     rows = []
     for start in range(0, nlls.size, bucket):
         part = nlls[start : start + bucket]
-        rows.append({"bucket_start": start, "bucket_end": start + part.size, "tokens": int(part.size),
-                     "ppl": perplexity(part)})
+        rows.append(
+            {"bucket_start": start, "bucket_end": start + part.size, "tokens": int(part.size), "ppl": perplexity(part)}
+        )
     return rows

@@ -47,23 +47,40 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .sweep_cells import RUNNERS, Cell, CellContext, plan_cells
 from .sweep_results import _append, environment, format_summary, read_results, write_reports
 from .sweep_spec import METRICS, SpecError, Sweep, load_spec
 
-__all__ = ["METRICS", "Cell", "SpecError", "Sweep", "environment", "format_summary", "load_spec", "plan_cells",
-           "read_results", "run_sweep", "write_reports"]
+__all__ = [
+    "METRICS",
+    "Cell",
+    "SpecError",
+    "Sweep",
+    "environment",
+    "format_summary",
+    "load_spec",
+    "plan_cells",
+    "read_results",
+    "run_sweep",
+    "write_reports",
+]
 
 
-def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike = "eval/results",
-              loader: Callable[[str, str], tuple] | None = None, progress: bool = True,
-              on_cell: Callable[[Cell], None] | None = None, dry_run: bool = False,
-              report_only: bool = False) -> list[dict]:
+def run_sweep(
+    spec: Sweep | str | os.PathLike | dict,
+    out_dir: str | os.PathLike = "eval/results",
+    loader: Callable[[str, str], tuple] | None = None,
+    progress: bool = True,
+    on_cell: Callable[[Cell], None] | None = None,
+    dry_run: bool = False,
+    report_only: bool = False,
+) -> list[dict]:
     """Run every cell not already in `<out_dir>/<name>/results.jsonl`; returns all rows (old and new).
-    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.evaluation.models.load_model`. `on_cell` is called
+    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.evaluation.models.load_model`. `on_cell` is
+    called
     after each finished cell (tests use it to interrupt a run). `report_only` runs nothing and rewrites the reports
     from the cells already done (for a sweep stopped part-way)."""
     if not isinstance(spec, Sweep):
@@ -106,9 +123,15 @@ def run_sweep(spec: Sweep | str | os.PathLike | dict, out_dir: str | os.PathLike
                 bar.set_postfix_str(f"{cell.metric} {cell.params.get('label', '')} n={cell.params['context_len']}")
             t0 = time.perf_counter()
             rows = RUNNERS[cell.metric](ctx, cell)
-            record = {"key": cell.key(digest), "metric": cell.metric, "params": cell.params, "rows": rows,
-                      "cell_s": time.perf_counter() - t0, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-                      "git_commit": env.get("git_commit")}
+            record = {
+                "key": cell.key(digest),
+                "metric": cell.metric,
+                "params": cell.params,
+                "rows": rows,
+                "cell_s": time.perf_counter() - t0,
+                "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+                "git_commit": env.get("git_commit"),
+            }
             _append(results, record)
             done[record["key"]] = record
             if bar is not None:

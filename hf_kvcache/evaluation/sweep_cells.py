@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .sweep_spec import Sweep
 
@@ -40,17 +41,31 @@ def plan_cells(s: Sweep) -> list[Cell]:
                         params["ppl"] = s.ppl
                     cells.append(Cell(metric, params, [(label, name, cfg, b)]))
         if "speed" in s.metrics:
-            cells.append(Cell("speed", {"context_len": n, "caches": [[lb, nm, cf] for lb, nm, cf, _ in variants],
-                                        "speed": s.speed}, variants))
+            cells.append(
+                Cell(
+                    "speed",
+                    {"context_len": n, "caches": [[lb, nm, cf] for lb, nm, cf, _ in variants], "speed": s.speed},
+                    variants,
+                )
+            )
     if "retrieval" in s.metrics:
         r = s.retrieval
         for n in r["context_lengths"] or s.context_lengths:
             for kind in r["kinds"]:
                 for pos in r["positions"]:
                     for label, name, cfg, b in variants:
-                        params = {"context_len": n, "kind": kind, "position": pos, "cache": name, "config": cfg,
-                                  "label": label, "budget": b, "samples": r["samples"], "chat": r["chat"],
-                                  "max_new_tokens": r["max_new_tokens"]}
+                        params = {
+                            "context_len": n,
+                            "kind": kind,
+                            "position": pos,
+                            "cache": name,
+                            "config": cfg,
+                            "label": label,
+                            "budget": b,
+                            "samples": r["samples"],
+                            "chat": r["chat"],
+                            "max_new_tokens": r["max_new_tokens"],
+                        }
                         cells.append(Cell("retrieval", params, [(label, name, cfg, b)]))
     return cells
 
@@ -86,8 +101,9 @@ class CellContext:
 
         if n not in self._refs:
             ids = self.tokens(n + self.spec.scored_tokens)
-            self._refs[n] = cache_logprobs(self.model, ids, DynamicCache(config=self.model.config), n,
-                                           self.spec.prefill_chunk)
+            self._refs[n] = cache_logprobs(
+                self.model, ids, DynamicCache(config=self.model.config), n, self.spec.prefill_chunk
+            )
         return self._refs[n]
 
 
@@ -114,11 +130,24 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
     held = cache_nbytes(cache)
     dense = kv_cache_bytes(shape, precision, total)
     theory = kv_cache_bytes(shape, precision, total, kept=expected_tokens(resolved, total))
-    return [{"metric": "quality", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
-             "budget_tokens": _budget_tokens(resolved, p), "config": resolved, "scored_tokens": s.scored_tokens, **m,
-             "bytes_held": held, "theory_bytes": theory,
-             "dense_bytes": dense, "bytes_vs_dense": held / dense,
-             "score_ms_per_token": 1000 * elapsed / s.scored_tokens}]
+    return [
+        {
+            "metric": "quality",
+            "context_len": n,
+            "label": p["label"],
+            "cache": p["cache"],
+            "budget": p["budget"],
+            "budget_tokens": _budget_tokens(resolved, p),
+            "config": resolved,
+            "scored_tokens": s.scored_tokens,
+            **m,
+            "bytes_held": held,
+            "theory_bytes": theory,
+            "dense_bytes": dense,
+            "bytes_vs_dense": held / dense,
+            "score_ms_per_token": 1000 * elapsed / s.scored_tokens,
+        }
+    ]
 
 
 def _budget_tokens(resolved: dict, p: dict):
@@ -146,16 +175,27 @@ def _run_ppl(ctx: CellContext, cell: Cell) -> list[dict]:
         ckpt = ctx.out / "checkpoints" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
         kwargs = {"checkpoint": ckpt, "tag": key, "checkpoint_every": 1024}
     t0 = time.perf_counter()
-    r = run_perplexity(ctx.model, ids, factory, mode=cfg["mode"], chunk=cfg["chunk"], bucket=cfg["bucket"],
-                       **kwargs)
+    r = run_perplexity(ctx.model, ids, factory, mode=cfg["mode"], chunk=cfg["chunk"], bucket=cfg["bucket"], **kwargs)
     if ckpt is not None:
         for path in (ckpt, Path(str(ckpt) + ".nlls.npy"), Path(str(ckpt) + ".json")):
             path.unlink(missing_ok=True)
     resolved = resolve_config(p["cache"], p["config"], n)
-    return [{"metric": "ppl", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
-             "budget_tokens": _budget_tokens(resolved, p), "config": resolved, "ppl": r["ppl"],
-             "tokens": r["tokens"], "protocol": r["protocol"], "buckets": r["buckets"],
-             "elapsed_s": time.perf_counter() - t0}]
+    return [
+        {
+            "metric": "ppl",
+            "context_len": n,
+            "label": p["label"],
+            "cache": p["cache"],
+            "budget": p["budget"],
+            "budget_tokens": _budget_tokens(resolved, p),
+            "config": resolved,
+            "ppl": r["ppl"],
+            "tokens": r["tokens"],
+            "protocol": r["protocol"],
+            "buckets": r["buckets"],
+            "elapsed_s": time.perf_counter() - t0,
+        }
+    ]
 
 
 def _run_speed(ctx: CellContext, cell: Cell) -> list[dict]:
@@ -166,16 +206,26 @@ def _run_speed(ctx: CellContext, cell: Cell) -> list[dict]:
     n = p["context_len"]
     dec = s.speed["decode_tokens"]
     ids = ctx.tokens(n + dec)
-    factories = {label: make_factory(ctx.model, (name, cfg), context_len=n, total_len=n + dec)
-                 for label, name, cfg, _ in cell.caches}
+    factories = {
+        label: make_factory(ctx.model, (name, cfg), context_len=n, total_len=n + dec)
+        for label, name, cfg, _ in cell.caches
+    }
     rows = measure_speed(ctx.model, ids, factories, n, decode_tokens=dec, rounds=s.speed["rounds"])
     budgets = {label: b for label, _, _, b in cell.caches}
     names = {label: name for label, name, _, _ in cell.caches}
     out = []
     for r in rows:
         label = r.pop("cache")
-        out.append({"metric": "speed", "context_len": n, "label": label, "cache": names.get(label, "dynamic"),
-                    "budget": budgets.get(label), **r})
+        out.append(
+            {
+                "metric": "speed",
+                "context_len": n,
+                "label": label,
+                "cache": names.get(label, "dynamic"),
+                "budget": budgets.get(label),
+                **r,
+            }
+        )
     return out
 
 
@@ -186,18 +236,44 @@ def _run_retrieval(ctx: CellContext, cell: Cell) -> list[dict]:
     s, p = ctx.spec, cell.params
     n = p["context_len"]
     factory = make_factory(ctx.model, (p["cache"], p["config"]), context_len=n, total_len=n + 64)
-    rows = run_retrieval(ctx.model, ctx.tokenizer, factory, kinds=[p["kind"]], context_lens=[n],
-                         positions=[p["position"]], samples=p["samples"], seed=s.seed,
-                         prefill_chunk=s.prefill_chunk, chat=p["chat"], n_records=p.get("records"))
+    rows = run_retrieval(
+        ctx.model,
+        ctx.tokenizer,
+        factory,
+        kinds=[p["kind"]],
+        context_lens=[n],
+        positions=[p["position"]],
+        samples=p["samples"],
+        seed=s.seed,
+        prefill_chunk=s.prefill_chunk,
+        chat=p["chat"],
+        n_records=p.get("records"),
+    )
     resolved = resolve_config(p["cache"], p["config"], n)
     k = len(rows)
-    return [{"metric": "retrieval", "context_len": n, "label": p["label"], "cache": p["cache"], "budget": p["budget"],
-             "budget_tokens": _budget_tokens(resolved, p), "config": resolved, "kind": p["kind"],
-             "position": rows[0]["position"], "samples": k,
-             "exact_match": sum(r["exact"] for r in rows) / k, "parse_rate": sum(r["parsed"] for r in rows) / k,
-             "value_match": sum(r["value_match"] for r in rows) / k,
-             "outputs": [{"answer": r["answer"], "output": r["output"]} for r in rows]}]
+    return [
+        {
+            "metric": "retrieval",
+            "context_len": n,
+            "label": p["label"],
+            "cache": p["cache"],
+            "budget": p["budget"],
+            "budget_tokens": _budget_tokens(resolved, p),
+            "config": resolved,
+            "kind": p["kind"],
+            "position": rows[0]["position"],
+            "samples": k,
+            "exact_match": sum(r["exact"] for r in rows) / k,
+            "parse_rate": sum(r["parsed"] for r in rows) / k,
+            "value_match": sum(r["value_match"] for r in rows) / k,
+            "outputs": [{"answer": r["answer"], "output": r["output"]} for r in rows],
+        }
+    ]
 
 
-RUNNERS: dict[str, Callable] = {"quality": _run_quality, "ppl": _run_ppl, "speed": _run_speed,
-                                "retrieval": _run_retrieval}
+RUNNERS: dict[str, Callable] = {
+    "quality": _run_quality,
+    "ppl": _run_ppl,
+    "speed": _run_speed,
+    "retrieval": _run_retrieval,
+}

@@ -69,16 +69,28 @@ def environment() -> dict:
         pass
     try:
         root = Path(__file__).resolve().parents[2]
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     from ..version import __version__
 
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hf_kvcache": __version__,
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "git_commit": commit}
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "hf_kvcache": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": commit,
+    }
 
 
 SCALAR_FIRST = ["metric", "context_len", "label", "cache", "budget", "budget_tokens", "kind", "position"]
@@ -118,23 +130,66 @@ def write_reports(out: Path, spec: Sweep, records: list[dict], env: dict) -> lis
 def _quality_cells(r: dict) -> list:
     from .memory import format_bytes
 
-    return [r["context_len"], r["label"], r.get("budget_tokens") or "all", format_bytes(r["bytes_held"]),
-            f"{r['bytes_vs_dense']:.2f}", f"{r['ppl']:.2f}", f"{r['ppl_ref']:.2f}", f"{r['kl_mean']:.4f}",
-            f"{r['kl_p99']:.3f}", f"{r['top1_agreement']:.3f}", f"{r['top5_agreement']:.3f}"]
+    return [
+        r["context_len"],
+        r["label"],
+        r.get("budget_tokens") or "all",
+        format_bytes(r["bytes_held"]),
+        f"{r['bytes_vs_dense']:.2f}",
+        f"{r['ppl']:.2f}",
+        f"{r['ppl_ref']:.2f}",
+        f"{r['kl_mean']:.4f}",
+        f"{r['kl_p99']:.3f}",
+        f"{r['top1_agreement']:.3f}",
+        f"{r['top5_agreement']:.3f}",
+    ]
 
 
 #: metric -> (column headers, the cells of one row) of `format_summary`'s table for that metric
 SUMMARY_TABLES = {
-    "quality": (["n", "cache", "tokens kept", "bytes held", "vs dense", "PPL", "PPL full", "KL mean", "KL p99",
-                 "top-1", "top-5"], _quality_cells),
-    "ppl": (["n", "cache", "tokens", "PPL", "protocol"],
-            lambda r: [r["context_len"], r["label"], r["tokens"], f"{r['ppl']:.2f}", r["protocol"]]),
-    "speed": (["n", "cache", "prefill s", "x dynamic", "decode ms/token", "x dynamic"],
-              lambda r: [r["context_len"], r["label"], f"{r['prefill_s']:.3f}", f"{r['prefill_ratio']:.2f}",
-                         f"{r['decode_ms_per_token']:.1f}", f"{r['decode_ratio']:.2f}"]),
-    "retrieval": (["n", "probe", "position", "cache", "exact", "JSON parse", "value match"],
-                  lambda r: [r["context_len"], r["kind"], r["position"], r["label"], f"{r['exact_match']:.2f}",
-                             f"{r['parse_rate']:.2f}", f"{r['value_match']:.2f}"]),
+    "quality": (
+        [
+            "n",
+            "cache",
+            "tokens kept",
+            "bytes held",
+            "vs dense",
+            "PPL",
+            "PPL full",
+            "KL mean",
+            "KL p99",
+            "top-1",
+            "top-5",
+        ],
+        _quality_cells,
+    ),
+    "ppl": (
+        ["n", "cache", "tokens", "PPL", "protocol"],
+        lambda r: [r["context_len"], r["label"], r["tokens"], f"{r['ppl']:.2f}", r["protocol"]],
+    ),
+    "speed": (
+        ["n", "cache", "prefill s", "x dynamic", "decode ms/token", "x dynamic"],
+        lambda r: [
+            r["context_len"],
+            r["label"],
+            f"{r['prefill_s']:.3f}",
+            f"{r['prefill_ratio']:.2f}",
+            f"{r['decode_ms_per_token']:.1f}",
+            f"{r['decode_ratio']:.2f}",
+        ],
+    ),
+    "retrieval": (
+        ["n", "probe", "position", "cache", "exact", "JSON parse", "value match"],
+        lambda r: [
+            r["context_len"],
+            r["kind"],
+            r["position"],
+            r["label"],
+            f"{r['exact_match']:.2f}",
+            f"{r['parse_rate']:.2f}",
+            f"{r['value_match']:.2f}",
+        ],
+    ),
 }
 
 

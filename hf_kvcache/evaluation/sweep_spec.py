@@ -17,16 +17,46 @@ from typing import Any
 __all__ = ["METRICS", "CacheEntry", "SpecError", "Sweep", "load_spec"]
 
 METRICS = ("quality", "ppl", "speed", "retrieval")
-METRIC_ALIASES = {"kl": "quality", "divergence": "quality", "top1": "quality", "bytes": "quality",
-                  "ms_per_token": "quality", "perplexity": "ppl"}
+METRIC_ALIASES = {
+    "kl": "quality",
+    "divergence": "quality",
+    "top1": "quality",
+    "bytes": "quality",
+    "ms_per_token": "quality",
+    "perplexity": "ppl",
+}
 DTYPES = ("float32", "bfloat16", "float16")
-TOP_KEYS = {"name", "description", "model", "dtype", "threads", "text", "text_offset", "context_lengths",
-            "scored_tokens", "prefill_chunk", "metrics", "budgets", "caches", "ppl", "speed", "retrieval", "seed"}
+TOP_KEYS = {
+    "name",
+    "description",
+    "model",
+    "dtype",
+    "threads",
+    "text",
+    "text_offset",
+    "context_lengths",
+    "scored_tokens",
+    "prefill_chunk",
+    "metrics",
+    "budgets",
+    "caches",
+    "ppl",
+    "speed",
+    "retrieval",
+    "seed",
+}
 CACHE_KEYS = {"name", "config", "budget_key", "budgets", "label"}
 PPL_DEFAULTS = {"tokens": 4096, "mode": "chunked", "chunk": 64, "bucket": 1024}
 SPEED_DEFAULTS = {"decode_tokens": 32, "rounds": 3}
-RETRIEVAL_DEFAULTS = {"kinds": ["passkey"], "positions": ["early", "middle", "late"], "samples": 2,
-                      "context_lengths": None, "chat": False, "max_new_tokens": None, "records": None}
+RETRIEVAL_DEFAULTS = {
+    "kinds": ["passkey"],
+    "positions": ["early", "middle", "late"],
+    "samples": 2,
+    "context_lengths": None,
+    "chat": False,
+    "max_new_tokens": None,
+    "records": None,
+}
 
 
 class SpecError(ValueError):
@@ -111,7 +141,7 @@ def _check_model(where: str, model: Any) -> None:
         raise _err(where, f"must be a Hub id, a local path or 'smollm2', got {model!r}")
     if model == "smollm2":
         return
-    looks_local = model.startswith((".", "/", "~")) or os.sep in model and os.path.exists(model.split(os.sep)[0])
+    looks_local = model.startswith((".", "/", "~")) or (os.sep in model and os.path.exists(model.split(os.sep)[0]))
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
         raise _err(where, f"local model directory {model!r} does not exist")
     if not looks_local and not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", model):
@@ -202,8 +232,10 @@ def load_spec(source: str | os.PathLike | dict) -> Sweep:
     for i, m in enumerate(metrics):
         m = METRIC_ALIASES.get(m, m)
         if m not in METRICS:
-            raise _err(f"metrics[{i}]", f"unknown metric {metrics[i]!r}; valid metrics are {list(METRICS)} "
-                                        f"(aliases {sorted(METRIC_ALIASES)})")
+            raise _err(
+                f"metrics[{i}]",
+                f"unknown metric {metrics[i]!r}; valid metrics are {list(METRICS)} (aliases {sorted(METRIC_ALIASES)})",
+            )
         if m not in s.metrics:
             s.metrics.append(m)
     s.budgets = raw.get("budgets", [])
@@ -252,15 +284,20 @@ def load_spec(source: str | os.PathLike | dict) -> Sweep:
 
             known = entry.name in BUILTIN_CACHES or entry.name in available_caches()["hf_kvcache"]
             if known and entry.budget_key not in config_keys(entry.name):
-                raise _err(f"{where}.budget_key", f"{entry.budget_key!r} is not a config key of cache "
-                                                  f"{entry.name!r}; valid keys are {sorted(config_keys(entry.name))}")
+                raise _err(
+                    f"{where}.budget_key",
+                    f"{entry.budget_key!r} is not a config key of cache "
+                    f"{entry.name!r}; valid keys are {sorted(config_keys(entry.name))}",
+                )
             if isinstance(entry.config, dict) and entry.budget_key in entry.config:
-                raise _err(f"{where}.config.{entry.budget_key}", f"is also `budget_key`, which sets it from the "
-                                                                 "budgets; remove it from `config`")
+                raise _err(
+                    f"{where}.config.{entry.budget_key}",
+                    "is also `budget_key`, which sets it from the budgets; remove it from `config`",
+                )
         elif entry.budgets is not None:
             raise _err(f"{where}.budgets", "needs `budget_key` (the config key each budget goes to)")
         lengths = _lengths_for(s)
-        for budget, cfg, _ in entry.variants(s.budgets):
+        for _budget, cfg, _ in entry.variants(s.budgets):
             for n in lengths:
                 try:
                     check_cache(entry.name, cfg, context_len=n, where=f"{where}")
@@ -302,8 +339,10 @@ def _check_retrieval(s: Sweep) -> None:
     if not _is_int(r["samples"]):
         raise _err("retrieval.samples", f"must be an integer >= 1, got {r['samples']!r}")
     if r["records"] is not None and (not _is_int(r["records"]) or r["records"] < 2):
-        raise _err("retrieval.records", f"must be an integer >= 2 (records in the context, target included) or null, "
-                                        f"got {r['records']!r}")
+        raise _err(
+            "retrieval.records",
+            f"must be an integer >= 2 (records in the context, target included) or null, got {r['records']!r}",
+        )
     if r["context_lengths"] is not None:
         if not isinstance(r["context_lengths"], list) or not r["context_lengths"]:
             raise _err("retrieval.context_lengths", "must be a non-empty list of token counts")

@@ -36,5 +36,13 @@ from .cache_argument import CACHE_ARG, cache_kwargs, returned_cache
 from .contracts import CONTRACTS, require
 from .versions import SUPPORTED_RANGE_TEXT, TESTED_MINORS, UnsupportedTransformersError
 
-__all__ = ["CACHE_ARG", "CONTRACTS", "SUPPORTED_RANGE_TEXT", "TESTED_MINORS", "UnsupportedTransformersError",
-           "cache_kwargs", "require", "returned_cache"]
+__all__ = [
+    "CACHE_ARG",
+    "CONTRACTS",
+    "SUPPORTED_RANGE_TEXT",
+    "TESTED_MINORS",
+    "UnsupportedTransformersError",
+    "cache_kwargs",
+    "require",
+    "returned_cache",
+]

@@ -33,23 +33,29 @@ SWITCH = "PreTrainedModel attention switch"
 ATTENTION_FORWARD = "decoder attention forward (cache.update)"
 
 
-@contract(SDPA,
-          "takes (module, query, key, value, attention_mask, **kwargs) and returns (output [B, q, H, D], weights)",
-          "the attention bridge (every hf_kvcache cache)")
+@contract(
+    SDPA,
+    "takes (module, query, key, value, attention_mask, **kwargs) and returns (output [B, q, H, D], weights)",
+    "the attention bridge (every hf_kvcache cache)",
+)
 def _check_sdpa() -> str | None:
     return missing_parameters(sdpa_attention_forward, ATTENTION_CALL, "sdpa_attention_forward")
 
 
-@contract(EAGER,
-          "takes (module, query, key, value, attention_mask, scaling, ...) like every modeling file's eager attention",
-          "the attention bridge with attn_implementation='eager'")
+@contract(
+    EAGER,
+    "takes (module, query, key, value, attention_mask, scaling, ...) like every modeling file's eager attention",
+    "the attention bridge with attn_implementation='eager'",
+)
 def _check_eager() -> str | None:
     return missing_parameters(eager_attention_forward, ATTENTION_CALL, "eager_attention_forward")
 
 
-@contract(MASKS,
-          "mask builders called as (batch_size, q_length, kv_length, ...); sdpa_mask takes allow_is_causal_skip",
-          "the attention bridge")
+@contract(
+    MASKS,
+    "mask builders called as (batch_size, q_length, kv_length, ...); sdpa_mask takes allow_is_causal_skip",
+    "the attention bridge",
+)
 def _check_masks() -> str | None:
     for fn in (sdpa_mask, eager_mask):
         changed = missing_parameters(fn, ["batch_size", "q_length", "kv_length"], fn.__name__)
@@ -60,9 +66,11 @@ def _check_masks() -> str | None:
     return None
 
 
-@contract("utils.output_capturing._active_collector",
-          "a context variable holding the outputs being collected (e.g. 'attentions') in the running forward",
-          "H2O-style scores with output_attentions=True on eager models")
+@contract(
+    "utils.output_capturing._active_collector",
+    "a context variable holding the outputs being collected (e.g. 'attentions') in the running forward",
+    "H2O-style scores with output_attentions=True on eager models",
+)
 def _check_collector() -> str | None:
     try:
         from transformers.utils.output_capturing import _active_collector
@@ -71,9 +79,11 @@ def _check_collector() -> str | None:
     return None if hasattr(_active_collector, "get") else "it has no get()"
 
 
-@contract(SWITCH,
-          "_can_set_attn_implementation(), set_attn_implementation(name) and config._attn_implementation",
-          "the attention bridge (hf_kvcache.enable)")
+@contract(
+    SWITCH,
+    "_can_set_attn_implementation(), set_attn_implementation(name) and config._attn_implementation",
+    "the attention bridge (hf_kvcache.enable)",
+)
 def _check_switch() -> str | None:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -85,10 +95,12 @@ def _check_switch() -> str | None:
     return None
 
 
-@contract(ATTENTION_FORWARD,
-          f"a model's attention forward takes the cache as {CACHE_ARG_TEXT}, calls cache.update(key, value, layer_idx, "
-          "...) with keys already rotated, then the function registered in AttentionInterface",
-          "every hf_kvcache cache")
+@contract(
+    ATTENTION_FORWARD,
+    f"a model's attention forward takes the cache as {CACHE_ARG_TEXT}, calls cache.update(key, value, layer_idx, "
+    "...) with keys already rotated, then the function registered in AttentionInterface",
+    "every hf_kvcache cache",
+)
 def _check_attention_forward() -> str | None:
     text = source(LlamaAttention.forward)
     if CACHE_ARG not in parameters(LlamaAttention.forward):
@@ -148,5 +160,13 @@ def forward_arguments(module, args, kwargs) -> dict:
     return bound
 
 
-__all__ = ["attention_implementation", "attention_weights_requested", "can_set_attention", "eager_attention_for",
-           "eager_mask", "forward_arguments", "sdpa_attention_forward", "sdpa_mask"]
+__all__ = [
+    "attention_implementation",
+    "attention_weights_requested",
+    "can_set_attention",
+    "eager_attention_for",
+    "eager_mask",
+    "forward_arguments",
+    "sdpa_attention_forward",
+    "sdpa_mask",
+]

@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import functools
 
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin,
-                                      DynamicLayer, StaticSlidingWindowLayer)
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    STATIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    StaticSlidingWindowLayer,
+)
 from transformers.cache_utils import get_layer_types_and_kwargs as _get_layer_types_and_kwargs
 
 from .contracts import contract, missing_parameters, require, source
@@ -28,21 +34,30 @@ UPSTREAM_MODULE = "transformers.cache_utils"
 DERIVED_FIELDS = frozenset({"dtype"})
 
 
-@contract(LAYER_TYPES, "get_layer_types_and_kwargs(config) -> (a layer type per decoder layer, kwargs per layer), "
-          "DYNAMIC_LAYER_TYPE_MAPPING: layer type -> the layer class DynamicCache builds with those kwargs",
-          "every hf_kvcache cache (hybrid models' sliding / linear layers)")
+@contract(
+    LAYER_TYPES,
+    "get_layer_types_and_kwargs(config) -> (a layer type per decoder layer, kwargs per layer), "
+    "DYNAMIC_LAYER_TYPE_MAPPING: layer type -> the layer class DynamicCache builds with those kwargs",
+    "every hf_kvcache cache (hybrid models' sliding / linear layers)",
+)
 def _check_layer_types() -> str | None:
     if not isinstance(DYNAMIC_LAYER_TYPE_MAPPING, dict) or "sliding_attention" not in DYNAMIC_LAYER_TYPE_MAPPING:
         return "DYNAMIC_LAYER_TYPE_MAPPING is not a dict with 'sliding_attention'"
     return missing_parameters(_get_layer_types_and_kwargs, ["config"], "get_layer_types_and_kwargs")
 
 
-@contract("CacheLayerMixin (layer interface)", "layers implement lazy_initialization / update / get_seq_length / "
-          "get_mask_sizes / reset and the flag is_compileable",
-          "every hf_kvcache cache")
+@contract(
+    "CacheLayerMixin (layer interface)",
+    "layers implement lazy_initialization / update / get_seq_length / "
+    "get_mask_sizes / reset and the flag is_compileable",
+    "every hf_kvcache cache",
+)
 def _check_layer_interface() -> str | None:
-    missing = [name for name in ("lazy_initialization", "update", "get_seq_length", "get_mask_sizes", "reset",
-                                 "is_compileable") if not hasattr(CacheLayerMixin, name)]
+    missing = [
+        name
+        for name in ("lazy_initialization", "update", "get_seq_length", "get_mask_sizes", "reset", "is_compileable")
+        if not hasattr(CacheLayerMixin, name)
+    ]
     return f"CacheLayerMixin lacks {missing}" if missing else None
 
 
@@ -55,9 +70,12 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
 KV_SHARING = "config.kv_sharing_modes (KV sharing)"
 
 
-@contract(KV_SHARING, "a layer whose config.kv_sharing_modes[i] is 'reuse' attends to the keys and values of the "
-          "'store' layer of its layer type (config.layer_types); get_layer_types_and_kwargs makes it a 'dummy' layer",
-          "every hf_kvcache cache on Gemma 4 / 3n")
+@contract(
+    KV_SHARING,
+    "a layer whose config.kv_sharing_modes[i] is 'reuse' attends to the keys and values of the "
+    "'store' layer of its layer type (config.layer_types); get_layer_types_and_kwargs makes it a 'dummy' layer",
+    "every hf_kvcache cache on Gemma 4 / 3n",
+)
 def _check_kv_sharing() -> str | None:
     text = source(_get_layer_types_and_kwargs)
     if "kv_sharing_modes" not in text or '"reuse"' not in text:
@@ -67,8 +85,9 @@ def _check_kv_sharing() -> str | None:
     config_class = getattr(transformers, "Gemma4TextConfig", None)
     if config_class is None:
         return None
-    config = config_class(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                          num_kv_shared_layers=2)
+    config = config_class(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+    )
     if list(config.kv_sharing_modes) != ["store", "store", "reuse", "reuse"]:
         return f"Gemma4TextConfig's kv_sharing_modes for 2 of 4 shared layers are {config.kv_sharing_modes}"
     return None
@@ -119,10 +138,13 @@ def upstream_layer(layer_type: str, kwargs: dict, static: bool):
 STATIC_LAYER_TYPES = "cache_utils.STATIC_LAYER_TYPE_MAPPING (windowed layers)"
 
 
-@contract(STATIC_LAYER_TYPES, "STATIC_LAYER_TYPE_MAPPING: layer type -> StaticCache's layer class, built with "
-          "max_cache_len and the type's kwargs; its sliding / chunked layers hold min(max_cache_len, sliding_window) "
-          "tokens for any stream length, are compileable and count the tokens seen in `cumulative_length_int`",
-          "sliding / chunked layers of hybrid models under fixed-capacity caches (torch.compile, crop)")
+@contract(
+    STATIC_LAYER_TYPES,
+    "STATIC_LAYER_TYPE_MAPPING: layer type -> StaticCache's layer class, built with "
+    "max_cache_len and the type's kwargs; its sliding / chunked layers hold min(max_cache_len, sliding_window) "
+    "tokens for any stream length, are compileable and count the tokens seen in `cumulative_length_int`",
+    "sliding / chunked layers of hybrid models under fixed-capacity caches (torch.compile, crop)",
+)
 def _check_static_layer_types() -> str | None:
     missing = [t for t in WINDOWED_TYPES if t not in STATIC_LAYER_TYPE_MAPPING]
     if missing:
@@ -130,8 +152,11 @@ def _check_static_layer_types() -> str | None:
     layer = STATIC_LAYER_TYPE_MAPPING["sliding_attention"](max_cache_len=8, sliding_window=8)
     if not isinstance(layer, StaticSlidingWindowLayer) or getattr(layer, "cumulative_length_int", None) != 0:
         return "StaticSlidingWindowLayer no longer counts its tokens in `cumulative_length_int`"
-    return None if layer.is_compileable and layer.max_cache_len == 8 else (
-        "StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8) is not a compileable layer of 8 tokens")
+    return (
+        None
+        if layer.is_compileable and layer.max_cache_len == 8
+        else ("StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8) is not a compileable layer of 8 tokens")
+    )
 
 
 def upstream_croppable(layer) -> bool:
@@ -151,9 +176,12 @@ def known_layer_types() -> list[str]:
 LINEAR_STATES = "LinearAttentionLayer states"
 
 
-@contract(LINEAR_STATES, "a linear-attention / convolution layer (DYNAMIC_LAYER_TYPE_MAPPING['linear_attention'], "
-          "['conv']) holds its states in `conv_states` and `recurrent_states`, dicts of tensors (or None)",
-          "nbytes() of hybrid models (Qwen3-Next, LFM2)")
+@contract(
+    LINEAR_STATES,
+    "a linear-attention / convolution layer (DYNAMIC_LAYER_TYPE_MAPPING['linear_attention'], "
+    "['conv']) holds its states in `conv_states` and `recurrent_states`, dicts of tensors (or None)",
+    "nbytes() of hybrid models (Qwen3-Next, LFM2)",
+)
 def _check_linear_states() -> str | None:
     layer_class = DYNAMIC_LAYER_TYPE_MAPPING.get("linear_attention")
     if layer_class is None:
@@ -197,6 +225,18 @@ def restore_derived(layer) -> None:
         layer.dtype = keys.dtype
 
 
-__all__ = ["Cache", "CacheLayerMixin", "DERIVED_FIELDS", "is_upstream_layer_object", "known_layer_types",
-           "kv_sharing_consumers", "kv_sharing_producers", "layer_types_and_kwargs", "restore_derived",
-           "upstream_croppable", "upstream_layer", "upstream_layer_class", "upstream_layer_nbytes"]
+__all__ = [
+    "Cache",
+    "CacheLayerMixin",
+    "DERIVED_FIELDS",
+    "is_upstream_layer_object",
+    "known_layer_types",
+    "kv_sharing_consumers",
+    "kv_sharing_producers",
+    "layer_types_and_kwargs",
+    "restore_derived",
+    "upstream_croppable",
+    "upstream_layer",
+    "upstream_layer_class",
+    "upstream_layer_nbytes",
+]

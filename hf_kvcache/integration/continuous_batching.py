@@ -51,8 +51,12 @@ QUANTIZED_PAGES = (BUILD, CACHE_INIT, ALLOCATORS, UPDATE)
 PagedAttentionCache = cb_cache.PagedAttentionCache
 
 
-@contract(BUILD, "ContinuousBatchingManager._create_batch_processor calls the module-level name "
-          "continuous_api.PagedAttentionCache(...)", USED_BY)
+@contract(
+    BUILD,
+    "ContinuousBatchingManager._create_batch_processor calls the module-level name "
+    "continuous_api.PagedAttentionCache(...)",
+    USED_BY,
+)
 def _check_build() -> str | None:
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
     if not hasattr(continuous_api, "PagedAttentionCache") or manager is None:
@@ -62,13 +66,24 @@ def _check_build() -> str | None:
     return None
 
 
-@contract(CACHE_INIT, "PagedAttentionCache(config, continuous_batching_config, device, distributed_helper, dtype, "
-          "model_supports_logits_to_keep) builds its allocators from ATTN_TYPE_TO_ALLOCATOR[...] and sizes sectors "
-          "from bytes_per_block; update(key_states, value_states, layer_idx, kwargs)", USED_BY)
+@contract(
+    CACHE_INIT,
+    "PagedAttentionCache(config, continuous_batching_config, device, distributed_helper, dtype, "
+    "model_supports_logits_to_keep) builds its allocators from ATTN_TYPE_TO_ALLOCATOR[...] and sizes sectors "
+    "from bytes_per_block; update(key_states, value_states, layer_idx, kwargs)",
+    USED_BY,
+)
 def _check_cache_init() -> str | None:
     cls = cb_cache.PagedAttentionCache
-    expected = ["self", "config", "continuous_batching_config", "device", "distributed_helper", "dtype",
-                "model_supports_logits_to_keep"]
+    expected = [
+        "self",
+        "config",
+        "continuous_batching_config",
+        "device",
+        "distributed_helper",
+        "dtype",
+        "model_supports_logits_to_keep",
+    ]
     if parameters(cls.__init__) != expected:
         return f"__init__ takes {parameters(cls.__init__)}, expected {expected}"
     mapping = getattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR", None)
@@ -89,18 +104,28 @@ def _check_cache_init() -> str | None:
     return None
 
 
-@contract(ALLOCATORS, "allocators built with (index, config, num_key_value_heads, cache_dtype, page_size, "
-          "layer_indices, allow_block_sharing), sized by get_bytes_per_page, rows of keys then values per page "
-          "(rows_per_token == 2), register_cache_tensor / _after_cache_tensor_init / sentinel_index / _copy_view",
-          USED_BY)
+@contract(
+    ALLOCATORS,
+    "allocators built with (index, config, num_key_value_heads, cache_dtype, page_size, "
+    "layer_indices, allow_block_sharing), sized by get_bytes_per_page, rows of keys then values per page "
+    "(rows_per_token == 2), register_cache_tensor / _after_cache_tensor_init / sentinel_index / _copy_view",
+    USED_BY,
+)
 def _check_allocators() -> str | None:
-    init = ["self", "index", "config", "num_key_value_heads", "cache_dtype", "page_size", "layer_indices",
-            "allow_block_sharing"]
+    init = [
+        "self",
+        "index",
+        "config",
+        "num_key_value_heads",
+        "cache_dtype",
+        "page_size",
+        "layer_indices",
+        "allow_block_sharing",
+    ]
     for cls in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator):
         if parameters(cls.__init__) != init:
             return f"{cls.__name__}.__init__ takes {parameters(cls.__init__)}, expected {init}"
-        if parameters(cls.update) != ["self", "key_states", "value_states", "layer_idx", "read_index",
-                                      "write_index"]:
+        if parameters(cls.update) != ["self", "key_states", "value_states", "layer_idx", "read_index", "write_index"]:
             return f"{cls.__name__}.update takes {parameters(cls.update)}"
         if getattr(cls, "rows_per_token", None) != 2:
             return f"{cls.__name__}.rows_per_token is no longer 2 (a page is no longer key rows then value rows)"
@@ -133,28 +158,39 @@ def update_caller() -> str | None:
     return None
 
 
-@contract(UPDATE, "the paged cache's update(key_states, value_states, layer_idx, kwargs=...) is called with the "
-          "batch's read/write indices in kwargs: by the attention functions up to 5.23, by each model's attention "
-          "forward from 5.24", USED_BY)
+@contract(
+    UPDATE,
+    "the paged cache's update(key_states, value_states, layer_idx, kwargs=...) is called with the "
+    "batch's read/write indices in kwargs: by the attention functions up to 5.23, by each model's attention "
+    "forward from 5.24",
+    USED_BY,
+)
 def _check_update_caller() -> str | None:
     caller = update_caller()
     if caller is None:
-        return ("neither sdpa_attention_forward nor LlamaAttention.forward calls cache.update(..., kwargs=kwargs) "
-                "on the paged cache")
+        return (
+            "neither sdpa_attention_forward nor LlamaAttention.forward calls cache.update(..., kwargs=kwargs) "
+            "on the paged cache"
+        )
     if caller == "attention functions":
         from transformers.integrations import eager_paged, flash_attention
 
-        for module, fn in ((flash_attention, "flash_attention_forward"),
-                           (eager_paged, "eager_paged_attention_forward")):
+        for module, fn in (
+            (flash_attention, "flash_attention_forward"),
+            (eager_paged, "eager_paged_attention_forward"),
+        ):
             if "cache.update(" not in source(getattr(module, fn, None)):
                 return f"{module.__name__}.{fn} no longer calls cache.update(...) on the paged cache"
     return None
 
 
-@contract(SCHEDULER, "manager.batch_processor has inputs_and_outputs.requests_in_batch (state.request_id, "
-          "has_new_token, query_length), scheduler.active_requests / waiting_requests / max_requests_per_batch, "
-          "max_batch_tokens; RequestState has initial_tokens, _true_initial_tokens, generated_len()",
-          "serve-bench (the scheduler trace), hf-kvcache serve (GET /v1/kv_cache)")
+@contract(
+    SCHEDULER,
+    "manager.batch_processor has inputs_and_outputs.requests_in_batch (state.request_id, "
+    "has_new_token, query_length), scheduler.active_requests / waiting_requests / max_requests_per_batch, "
+    "max_batch_tokens; RequestState has initial_tokens, _true_initial_tokens, generated_len()",
+    "serve-bench (the scheduler trace), hf-kvcache serve (GET /v1/kv_cache)",
+)
 def _check_scheduler() -> str | None:
     from transformers.generation.continuous_batching.requests import RequestState
 
@@ -256,7 +292,8 @@ def model_dtype_block_bytes(config, dtype, page_size: int) -> int:
     """Bytes of one of transformers' `num_blocks` blocks: `page_size` tokens of keys and values for every layer in
     `dtype` (PagedAttentionCache.__init__'s `bytes_per_block`, which turns num_blocks into bytes)."""
     return config.num_hidden_layers * FullAttentionCacheAllocator.get_bytes_per_page(
-        find_num_key_value_heads(config), find_head_dim(config), dtype, page_size)
+        find_num_key_value_heads(config), find_head_dim(config), dtype, page_size
+    )
 
 
 def cache_on_meta(cache_class, config, continuous_batching_config, dtype):
@@ -274,7 +311,24 @@ def cache_on_meta(cache_class, config, continuous_batching_config, dtype):
     return cache_class(config, cb_config, torch.device("meta"), DistributedHelper(None, None), dtype)
 
 
-__all__ = ["CacheAllocator", "ContinuousBatchingConfig", "FullAttentionCacheAllocator", "PagedAttentionCache",
-           "QUANTIZED_PAGES", "SlidingAttentionCacheAllocator", "allocator_factories", "batch_processor",
-           "cache_on_meta", "cb_config_of", "find_head_dim", "install_cache_class", "model_dtype_block_bytes",
-           "pages_in_use", "request_counts", "request_step", "requests_in_batch", "scheduler_state", "update_caller"]
+__all__ = [
+    "CacheAllocator",
+    "ContinuousBatchingConfig",
+    "FullAttentionCacheAllocator",
+    "PagedAttentionCache",
+    "QUANTIZED_PAGES",
+    "SlidingAttentionCacheAllocator",
+    "allocator_factories",
+    "batch_processor",
+    "cache_on_meta",
+    "cb_config_of",
+    "find_head_dim",
+    "install_cache_class",
+    "model_dtype_block_bytes",
+    "pages_in_use",
+    "request_counts",
+    "request_step",
+    "requests_in_batch",
+    "scheduler_state",
+    "update_caller",
+]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .versions import UnsupportedTransformersError, describe
 

@@ -15,8 +15,9 @@ its internals, each step guarded by a contract.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from transformers.generation import configuration_utils
 from transformers.generation.configuration_utils import GenerationMode
@@ -31,8 +32,11 @@ INIT_CB = "GenerationMixin.init_continuous_batching"
 AUTO_COMPILE = "GenerationMixin._valid_auto_compile_criteria"
 
 
-@contract(NAMES, "a tuple of the cache names GenerationConfig.validate() accepts, read at validation time",
-          "generate(cache_implementation=NAME)")
+@contract(
+    NAMES,
+    "a tuple of the cache names GenerationConfig.validate() accepts, read at validation time",
+    "generate(cache_implementation=NAME)",
+)
 def _check_names() -> str | None:
     names = getattr(configuration_utils, "ALL_CACHE_IMPLEMENTATIONS", None)
     if not isinstance(names, (tuple, list)) or "dynamic" not in names:
@@ -42,9 +46,12 @@ def _check_names() -> str | None:
     return None
 
 
-@contract(PREPARE, "called by generate() as (generation_config, model_kwargs, generation_mode, batch_size, "
-          f"max_cache_length) and writes the cache to model_kwargs under {CACHE_ARG_TEXT}",
-          "generate(cache_implementation=NAME)")
+@contract(
+    PREPARE,
+    "called by generate() as (generation_config, model_kwargs, generation_mode, batch_size, "
+    f"max_cache_length) and writes the cache to model_kwargs under {CACHE_ARG_TEXT}",
+    "generate(cache_implementation=NAME)",
+)
 def _check_prepare() -> str | None:
     fn = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
     if fn is None:
@@ -59,19 +66,26 @@ def _check_prepare() -> str | None:
     return None
 
 
-@contract(INIT_CB, "a GenerationMixin method (generation_config, continuous_batching_config, ...) that every "
-          "continuous-batching entry point (generate_batch, serve) goes through",
-          "continuous batching with hf_kvcache installed")
+@contract(
+    INIT_CB,
+    "a GenerationMixin method (generation_config, continuous_batching_config, ...) that every "
+    "continuous-batching entry point (generate_batch, serve) goes through",
+    "continuous batching with hf_kvcache installed",
+)
 def _check_init_cb() -> str | None:
     fn = getattr(GenerationMixin, "init_continuous_batching", None)
     if fn is None:
         return "GenerationMixin has no init_continuous_batching"
-    return missing_parameters(fn, ["self", "generation_config", "continuous_batching_config"],
-                              "init_continuous_batching")
+    return missing_parameters(
+        fn, ["self", "generation_config", "continuous_batching_config"], "init_continuous_batching"
+    )
 
 
-@contract(AUTO_COMPILE, f"decides automatic compilation from the is_compileable of model_kwargs' {CACHE_ARG_TEXT}",
-          "automatic compilation of fixed-size caches in generate")
+@contract(
+    AUTO_COMPILE,
+    f"decides automatic compilation from the is_compileable of model_kwargs' {CACHE_ARG_TEXT}",
+    "automatic compilation of fixed-size caches in generate",
+)
 def _check_auto_compile() -> str | None:
     text = source(getattr(GenerationMixin, "_valid_auto_compile_criteria", None))
     if not text:
@@ -125,9 +139,13 @@ _hooks: dict[str, Callable] = {}
 
 def _request(model, generation_config, model_kwargs, args, kwargs) -> CacheRequest:
     named = dict(zip(("generation_mode", "batch_size", "max_cache_length"), args), **kwargs)
-    return CacheRequest(model, generation_config, model_kwargs.get(CACHE_ARG),
-                        named.get("generation_mode") == GenerationMode.ASSISTED_GENERATION,
-                        named.get("max_cache_length"))
+    return CacheRequest(
+        model,
+        generation_config,
+        model_kwargs.get(CACHE_ARG),
+        named.get("generation_mode") == GenerationMode.ASSISTED_GENERATION,
+        named.get("max_cache_length"),
+    )
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -148,8 +166,9 @@ def init_continuous_batching(self, *args, **kwargs):
     return init_continuous_batching.original(self, *args, **kwargs)
 
 
-def install_generate_hooks(build: Callable[[CacheRequest], Any], prepared: Callable[[CacheRequest], None],
-                           before_continuous_batching: Callable) -> None:
+def install_generate_hooks(
+    build: Callable[[CacheRequest], Any], prepared: Callable[[CacheRequest], None], before_continuous_batching: Callable
+) -> None:
     """Wrap transformers' cache preparation and continuous-batching start (idempotent).
 
     `build(request)` returns the cache to use (written to model_kwargs[CACHE_ARG]) or None to let transformers
@@ -157,8 +176,10 @@ def install_generate_hooks(build: Callable[[CacheRequest], Any], prepared: Calla
     `before_continuous_batching(model, args, kwargs)` runs before `init_continuous_batching`."""
     require(PREPARE, INIT_CB)
     _hooks.update(build=build, prepared=prepared, before_continuous_batching=before_continuous_batching)
-    for method, ours in ((PREPARE.split(".")[1], _prepare_cache_for_generation),
-                         (INIT_CB.split(".")[1], init_continuous_batching)):
+    for method, ours in (
+        (PREPARE.split(".")[1], _prepare_cache_for_generation),
+        (INIT_CB.split(".")[1], init_continuous_batching),
+    ):
         current = getattr(GenerationMixin, method)
         if current is not ours:
             ours.original = current

@@ -21,8 +21,11 @@ ROPE = "modeling_rope_utils.ROPE_INIT_FUNCTIONS"
 PER_LAYER_CONFIG = "PreTrainedConfig.is_heterogeneous / per_layer_config"
 
 
-@contract(TP_ATTRIBUTES, "a model sharded by transformers' tensor parallelism records _tp_size and _device_mesh",
-          "hf_kvcache caches under tensor parallelism")
+@contract(
+    TP_ATTRIBUTES,
+    "a model sharded by transformers' tensor parallelism records _tp_size and _device_mesh",
+    "hf_kvcache caches under tensor parallelism",
+)
 def _check_tp() -> str | None:
     from transformers import PreTrainedModel
 
@@ -30,8 +33,11 @@ def _check_tp() -> str | None:
     return f"PreTrainedModel has no {missing}" if missing else None
 
 
-@contract(ROPE, "a dict rope_type -> init function (config, device, layer_type=...) -> (inv_freq, attention factor)",
-          "sink re-rotation (SinkCache, composite sinks)")
+@contract(
+    ROPE,
+    "a dict rope_type -> init function (config, device, layer_type=...) -> (inv_freq, attention factor)",
+    "sink re-rotation (SinkCache, composite sinks)",
+)
 def _check_rope() -> str | None:
     if not isinstance(ROPE_INIT_FUNCTIONS, dict) or "linear" not in ROPE_INIT_FUNCTIONS:
         return "ROPE_INIT_FUNCTIONS is not a dict with 'linear'"
@@ -41,8 +47,12 @@ def _check_rope() -> str | None:
     return None
 
 
-@contract(PER_LAYER_CONFIG, "a config says `is_heterogeneous`, and `per_layer_config[i]` reads layer i's attributes "
-          "(head_dim, num_key_value_heads, ...) where they differ by layer", "every hf_kvcache cache on Gemma 4")
+@contract(
+    PER_LAYER_CONFIG,
+    "a config says `is_heterogeneous`, and `per_layer_config[i]` reads layer i's attributes "
+    "(head_dim, num_key_value_heads, ...) where they differ by layer",
+    "every hf_kvcache cache on Gemma 4",
+)
 def _check_per_layer_config() -> str | None:
     from transformers import PreTrainedConfig
 

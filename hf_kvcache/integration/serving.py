@@ -49,9 +49,13 @@ def _serve_class():
     return Serve
 
 
-@contract(SERVE, "Serve(force_model, ..., continuous_batching, cb_num_blocks, ..., non_blocking) wires "
-          "_model_manager, _generation_state (GenerationState(cb_config=...)), the handlers and self.server "
-          "(uvicorn), and calls self.start_server() when non_blocking", USED_BY)
+@contract(
+    SERVE,
+    "Serve(force_model, ..., continuous_batching, cb_num_blocks, ..., non_blocking) wires "
+    "_model_manager, _generation_state (GenerationState(cb_config=...)), the handlers and self.server "
+    "(uvicorn), and calls self.start_server() when non_blocking",
+    USED_BY,
+)
 def _check_serve() -> str | None:
     serve = _serve_class()
     names = parameters(serve.__init__)
@@ -59,8 +63,14 @@ def _check_serve() -> str | None:
     if missing:
         return f"Serve.__init__ no longer takes {missing}"
     text = source(serve.__init__)
-    for needle in ("self.start_server()", "self._generation_state = GenerationState(", "cb_config=cb_config",
-                   "self._model_manager = ModelManager(", "self.server = uvicorn.Server(", *HANDLERS.values()):
+    for needle in (
+        "self.start_server()",
+        "self._generation_state = GenerationState(",
+        "cb_config=cb_config",
+        "self._model_manager = ModelManager(",
+        "self.server = uvicorn.Server(",
+        *HANDLERS.values(),
+    ):
         if needle not in text:
             return f"Serve.__init__ no longer contains `{needle}`"
     from transformers.cli.serving import model_manager, utils
@@ -74,8 +84,12 @@ def _check_serve() -> str | None:
     return None
 
 
-@contract(ADMISSION, "CBGenerateManager calls cb.add_request(input_ids, request_id=..., max_new_tokens=...) before "
-          "the response starts; a disconnected stream calls cancel_request", USED_BY)
+@contract(
+    ADMISSION,
+    "CBGenerateManager calls cb.add_request(input_ids, request_id=..., max_new_tokens=...) before "
+    "the response starts; a disconnected stream calls cancel_request",
+    USED_BY,
+)
 def _check_admission() -> str | None:
     from transformers.cli.serving import utils
 
@@ -91,9 +105,13 @@ def _check_admission() -> str | None:
     return None
 
 
-@contract(RESULT_HANDLERS, "register_result_handler stores the callback in "
-          "self.output_router.result_handlers[request_id] under self.output_router._lock, and only a finished result "
-          "removes it", USED_BY)
+@contract(
+    RESULT_HANDLERS,
+    "register_result_handler stores the callback in "
+    "self.output_router.result_handlers[request_id] under self.output_router._lock, and only a finished result "
+    "removes it",
+    USED_BY,
+)
 def _check_result_handlers() -> str | None:
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
@@ -136,11 +154,13 @@ def serve_options() -> list[ServeOption]:
         kind = annotated[0] if annotated else param.annotation
         info = annotated[1] if len(annotated) > 1 else None
         kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
-        choices = tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) \
-            else None
+        choices = (
+            tuple(member.value for member in kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else None
+        )
         default = param.default.value if isinstance(param.default, enum.Enum) else param.default
-        options.append(ServeOption(param.name, str if choices else kind, default,
-                                   getattr(info, "help", None) or "", choices))
+        options.append(
+            ServeOption(param.name, str if choices else kind, default, getattr(info, "help", None) or "", choices)
+        )
     return options
 
 
@@ -150,8 +170,14 @@ def build_serve(force_model: str, cb_num_blocks: int, **options):
     serve_class = _serve_class()
     serve = serve_class.__new__(serve_class)
     serve.start_server = lambda: None  # Serve.__init__ ends with start_server() when non_blocking: not yet
-    serve_class.__init__(serve, force_model=force_model, continuous_batching=True, cb_num_blocks=cb_num_blocks,
-                         non_blocking=True, **options)
+    serve_class.__init__(
+        serve,
+        force_model=force_model,
+        continuous_batching=True,
+        cb_num_blocks=cb_num_blocks,
+        non_blocking=True,
+        **options,
+    )
     del serve.start_server
     return serve
 
@@ -198,6 +224,18 @@ def run(serve) -> None:
         serve._generation_state.shutdown()
 
 
-__all__ = ["ADMISSION", "RESULT_HANDLERS", "SERVE", "app", "build_serve", "continuous_batching_config",
-           "forget_result_handler", "run", "running_manager", "ServeOption", "serve_options", "served_model",
-           "wrap_handlers"]
+__all__ = [
+    "ADMISSION",
+    "RESULT_HANDLERS",
+    "SERVE",
+    "app",
+    "build_serve",
+    "continuous_batching_config",
+    "forget_result_handler",
+    "run",
+    "running_manager",
+    "ServeOption",
+    "serve_options",
+    "served_model",
+    "wrap_handlers",
+]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,25 +50,32 @@ def _segments(kv, name: str) -> list[QuantizedKV]:
     first = segs[0]
     for s in segs[1:]:
         if (s.batch, s.heads, s.head_dim) != (first.batch, first.heads, first.head_dim):
-            raise ValueError(f"blockwise_attention: the segments of `{name}` differ in [B, H, D]: "
-                             f"{[[t.batch, t.heads, t.head_dim] for t in segs]}")
+            raise ValueError(
+                f"blockwise_attention: the segments of `{name}` differ in [B, H, D]: "
+                f"{[[t.batch, t.heads, t.head_dim] for t in segs]}"
+            )
     return segs
 
 
 def check_inputs(query, keys, values, valid, scaling, block, causal_tail, softcap, sinks):
     """Validated (key segments, value segments, total tokens); raises ValueError naming the bad parameter."""
     if query.dim() != 4 or not query.is_floating_point():
-        raise ValueError(f"blockwise_attention: `query` must be a float [B, Hq, q, Dk] tensor, got "
-                         f"{query.dtype} {list(query.shape)}")
+        raise ValueError(
+            f"blockwise_attention: `query` must be a float [B, Hq, q, Dk] tensor, got {query.dtype} {list(query.shape)}"
+        )
     ks, vs = _segments(keys, "keys"), _segments(values, "values")
     if [s.length for s in ks] != [s.length for s in vs]:
-        raise ValueError(f"blockwise_attention: key and value segments must have equal lengths, got "
-                         f"{[s.length for s in ks]} and {[s.length for s in vs]}")
+        raise ValueError(
+            f"blockwise_attention: key and value segments must have equal lengths, got "
+            f"{[s.length for s in ks]} and {[s.length for s in vs]}"
+        )
     b, hq, q, dk = query.shape
     k0, v0 = ks[0], vs[0]
     if (k0.batch, v0.batch) != (b, b) or k0.heads != v0.heads:
-        raise ValueError(f"blockwise_attention: keys [B={k0.batch}, H={k0.heads}] and values [B={v0.batch}, "
-                         f"H={v0.heads}] must match the query's batch {b} and each other's heads")
+        raise ValueError(
+            f"blockwise_attention: keys [B={k0.batch}, H={k0.heads}] and values [B={v0.batch}, "
+            f"H={v0.heads}] must match the query's batch {b} and each other's heads"
+        )
     if hq % k0.heads:
         raise ValueError(f"blockwise_attention: query heads ({hq}) must be a multiple of KV heads ({k0.heads})")
     if k0.head_dim != dk:
@@ -79,17 +86,25 @@ def check_inputs(query, keys, values, valid, scaling, block, causal_tail, softca
     for name, segs in (("keys", ks), ("values", vs)):
         for s in segs:
             if block % s.token_alignment:
-                raise ValueError(f"blockwise_attention: `block` ({block}) must be a multiple of {s.token_alignment} "
-                                 f"for these {name} (channel scales / token packing cover that many tokens)")
+                raise ValueError(
+                    f"blockwise_attention: `block` ({block}) must be a multiple of {s.token_alignment} "
+                    f"for these {name} (channel scales / token packing cover that many tokens)"
+                )
     if causal_tail not in (0, q):
         raise ValueError(f"blockwise_attention: `causal_tail` must be 0 or the query length {q}, got {causal_tail}")
     if causal_tail > n:
         raise ValueError(f"blockwise_attention: `causal_tail` ({causal_tail}) exceeds the {n} key columns")
-    if valid is not None:
-        if valid.dtype != torch.bool or valid.dim() != 3 or valid.shape[0] != b or valid.shape[2] != n or \
-                valid.shape[1] not in (1, k0.heads):
-            raise ValueError(f"blockwise_attention: `valid` must be bool [B={b}, Hkv={k0.heads} or 1, n={n}], got "
-                             f"{valid.dtype} {list(valid.shape)}")
+    if valid is not None and (
+        valid.dtype != torch.bool
+        or valid.dim() != 3
+        or valid.shape[0] != b
+        or valid.shape[2] != n
+        or valid.shape[1] not in (1, k0.heads)
+    ):
+        raise ValueError(
+            f"blockwise_attention: `valid` must be bool [B={b}, Hkv={k0.heads} or 1, n={n}], got "
+            f"{valid.dtype} {list(valid.shape)}"
+        )
     if not isinstance(scaling, (int, float)):
         raise ValueError(f"blockwise_attention: `scaling` must be a Python float, got {type(scaling).__name__}")
     if softcap is not None and not softcap > 0:
@@ -121,8 +136,9 @@ def _logits(qf, k, scaling, softcap, mask):
     return s
 
 
-def torch_blockwise_attention(query, ks, vs, n, valid, scaling, block, causal_tail, softcap, sinks, column_scores,
-                              query_weight=None):
+def torch_blockwise_attention(
+    query, ks, vs, n, valid, scaling, block, causal_tail, softcap, sinks, column_scores, query_weight=None
+):
     """The torch reference on validated inputs (see `blockwise_attention`)."""
     b, hq, q, dk = query.shape
     hkv, dv = ks[0].heads, vs[0].head_dim
@@ -218,8 +234,10 @@ def blockwise_attention(
         raise ValueError(f"blockwise_attention: `backend` must be one of {BACKENDS}, got {backend!r}")
     ks, vs, n = check_inputs(query, keys, values, valid, scaling, block, causal_tail, softcap, sinks)
     if query_weight is not None and tuple(query_weight.shape) != (query.shape[0], query.shape[2]):
-        raise ValueError(f"blockwise_attention: `query_weight` must be [B, q] = {[query.shape[0], query.shape[2]]}, "
-                         f"got {list(query_weight.shape)}")
+        raise ValueError(
+            f"blockwise_attention: `query_weight` must be [B, q] = {[query.shape[0], query.shape[2]]}, "
+            f"got {list(query_weight.shape)}"
+        )
     # "auto": Triton for CUDA tensors in eager code only; under torch.compile the torch path is traced whole and
     # inductor writes its kernels (our Triton launcher is not written for dynamo); the interpreter: asked only
     if backend == "triton" or (backend == "auto" and query.device.type == "cuda" and not torch.compiler.is_compiling()):
@@ -227,16 +245,19 @@ def blockwise_attention(
         if reason is None:
             from .triton_blockwise import triton_blockwise_attention
 
-            return triton_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks,
-                                              return_column_scores, query_weight)
+            return triton_blockwise_attention(
+                query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks, return_column_scores, query_weight
+            )
         if backend == "triton":
             raise RuntimeError(f"blockwise_attention(backend='triton') cannot run here: {reason}")
     if backend == "native" or (backend == "auto" and query.device.type == "cpu" and not torch.compiler.is_compiling()):
         reason = cpu_blockwise.unsupported(query, ks, vs)
         if reason is None:
-            return cpu_blockwise.cpu_blockwise_attention(query, ks, vs, n, valid, float(scaling), causal_tail,
-                                                         softcap, sinks, return_column_scores, query_weight)
+            return cpu_blockwise.cpu_blockwise_attention(
+                query, ks, vs, n, valid, float(scaling), causal_tail, softcap, sinks, return_column_scores, query_weight
+            )
         if backend == "native":
             raise RuntimeError(f"blockwise_attention(backend='native') cannot run here: {reason}")
-    return torch_blockwise_attention(query, ks, vs, n, valid, float(scaling), block, causal_tail, softcap, sinks,
-                                     return_column_scores, query_weight)
+    return torch_blockwise_attention(
+        query, ks, vs, n, valid, float(scaling), block, causal_tail, softcap, sinks, return_column_scores, query_weight
+    )

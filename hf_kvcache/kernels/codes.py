@@ -84,25 +84,35 @@ class QuantizedKV:
             if self.scale_pow2 and self.scale.dtype != torch.int8:
                 raise ValueError(f"QuantizedKV: `scale_pow2` scales are int8 exponents, got {self.scale.dtype}")
             if not self.scale_pow2 and not self.scale.is_floating_point():
-                raise ValueError(f"QuantizedKV: `scale` must be a float tensor (or int8 with scale_pow2), got "
-                                 f"{self.scale.dtype}")
+                raise ValueError(
+                    f"QuantizedKV: `scale` must be a float tensor (or int8 with scale_pow2), got {self.scale.dtype}"
+                )
         if self.zero is not None and (self.scale is None or self.zero.shape != self.scale.shape):
             raise ValueError("QuantizedKV: `zero` must have the shape of `scale`")
         if self.zero_is_code and self.zero is None:
             raise ValueError("QuantizedKV: `zero_is_code=True` needs a `zero`")
         if self.per_byte > 1 and self.packing == "token":
             if self.pack_block is None or self.pack_block % self.per_byte:
-                raise ValueError(f"QuantizedKV: token packing needs `pack_block` a multiple of {self.per_byte}, got "
-                                 f"{self.pack_block}")
+                raise ValueError(
+                    f"QuantizedKV: token packing needs `pack_block` a multiple of {self.per_byte}, got "
+                    f"{self.pack_block}"
+                )
             if self.length % self.pack_block:
-                raise ValueError(f"QuantizedKV: token packing needs whole blocks of {self.pack_block} tokens, got "
-                                 f"{self.length}")
+                raise ValueError(
+                    f"QuantizedKV: token packing needs whole blocks of {self.pack_block} tokens, got {self.length}"
+                )
         self._check_scale_shape()
         if self.bias is not None:
-            b, h, _, d = self.codes.shape
-            if self.bias.dim() != 4 or self.bias.shape[1:] != (self.heads, 1, self.head_dim) or self.bias.shape[0] not in (1, b):
-                raise ValueError(f"QuantizedKV: `bias` must be [B or 1, H, 1, D] = [{b} or 1, {self.heads}, 1, "
-                                 f"{self.head_dim}], got {list(self.bias.shape)}")
+            b, _h, _, _d = self.codes.shape
+            if (
+                self.bias.dim() != 4
+                or self.bias.shape[1:] != (self.heads, 1, self.head_dim)
+                or self.bias.shape[0] not in (1, b)
+            ):
+                raise ValueError(
+                    f"QuantizedKV: `bias` must be [B or 1, H, 1, D] = [{b} or 1, {self.heads}, 1, "
+                    f"{self.head_dim}], got {list(self.bias.shape)}"
+                )
 
     def _check_scale_shape(self) -> None:
         if self.scale is None:
@@ -126,12 +136,16 @@ class QuantizedKV:
                 want_shape = (b, h, n // g, d)
             ok, want = shape == want_shape, str(list(want_shape))
         if not ok:
-            raise ValueError(f"QuantizedKV: `scale` for granularity {self.granularity!r} must be {want}, got "
-                             f"{list(shape)}")
+            raise ValueError(
+                f"QuantizedKV: `scale` for granularity {self.granularity!r} must be {want}, got {list(shape)}"
+            )
 
-    def clone(self) -> "QuantizedKV":
+    def clone(self) -> QuantizedKV:
         """A copy owning its codes, scales and zero points (writes to the buffers it viewed no longer affect it)."""
-        copy = lambda t: None if t is None else t.clone()
+
+        def copy(t):
+            return None if t is None else t.clone()
+
         return dataclasses.replace(self, codes=self.codes.clone(), scale=copy(self.scale), zero=copy(self.zero))
 
     # -- shape ----------------------------------------------------------------------------------------------------
@@ -207,8 +221,10 @@ def dequantize_block(kv: QuantizedKV, start: int, end: int) -> torch.Tensor:
     `kv.token_alignment`, and `end` too unless it is `kv.length`."""
     align = kv.token_alignment
     if start % align or (end % align and end != kv.length) or not 0 <= start <= end <= kv.length:
-        raise ValueError(f"dequantize_block: tokens [{start}, {end}) must lie within the run of {kv.length} and "
-                         f"start (and end, unless it is {kv.length}) at multiples of {align}")
+        raise ValueError(
+            f"dequantize_block: tokens [{start}, {end}) must lie within the run of {kv.length} and "
+            f"start (and end, unless it is {kv.length}) at multiples of {align}"
+        )
     if kv.format == "none":
         x = kv.codes[:, :, start:end].float()
         return x if kv.bias is None else x + kv.bias.float()

@@ -127,11 +127,16 @@ def _build(flags: list[str] = FLAGS):
     name = module_name(flags)
     directory = Path(cpp_extension.get_default_build_root()) / name
     if not any(directory.glob(f"{name}*.so")):
-        logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)",
-                       directory)
+        logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)", directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=False,
+    )
 
 
 def unavailable() -> str | None:
@@ -164,8 +169,9 @@ def unusable(*tensors: torch.Tensor) -> str | None:
 
 def unsupported(query, ks, vs) -> str | None:
     """Why the native kernel cannot run these inputs here (None: it can); builds it on the first call."""
-    return unusable(query, *(t for s in list(ks) + list(vs) for t in (s.codes, s.scale, s.zero, s.bias)
-                             if t is not None))
+    return unusable(
+        query, *(t for s in list(ks) + list(vs) for t in (s.codes, s.scale, s.zero, s.bias) if t is not None)
+    )
 
 
 def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
@@ -195,9 +201,17 @@ def _flatten(segments: list[QuantizedKV]) -> tuple[list, list[int]]:
             s_tok, s_ch = 1, s.head_dim
         packed = s.per_byte > 1
         tensors += [codes, scale, zero, bias]
-        meta += [s.length, fmt, s.per_byte, int(s.pack_order == "hqq"),
-                 _PACK_IDS[s.packing] if packed else 0, (s.pack_block or 1) if packed else 1, s_tok, s_ch,
-                 int(s.zero_is_code)]
+        meta += [
+            s.length,
+            fmt,
+            s.per_byte,
+            int(s.pack_order == "hqq"),
+            _PACK_IDS[s.packing] if packed else 0,
+            (s.pack_block or 1) if packed else 1,
+            s_tok,
+            s_ch,
+            int(s.zero_is_code),
+        ]
     return tensors, meta
 
 
@@ -217,31 +231,91 @@ def with_lengths(meta: list[int], lengths: list[int]) -> list[int]:
     return meta
 
 
-def cpu_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
-                            query_weight=None, split_columns: int = 0, query_rotation=None):
+def cpu_blockwise_attention(
+    query,
+    ks,
+    vs,
+    n,
+    valid,
+    scaling,
+    causal_tail,
+    softcap,
+    sinks,
+    column_scores,
+    query_weight=None,
+    split_columns: int = 0,
+    query_rotation=None,
+):
     """`blockwise_attention` on validated CPU inputs through the native kernel (call `unavailable()` first).
     `split_columns`: columns per range of the flash-decoding split (0: chosen from the shapes, see cpu_decode.cpp;
     tests force small ranges). `query_rotation`: see `attend_flat`."""
-    return attend_flat(query, _flatten(ks), _flatten(vs), vs[0].head_dim, ks[0].heads, valid, scaling, causal_tail,
-                       softcap, sinks, column_scores, query_weight, split_columns, query_rotation)
+    return attend_flat(
+        query,
+        _flatten(ks),
+        _flatten(vs),
+        vs[0].head_dim,
+        ks[0].heads,
+        valid,
+        scaling,
+        causal_tail,
+        softcap,
+        sinks,
+        column_scores,
+        query_weight,
+        split_columns,
+        query_rotation,
+    )
 
 
-def attend_flat(query, keys, values, value_dim, heads, valid, scaling, causal_tail=0, softcap=None, sinks=None,
-                column_scores=False, query_weight=None, split_columns: int = 0, query_rotation=None):
+def attend_flat(
+    query,
+    keys,
+    values,
+    value_dim,
+    heads,
+    valid,
+    scaling,
+    causal_tail=0,
+    softcap=None,
+    sinks=None,
+    column_scores=False,
+    query_weight=None,
+    split_columns: int = 0,
+    query_rotation=None,
+):
     """`cpu_blockwise_attention` over flattened segments (`keys`, `values`: `_flatten`'s (tensors, meta) pairs, or
     `flatten_views` with `with_lengths`); `value_dim` and `heads`: the values' head dim and the KV heads.
     `query_rotation` [Dk, Dk]: attend with `query @ query_rotation` (a cache that stores its keys rotated), rotated
     inside the call: in a decode step a separate matmul costs ~15 us a layer, cold."""
     out, scores = _module.decode_attention(
-        query.float().contiguous(), keys[0], keys[1], values[0], values[1], value_dim,
-        None if valid is None else valid.contiguous(), float(scaling),
-        int(causal_tail), float(softcap or 0.0), None if sinks is None else sinks.float().contiguous(),
-        bool(column_scores), None if query_weight is None else query_weight.float().contiguous(), heads,
-        int(split_columns), None if query_rotation is None else query_rotation.float().contiguous(),
+        query.float().contiguous(),
+        keys[0],
+        keys[1],
+        values[0],
+        values[1],
+        value_dim,
+        None if valid is None else valid.contiguous(),
+        float(scaling),
+        int(causal_tail),
+        float(softcap or 0.0),
+        None if sinks is None else sinks.float().contiguous(),
+        bool(column_scores),
+        None if query_weight is None else query_weight.float().contiguous(),
+        heads,
+        int(split_columns),
+        None if query_rotation is None else query_rotation.float().contiguous(),
     )
     out = out.to(query.dtype)
     return (out, scores) if column_scores else out
 
 
-__all__ = ["attend_flat", "cpu_blockwise_attention", "flatten_views", "module_name", "unavailable", "unsupported",
-           "unusable", "with_lengths"]
+__all__ = [
+    "attend_flat",
+    "cpu_blockwise_attention",
+    "flatten_views",
+    "module_name",
+    "unavailable",
+    "unsupported",
+    "unusable",
+    "with_lengths",
+]

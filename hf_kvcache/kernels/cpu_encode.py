@@ -21,13 +21,21 @@ _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def unsupported(keys: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> str | None:
     """Why the native write cannot take these tensors here (None: it can); builds the extension on first use."""
     if scale.dtype not in _SCALE_DTYPES or not keys.is_floating_point():
-        return (f"scales {scale.dtype} / inputs {keys.dtype}: it takes float inputs and float32 / bfloat16 / float16 "
-                "scales")
+        return (
+            f"scales {scale.dtype} / inputs {keys.dtype}: it takes float inputs and float32 / bfloat16 / float16 scales"
+        )
     return cpu_blockwise.unusable(keys, data, scale)
 
 
-def fp8_write_tokens(keys: torch.Tensor, values: torch.Tensor | None, data: torch.Tensor, scale: torch.Tensor,
-                     slot: int, fp8_dtype: torch.dtype, group: int) -> bool:
+def fp8_write_tokens(
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    slot: int,
+    fp8_dtype: torch.dtype,
+    group: int,
+) -> bool:
     """Quantize keys (and values) [B, H, n, D] into slots [slot, slot + n) of rows [0, B) (values: [B, 2B)) of the
     slot buffers `data` [R, H, capacity, D] (uint8 FP8 bits) and `scale` [R, H, capacity, D / group], as
     `FP8Codec.encode` + `put` would. Returns False, having written nothing, when an input is not finite (the caller
@@ -35,8 +43,16 @@ def fp8_write_tokens(keys: torch.Tensor, values: torch.Tensor | None, data: torc
     fmax = torch.finfo(fp8_dtype).max
     up = (1.0 + torch.finfo(scale.dtype).eps) / fmax  # (the torch path's one multiply, as its scalar)
     return cpu_blockwise._module.fp8_write_tokens(
-        keys.contiguous(), None if values is None else values.contiguous(), data, scale, int(slot),
-        _FP8_IDS[fp8_dtype], int(group), fmax, up)
+        keys.contiguous(),
+        None if values is None else values.contiguous(),
+        data,
+        scale,
+        int(slot),
+        _FP8_IDS[fp8_dtype],
+        int(group),
+        fmax,
+        up,
+    )
 
 
 #: the native pass is one thread, meant for a decode step's few numbers (measured: 0.3 vs 7.3 us for torch's check
@@ -48,8 +64,11 @@ def tensors_finite(keys: torch.Tensor, values: torch.Tensor | None) -> bool | No
     """Whether every element of keys (and values) is finite, in one native call for a decode step's few numbers on
     CPU (the stores' check before quantizing; torch's is five dispatches); None where it does not apply (other
     devices, compiled code, large inputs, non-float tensors, no native build): check with torch then."""
-    if keys.numel() > FINITE_NATIVE_MAX or not keys.is_floating_point() or (
-            values is not None and not values.is_floating_point()):
+    if (
+        keys.numel() > FINITE_NATIVE_MAX
+        or not keys.is_floating_point()
+        or (values is not None and not values.is_floating_point())
+    ):
         return None
     if cpu_blockwise.unusable(*(t for t in (keys, values) if t is not None)) is not None:
         return None

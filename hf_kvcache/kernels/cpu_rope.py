@@ -16,8 +16,15 @@ from . import cpu_blockwise
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def rotate_sinks_into(keys: torch.Tensor, target: torch.Tensor, oldest: torch.Tensor, shift: torch.Tensor,
-                      has_other: torch.Tensor | None, inv_freq: torch.Tensor, convention: str) -> bool:
+def rotate_sinks_into(
+    keys: torch.Tensor,
+    target: torch.Tensor,
+    oldest: torch.Tensor,
+    shift: torch.Tensor,
+    has_other: torch.Tensor | None,
+    inv_freq: torch.Tensor,
+    convention: str,
+) -> bool:
     """Write into `target` [B, H, S, D] (the store's sink slots) the arrived sink keys `keys` [B, H, >= S, D] rotated
     to sit just before `oldest` [B, Hm] (sink i by oldest + shift[:, 0, i], or not at all where `has_other` is
     False), with RoPE frequencies `inv_freq` [r / 2] on the first r dims in `convention` ("half" or
@@ -28,8 +35,9 @@ def rotate_sinks_into(keys: torch.Tensor, target: torch.Tensor, oldest: torch.Te
         return False
     if cpu_blockwise.unusable(keys, target, oldest, shift, inv_freq) is not None:
         return False
-    cpu_blockwise._module.rotate_sinks(keys, target, oldest.long(), shift, has_other, inv_freq.float().contiguous(),
-                                       convention == "interleaved")  # (padded rows' oldest positions are int32)
+    cpu_blockwise._module.rotate_sinks(
+        keys, target, oldest.long(), shift, has_other, inv_freq.float().contiguous(), convention == "interleaved"
+    )  # (padded rows' oldest positions are int32)
     return True
 
 

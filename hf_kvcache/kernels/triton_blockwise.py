@@ -41,7 +41,7 @@ def available() -> bool:
 
 def unsupported(query, ks, vs) -> str | None:
     """Why these inputs are outside the kernel's range (None: they are inside)."""
-    b, hq, q, dk = query.shape
+    _b, hq, q, dk = query.shape
     rows = hq // ks[0].heads * q
     if rows > MAX_ROWS:
         return f"{rows} query rows per KV head (Hq / Hkv x q) exceed the decode kernel's {MAX_ROWS}"
@@ -54,12 +54,47 @@ def unsupported(query, ks, vs) -> str | None:
 
 
 if triton is not None:
+
     @triton.jit
-    def load_tokens(codes, scale, zero, bias, b, h, t, d, t_ok, d_ok,
-                    c_sb, c_sh, c_sn, c_sd, s_sb, s_sh, s_sn, s_sd, z_sb, z_sh, z_sn, z_sd, bi_sb, bi_sh, bi_sd,
-                    FMT: tl.constexpr, PACK: tl.constexpr, PER_BYTE: tl.constexpr, HQQ: tl.constexpr,
-                    PACK_BLOCK: tl.constexpr, D_PACKED: tl.constexpr, S_TOK: tl.constexpr, S_CH: tl.constexpr,
-                    POW2: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_CODE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def load_tokens(
+        codes,
+        scale,
+        zero,
+        bias,
+        b,
+        h,
+        t,
+        d,
+        t_ok,
+        d_ok,
+        c_sb,
+        c_sh,
+        c_sn,
+        c_sd,
+        s_sb,
+        s_sh,
+        s_sn,
+        s_sd,
+        z_sb,
+        z_sh,
+        z_sn,
+        z_sd,
+        bi_sb,
+        bi_sh,
+        bi_sd,
+        FMT: tl.constexpr,
+        PACK: tl.constexpr,
+        PER_BYTE: tl.constexpr,
+        HQQ: tl.constexpr,
+        PACK_BLOCK: tl.constexpr,
+        D_PACKED: tl.constexpr,
+        S_TOK: tl.constexpr,
+        S_CH: tl.constexpr,
+        POW2: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        ZERO_CODE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
         """Tokens t [N] x channels d [D] of one (batch row, head) as float32 [N, D] (0 outside t_ok / d_ok)."""
         mask = t_ok[:, None] & d_ok[None, :]
         if PACK == 1:  # channel packing: byte d % D_PACKED holds channel d as value d // D_PACKED
@@ -114,21 +149,100 @@ if triton is not None:
         return tl.where(mask, x, 0.0)
 
     @triton.jit
-    def logits_block(q, b, h, t, t_ok, rows, col_offset, n_total, scaling, softcap,
-                     K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd, kz_sb, kz_sh, kz_sn, kz_sd,
-                     kb_sb, kb_sh, kb_sd, DK,
-                     VALID, va_sb, va_sh, va_sn,
-                     K_FMT: tl.constexpr, K_PACK: tl.constexpr, K_PER_BYTE: tl.constexpr, K_HQQ: tl.constexpr,
-                     K_PACK_BLOCK: tl.constexpr, K_D_PACKED: tl.constexpr, K_S_TOK: tl.constexpr,
-                     K_S_CH: tl.constexpr, K_POW2: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_ZERO_CODE: tl.constexpr,
-                     K_HAS_BIAS: tl.constexpr, QLEN: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                     SOFTCAP: tl.constexpr, BLOCK_DK: tl.constexpr):
+    def logits_block(
+        q,
+        b,
+        h,
+        t,
+        t_ok,
+        rows,
+        col_offset,
+        n_total,
+        scaling,
+        softcap,
+        K,
+        KS,
+        KZ,
+        KB,
+        k_sb,
+        k_sh,
+        k_sn,
+        k_sd,
+        ks_sb,
+        ks_sh,
+        ks_sn,
+        ks_sd,
+        kz_sb,
+        kz_sh,
+        kz_sn,
+        kz_sd,
+        kb_sb,
+        kb_sh,
+        kb_sd,
+        DK,
+        VALID,
+        va_sb,
+        va_sh,
+        va_sn,
+        K_FMT: tl.constexpr,
+        K_PACK: tl.constexpr,
+        K_PER_BYTE: tl.constexpr,
+        K_HQQ: tl.constexpr,
+        K_PACK_BLOCK: tl.constexpr,
+        K_D_PACKED: tl.constexpr,
+        K_S_TOK: tl.constexpr,
+        K_S_CH: tl.constexpr,
+        K_POW2: tl.constexpr,
+        K_HAS_ZERO: tl.constexpr,
+        K_ZERO_CODE: tl.constexpr,
+        K_HAS_BIAS: tl.constexpr,
+        QLEN: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        BLOCK_DK: tl.constexpr,
+    ):
         """Masked logits [BLOCK_M, BLOCK_N] of the query rows against tokens t of the segment."""
         dk = tl.arange(0, BLOCK_DK)
-        k = load_tokens(K, KS, KZ, KB, b, h, t, dk, t_ok, dk < DK,
-                        k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd, kz_sb, kz_sh, kz_sn, kz_sd,
-                        kb_sb, kb_sh, kb_sd, K_FMT, K_PACK, K_PER_BYTE, K_HQQ, K_PACK_BLOCK, K_D_PACKED, K_S_TOK,
-                        K_S_CH, K_POW2, K_HAS_ZERO, K_ZERO_CODE, K_HAS_BIAS)
+        k = load_tokens(
+            K,
+            KS,
+            KZ,
+            KB,
+            b,
+            h,
+            t,
+            dk,
+            t_ok,
+            dk < DK,
+            k_sb,
+            k_sh,
+            k_sn,
+            k_sd,
+            ks_sb,
+            ks_sh,
+            ks_sn,
+            ks_sd,
+            kz_sb,
+            kz_sh,
+            kz_sn,
+            kz_sd,
+            kb_sb,
+            kb_sh,
+            kb_sd,
+            K_FMT,
+            K_PACK,
+            K_PER_BYTE,
+            K_HQQ,
+            K_PACK_BLOCK,
+            K_D_PACKED,
+            K_S_TOK,
+            K_S_CH,
+            K_POW2,
+            K_HAS_ZERO,
+            K_ZERO_CODE,
+            K_HAS_BIAS,
+        )
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # tanh, saturating at +-1
@@ -144,8 +258,9 @@ if triton is not None:
         return tl.where(visible, s, float("-inf"))
 
     @triton.jit
-    def load_query(Q, b, h, rows, q_sb, q_sh, q_sq, q_sd, DK, GROUPS: tl.constexpr, QLEN: tl.constexpr,
-                   BLOCK_DK: tl.constexpr):
+    def load_query(
+        Q, b, h, rows, q_sb, q_sh, q_sq, q_sd, DK, GROUPS: tl.constexpr, QLEN: tl.constexpr, BLOCK_DK: tl.constexpr
+    ):
         dk = tl.arange(0, BLOCK_DK)
         head = h * GROUPS + rows // QLEN
         ptr = Q + b * q_sb + head[:, None] * q_sh + (rows % QLEN)[:, None] * q_sq + dk[None, :] * q_sd
@@ -153,25 +268,102 @@ if triton is not None:
         return tl.load(ptr, mask=ok, other=0).to(tl.float32)
 
     @triton.jit
-    def partial_kernel(Q, q_sb, q_sh, q_sq, q_sd,
-                       K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd, kz_sb, kz_sh, kz_sn, kz_sd,
-                       kb_sb, kb_sh, kb_sd,
-                       V, VS, VZ, VB, v_sb, v_sh, v_sn, v_sd, vs_sb, vs_sh, vs_sn, vs_sd, vz_sb, vz_sh, vz_sn, vz_sd,
-                       vb_sb, vb_sh, vb_sd,
-                       VALID, va_sb, va_sh, va_sn,
-                       M_OUT, L_OUT, ACC_OUT, split_base, total_splits,
-                       seg_len, col_offset, n_total, tokens_per_split, scaling, softcap, HKV, DK, DV,
-                       K_FMT: tl.constexpr, K_PACK: tl.constexpr, K_PER_BYTE: tl.constexpr, K_HQQ: tl.constexpr,
-                       K_PACK_BLOCK: tl.constexpr, K_D_PACKED: tl.constexpr, K_S_TOK: tl.constexpr,
-                       K_S_CH: tl.constexpr, K_POW2: tl.constexpr, K_HAS_ZERO: tl.constexpr,
-                       K_ZERO_CODE: tl.constexpr, K_HAS_BIAS: tl.constexpr,
-                       V_FMT: tl.constexpr, V_PACK: tl.constexpr, V_PER_BYTE: tl.constexpr, V_HQQ: tl.constexpr,
-                       V_PACK_BLOCK: tl.constexpr, V_D_PACKED: tl.constexpr, V_S_TOK: tl.constexpr,
-                       V_S_CH: tl.constexpr, V_POW2: tl.constexpr, V_HAS_ZERO: tl.constexpr,
-                       V_ZERO_CODE: tl.constexpr, V_HAS_BIAS: tl.constexpr,
-                       GROUPS: tl.constexpr, QLEN: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                       SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def partial_kernel(
+        Q,
+        q_sb,
+        q_sh,
+        q_sq,
+        q_sd,
+        K,
+        KS,
+        KZ,
+        KB,
+        k_sb,
+        k_sh,
+        k_sn,
+        k_sd,
+        ks_sb,
+        ks_sh,
+        ks_sn,
+        ks_sd,
+        kz_sb,
+        kz_sh,
+        kz_sn,
+        kz_sd,
+        kb_sb,
+        kb_sh,
+        kb_sd,
+        V,
+        VS,
+        VZ,
+        VB,
+        v_sb,
+        v_sh,
+        v_sn,
+        v_sd,
+        vs_sb,
+        vs_sh,
+        vs_sn,
+        vs_sd,
+        vz_sb,
+        vz_sh,
+        vz_sn,
+        vz_sd,
+        vb_sb,
+        vb_sh,
+        vb_sd,
+        VALID,
+        va_sb,
+        va_sh,
+        va_sn,
+        M_OUT,
+        L_OUT,
+        ACC_OUT,
+        split_base,
+        total_splits,
+        seg_len,
+        col_offset,
+        n_total,
+        tokens_per_split,
+        scaling,
+        softcap,
+        HKV,
+        DK,
+        DV,
+        K_FMT: tl.constexpr,
+        K_PACK: tl.constexpr,
+        K_PER_BYTE: tl.constexpr,
+        K_HQQ: tl.constexpr,
+        K_PACK_BLOCK: tl.constexpr,
+        K_D_PACKED: tl.constexpr,
+        K_S_TOK: tl.constexpr,
+        K_S_CH: tl.constexpr,
+        K_POW2: tl.constexpr,
+        K_HAS_ZERO: tl.constexpr,
+        K_ZERO_CODE: tl.constexpr,
+        K_HAS_BIAS: tl.constexpr,
+        V_FMT: tl.constexpr,
+        V_PACK: tl.constexpr,
+        V_PER_BYTE: tl.constexpr,
+        V_HQQ: tl.constexpr,
+        V_PACK_BLOCK: tl.constexpr,
+        V_D_PACKED: tl.constexpr,
+        V_S_TOK: tl.constexpr,
+        V_S_CH: tl.constexpr,
+        V_POW2: tl.constexpr,
+        V_HAS_ZERO: tl.constexpr,
+        V_ZERO_CODE: tl.constexpr,
+        V_HAS_BIAS: tl.constexpr,
+        GROUPS: tl.constexpr,
+        QLEN: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -187,19 +379,102 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             t_ok = t < hi
-            s = logits_block(q, b, h, t, t_ok, rows, col_offset, n_total, scaling, softcap,
-                             K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd,
-                             kz_sb, kz_sh, kz_sn, kz_sd, kb_sb, kb_sh, kb_sd, DK, VALID, va_sb, va_sh, va_sn,
-                             K_FMT, K_PACK, K_PER_BYTE, K_HQQ, K_PACK_BLOCK, K_D_PACKED, K_S_TOK, K_S_CH, K_POW2,
-                             K_HAS_ZERO, K_ZERO_CODE, K_HAS_BIAS, QLEN, HAS_VALID, CAUSAL, SOFTCAP, BLOCK_DK)
+            s = logits_block(
+                q,
+                b,
+                h,
+                t,
+                t_ok,
+                rows,
+                col_offset,
+                n_total,
+                scaling,
+                softcap,
+                K,
+                KS,
+                KZ,
+                KB,
+                k_sb,
+                k_sh,
+                k_sn,
+                k_sd,
+                ks_sb,
+                ks_sh,
+                ks_sn,
+                ks_sd,
+                kz_sb,
+                kz_sh,
+                kz_sn,
+                kz_sd,
+                kb_sb,
+                kb_sh,
+                kb_sd,
+                DK,
+                VALID,
+                va_sb,
+                va_sh,
+                va_sn,
+                K_FMT,
+                K_PACK,
+                K_PER_BYTE,
+                K_HQQ,
+                K_PACK_BLOCK,
+                K_D_PACKED,
+                K_S_TOK,
+                K_S_CH,
+                K_POW2,
+                K_HAS_ZERO,
+                K_ZERO_CODE,
+                K_HAS_BIAS,
+                QLEN,
+                HAS_VALID,
+                CAUSAL,
+                SOFTCAP,
+                BLOCK_DK,
+            )
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
-            v = load_tokens(V, VS, VZ, VB, b, h, t, dv, t_ok, dv < DV,
-                            v_sb, v_sh, v_sn, v_sd, vs_sb, vs_sh, vs_sn, vs_sd, vz_sb, vz_sh, vz_sn, vz_sd,
-                            vb_sb, vb_sh, vb_sd, V_FMT, V_PACK, V_PER_BYTE, V_HQQ, V_PACK_BLOCK, V_D_PACKED, V_S_TOK,
-                            V_S_CH, V_POW2, V_HAS_ZERO, V_ZERO_CODE, V_HAS_BIAS)
+            v = load_tokens(
+                V,
+                VS,
+                VZ,
+                VB,
+                b,
+                h,
+                t,
+                dv,
+                t_ok,
+                dv < DV,
+                v_sb,
+                v_sh,
+                v_sn,
+                v_sd,
+                vs_sb,
+                vs_sh,
+                vs_sn,
+                vs_sd,
+                vz_sb,
+                vz_sh,
+                vz_sn,
+                vz_sd,
+                vb_sb,
+                vb_sh,
+                vb_sd,
+                V_FMT,
+                V_PACK,
+                V_PER_BYTE,
+                V_HQQ,
+                V_PACK_BLOCK,
+                V_D_PACKED,
+                V_S_TOK,
+                V_S_CH,
+                V_POW2,
+                V_HAS_ZERO,
+                V_ZERO_CODE,
+                V_HAS_BIAS,
+            )
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
@@ -209,17 +484,69 @@ if triton is not None:
         tl.store(ACC_OUT + out[:, None] * BLOCK_DV + dv[None, :], acc)
 
     @triton.jit
-    def scores_kernel(Q, q_sb, q_sh, q_sq, q_sd,
-                      K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd, kz_sb, kz_sh, kz_sn, kz_sd,
-                      kb_sb, kb_sh, kb_sd,
-                      VALID, va_sb, va_sh, va_sn, LSE, SCORES, sc_sb, sc_sh, WEIGHT,
-                      seg_len, col_offset, n_total, tokens_per_split, scaling, softcap, HKV, DK,
-                      K_FMT: tl.constexpr, K_PACK: tl.constexpr, K_PER_BYTE: tl.constexpr, K_HQQ: tl.constexpr,
-                      K_PACK_BLOCK: tl.constexpr, K_D_PACKED: tl.constexpr, K_S_TOK: tl.constexpr,
-                      K_S_CH: tl.constexpr, K_POW2: tl.constexpr, K_HAS_ZERO: tl.constexpr,
-                      K_ZERO_CODE: tl.constexpr, K_HAS_BIAS: tl.constexpr,
-                      GROUPS: tl.constexpr, QLEN: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                      SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr):
+    def scores_kernel(
+        Q,
+        q_sb,
+        q_sh,
+        q_sq,
+        q_sd,
+        K,
+        KS,
+        KZ,
+        KB,
+        k_sb,
+        k_sh,
+        k_sn,
+        k_sd,
+        ks_sb,
+        ks_sh,
+        ks_sn,
+        ks_sd,
+        kz_sb,
+        kz_sh,
+        kz_sn,
+        kz_sd,
+        kb_sb,
+        kb_sh,
+        kb_sd,
+        VALID,
+        va_sb,
+        va_sh,
+        va_sn,
+        LSE,
+        SCORES,
+        sc_sb,
+        sc_sh,
+        WEIGHT,
+        seg_len,
+        col_offset,
+        n_total,
+        tokens_per_split,
+        scaling,
+        softcap,
+        HKV,
+        DK,
+        K_FMT: tl.constexpr,
+        K_PACK: tl.constexpr,
+        K_PER_BYTE: tl.constexpr,
+        K_HQQ: tl.constexpr,
+        K_PACK_BLOCK: tl.constexpr,
+        K_D_PACKED: tl.constexpr,
+        K_S_TOK: tl.constexpr,
+        K_S_CH: tl.constexpr,
+        K_POW2: tl.constexpr,
+        K_HAS_ZERO: tl.constexpr,
+        K_ZERO_CODE: tl.constexpr,
+        K_HAS_BIAS: tl.constexpr,
+        GROUPS: tl.constexpr,
+        QLEN: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -233,16 +560,63 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             t_ok = t < hi
-            s = logits_block(q, b, h, t, t_ok, rows, col_offset, n_total, scaling, softcap,
-                             K, KS, KZ, KB, k_sb, k_sh, k_sn, k_sd, ks_sb, ks_sh, ks_sn, ks_sd,
-                             kz_sb, kz_sh, kz_sn, kz_sd, kb_sb, kb_sh, kb_sd, DK, VALID, va_sb, va_sh, va_sn,
-                             K_FMT, K_PACK, K_PER_BYTE, K_HQQ, K_PACK_BLOCK, K_D_PACKED, K_S_TOK, K_S_CH, K_POW2,
-                             K_HAS_ZERO, K_ZERO_CODE, K_HAS_BIAS, QLEN, HAS_VALID, CAUSAL, SOFTCAP, BLOCK_DK)
+            s = logits_block(
+                q,
+                b,
+                h,
+                t,
+                t_ok,
+                rows,
+                col_offset,
+                n_total,
+                scaling,
+                softcap,
+                K,
+                KS,
+                KZ,
+                KB,
+                k_sb,
+                k_sh,
+                k_sn,
+                k_sd,
+                ks_sb,
+                ks_sh,
+                ks_sn,
+                ks_sd,
+                kz_sb,
+                kz_sh,
+                kz_sn,
+                kz_sd,
+                kb_sb,
+                kb_sh,
+                kb_sd,
+                DK,
+                VALID,
+                va_sb,
+                va_sh,
+                va_sn,
+                K_FMT,
+                K_PACK,
+                K_PER_BYTE,
+                K_HQQ,
+                K_PACK_BLOCK,
+                K_D_PACKED,
+                K_S_TOK,
+                K_S_CH,
+                K_POW2,
+                K_HAS_ZERO,
+                K_ZERO_CODE,
+                K_HAS_BIAS,
+                QLEN,
+                HAS_VALID,
+                CAUSAL,
+                SOFTCAP,
+                BLOCK_DK,
+            )
             p = tl.exp(s - lse[:, None]) * weight[:, None]
             for g in tl.static_range(GROUPS):
                 col_sum = tl.sum(tl.where((rows // QLEN == g)[:, None], p, 0.0), 0)
                 tl.store(SCORES + b * sc_sb + (h * GROUPS + g) * sc_sh + col_offset + t, col_sum, mask=t_ok)
-
 
 
 def _stride(t: torch.Tensor, dim: int) -> int:
@@ -254,8 +628,12 @@ def _operand(kv):
     codes = kv.codes
     dummy = codes
     scale, zero, bias = kv.scale, kv.zero, kv.bias
-    args = [codes, scale if scale is not None else dummy, zero if zero is not None else dummy,
-            bias if bias is not None else dummy]
+    args = [
+        codes,
+        scale if scale is not None else dummy,
+        zero if zero is not None else dummy,
+        bias if bias is not None else dummy,
+    ]
     args += [codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3)]
     for t in (scale, zero):
         args += [_stride(t, i) for i in range(4)] if t is not None else [0, 0, 0, 0]
@@ -288,8 +666,9 @@ def _pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (x - 1).bit_length())
 
 
-def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores,
-                               query_weight=None):
+def triton_blockwise_attention(
+    query, ks, vs, n, valid, scaling, causal_tail, softcap, sinks, column_scores, query_weight=None
+):
     """The Triton path on validated inputs (see `blockwise.blockwise_attention`)."""
     b, hq, q, dk = query.shape
     hkv, dv = ks[0].heads, vs[0].head_dim
@@ -318,8 +697,16 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
     else:
         valid_args = [query, 0, 0, 0]
     q_args = [query, query.stride(0), query.stride(1), query.stride(2), query.stride(3)]
-    shape_const = dict(GROUPS=groups, QLEN=q, HAS_VALID=valid is not None, CAUSAL=bool(causal_tail),
-                       SOFTCAP=softcap is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_DK=block_dk)
+    shape_const = dict(
+        GROUPS=groups,
+        QLEN=q,
+        HAS_VALID=valid is not None,
+        CAUSAL=bool(causal_tail),
+        SOFTCAP=softcap is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_DK=block_dk,
+    )
     cap = float(softcap) if softcap is not None else 1.0
     offset = 0
     offsets = []
@@ -331,9 +718,28 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
         k_args, k_const = _operand(ks[i])
         v_args, v_const = _operand(vs[i])
         partial_kernel[(programs, splits)](
-            *q_args, *k_args, *v_args, *valid_args, m, l, acc, first, total,
-            ks[i].length, offsets[-1], n, per_split, scaling, cap, hkv, dk, dv, *k_const, *v_const,
-            BLOCK_DV=block_dv, **shape_const,
+            *q_args,
+            *k_args,
+            *v_args,
+            *valid_args,
+            m,
+            l,
+            acc,
+            first,
+            total,
+            ks[i].length,
+            offsets[-1],
+            n,
+            per_split,
+            scaling,
+            cap,
+            hkv,
+            dk,
+            dv,
+            *k_const,
+            *v_const,
+            BLOCK_DV=block_dv,
+            **shape_const,
         )
     # combine the splits (and the sinks) in float32
     m_max = m.amax(1)
@@ -363,7 +769,23 @@ def triton_blockwise_attention(query, ks, vs, n, valid, scaling, causal_tail, so
             continue
         k_args, k_const = _operand(ks[i])
         scores_kernel[(programs, splits)](
-            *q_args, *k_args, *valid_args, lse, scores, scores.stride(0), scores.stride(1), query_weight,
-            ks[i].length, offset, n, per_split, scaling, cap, hkv, dk, *k_const, **shape_const,
+            *q_args,
+            *k_args,
+            *valid_args,
+            lse,
+            scores,
+            scores.stride(0),
+            scores.stride(1),
+            query_weight,
+            ks[i].length,
+            offset,
+            n,
+            per_split,
+            scaling,
+            cap,
+            hkv,
+            dk,
+            *k_const,
+            **shape_const,
         )
     return out, scores

@@ -89,15 +89,18 @@ class KernelView:
     heads: int
 
     @staticmethod
-    def of(store, kept: "KernelView | None") -> "KernelView | None":
+    def of(store, kept: KernelView | None) -> KernelView | None:
         """`kept` while `store` holds the buffers it was made of, else a new view of `store`. None where its segments
         cannot be kept (`capacity_buffers` says None); a view without `keys` where flattening them would convert a
         tensor."""
         buffers = store.capacity_buffers() if hasattr(store, "capacity_buffers") else None
         if buffers is None:
             return None
-        if kept is not None and len(buffers) == len(kept.buffers) and all(
-                a is b for a, b in zip(buffers, kept.buffers)):
+        if (
+            kept is not None
+            and len(buffers) == len(kept.buffers)
+            and all(a is b for a, b in zip(buffers, kept.buffers))
+        ):
             return kept
         keys, values = store.capacity_segments()
         flat_k, flat_v = cpu_blockwise.flatten_views(keys), cpu_blockwise.flatten_views(values)
@@ -170,11 +173,17 @@ def full_precision_native(layer, device) -> bool:
     model expands its latent before attention), not policies that take the attention scores or the queries (their
     own pass already reads the keys), and not keep-all: a full-precision layer that keeps everything is the full
     cache, the reference the others are measured against, and stays the model's own attention bit for bit."""
-    return (torch.device(device).type == "cpu" and getattr(layer, "dtype", None) in FULL_PRECISION_DTYPES
-            and not isinstance(layer.policy, KeepAllPolicy)
-            and not getattr(layer, "latent_attention", True) and not holds_codes(layer.store)
-            and reads_codes(layer.store) and not layer.policy.needs_attention and not layer.policy.needs_queries
-            and cpu_blockwise.unavailable() is None)
+    return (
+        torch.device(device).type == "cpu"
+        and getattr(layer, "dtype", None) in FULL_PRECISION_DTYPES
+        and not isinstance(layer.policy, KeepAllPolicy)
+        and not getattr(layer, "latent_attention", True)
+        and not holds_codes(layer.store)
+        and reads_codes(layer.store)
+        and not layer.policy.needs_attention
+        and not layer.policy.needs_queries
+        and cpu_blockwise.unavailable() is None
+    )
 
 
 def _decode_only(layer) -> bool:
@@ -214,8 +223,12 @@ def codes_now(layer, tokens: int) -> bool:
     if not layer.attention_from_codes:
         return False
     if _decode_only(layer):  # (while all is in the residual: SDPA, exact)
-        return (tokens == 1 and not torch.compiler.is_compiling() and getattr(layer.store, "qlen", 1) > 0
-                and layer.forward_info.attention_bridged)
+        return (
+            tokens == 1
+            and not torch.compiler.is_compiling()
+            and getattr(layer.store, "qlen", 1) > 0
+            and layer.forward_info.attention_bridged
+        )
     return True
 
 
@@ -240,8 +253,12 @@ def read_codes(layer, used: int, new_keys: torch.Tensor | None = None, new_value
         view = layer.kernel_view = KernelView.of(layer.store, getattr(layer, "kernel_view", None))
         if view is not None and view.keys is not None:
             lengths = layer.store.segment_lengths(used)
-            flat = ((view.keys[0], cpu_blockwise.with_lengths(view.keys[1], lengths)),
-                    (view.values[0], cpu_blockwise.with_lengths(view.values[1], lengths)), view.value_dim, view.heads)
+            flat = (
+                (view.keys[0], cpu_blockwise.with_lengths(view.keys[1], lengths)),
+                (view.values[0], cpu_blockwise.with_lengths(view.values[1], lengths)),
+                view.value_dim,
+                view.heads,
+            )
             key, value = _stand_ins(layer, batch, used)
             layer.codes_read = CodesRead(None, None, key, value, flat, layer.store, used)
             return key, value

@@ -83,7 +83,7 @@ class ForwardInfo:
             self._moved_key, self._moved = key, (self.real.to(device), self.positions.to(device))
         return self._moved
 
-    def for_layer(self, layer_idx: int, served: int, q_len: int) -> "ForwardInfo":
+    def for_layer(self, layer_idx: int, served: int, q_len: int) -> ForwardInfo:
         """This forward's info for the update of layer `layer_idx`, which last served forward `served` (its serial;
         the layer records `serial` once served): an update outside an announced forward, or a second one in the same
         forward, raises."""
@@ -109,7 +109,9 @@ def _new_tokens_real(mask: torch.Tensor, q_len: int, seen: int) -> torch.Tensor:
     while a fixed-width cache is still filling), so token `seen + i` is column `seen + i - offset`. Read on the
     device (no host sync)."""
     if mask.shape[-2] != q_len:
-        raise ValueError(f"the prepared 4-D `attention_mask` has {mask.shape[-2]} query rows, not the {q_len} new tokens.")
+        raise ValueError(
+            f"the prepared 4-D `attention_mask` has {mask.shape[-2]} query rows, not the {q_len} new tokens."
+        )
     kv = mask.shape[-1]
     offset = max(0, seen + q_len - kv)
     rows = torch.arange(q_len, device=mask.device)

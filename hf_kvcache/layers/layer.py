@@ -13,7 +13,7 @@ Contract with attention (see docs/design.md):
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +34,9 @@ class CompressedLayer(CacheLayerMixin):
     def is_compileable(self) -> bool:
         """Decode keeps constant shapes and never reads the device on the host: a fixed capacity, a policy and a
         store whose decode steps are written for it (tested with torch.compile(fullgraph=True))."""
-        return self.policy.capacity is not None and self.policy.compileable and getattr(self.store, "compileable", False)
+        return (
+            self.policy.capacity is not None and self.policy.compileable and getattr(self.store, "compileable", False)
+        )
 
     def __init__(self, policy: Policy, store, forward_info: ForwardInfo, layer_idx: int):
         super().__init__()
@@ -276,7 +278,8 @@ class CompressedLayer(CacheLayerMixin):
         # (fixed-capacity layers read all their slots in decode, empty ones included: always their own mask, decided
         # by a constant rather than by comparing counters, which torch.compile would guard on)
         decode_with_mask = self._attention_query_len == 1 and (
-            self.forward_info.mask_given or self.policy.capacity is not None)
+            self.forward_info.mask_given or self.policy.capacity is not None
+        )
         if not (self.forward_info.has_padding or self.policy.may_have_holes or decode_with_mask):
             return None
         causal = self._attention_query_len if self._attention_query_len > 1 else 0

@@ -3,7 +3,8 @@
 One module per job: `spec` (what a page holds, read from the continuous-batching config), `records` (byte layout
 of a token and the codec views over it), `allocators` (transformers' cache allocators with quantized pages),
 `cache` (the PagedAttentionCache subclass, `install`, `enable_paged`; the transformers internals relied on are
-checked in hf_kvcache.integration.continuous_batching), `agreement` (teacher-forced logits of continuous-batching runs and what the cache and the
+checked in hf_kvcache.integration.continuous_batching), `agreement` (teacher-forced logits of continuous-batching runs
+and what the cache and the
 scheduler did at each forward, for the benchmark), `concurrency` (requests held at once in a run's memory-bound
 steady state), `serve_bench` (`hf-kvcache serve-bench`: the command) with `serve_workload` (its settings and
 requests), `serve_runner` (the interleaved runs), `serve_kl` (KL of quantized pages) and `serve_report` (summary,

@@ -61,12 +61,16 @@ class LogitsRecorder:
         allocator = next(iter(processor.cache.cache_allocators.values()))
         waiting, max_requests, max_tokens = scheduler_state(processor)
         tokens = sum(f.query_length for f in batch)
-        self.steps.append(ForwardRecord(
-            resident=frozenset(allocator.block_table),
-            pages_in_use=sum(len(blocks) for blocks in allocator.block_table.values()),
-            waiting_requests=waiting, batch_requests=len(batch), batch_tokens=tokens,
-            admission_limit=admission_limit(waiting, tokens, max_tokens, len(batch), max_requests),
-        ))
+        self.steps.append(
+            ForwardRecord(
+                resident=frozenset(allocator.block_table),
+                pages_in_use=sum(len(blocks) for blocks in allocator.block_table.values()),
+                waiting_requests=waiting,
+                batch_requests=len(batch),
+                batch_tokens=tokens,
+                admission_limit=admission_limit(waiting, tokens, max_tokens, len(batch), max_requests),
+            )
+        )
 
     def hook(self, module, args, kwargs, output):
         processor = None if self.manager is None else batch_processor(self.manager)

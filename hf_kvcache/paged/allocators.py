@@ -36,14 +36,29 @@ class _QuantizedPagesMixin:
     kv_spec: PagedKVSpec
     supports_block_table = False
 
-    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
-                 allow_block_sharing, kv_spec: PagedKVSpec):
+    def __init__(
+        self,
+        index,
+        config,
+        num_key_value_heads,
+        cache_dtype,
+        page_size,
+        layer_indices,
+        allow_block_sharing,
+        kv_spec: PagedKVSpec,
+    ):
         """transformers' allocator arguments plus our `kv_spec`; the record geometry is set before the transformers
         __init__ runs, since it sizes pages with `get_bytes_per_page`."""
         self._init_quantized(kv_spec, config, num_key_value_heads, cache_dtype, page_size)
-        super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads,
-                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=layer_indices,
-                         allow_block_sharing=allow_block_sharing)
+        super().__init__(
+            index=index,
+            config=config,
+            num_key_value_heads=num_key_value_heads,
+            cache_dtype=cache_dtype,
+            page_size=page_size,
+            layer_indices=layer_indices,
+            allow_block_sharing=allow_block_sharing,
+        )
 
     def _init_quantized(self, kv_spec: PagedKVSpec, config, num_key_value_heads: int, cache_dtype, page_size: int):
         head_dim = find_head_dim(config)
@@ -54,7 +69,7 @@ class _QuantizedPagesMixin:
         self.workspace = DequantWorkspace()  # FP8 scratch, shared by the layers of the group
         self.model_dtype = cache_dtype
 
-    def get_bytes_per_page(self, num_key_value_heads, head_dim, cache_dtype, page_size) -> int:  # noqa: D401
+    def get_bytes_per_page(self, num_key_value_heads, head_dim, cache_dtype, page_size) -> int:
         """Bytes of one page of one layer: page_size key records + page_size value records."""
         return 2 * self.record.record_bytes * page_size
 

@@ -49,20 +49,30 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
     """transformers' PagedAttentionCache whose pages hold FP8 / INT8 / INT4 codes + scales when the
     continuous-batching config has `kv_cache_dtype` (see the module docstring)."""
 
-    def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=None,
-                 model_supports_logits_to_keep: bool = False):
+    def __init__(
+        self,
+        config,
+        continuous_batching_config,
+        device,
+        distributed_helper,
+        dtype=None,
+        model_supports_logits_to_keep: bool = False,
+    ):
         self.kv_spec = PagedKVSpec.from_cb_config(continuous_batching_config)
-        kwargs = dict(config=config, continuous_batching_config=continuous_batching_config, device=device,
-                      distributed_helper=distributed_helper, model_supports_logits_to_keep=model_supports_logits_to_keep)
+        kwargs = dict(
+            config=config,
+            continuous_batching_config=continuous_batching_config,
+            device=device,
+            distributed_helper=distributed_helper,
+            model_supports_logits_to_keep=model_supports_logits_to_keep,
+        )
         if dtype is not None:
             kwargs["dtype"] = dtype
         if self.kv_spec is None:
             super().__init__(**kwargs)
             return
         spec = self.kv_spec
-        factories = {
-            name: functools.partial(cls, kv_spec=spec) for name, cls in ALLOCATORS.items()
-        }
+        factories = {name: functools.partial(cls, kv_spec=spec) for name, cls in ALLOCATORS.items()}
         require(*QUANTIZED_PAGES)
         with allocator_factories(factories):  # ours stand in for transformers' while this cache is built
             super().__init__(**kwargs)
@@ -79,8 +89,9 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
             cu_k = kwargs["cu_seq_lens_k"]
             cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k
             read_index = kwargs["read_index"][allocator.index]
-            allocator.first_forward = first_forward_masks(kwargs["cu_seq_lens_q"], cu_k, read_index.shape[0],
-                                                          key_states.shape[-2])
+            allocator.first_forward = first_forward_masks(
+                kwargs["cu_seq_lens_q"], cu_k, read_index.shape[0], key_states.shape[-2]
+            )
         return super().update(key_states, value_states, layer_idx, kwargs)
 
     def tokens_capacity(self) -> int:
@@ -122,8 +133,9 @@ def install(strict: bool = True) -> bool:
 def requested_spec(model, generation_config=None, continuous_batching_config=None) -> PagedKVSpec | None:
     """The page format a continuous-batching run of `model` asks for (its config's `kv_cache_dtype`, else
     `enable_paged`'s), None for model-dtype pages."""
-    cb_config = cb_config_of(generation_config if generation_config is not None else model.generation_config,
-                             continuous_batching_config)
+    cb_config = cb_config_of(
+        generation_config if generation_config is not None else model.generation_config, continuous_batching_config
+    )
     return PagedKVSpec.from_cb_config(cb_config) or getattr(model, "_hf_kvcache_paged_spec", None)
 
 
@@ -163,8 +175,9 @@ def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:
             cb_config = copy.deepcopy(cb_config)
             setattr(cb_config, DTYPE_FIELD, spec.kv_dtype)
             setattr(cb_config, OPTIONS_FIELD, {k: v for k, v in spec.to_dict().items() if k != "kv_dtype"})
-        return original(generation_config=generation_config, continuous_batching_config=cb_config,
-                        workload_hints=workload_hints)
+        return original(
+            generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=workload_hints
+        )
 
     model.init_continuous_batching = init_continuous_batching
     model._hf_kvcache_paged_spec = spec

@@ -49,13 +49,19 @@ class ForwardRecord:
 
     def as_row(self) -> dict:
         """JSON-friendly (request ids dropped)."""
-        return {"resident_requests": self.resident_requests, "pages_in_use": self.pages_in_use,
-                "waiting_requests": self.waiting_requests, "batch_requests": self.batch_requests,
-                "batch_tokens": self.batch_tokens, "admission_limit": self.admission_limit}
+        return {
+            "resident_requests": self.resident_requests,
+            "pages_in_use": self.pages_in_use,
+            "waiting_requests": self.waiting_requests,
+            "batch_requests": self.batch_requests,
+            "batch_tokens": self.batch_tokens,
+            "admission_limit": self.admission_limit,
+        }
 
 
-def admission_limit(waiting: int, batch_tokens: int, max_batch_tokens: int, batch_requests: int,
-                    max_requests_per_batch: int) -> str:
+def admission_limit(
+    waiting: int, batch_tokens: int, max_batch_tokens: int, batch_requests: int, max_requests_per_batch: int
+) -> str:
     """Which limit stopped admission at a forward (see ADMISSION_LIMITS): the scheduler fills the token budget
     (splitting a prompt that does not fit) unless the cache refuses a request or the request limit is reached."""
     if waiting == 0:
@@ -71,9 +77,17 @@ def steady_state(records: list[ForwardRecord]) -> dict:
     """Concurrency in the memory-bound steady state of a run (see the module docstring)."""
     limits = [r.admission_limit for r in records]
     out = {
-        "measured": False, "reason": None, "first_memory_bound_forward": None, "start_forward": None,
-        "end_forward": None, "forwards": 0, "memory_bound_forwards": 0, "memory_bound_share": None,
-        "mean_concurrent_requests": None, "peak_concurrent_requests": None, "pages_per_request": None,
+        "measured": False,
+        "reason": None,
+        "first_memory_bound_forward": None,
+        "start_forward": None,
+        "end_forward": None,
+        "forwards": 0,
+        "memory_bound_forwards": 0,
+        "memory_bound_share": None,
+        "mean_concurrent_requests": None,
+        "peak_concurrent_requests": None,
+        "pages_per_request": None,
         "mean_waiting_requests": None,
     }
     if "memory" not in limits:
@@ -90,9 +104,14 @@ def steady_state(records: list[ForwardRecord]) -> dict:
         return out
     window = records[start : end + 1]
     bound = [r for r in window if r.admission_limit == "memory"]
-    out.update(start_forward=start, end_forward=end, forwards=len(window), memory_bound_forwards=len(bound),
-               memory_bound_share=len(bound) / len(window),
-               mean_waiting_requests=statistics.fmean(r.waiting_requests for r in window))
+    out.update(
+        start_forward=start,
+        end_forward=end,
+        forwards=len(window),
+        memory_bound_forwards=len(bound),
+        memory_bound_share=len(bound) / len(window),
+        mean_waiting_requests=statistics.fmean(r.waiting_requests for r in window),
+    )
     if not bound:
         out["reason"] = "no memory-bound forward in the steady state"
         return out

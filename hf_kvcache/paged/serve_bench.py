@@ -49,22 +49,48 @@ def add_serve_bench_command(sub) -> None:
     p.add_argument("--dtype", default=d.dtype, help=f"model (and reference page) dtype (default {d.dtype})")
     p.add_argument("--device", default=d.device, help=f"cpu or cuda (default {d.device})")
     p.add_argument("--requests", type=int, default=d.requests, help=f"number of requests (default {d.requests})")
-    p.add_argument("--prompt-lengths", default=f"{d.prompt_min}-{d.prompt_max}", metavar="MIN-MAX",
-                   help="prompt length range in tokens (default %(default)s)")
-    p.add_argument("--new-tokens", default=f"{d.new_min}-{d.new_max}", metavar="MIN-MAX",
-                   help="generation length range (default %(default)s)")
-    p.add_argument("--budget-tokens", type=int, default=d.budget_tokens,
-                   help=f"KV memory budget, in tokens of the whole model in model-dtype pages (default {d.budget_tokens})")
-    p.add_argument("--budget-scales", default=",".join(map(str, d.budget_scales)),
-                   help="budgets for the concurrency plot, as multiples of --budget-tokens (default %(default)s)")
-    p.add_argument("--formats", default=",".join(d.formats),
-                   help="page formats, 'model' first (default %(default)s); FORMAT:hadamard / FORMAT:none sets the "
-                        "key rotation (default: hadamard for FP8 and INT4, none for INT8)")
+    p.add_argument(
+        "--prompt-lengths",
+        default=f"{d.prompt_min}-{d.prompt_max}",
+        metavar="MIN-MAX",
+        help="prompt length range in tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        default=f"{d.new_min}-{d.new_max}",
+        metavar="MIN-MAX",
+        help="generation length range (default %(default)s)",
+    )
+    p.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=d.budget_tokens,
+        help=f"KV memory budget, in tokens of the whole model in model-dtype pages (default {d.budget_tokens})",
+    )
+    p.add_argument(
+        "--budget-scales",
+        default=",".join(map(str, d.budget_scales)),
+        help="budgets for the concurrency plot, as multiples of --budget-tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--formats",
+        default=",".join(d.formats),
+        help="page formats, 'model' first (default %(default)s); FORMAT:hadamard / FORMAT:none sets the "
+        "key rotation (default: hadamard for FP8 and INT4, none for INT8)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per page (default {d.page_size})")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help=f"tokens per forward (default {d.max_batch_tokens})")
-    p.add_argument("--kl-requests", type=int, default=d.kl_requests,
-                   help=f"requests scored with QuantizedFP8Cache on the same text (default {d.kl_requests})")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help=f"tokens per forward (default {d.max_batch_tokens})",
+    )
+    p.add_argument(
+        "--kl-requests",
+        type=int,
+        default=d.kl_requests,
+        help=f"requests scored with QuantizedFP8Cache on the same text (default {d.kl_requests})",
+    )
     p.add_argument("--rounds", type=int, default=d.rounds, help="repeats of the interleaved sweep (default 1)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -89,11 +115,24 @@ def _serve_bench_cli(args) -> int:
     except ValueError:
         raise ValueError(f"--budget-scales must be comma-separated numbers, got {args.budget_scales!r}.") from None
     settings = ServeBenchSettings(
-        model=args.model, dtype=args.dtype, device=args.device, requests=args.requests, prompt_min=prompt_min, prompt_max=prompt_max,
-        new_min=new_min, new_max=new_max, budget_tokens=args.budget_tokens, budget_scales=scales,
-        page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-        formats=tuple(f.strip() for f in args.formats.split(",")), kl_requests=args.kl_requests,
-        rounds=args.rounds, seed=args.seed, threads=args.threads, out=args.out,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        requests=args.requests,
+        prompt_min=prompt_min,
+        prompt_max=prompt_max,
+        new_min=new_min,
+        new_max=new_max,
+        budget_tokens=args.budget_tokens,
+        budget_scales=scales,
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        formats=tuple(f.strip() for f in args.formats.split(",")),
+        kl_requests=args.kl_requests,
+        rounds=args.rounds,
+        seed=args.seed,
+        threads=args.threads,
+        out=args.out,
     )
     result = run_serve_bench(settings)
     for path in write_results(result, settings.out):

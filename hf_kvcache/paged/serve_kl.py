@@ -32,18 +32,24 @@ def agreement_metrics(reference: dict[str, torch.Tensor], test: dict[str, torch.
     ref = torch.cat([reference[rid] for rid in ids])
     got = torch.cat([test[rid] for rid in ids])
     metrics = divergence_metrics(ref, got)
-    out = {"kl_mean": metrics["kl_mean"], "kl_p99": metrics["kl_p99"], "top1_agreement": metrics["top1_agreement"],
-           "positions": metrics["positions"]}
+    out = {
+        "kl_mean": metrics["kl_mean"],
+        "kl_p99": metrics["kl_p99"],
+        "top1_agreement": metrics["top1_agreement"],
+        "positions": metrics["positions"],
+    }
     if same_text:
-        subset = divergence_metrics(torch.cat([reference[r] for r in ids[:same_text]]),
-                                    torch.cat([test[r] for r in ids[:same_text]]))
+        subset = divergence_metrics(
+            torch.cat([reference[r] for r in ids[:same_text]]), torch.cat([test[r] for r in ids[:same_text]])
+        )
         out["kl_mean_same_text"] = subset["kl_mean"]
         out["top1_same_text"] = subset["top1_agreement"]
     return out
 
 
-def quantized_cache_kl(model, prompts, tokens: dict[str, list[int]], count: int,
-                       paged_reference: dict[str, torch.Tensor]) -> dict:
+def quantized_cache_kl(
+    model, prompts, tokens: dict[str, list[int]], count: int, paged_reference: dict[str, torch.Tensor]
+) -> dict:
     """Our QuantizedFP8Cache on the same text: teacher-forced on prompt + reference tokens of the first `count`
     requests (hf_kvcache.evaluation.divergence), token scales without rotation (the paged quantizer) and the
     cache's default (Hadamard key rotation). Each is scored against DynamicCache (same protocol, one request at a
@@ -55,8 +61,9 @@ def quantized_cache_kl(model, prompts, tokens: dict[str, list[int]], count: int,
     from ..evaluation.divergence import cache_logprobs, divergence_metrics
 
     factories = {
-        "QuantizedFP8Cache(key_rotation='none')": lambda: QuantizedFP8Cache(model, key_rotation="none",
-                                                                            attention="dequantize"),
+        "QuantizedFP8Cache(key_rotation='none')": lambda: QuantizedFP8Cache(
+            model, key_rotation="none", attention="dequantize"
+        ),
         "QuantizedFP8Cache() [hadamard]": lambda: QuantizedFP8Cache(model, attention="dequantize"),
     }
     dynamic, paged, tests = [], [], {name: [] for name in factories}

@@ -28,18 +28,29 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.request_timeout = request_timeout
-        command = [sys.executable, "-m", "hf_kvcache.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "hf_kvcache.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *flags,
+        ]
         # the output goes to a file: a pipe nobody reads fills up and blocks the server's logging (uvicorn logs
         # every request)
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (open for the server's life; closed by stop())
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + start_timeout
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"hf-kvcache serve {' '.join(flags)} did not start within {start_timeout} s:\n"
-                                   f"{self.output()[-3000:]}")
+                raise RuntimeError(
+                    f"hf-kvcache serve {' '.join(flags)} did not start within {start_timeout} s:\n"
+                    f"{self.output()[-3000:]}"
+                )
             time.sleep(0.5)
 
     def healthy(self) -> bool:
@@ -53,8 +64,9 @@ class ServerProcess:
         """An `openai.OpenAI` client for this server (no retries: a failure is a result)."""
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=self.request_timeout,
-                             max_retries=0, **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", timeout=self.request_timeout, max_retries=0, **kwargs
+        )
 
     def kv_cache(self) -> dict:
         """GET /v1/kv_cache (hf_kvcache.paged.server.kv_cache_state)."""
@@ -63,8 +75,9 @@ class ServerProcess:
 
     def post(self, path: str, body: dict) -> tuple[int, dict]:
         """(HTTP status, JSON answer) of a POST, error statuses included."""
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                 return response.status, json.load(response)

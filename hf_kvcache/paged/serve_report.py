@@ -23,18 +23,22 @@ def steady_text(row: dict) -> str:
     """The memory-bound steady state of a run, in words."""
     if not row["steady_measured"]:
         return f"no memory-bound steady state ({row['steady_reason']})"
-    return (f"steady state {row['steady_mean_concurrent_requests']:.1f} concurrent requests (peak "
-            f"{row['steady_peak_concurrent_requests']}, {row['steady_pages_per_request']:.2f} pages each, "
-            f"{row['steady_memory_bound_share']:.0%} of {row['steady_forwards']} forwards memory-bound)")
+    return (
+        f"steady state {row['steady_mean_concurrent_requests']:.1f} concurrent requests (peak "
+        f"{row['steady_peak_concurrent_requests']}, {row['steady_pages_per_request']:.2f} pages each, "
+        f"{row['steady_memory_bound_share']:.0%} of {row['steady_forwards']} forwards memory-bound)"
+    )
 
 
 def run_line(row: dict, kl_requests: int) -> str:
     """The progress line of one run."""
-    return (f"round {row['round']} budget x{row['budget_scale']} {row['format']}: {steady_text(row)}; whole-run "
-            f"peak {row['peak_concurrent_requests']} ({row['peak_admission_limit']} at the peak)"
-            f", {row['tokens_per_s']:.1f} tok/s, ttft {row['ttft_mean_s']:.2f}s"
-            + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else "")
-            + (f", KL first {kl_requests} {row['kl_mean_same_text']:.2e}" if "kl_mean_same_text" in row else ""))
+    return (
+        f"round {row['round']} budget x{row['budget_scale']} {row['format']}: {steady_text(row)}; whole-run "
+        f"peak {row['peak_concurrent_requests']} ({row['peak_admission_limit']} at the peak)"
+        f", {row['tokens_per_s']:.1f} tok/s, ttft {row['ttft_mean_s']:.2f}s"
+        + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else "")
+        + (f", KL first {kl_requests} {row['kl_mean_same_text']:.2e}" if "kl_mean_same_text" in row else "")
+    )
 
 
 def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
@@ -48,7 +52,7 @@ def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
             pairs = [(by_key[(i, scale, "model")], by_key[(i, scale, fmt)]) for i in range(settings.rounds)]
             memory_bound = all(base["steady_measured"] and run["steady_measured"] for base, run in pairs)
 
-            def ratio(key, require_steady=False):
+            def ratio(key, require_steady=False, pairs=pairs, memory_bound=memory_bound):
                 if require_steady and not memory_bound:
                     return None
                 return statistics.median(run[key] / base[key] for base, run in pairs)
@@ -71,13 +75,16 @@ def summary_lines(result: dict) -> list[str]:
     lines = []
     for key, row in result["summary"].items():
         if row["memory_bound"]:
-            concurrency = (f"steady-state concurrency x{row['concurrency_ratio']:.2f} (its peak "
-                           f"x{row['steady_peak_ratio']:.2f})")
+            concurrency = (
+                f"steady-state concurrency x{row['concurrency_ratio']:.2f} (its peak x{row['steady_peak_ratio']:.2f})"
+            )
         else:
             concurrency = "no memory-bound steady state in every run (see the JSON)"
-        lines.append(f"{key}: {concurrency}, whole-run peak x{row['whole_run_peak_ratio']:.2f}, pages "
-                     f"x{row['pages_ratio']:.2f}, tokens/s x{row['tokens_per_s_ratio']:.2f}, "
-                     f"TTFT x{row['ttft_mean_ratio']:.2f}, KL {row['kl_mean']:.2e}")
+        lines.append(
+            f"{key}: {concurrency}, whole-run peak x{row['whole_run_peak_ratio']:.2f}, pages "
+            f"x{row['pages_ratio']:.2f}, tokens/s x{row['tokens_per_s_ratio']:.2f}, "
+            f"TTFT x{row['ttft_mean_ratio']:.2f}, KL {row['kl_mean']:.2e}"
+        )
     for name, row in (result["quantized_fp8_cache_kl_same_text"] or {}).items():
         lines.append(f"{name}, same text: KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}")
     return lines
@@ -108,10 +115,21 @@ def write_results(result: dict, out: str) -> list[str]:
     for fmt in settings["formats"]:
         rows = sorted((r for r in runs if r["format"] == fmt and r["round"] == 0), key=lambda r: r["kv_bytes"])
         mib = [r["kv_bytes"] / 2**20 for r in rows]
-        line, = ax.plot(mib, [r["steady_mean_concurrent_requests"] for r in rows], marker="o",
-                        label=f"{fmt} pages, memory-bound steady state (mean)")
-        ax.plot(mib, [r["peak_concurrent_requests"] for r in rows], marker="x", ls="--", lw=0.8,
-                color=line.get_color(), label=f"{fmt} pages, whole-run peak")
+        (line,) = ax.plot(
+            mib,
+            [r["steady_mean_concurrent_requests"] for r in rows],
+            marker="o",
+            label=f"{fmt} pages, memory-bound steady state (mean)",
+        )
+        ax.plot(
+            mib,
+            [r["peak_concurrent_requests"] for r in rows],
+            marker="x",
+            ls="--",
+            lw=0.8,
+            color=line.get_color(),
+            label=f"{fmt} pages, whole-run peak",
+        )
     ax.set_xlabel("KV memory budget (MiB)")
     ax.set_ylabel("concurrent requests")
     ax.set_title(f"Continuous batching, {settings['model']} ({settings['dtype']}), page {settings['page_size']}")

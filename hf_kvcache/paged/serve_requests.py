@@ -35,8 +35,9 @@ class RequestRejected(ValueError):
         self.code = code
 
     def payload(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": self.code}
+        }
 
 
 def _is_int(value) -> bool:
@@ -77,8 +78,9 @@ def check_body(body, endpoint: str) -> None:
             raise RequestRejected(f"`messages` must be a non-empty list of messages, got {messages!r}", "messages")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise RequestRejected(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
-                                      f"messages[{i}]")
+                raise RequestRejected(
+                    f"`messages[{i}]` must be an object with a string `role`, got {message!r}", f"messages[{i}]"
+                )
     if endpoint == "completion":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -115,8 +117,10 @@ def admit(manager, limit: int, label: str) -> None:
             raise RequestRejected(
                 f"this request needs {need} tokens of KV cache (a {len(input_ids)}-token prompt + max_tokens {new}), "
                 f"but the server's KV memory ({label}) holds at most {limit} tokens for one request: shorten the "
-                f"prompt or lower `max_tokens`", "max_tokens" if len(input_ids) < limit else "messages",
-                "context_length_exceeded")
+                f"prompt or lower `max_tokens`",
+                "max_tokens" if len(input_ids) < limit else "messages",
+                "context_length_exceeded",
+            )
         return add_request(input_ids, *args, max_new_tokens=max_new_tokens, **kwargs)
 
     manager.add_request = checked_add_request

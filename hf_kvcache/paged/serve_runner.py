@@ -51,18 +51,28 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
     """One generate_batch call; tokens, recorded log-probs, and the serving measurements."""
     with record_logits(model, force) as rec:
         start = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=generation_config,
-                                       continuous_batching_config=cb_config, warmup=False, record_timestamps=True)
+        outputs = model.generate_batch(
+            prompts,
+            generation_config=generation_config,
+            continuous_batching_config=cb_config,
+            warmup=False,
+            record_timestamps=True,
+        )
         wall = time.perf_counter() - start
     failed = [rid for rid, o in outputs.items() if o.error is not None]
     if failed or len(outputs) != len(prompts):
-        raise RuntimeError(f"generate_batch failed for requests {failed or 'missing'}: "
-                           f"{next((o.error for o in outputs.values() if o.error), '')}")
+        raise RuntimeError(
+            f"generate_batch failed for requests {failed or 'missing'}: "
+            f"{next((o.error for o in outputs.values() if o.error), '')}"
+        )
     tokens = {rid: list(o.generated_tokens) for rid, o in outputs.items()}
     ttft = [o.timestamps[0] - o.created_time for o in outputs.values() if o.timestamps]
     # inter-token latency per request: (last token - first token) / (tokens - 1), requests of two tokens or more
-    itl = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outputs.values()
-           if o.timestamps and len(o.timestamps) > 1]
+    itl = [
+        (o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1)
+        for o in outputs.values()
+        if o.timestamps and len(o.timestamps) > 1
+    ]
     generated = sum(len(t) for t in tokens.values())
     steady = steady_state(rec.steps)
     peak = max(range(len(rec.steps)), key=lambda i: rec.steps[i].resident_requests)  # first forward at the peak
@@ -109,8 +119,9 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
     model, tokenizer = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
     prompts, lengths = make_workload(tokenizer, settings)
     eos = tokenizer.eos_token_id
-    generation_config = GenerationConfig(max_new_tokens=settings.new_max + 1, do_sample=False, eos_token_id=eos,
-                                         pad_token_id=tokenizer.pad_token_id)
+    generation_config = GenerationConfig(
+        max_new_tokens=settings.new_max + 1, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
     # the reference run stops each request at its length by forcing the end-of-sequence token there
     end_forcing = {f"req_{i}": {n: eos} for i, n in enumerate(lengths)}
     runs, reference_tokens, reference_logprobs = [], None, None
@@ -130,8 +141,7 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
                     reference_tokens, reference_logprobs = result["tokens"], result["logprobs"]
                 elif result["tokens"] != reference_tokens:
                     raise RuntimeError(f"format {fmt}: the teacher-forced run did not follow the reference tokens")
-                row = {"round": round_index, "budget_scale": scale, "budget_tokens_model_dtype": budget,
-                       "format": fmt}
+                row = {"round": round_index, "budget_scale": scale, "budget_tokens_model_dtype": budget, "format": fmt}
                 row.update({k: v for k, v in result.items() if k not in ("tokens", "logprobs")})
                 if not first:  # model-dtype runs at other budgets batch differently: their KL is the noise floor
                     row.update(agreement_metrics(reference_logprobs, result["logprobs"], settings.kl_requests))
@@ -143,6 +153,13 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
         baseline = quantized_cache_kl(model, prompts, reference_tokens, settings.kl_requests, reference_logprobs)
     recorded = asdict(settings)
     recorded["out"] = Path(settings.out).name  # the file names (OUT.json, ...), not this machine's path
-    return {"settings": recorded, "transformers": __import__("transformers").__version__,
-            "torch": torch.__version__, "prompt_lengths": [len(p) for p in prompts], "generation_lengths": lengths,
-            "runs": runs, "summary": summarize(runs, settings), "quantized_fp8_cache_kl_same_text": baseline}
+    return {
+        "settings": recorded,
+        "transformers": __import__("transformers").__version__,
+        "torch": torch.__version__,
+        "prompt_lengths": [len(p) for p in prompts],
+        "generation_lengths": lengths,
+        "runs": runs,
+        "summary": summarize(runs, settings),
+        "quantized_fp8_cache_kl_same_text": baseline,
+    }

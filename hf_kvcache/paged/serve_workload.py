@@ -48,8 +48,17 @@ class ServeBenchSettings:
     out: str = "eval/results/serve_bench"
 
     def __post_init__(self):
-        for name in ("requests", "prompt_min", "prompt_max", "new_min", "new_max", "budget_tokens", "page_size",
-                     "max_batch_tokens", "rounds"):
+        for name in (
+            "requests",
+            "prompt_min",
+            "prompt_max",
+            "new_min",
+            "new_max",
+            "budget_tokens",
+            "page_size",
+            "max_batch_tokens",
+            "rounds",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -79,7 +88,7 @@ class ServeBenchSettings:
 
 
 def parse_format(name: str) -> tuple[str, dict]:
-    """"model", "fp8_e4m3", "int8", "fp8_e4m3:hadamard" (key rotation), "fp8_e4m3:e8m0" (scale dtype),
+    """ "model", "fp8_e4m3", "int8", "fp8_e4m3:hadamard" (key rotation), "fp8_e4m3:e8m0" (scale dtype),
     "fp8_e4m3:hadamard:e8m0" ... -> (kv_dtype, options)."""
     kv_dtype, *extras = name.split(":")
     if kv_dtype not in KV_DTYPES:
@@ -91,8 +100,10 @@ def parse_format(name: str) -> tuple[str, dict]:
         elif extra in SCALE_DTYPE_NAMES:
             options["scale_dtype"] = extra
         else:
-            raise ValueError(f"format {name!r}: {extra!r} is neither a key rotation {ROTATIONS} nor a scale dtype "
-                             f"{SCALE_DTYPE_NAMES}.")
+            raise ValueError(
+                f"format {name!r}: {extra!r} is neither a key rotation {ROTATIONS} nor a scale dtype "
+                f"{SCALE_DTYPE_NAMES}."
+            )
     if kv_dtype == "model":
         if options:
             raise ValueError(f"format {name!r}: model-dtype pages take no options.")
@@ -122,8 +133,11 @@ def continuous_batching_config(settings: ServeBenchSettings, budget_tokens: int,
     from ..integration.continuous_batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(
-        num_blocks=budget_tokens // settings.page_size, page_size=settings.page_size,
-        max_batch_tokens=settings.max_batch_tokens, allow_block_sharing=False, use_async_batching=False,
+        num_blocks=budget_tokens // settings.page_size,
+        page_size=settings.page_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        allow_block_sharing=False,
+        use_async_batching=False,
         max_blocks_per_request=0,
     )
     cb.kv_cache_dtype = kv_dtype

@@ -57,8 +57,10 @@ class MemoryPlan:
         out = [f"KV memory {self.kv_memory / 2**20:,.1f} MiB in pages of {self.page_size} tokens holds:"]
         for i, (name, tokens) in enumerate(rows):
             mark = "   <- serving" if i == 0 else ""
-            out.append(f"  {name:<{width}}  {tokens:>10,} tokens = {self.requests(tokens_per_request, tokens):,} "
-                       f"requests of {tokens_per_request:,} tokens{mark}")
+            out.append(
+                f"  {name:<{width}}  {tokens:>10,} tokens = {self.requests(tokens_per_request, tokens):,} "
+                f"requests of {tokens_per_request:,} tokens{mark}"
+            )
         return out
 
 
@@ -70,43 +72,62 @@ def page_config(kv_dtype: str, options: dict | None, page_size: int, num_blocks:
     config.page_size = page_size
     config.num_blocks = num_blocks
     setattr(config, DTYPE_FIELD, None if spec is None else spec.kv_dtype)
-    setattr(config, OPTIONS_FIELD, None if spec is None else {k: v for k, v in spec.to_dict().items()
-                                                              if k != "kv_dtype"})
+    setattr(
+        config, OPTIONS_FIELD, None if spec is None else {k: v for k, v in spec.to_dict().items() if k != "kv_dtype"}
+    )
     return config
 
 
-def plan_memory(model, kv_memory: int, kv_dtype: str = "fp8_e4m3", options: dict | None = None,
-                page_size: int = DEFAULT_PAGE_SIZE) -> MemoryPlan:
+def plan_memory(
+    model, kv_memory: int, kv_dtype: str = "fp8_e4m3", options: dict | None = None, page_size: int = DEFAULT_PAGE_SIZE
+) -> MemoryPlan:
     """transformers' `num_blocks` for `kv_memory` bytes, and the tokens the pages then hold (measured on caches
     built on the meta device). Raises ValueError naming --kv-memory when not one page fits."""
     config = model.config.get_text_config()
     bytes_per_block = model_dtype_block_bytes(config, model.dtype, page_size)
     num_blocks = kv_memory // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"--kv-memory: {kv_memory:,} bytes hold no page: one page of {page_size} tokens for every "
-                         f"layer takes {bytes_per_block:,} bytes in {model.dtype} (--cb-block-size sets the page)")
+        raise ValueError(
+            f"--kv-memory: {kv_memory:,} bytes hold no page: one page of {page_size} tokens for every "
+            f"layer takes {bytes_per_block:,} bytes in {model.dtype} (--cb-block-size sets the page)"
+        )
     tokens = {}
     for name in dict.fromkeys(("model", kv_dtype)):
         cb = page_config(name, options if name != "model" else None, page_size, num_blocks)
         tokens[name] = cache_on_meta(QuantizedPagedAttentionCache, config, cb, model.dtype).tokens_capacity()
-    return MemoryPlan(kv_memory=kv_memory, kv_dtype=kv_dtype, model_dtype=str(model.dtype).removeprefix("torch."),
-                      page_size=page_size, num_blocks=num_blocks, tokens=tokens[kv_dtype],
-                      model_dtype_tokens=tokens["model"])
+    return MemoryPlan(
+        kv_memory=kv_memory,
+        kv_dtype=kv_dtype,
+        model_dtype=str(model.dtype).removeprefix("torch."),
+        page_size=page_size,
+        num_blocks=num_blocks,
+        tokens=tokens[kv_dtype],
+        model_dtype_tokens=tokens["model"],
+    )
 
 
 def kv_cache_state(serve, plan: MemoryPlan) -> dict:
     """GET /v1/kv_cache: the plan, and (once the first request started continuous batching) the pages held by
     requests and in all, and the requests holding pages and waiting."""
-    state = {"kv_cache_dtype": plan.kv_dtype, "page_size": plan.page_size, "kv_memory_bytes": plan.kv_memory,
-             "tokens_capacity": plan.tokens, "started": False, "pages_total": None, "pages_in_use": None,
-             "requests_active": 0, "requests_waiting": 0}
+    state = {
+        "kv_cache_dtype": plan.kv_dtype,
+        "page_size": plan.page_size,
+        "kv_memory_bytes": plan.kv_memory,
+        "tokens_capacity": plan.tokens,
+        "started": False,
+        "pages_total": None,
+        "pages_in_use": None,
+        "requests_active": 0,
+        "requests_waiting": 0,
+    }
     manager = serving.running_manager(serve)
     processor = None if manager is None else batch_processor(manager)
     if processor is not None:
         held, total = pages_in_use(processor)
         active, waiting = request_counts(processor)
-        state.update(started=True, pages_total=total, pages_in_use=held, requests_active=active,
-                     requests_waiting=waiting)
+        state.update(
+            started=True, pages_total=total, pages_in_use=held, requests_active=active, requests_waiting=waiting
+        )
     return state
 
 
@@ -123,8 +144,15 @@ def add_routes(serve, plan: MemoryPlan) -> None:
     app.add_api_route("/v1/kv_cache", lambda: JSONResponse(kv_cache_state(serve, plan)), methods=["GET"])
 
 
-def build_server(model_path: str, kv_dtype: str, kv_memory: int, options: dict | None = None,
-                 page_size: int = DEFAULT_PAGE_SIZE, serve_options: dict | None = None, alias: str | None = None):
+def build_server(
+    model_path: str,
+    kv_dtype: str,
+    kv_memory: int,
+    options: dict | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    serve_options: dict | None = None,
+    alias: str | None = None,
+):
     """transformers' server for `model_path` with `kv_dtype` pages in `kv_memory` bytes, wired and not started:
     (serve, plan). `serving.run(serve)` serves. Requests may name the model `alias` (e.g. 'smollm2') as well as
     `model_path`."""

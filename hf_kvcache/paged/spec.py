@@ -82,10 +82,15 @@ class PagedKVSpec:
     def quant_spec(self, head_dim: int | None = None) -> QuantSpec:
         """The codec spec (hf_kvcache.stores.quantization) used for keys and values alike."""
         group = self.group_size
-        if group is None and self.kv_dtype.startswith("int") and (head_dim is None or head_dim % DEFAULT_INT_GROUP == 0):
+        if (
+            group is None
+            and self.kv_dtype.startswith("int")
+            and (head_dim is None or head_dim % DEFAULT_INT_GROUP == 0)
+        ):
             group = DEFAULT_INT_GROUP
-        return QuantSpec(format=self.kv_dtype, granularity=self.granularity, group_size=group,
-                         scale_dtype=self.scale_dtype)
+        return QuantSpec(
+            format=self.kv_dtype, granularity=self.granularity, group_size=group, scale_dtype=self.scale_dtype
+        )
 
     def check_head_dim(self, head_dim: int) -> None:
         try:
@@ -97,7 +102,7 @@ class PagedKVSpec:
         return asdict(self)
 
     @classmethod
-    def from_fields(cls, kv_dtype: Any, options: Any = None) -> "PagedKVSpec | None":
+    def from_fields(cls, kv_dtype: Any, options: Any = None) -> PagedKVSpec | None:
         """The spec for a `kv_cache_dtype` value and `kv_cache_quantization` dict; None for model-dtype pages."""
         if kv_dtype is None or kv_dtype == "model":
             if options:
@@ -116,6 +121,6 @@ class PagedKVSpec:
         return cls(kv_dtype=kv_dtype, **options)
 
     @classmethod
-    def from_cb_config(cls, cb_config) -> "PagedKVSpec | None":
+    def from_cb_config(cls, cb_config) -> PagedKVSpec | None:
         """Read the two fields from a ContinuousBatchingConfig (absent fields: model-dtype pages)."""
         return cls.from_fields(getattr(cb_config, DTYPE_FIELD, None), getattr(cb_config, OPTIONS_FIELD, None))

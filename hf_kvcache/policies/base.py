@@ -3,8 +3,8 @@ one goes (or that it is dropped)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -20,7 +20,7 @@ broken differently.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -40,17 +40,28 @@ class CascadePolicy(Policy):
     sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
     tier_sizes, ends, starts, bases = StaticInt(), StaticInt(), StaticInt(), StaticInt()
     # Decode traces whole (slots and region hints are Python ints of the stream position, symbolic under torch.compile
-    # after the warm-up; sizes and buffers are constants, hf_kvcache.common.compile_static) and compiled equals eager with no
+    # after the warm-up; sizes and buffers are constants, hf_kvcache.common.compile_static) and compiled equals eager
+    # with no
     # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.04x / 1.13x compiled H2O at
     # budgets 256 / 1024 (eval/results/composite_decode_compiled.json).
     compileable = True
 
-    def __init__(self, sinks: int, tier_sizes: list[int], final: str, heavy: int = 0, aggregation: str = "sum",
-                 rotator: KeyRotator | None = None, pooled: bool = False, scorer: str = "h2o",
-                 scorer_options: dict | None = None):
+    def __init__(
+        self,
+        sinks: int,
+        tier_sizes: list[int],
+        final: str,
+        heavy: int = 0,
+        aggregation: str = "sum",
+        rotator: KeyRotator | None = None,
+        pooled: bool = False,
+        scorer: str = "h2o",
+        scorer_options: dict | None = None,
+    ):
         if pooled and (final != "heavy" or not tier_sizes):
-            raise ValueError(f"`pooled` needs heavy hitters after at least one tier (final={final!r}, "
-                             f"{len(tier_sizes)} tiers).")
+            raise ValueError(
+                f"`pooled` needs heavy hitters after at least one tier (final={final!r}, {len(tier_sizes)} tiers)."
+            )
         self.sinks, self.tier_sizes, self.final, self.heavy = sinks, list(tier_sizes), final, heavy
         self.pooled = pooled
         self.rotator = rotator
@@ -64,8 +75,9 @@ class CascadePolicy(Policy):
         self.per_head = final == "heavy"
         # scorer_options: make_heavy_scorer's window / kernel (snapkv) or rotator (expected_attention: its sinks are
         # this policy's sinks)
-        self.heavy_scorer = make_heavy_scorer(scorer if final == "heavy" else None, aggregation, sinks=sinks,
-                                              **(scorer_options or {}))
+        self.heavy_scorer = make_heavy_scorer(
+            scorer if final == "heavy" else None, aggregation, sinks=sinks, **(scorer_options or {})
+        )
         self.deferred, self.needs_attention = self.heavy_scorer.deferred, self.heavy_scorer.needs_attention
         self.needs_queries, self.attention_window = self.heavy_scorer.needs_queries, self.heavy_scorer.attention_window
         self.reads_stored_keys = self.heavy_scorer.reads_stored_keys
@@ -140,8 +152,14 @@ class CascadePolicy(Policy):
         is_sink = real & (real_index < self.sinks)
         return is_sink, torch.where(is_sink, real_index, -1)
 
-    def _heavy_keep(self, key: torch.Tensor, in_heavy_slot: torch.Tensor, cur_slot: torch.Tensor,
-                    base: int | None = None, size: int | None = None) -> torch.Tensor:
+    def _heavy_keep(
+        self,
+        key: torch.Tensor,
+        in_heavy_slot: torch.Tensor,
+        cur_slot: torch.Tensor,
+        base: int | None = None,
+        size: int | None = None,
+    ) -> torch.Tensor:
         """Targets among candidates [B, Hm, n] for the `size` slots from `base` (default: the heavy slots): the top
         `size` by key; occupants keep their slot, newcomers take free slots (lowest first); -1 for the rest."""
         batch, heads, n = key.shape
@@ -189,9 +207,7 @@ class CascadePolicy(Policy):
                 dest_slots = [self.final_base]  # some heavy slot, or dropped
                 heavy_slots = torch.arange(self.final_base, self.final_base + self.heavy, device=device)
                 cand_key = torch.where(view.valid.gather(2, src), self.scores.gather(2, src), float("-inf"))
-                occupant_key = torch.where(
-                    view.valid[..., heavy_slots], self.scores[..., heavy_slots], float("-inf")
-                )
+                occupant_key = torch.where(view.valid[..., heavy_slots], self.scores[..., heavy_slots], float("-inf"))
                 key = torch.cat((occupant_key, cand_key), -1)
                 cur = torch.cat((heavy_slots.expand(batch, hm, -1), src), -1)
                 in_heavy = torch.zeros_like(key, dtype=torch.bool)
@@ -220,10 +236,14 @@ class CascadePolicy(Policy):
             placement = self._placement(real, is_sink, sink_dest, ring_dest, real & ~is_sink, hm)
         else:  # no sink: only the ring (or pool) entry, and the sinks' memory has nothing to record
             self.n_real += real.sum(-1)
-            placement = Placement(src=torch.zeros(batch, hm, 1, dtype=torch.long, device=device),
-                                  dest=ring_dest.expand(batch, hm, 1).contiguous(), valid=real[:, None].expand(batch, hm, 1))
-        placement.regions = self._region_hint(view, ([0] if may_be_sink else []) + (
-            [ring_slot] if ring_slot is not None else []))
+            placement = Placement(
+                src=torch.zeros(batch, hm, 1, dtype=torch.long, device=device),
+                dest=ring_dest.expand(batch, hm, 1).contiguous(),
+                valid=real[:, None].expand(batch, hm, 1),
+            )
+        placement.regions = self._region_hint(
+            view, ([0] if may_be_sink else []) + ([ring_slot] if ring_slot is not None else [])
+        )
         return placement
 
     def _pool_victim(self, view, t: int) -> torch.Tensor:
@@ -297,7 +317,9 @@ class CascadePolicy(Policy):
             self._move(view, src, dest)
         new_target = target[..., n_past:]
         src = torch.arange(q, device=device).expand(batch, hm, q)
-        sinks = Placement(src=src, dest=sink_dest[:, None].expand(batch, hm, q), valid=is_sink[:, None].expand(batch, hm, q))
+        sinks = Placement(
+            src=src, dest=sink_dest[:, None].expand(batch, hm, q), valid=is_sink[:, None].expand(batch, hm, q)
+        )
         return Placement(
             src=torch.cat((sinks.src, src), -1),
             dest=torch.cat((sinks.dest, new_target), -1).contiguous(),

@@ -37,7 +37,7 @@ hitters keeps the tokens the standalone cache keeps:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +58,9 @@ class HeavyScorer:
     needs_attention = False
     needs_queries = False
     reads_stored_keys = False  # True when it reads the stored (dequantized) keys itself, whatever attention reads
-    attention_window: int | None = StaticInt()  # sizes: torch.compile specialises on them (hf_kvcache.common.compile_static)
+    attention_window: int | None = (
+        StaticInt()
+    )  # sizes: torch.compile specialises on them (hf_kvcache.common.compile_static)
 
     @property
     def deferred(self) -> bool:  # chunks are placed after the bridge hands over what the scores need
@@ -232,8 +234,9 @@ class SnapKVScorer(_SlotState):
         if self.rows is None:
             self.rows = self._slot_tensor(policy, self.window)
         if view.pending is None:  # decode: one query, the columns are the slots; a row of the ring
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin,
-                              self.window)
+            record_decode_row(
+                self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin, self.window
+            )
             return None
         used = view.used
         chunk = view.pending
@@ -260,8 +263,9 @@ class SnapKVScorer(_SlotState):
     def before_selection(self, policy, view, real: torch.Tensor) -> None:
         c = policy.capacity
         scores = self.rows[..., :c].sum(2) / self.window
-        policy.scores[..., :c] = pool_before_window(scores, policy.stream[..., :c], view.valid[..., :c],
-                                                    view.seen, self.window, self.kernel)
+        policy.scores[..., :c] = pool_before_window(
+            scores, policy.stream[..., :c], view.valid[..., :c], view.seen, self.window, self.kernel
+        )
 
     def _tensors(self) -> tuple[str, ...]:
         return ("rows", "_seed")
@@ -290,12 +294,14 @@ class ExpectedAttentionScorer(_SlotState):
     def observe_queries(self, policy, view, query: torch.Tensor) -> torch.Tensor | None:
         if view.pending is None:  # decode: the statistics stay those of the prompt
             return None
-        keys, values, real, positions, seen_before = view.pending
+        keys, values, real, positions, _seen_before = view.pending
         running = None if self.count is None else (self.count, self.total, self.outer)
         self.count, self.total, self.outer = accumulate_queries(
-            running, query, real, positions, self.sinks, self.rotator, view.layer_idx, True)
-        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.rotator, view.layer_idx,
-                                                positions.max(-1).values + 1, self.FUTURE)
+            running, query, real, positions, self.sinks, self.rotator, view.layer_idx, True
+        )
+        self.mean, self.cov = future_statistics(
+            self.count, self.total, self.outer, self.rotator, view.layer_idx, positions.max(-1).values + 1, self.FUTURE
+        )
         used = view.used
         if used:
             stored_k, stored_v = view.read(used)
@@ -335,8 +341,9 @@ class ExpectedAttentionScorer(_SlotState):
         c = policy.capacity
         heads = view.valid.shape[1]
         logits = self.logits[..., :c].flatten(1, 2)  # [B, Hq, c] (query head h * groups + g)
-        policy.scores[..., :c] = expected_attention_scores(logits, self._valid(policy, view, c),
-                                                           self.value_norm[:, :, 0, :c], heads, self.EPSILON)
+        policy.scores[..., :c] = expected_attention_scores(
+            logits, self._valid(policy, view, c), self.value_norm[:, :, 0, :c], heads, self.EPSILON
+        )
 
     def _tensors(self) -> tuple[str, ...]:
         return ("count", "total", "outer", "mean", "cov", "logits", "value_norm", "_chunk")
@@ -356,8 +363,14 @@ HEAVY_SCORERS = ("h2o", "tova", "knorm", "keydiff", "snapkv", "expected_attentio
 SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5  # SnapKVCache's (kvpress's) defaults
 
 
-def make_heavy_scorer(name: str | None, aggregation: str = "sum", window: int = SNAPKV_WINDOW,
-                      kernel: int = SNAPKV_KERNEL, sinks: int = 0, rotator: KeyRotator | None = None) -> HeavyScorer:
+def make_heavy_scorer(
+    name: str | None,
+    aggregation: str = "sum",
+    window: int = SNAPKV_WINDOW,
+    kernel: int = SNAPKV_KERNEL,
+    sinks: int = 0,
+    rotator: KeyRotator | None = None,
+) -> HeavyScorer:
     """The scorer called `name` (one of HEAVY_SCORERS), or no scorer (None: no heavy region). `window`, `kernel`:
     SnapKV's observation window and pooling kernel; `sinks`, `rotator`: expected attention's sinks (the composite's
     sinks region) and the model's RoPE (None: a model without RoPE)."""

@@ -43,7 +43,7 @@ def future_rotation(rotator: KeyRotator | None, layer_idx: int, start: torch.Ten
 
 def expected_logits(keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None) -> torch.Tensor:
     """keys [B, Hkv, n, D], mean [B, Hq, D], cov [B, Hq, D, D] or None -> expected logits [B, Hq, n] (float32)."""
-    batch, kv_heads, n, dim = keys.shape
+    _batch, kv_heads, _n, dim = keys.shape
     groups = mean.shape[1] // kv_heads
     k = keys.float().repeat_interleave(groups, dim=1)  # [B, Hq, n, D]
     scale = 1.0 / math.sqrt(dim)
@@ -53,8 +53,9 @@ def expected_logits(keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | 
     return logits
 
 
-def expected_attention_scores(logits: torch.Tensor, valid: torch.Tensor, value_norm: torch.Tensor | None,
-                              kv_heads: int, epsilon: float = 0.0) -> torch.Tensor:
+def expected_attention_scores(
+    logits: torch.Tensor, valid: torch.Tensor, value_norm: torch.Tensor | None, kv_heads: int, epsilon: float = 0.0
+) -> torch.Tensor:
     """Softmax of expected logits [B, Hq, n] over the valid candidates (valid [B, Hkv or 1, n]), group mean, times
     the value norms [B, Hkv, n] -> [B, Hkv, n]."""
     groups = logits.shape[1] // kv_heads
@@ -66,8 +67,16 @@ def expected_attention_scores(logits: torch.Tensor, valid: torch.Tensor, value_n
     return scores
 
 
-def accumulate_queries(running: tuple | None, query: torch.Tensor, real, positions, sinks: int,
-                       rotator: KeyRotator | None, layer_idx: int, use_covariance: bool) -> tuple:
+def accumulate_queries(
+    running: tuple | None,
+    query: torch.Tensor,
+    real,
+    positions,
+    sinks: int,
+    rotator: KeyRotator | None,
+    layer_idx: int,
+    use_covariance: bool,
+) -> tuple:
     """(count [B, 1, 1], sum [B, Hq, D], sum of outer products [B, Hq, D, D] or None) of the queries so far:
     `running` (None at first) plus this forward's queries [B, Hq, q, D], un-rotated with the model's RoPE at their
     position ids, padding and position ids below `sinks` left out."""
@@ -82,8 +91,9 @@ def accumulate_queries(running: tuple | None, query: torch.Tensor, real, positio
     return running[0] + count, running[1] + total, None if outer is None else running[2] + outer
 
 
-def future_statistics(count, total, outer, rotator: KeyRotator | None, layer_idx: int, start: torch.Tensor,
-                      future: int) -> tuple:
+def future_statistics(
+    count, total, outer, rotator: KeyRotator | None, layer_idx: int, start: torch.Tensor, future: int
+) -> tuple:
     """(mean [B, Hq, D], covariance [B, Hq, D, D] or None) of the accumulated queries, rotated to the mean RoPE
     rotation of positions start .. start + future - 1 (start [B])."""
     n = count.clamp_min(1.0)  # [B, 1, 1]
@@ -100,9 +110,19 @@ class ExpectedAttentionPolicy(ScoredPolicy):
     deferred = True
     needs_queries = True
 
-    def __init__(self, budget, recent: int = 0, sinks: int = 4, future: int = 512, use_covariance: bool = True,
-                 use_value_norm: bool = True, epsilon: float = 0.0, rotator: KeyRotator | None = None,
-                 recent_share: float = 0.0, rescore_every: int = 1):
+    def __init__(
+        self,
+        budget,
+        recent: int = 0,
+        sinks: int = 4,
+        future: int = 512,
+        use_covariance: bool = True,
+        use_value_norm: bool = True,
+        epsilon: float = 0.0,
+        rotator: KeyRotator | None = None,
+        recent_share: float = 0.0,
+        rescore_every: int = 1,
+    ):
         super().__init__(budget, recent=recent, sinks=sinks, recent_share=recent_share, rescore_every=rescore_every)
         self.future, self.use_covariance, self.use_value_norm = future, use_covariance, use_value_norm
         self.epsilon, self.query_rotator = epsilon, rotator
@@ -115,9 +135,17 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         """Accumulate the forward's queries (un-rotated, sinks and padding out); rotate the statistics forward."""
         running = None if self.count is None else (self.count, self.total, self.outer)
         self.count, self.total, self.outer = accumulate_queries(
-            running, query, real, positions, self.sinks, self.query_rotator, view.layer_idx, self.use_covariance)
-        self.mean, self.cov = future_statistics(self.count, self.total, self.outer, self.query_rotator,
-                                                view.layer_idx, positions.max(-1).values + 1, self.future)
+            running, query, real, positions, self.sinks, self.query_rotator, view.layer_idx, self.use_covariance
+        )
+        self.mean, self.cov = future_statistics(
+            self.count,
+            self.total,
+            self.outer,
+            self.query_rotator,
+            view.layer_idx,
+            positions.max(-1).values + 1,
+            self.future,
+        )
 
     def observe_queries(self, view, query: torch.Tensor) -> None:
         if view.pending is None:  # decode: statistics stay those of the prompt
@@ -132,11 +160,13 @@ class ExpectedAttentionPolicy(ScoredPolicy):
         heads = keys.shape[1]
         logits = expected_logits(keys, self.mean, self.cov)
         value_norm = values.float().norm(dim=-1) if self.use_value_norm else None
-        candidate_positions = torch.cat((view.positions[..., :used].long().expand(-1, heads, -1),
-                                         positions[:, None].expand(-1, heads, -1)), -1)
+        candidate_positions = torch.cat(
+            (view.positions[..., :used].long().expand(-1, heads, -1), positions[:, None].expand(-1, heads, -1)), -1
+        )
         valid = torch.cat((view.valid[..., :used], real[:, None].expand(-1, heads, -1)), -1)
-        scores = expected_attention_scores(logits, valid & (candidate_positions >= self.sinks), value_norm, heads,
-                                           self.epsilon)
+        scores = expected_attention_scores(
+            logits, valid & (candidate_positions >= self.sinks), value_norm, heads, self.epsilon
+        )
         self._ensure_buffers()
         self.logits[..., :used] = logits[..., :used]
         if value_norm is not None:

@@ -18,7 +18,7 @@ read from a copy kept as they arrived (exact; the copy is counted in `nbytes`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -90,7 +90,7 @@ class HeavyHitterPolicy(Policy):
 
     # -- decode: choose the victim before attention ---------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
-        batch, q = real.shape
+        batch, _q = real.shape
         heads = self.scores.shape[1]
         src = torch.zeros(batch, heads, 1, dtype=torch.long, device=real.device)
         valid = real[:, None, :].expand(batch, heads, 1)

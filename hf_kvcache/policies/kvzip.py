@@ -18,7 +18,6 @@ Two policies, one per phase of a layer (hf_kvcache.caches.kvzip runs the phases)
   the layers too (`layer_budgets`).
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -101,8 +100,7 @@ class KVzipPolicy(ScoredPolicy):
     before the context is written); the first `sinks` positions are never evicted. Prompt mode only: nothing is
     scored after the context."""
 
-    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0,
-                 total: int | None = None):
+    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0, total: int | None = None):
         super().__init__(budget, recent=recent, sinks=sinks)
         self.context_scores = context_scores
         self.total = total  # head-adaptive: the layer's pool, when the model allots it (layer-adaptive budgets)

@@ -25,7 +25,7 @@ Appended slots are a contiguous range, so decode writes one known slot (no host 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -99,8 +99,13 @@ class PromptCompressionPolicy(Policy):
         regions = None  # region stores (CompositeCache): a one-token step touches the region of its slot only
         if q == 1 and view.has_regions:
             regions = (view.region_of(start),)
-        return Placement(src=src, dest=(start + src).contiguous(), valid=real[:, None, :].expand(batch, hm, q),
-                         start=start, regions=regions)
+        return Placement(
+            src=src,
+            dest=(start + src).contiguous(),
+            valid=real[:, None, :].expand(batch, hm, q),
+            start=start,
+            regions=regions,
+        )
 
     def observe(self, view, column_scores: torch.Tensor) -> None:
         self.inner.observe(view, column_scores)

@@ -11,7 +11,7 @@ position, so they need no change. Without it, sinks keep their original position
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

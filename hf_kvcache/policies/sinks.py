@@ -16,7 +16,7 @@ the no-cache floor.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

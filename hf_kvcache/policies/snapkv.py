@@ -40,8 +40,9 @@ def pool_before_window(scores, stream, valid, newest: int, window: int, kernel: 
     return torch.where(before_window, pool_in_order(scores, stream, before_window, kernel), 0.0)
 
 
-def chunk_votes(view, column_scores: torch.Tensor, heads: int, stored_stream: torch.Tensor, window: int,
-                kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_votes(
+    view, column_scores: torch.Tensor, heads: int, stored_stream: torch.Tensor, window: int, kernel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A pending chunk's window votes [B, heads, used + q] (column scores over the real queries of the observation
     window: its mean attention) for the stored tokens then the chunk's, and the same votes pooled."""
     _, _, real, _, seen_before = view.pending
@@ -68,10 +69,19 @@ class SnapKVPolicy(ScoredPolicy):
     deferred = True
     needs_attention = True
 
-    def __init__(self, budget, window: int = 64, kernel: int = 5, sinks: int = 0, recent: int = 0,
-                 recent_share: float = 0.0, rescore_every: int = 1):
-        super().__init__(budget, recent=max(window, recent), sinks=sinks, recent_share=recent_share,
-                         rescore_every=rescore_every)
+    def __init__(
+        self,
+        budget,
+        window: int = 64,
+        kernel: int = 5,
+        sinks: int = 0,
+        recent: int = 0,
+        recent_share: float = 0.0,
+        rescore_every: int = 1,
+    ):
+        super().__init__(
+            budget, recent=max(window, recent), sinks=sinks, recent_share=recent_share, rescore_every=rescore_every
+        )
         self.window, self.kernel = window, kernel
         self.attention_window = window
         self.rows: torch.Tensor | None = None  # [B, Hkv, window, slots + 1] attention of the last decode queries
@@ -83,8 +93,9 @@ class SnapKVPolicy(ScoredPolicy):
     def observe(self, view, column_scores: torch.Tensor) -> None:
         heads = self.scores.shape[1]
         if view.pending is None:  # decode: one query, the columns are the slots
-            record_decode_row(self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin,
-                              self.window)
+            record_decode_row(
+                self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin, self.window
+            )
             return
         _, _, real, positions, seen_before = view.pending
         used = view.used

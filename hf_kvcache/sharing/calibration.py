@@ -43,7 +43,8 @@ def calibrate(
 ) -> dict[str, Any]:
     """Run `model` over sample text and return a JSON-serialisable calibration dict for `QuantizedFP8Cache(scales=...)`.
 
-    Text: `input_ids` [batch, n] if given, else `num_tokens` tokens of `source` (hf_kvcache.evaluation.corpus.load_text: "pydoc",
+    Text: `input_ids` [batch, n] if given, else `num_tokens` tokens of `source`
+    (hf_kvcache.evaluation.corpus.load_text: "pydoc",
     a file path, or "hf:DATASET") tokenized with `tokenizer`. It runs in independent windows of `window` tokens.
     Per layer it records, per KV head, the largest |key| and |value| (key scales of the mean-subtracted keys when
     `key_smoothing`), and the mean key per channel, all of keys rotated by `key_rotation` (as the cache will store
@@ -82,8 +83,11 @@ def calibrate(
             if rotation is not None:
                 k = k @ rotation.to(k.device)
             entry = {
-                "k_min": k.amin(dim=(0, 2)), "k_max": k.amax(dim=(0, 2)), "k_sum": k.sum(dim=(0, 2)),
-                "v_amax": v.abs().amax(dim=(0, 2, 3)), "count": torch.tensor(k.shape[0] * k.shape[2]),
+                "k_min": k.amin(dim=(0, 2)),
+                "k_max": k.amax(dim=(0, 2)),
+                "k_sum": k.sum(dim=(0, 2)),
+                "v_amax": v.abs().amax(dim=(0, 2, 3)),
+                "count": torch.tensor(k.shape[0] * k.shape[2]),
             }
             if stats[i] is None:
                 stats[i] = entry
@@ -124,8 +128,9 @@ def calibrate(
     }
 
 
-def calibrated_scales(model_or_config, scale: float = 1.0, format: str = "fp8_e4m3",
-                      key_rotation: str = "hadamard") -> dict[str, Any]:
+def calibrated_scales(
+    model_or_config, scale: float = 1.0, format: str = "fp8_e4m3", key_rotation: str = "hadamard"
+) -> dict[str, Any]:
     """The same constant scale for every layer and head (vLLM's default of 1.0 for checkpoints without scales), for
     a cache with this `key_rotation`."""
     key_rotation = require_choice("key_rotation", key_rotation, ROTATIONS)
@@ -134,13 +139,21 @@ def calibrated_scales(model_or_config, scale: float = 1.0, format: str = "fp8_e4
     layers, heads, head_dim = model_dims(_text_config(model_or_config))
     per_layer = [[float(scale)] * heads for _ in range(layers)]
     return {
-        "version": CALIBRATION_VERSION, "format": format, "key_smoothing": False,
-        "key_rotation": key_rotation, "num_layers": layers,
-        "num_kv_heads": heads, "head_dim": head_dim, "key_scale": per_layer, "value_scale": [list(r) for r in per_layer],
+        "version": CALIBRATION_VERSION,
+        "format": format,
+        "key_smoothing": False,
+        "key_rotation": key_rotation,
+        "num_layers": layers,
+        "num_kv_heads": heads,
+        "head_dim": head_dim,
+        "key_scale": per_layer,
+        "value_scale": [list(r) for r in per_layer],
     }
 
 
-def save_calibrated_config(directory: str | os.PathLike, model_or_config, scales: dict[str, Any], **cache_config) -> str:
+def save_calibrated_config(
+    directory: str | os.PathLike, model_or_config, scales: dict[str, Any], **cache_config
+) -> str:
     """Write kvcache_config.json for the "fp8" cache with these scales (load with hf_kvcache.load_cache_config),
     after checking that they fit `model_or_config` (layers, KV heads, head size)."""
     from ..caches.quantized import _text_config

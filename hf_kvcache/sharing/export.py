@@ -158,8 +158,9 @@ The same as `generate`: a tensor of token ids, or a `GenerateOutput` with `retur
 """
 
 
-def render_files(name: str, cache_config: dict[str, Any] | None = None, *, model_config=None,
-                 source: str = "export_custom_generate") -> dict[str, str]:
+def render_files(
+    name: str, cache_config: dict[str, Any] | None = None, *, model_config=None, source: str = "export_custom_generate"
+) -> dict[str, str]:
     """The files of the folder ({relative path: text}) after validating `name` and `cache_config` (against
     `model_config` when given, else a minimal Llama-shaped config: see KVCacheConfig)."""
     config = KVCacheConfig(name, cache_config, model_config=model_config, source=source)
@@ -168,16 +169,25 @@ def render_files(name: str, cache_config: dict[str, Any] | None = None, *, model
     generate = _GENERATE_TEMPLATE.format(name=config.cache, config_json=config_json, requirement=requirement)
     compile(generate, GENERATE_FILE, "exec")  # a template bug must not produce a broken file
     readme = _README_TEMPLATE.format(
-        name=config.cache, config_pretty=json.dumps(config.config, indent=2, sort_keys=True),
-        requirement=requirement, transformers_requirement=transformers_requirement(),
-        transformers_range=SUPPORTED_RANGE_TEXT)
+        name=config.cache,
+        config_pretty=json.dumps(config.config, indent=2, sort_keys=True),
+        requirement=requirement,
+        transformers_requirement=transformers_requirement(),
+        transformers_range=SUPPORTED_RANGE_TEXT,
+    )
     requirements = f"{requirement}\n{transformers_requirement()}\n"
     return {GENERATE_FILE: generate, REQUIREMENTS_FILE: requirements, README_FILE: readme}
 
 
-def export_custom_generate(directory: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None, *,
-                           model_config=None, overwrite: bool = False,
-                           source: str = "export_custom_generate") -> dict[str, str]:
+def export_custom_generate(
+    directory: str | os.PathLike,
+    name: str,
+    cache_config: dict[str, Any] | None = None,
+    *,
+    model_config=None,
+    overwrite: bool = False,
+    source: str = "export_custom_generate",
+) -> dict[str, str]:
     """Write a Hub-ready custom_generate folder for cache `name` with `cache_config` into `directory` (created when
     missing); returns {relative path: absolute path}. Existing files are kept (ValueError naming them) unless
     `overwrite`. Errors in the settings raise ValueError naming the field, before anything is written.
@@ -193,7 +203,8 @@ def export_custom_generate(directory: str | os.PathLike, name: str, cache_config
         existing = [rel for rel in files if os.path.exists(os.path.join(directory, rel))]
         if existing:
             raise ValueError(
-                f"{source}: {directory} already has {existing}; pass overwrite=True (--overwrite) to replace them.")
+                f"{source}: {directory} already has {existing}; pass overwrite=True (--overwrite) to replace them."
+            )
     written = {}
     for rel, text in files.items():
         path = os.path.join(directory, rel)

@@ -76,13 +76,15 @@ def _validate_layers(name: str, settings: dict[str, Any], validation_config, sou
         if value is None or value in ("default", "keep"):
             continue
         if not isinstance(value, dict):
-            raise ValueError(f"{where} must be null, \"default\", \"keep\" or a dict of settings, got {value!r}.")
+            raise ValueError(f'{where} must be null, "default", "keep" or a dict of settings, got {value!r}.')
         layer_settings = dict(value)
         other = layer_settings.pop("cache", None)
         if other is None:
             layer_cls, layer_base = cls, registry.resolve_cache_config(name, validation_config, base)
         elif other not in registry.CACHE_IMPLEMENTATIONS:
-            raise ValueError(f"{where}['cache'] must be one of {sorted(registry.CACHE_IMPLEMENTATIONS)}, got {other!r}.")
+            raise ValueError(
+                f"{where}['cache'] must be one of {sorted(registry.CACHE_IMPLEMENTATIONS)}, got {other!r}."
+            )
         else:
             layer_cls, layer_base = registry.CACHE_IMPLEMENTATIONS[other], {}
         if any(k in layer_settings for k in layer_cls.size_keys):
@@ -101,8 +103,16 @@ class KVCacheConfig(PushToHubMixin):
     so a config that no model could use is refused before it is saved or published. `model_config` validates
     against a real model's config instead."""
 
-    def __init__(self, cache: str, config: dict[str, Any] | None = None, *, version: int = FORMAT_VERSION,
-                 model_config=None, validate: bool = True, source: str = "KVCacheConfig"):
+    def __init__(
+        self,
+        cache: str,
+        config: dict[str, Any] | None = None,
+        *,
+        version: int = FORMAT_VERSION,
+        model_config=None,
+        validate: bool = True,
+        source: str = "KVCacheConfig",
+    ):
         if not isinstance(cache, str) or cache not in registry.CACHE_IMPLEMENTATIONS:
             raise ValueError(
                 f"{source}: `cache` must be one of {sorted(registry.CACHE_IMPLEMENTATIONS)}, got {cache!r}."
@@ -110,7 +120,9 @@ class KVCacheConfig(PushToHubMixin):
         if config is None:
             config = {}
         if not isinstance(config, dict):
-            raise ValueError(f"{source}: `config` must be a JSON object (dict) of settings, got {type(config).__name__}.")
+            raise ValueError(
+                f"{source}: `config` must be a JSON object (dict) of settings, got {type(config).__name__}."
+            )
         check_json_value(config, f"{source}: config")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"{source}: `version` must be an integer >= 1, got {version!r}.")
@@ -156,15 +168,20 @@ class KVCacheConfig(PushToHubMixin):
     # -- dict / JSON --------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cache": self.cache, "config": json.loads(json.dumps(self.config)), "version": self.version,
-                "hf_kvcache_version": _package_version()}
+        return {
+            "cache": self.cache,
+            "config": json.loads(json.dumps(self.config)),
+            "version": self.version,
+            "hf_kvcache_version": _package_version(),
+        }
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "KVCacheConfig.from_dict", model_config=None,
-                  validate: bool = True) -> "KVCacheConfig":
+    def from_dict(
+        cls, data: Any, source: str = "KVCacheConfig.from_dict", model_config=None, validate: bool = True
+    ) -> KVCacheConfig:
         """From {"cache": ..., "config": {...}, "version": 1} (or the legacy {"cache_implementation": ...,
         "cache_config": {...}}); `source` names the file or key in errors."""
         if not isinstance(data, dict):
@@ -186,21 +203,26 @@ class KVCacheConfig(PushToHubMixin):
         hf_version = data.get("hf_kvcache_version")
         if hf_version is not None and not isinstance(hf_version, str):
             raise ValueError(f"{source}: `hf_kvcache_version` must be a string, got {hf_version!r}.")
-        return cls(data[name_field], data.get(config_field), version=version, model_config=model_config,
-                   validate=validate, source=source)
+        return cls(
+            data[name_field],
+            data.get(config_field),
+            version=version,
+            model_config=model_config,
+            validate=validate,
+            source=source,
+        )
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike, model_config=None) -> "KVCacheConfig":
+    def from_json_file(cls, path: str | os.PathLike, model_config=None) -> KVCacheConfig:
         return cls.from_dict(read_json_file(path), source=os.fspath(path), model_config=model_config)
 
     @classmethod
-    def from_generation_config(cls, generation_config, validate: bool = True) -> "KVCacheConfig | None":
+    def from_generation_config(cls, generation_config, validate: bool = True) -> KVCacheConfig | None:
         """The config published under generation_config.hf_kvcache, or None when there is none."""
         data = getattr(generation_config, GENERATION_CONFIG_KEY, None)
         if data is None:
             return None
-        return cls.from_dict(data, source=f"{GENERATION_CONFIG_NAME} key {GENERATION_CONFIG_KEY!r}",
-                             validate=validate)
+        return cls.from_dict(data, source=f"{GENERATION_CONFIG_NAME} key {GENERATION_CONFIG_KEY!r}", validate=validate)
 
     def apply_to(self, generation_config) -> None:
         """Put these settings under generation_config.hf_kvcache (the form transformers ignores without us)."""
@@ -214,7 +236,10 @@ class KVCacheConfig(PushToHubMixin):
 
     def __eq__(self, other) -> bool:
         return isinstance(other, KVCacheConfig) and (self.cache, self.config, self.version) == (
-            other.cache, other.config, other.version)
+            other.cache,
+            other.config,
+            other.version,
+        )
 
     def __repr__(self) -> str:
         return f"KVCacheConfig(cache={self.cache!r}, config={self.config!r}, version={self.version})"
@@ -237,10 +262,18 @@ class KVCacheConfig(PushToHubMixin):
         return path
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, revision: str | None = None, *,
-                        subfolder: str = "", cache_dir: str | os.PathLike | None = None, token: bool | str | None = None,
-                        local_files_only: bool = False, force_download: bool = False,
-                        model_config=None) -> "KVCacheConfig":
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        *,
+        subfolder: str = "",
+        cache_dir: str | os.PathLike | None = None,
+        token: bool | str | None = None,
+        local_files_only: bool = False,
+        force_download: bool = False,
+        model_config=None,
+    ) -> KVCacheConfig:
         """Read `kvcache_config.json` (else the `hf_kvcache` key of `generation_config.json`) from a local folder or
         a Hub repo id (through huggingface_hub.hf_hub_download, honouring `revision`, `cache_dir`, `token`,
         `local_files_only` and HF_HUB_OFFLINE)."""
@@ -256,7 +289,8 @@ class KVCacheConfig(PushToHubMixin):
                 return found
             raise FileNotFoundError(
                 f"No hf_kvcache config in {folder}: neither {CONFIG_NAME} nor a {GENERATION_CONFIG_KEY!r} key in "
-                f"{GENERATION_CONFIG_NAME}. Write one with KVCacheConfig.save_pretrained or hf_kvcache.sharing.hub.publish."
+                f"{GENERATION_CONFIG_NAME}. Write one with KVCacheConfig.save_pretrained or "
+                "hf_kvcache.sharing.hub.publish."
             )
         if os.path.isfile(location):
             return cls.from_json_file(location, model_config=model_config)
@@ -264,10 +298,18 @@ class KVCacheConfig(PushToHubMixin):
         from huggingface_hub.errors import EntryNotFoundError
 
         def download(filename):
-            return hf_hub_download(location, filename, subfolder=subfolder or None, revision=revision,
-                                   cache_dir=cache_dir, token=token, local_files_only=local_files_only,
-                                   force_download=force_download, library_name="hf_kvcache",
-                                   library_version=_package_version())
+            return hf_hub_download(
+                location,
+                filename,
+                subfolder=subfolder or None,
+                revision=revision,
+                cache_dir=cache_dir,
+                token=token,
+                local_files_only=local_files_only,
+                force_download=force_download,
+                library_name="hf_kvcache",
+                library_version=_package_version(),
+            )
 
         try:
             return cls.from_json_file(download(CONFIG_NAME), model_config=model_config)
@@ -285,18 +327,28 @@ class KVCacheConfig(PushToHubMixin):
             ) from first
 
     @classmethod
-    def _from_generation_config_file(cls, path: str, model_config=None) -> "KVCacheConfig | None":
+    def _from_generation_config_file(cls, path: str, model_config=None) -> KVCacheConfig | None:
         data = read_json_file(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path} must be a JSON object, got {type(data).__name__}.")
         if GENERATION_CONFIG_KEY not in data:
             return None
-        return cls.from_dict(data[GENERATION_CONFIG_KEY], source=f"{path} key {GENERATION_CONFIG_KEY!r}",
-                             model_config=model_config)
+        return cls.from_dict(
+            data[GENERATION_CONFIG_KEY], source=f"{path} key {GENERATION_CONFIG_KEY!r}", model_config=model_config
+        )
 
-    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
-                    private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
-                    create_pr: bool = False, **_ignored) -> Any:
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        **_ignored,
+    ) -> Any:
         """Upload `kvcache_config.json` to `repo_id` (created if missing). Unlike PushToHubMixin.push_to_hub, this
         never rewrites the repo's README/model card: a cache config is usually added to an existing model repo."""
         from huggingface_hub import HfApi
@@ -308,8 +360,13 @@ class KVCacheConfig(PushToHubMixin):
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
             return api.upload_folder(
-                repo_id=repo_id, folder_path=tmp, commit_message=commit_message or f"Upload {CONFIG_NAME}",
-                commit_description=commit_description, token=token, revision=revision, create_pr=create_pr,
+                repo_id=repo_id,
+                folder_path=tmp,
+                commit_message=commit_message or f"Upload {CONFIG_NAME}",
+                commit_description=commit_description,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
                 allow_patterns=[CONFIG_NAME],
             )
 
@@ -326,12 +383,15 @@ def _model_config_in(model_dir: str):
     except (ValueError, OSError, KeyError) as error:
         warnings.warn(
             f"hf_kvcache.publish: could not read {model_dir}/config.json with AutoConfig ({error}); the cache "
-            f"settings are validated against a minimal Llama-shaped config only.", stacklevel=3)
+            f"settings are validated against a minimal Llama-shaped config only.",
+            stacklevel=3,
+        )
         return None
 
 
-def publish(model_dir: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None,
-            model_config=None) -> dict[str, str]:
+def publish(
+    model_dir: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None, model_config=None
+) -> dict[str, str]:
     """Publish cache settings with a saved model folder: writes `kvcache_config.json` and the `hf_kvcache` key of
     `generation_config.json` (created from config.json's generation parameters if missing; an existing one keeps
     all its other settings). Settings are validated against the model's config. Returns {file name: path}.
@@ -360,7 +420,9 @@ def publish(model_dir: str | os.PathLike, name: str, cache_config: dict[str, Any
         warnings.warn(
             f"publish: removed cache_implementation={existing!r} from {generation_path}: transformers refuses that "
             f"name when hf_kvcache is not imported, so the model would not load for most users. The cache is "
-            f"published under the {GENERATION_CONFIG_KEY!r} key instead.", stacklevel=2)
+            f"published under the {GENERATION_CONFIG_KEY!r} key instead.",
+            stacklevel=2,
+        )
     elif existing is not None:
         raise ValueError(
             f"publish: {generation_path} sets cache_implementation={existing!r} (a transformers cache), which "
@@ -374,8 +436,9 @@ def publish(model_dir: str | os.PathLike, name: str, cache_config: dict[str, Any
 __all__ = ["CONFIG_NAME", "FORMAT_VERSION", "GENERATION_CONFIG_KEY", "KVCacheConfig", "publish", "read_json_file"]
 
 
-def save_cache_config(directory: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None,
-                      model_config=None) -> str:
+def save_cache_config(
+    directory: str | os.PathLike, name: str, cache_config: dict[str, Any] | None = None, model_config=None
+) -> str:
     """Write `kvcache_config.json` ({"cache": name, "config": {...}, "version": 1}) into `directory`, after checking
     that the settings are plain JSON and build a cache (against `model_config` when given, else a minimal
     Llama-shaped config). Never writes a `cache_implementation` (see this module's docstring); to make `generate` on the

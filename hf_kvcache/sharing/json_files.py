@@ -62,10 +62,10 @@ def read_json_file(path: str | os.PathLike) -> Any:
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not a JSON text file (not UTF-8: byte {error.start} is {raw[error.start]:#04x}); expected a "
-            f"JSON object like {{\"cache\": \"sink\", \"config\": {{...}}}}."
+            f'JSON object like {{"cache": "sink", "config": {{...}}}}.'
         ) from None
     if not text.strip():
-        raise ValueError(f"{path} is empty; expected a JSON object like {{\"cache\": \"sink\", \"config\": {{...}}}}.")
+        raise ValueError(f'{path} is empty; expected a JSON object like {{"cache": "sink", "config": {{...}}}}.')
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates(path), parse_constant=_no_constants(path))
     except json.JSONDecodeError as error:

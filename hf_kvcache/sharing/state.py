@@ -46,14 +46,25 @@ FORMAT_VERSION = 1
 METADATA_KEY = "hf_kvcache"
 
 #: attributes that are per-forward bookkeeping or references to shared helpers, never state
-_TRANSIENT = frozenset({
-    "forward_info", "_served_forward", "_attended_forward", "_attention_columns", "_attention_query_len", "codes_read",
-    "_key_mean_cast",
-    "kernel_view",  # the native kernel's view of a layer's store (codes_read.KernelView), remade from the buffers
-    "_moved", "_moved_key", "workspace", "rotator", "tensor_parallel",
-    "_signed_freq",  # SinkMemory's RoPE frequencies in files from before they moved to the rotator (not saved)
-    "_static_values",  # the holder of StaticInt values, saved as the owner's own fields (static_values)
-})
+_TRANSIENT = frozenset(
+    {
+        "forward_info",
+        "_served_forward",
+        "_attended_forward",
+        "_attention_columns",
+        "_attention_query_len",
+        "codes_read",
+        "_key_mean_cast",
+        "kernel_view",  # the native kernel's view of a layer's store (codes_read.KernelView), remade from the buffers
+        "_moved",
+        "_moved_key",
+        "workspace",
+        "rotator",
+        "tensor_parallel",
+        "_signed_freq",  # SinkMemory's RoPE frequencies in files from before they moved to the rotator (not saved)
+        "_static_values",  # the holder of StaticInt values, saved as the owner's own fields (static_values)
+    }
+)
 _SCALARS = (type(None), bool, int, float, str)
 
 
@@ -65,13 +76,25 @@ def _rebuilt_types() -> tuple[type, ...]:
     from ..stores.quantization import QuantSpec
     from ..stores.workspace import DequantWorkspace, TransientWorkspace
 
-    return (KeyRotator, QuantSpec, DequantWorkspace, TransientWorkspace, TensorParallel, ForwardInfo, LayerSlotView,
-            PretrainedConfig, torch.nn.Module, torch.Generator)
+    return (
+        KeyRotator,
+        QuantSpec,
+        DequantWorkspace,
+        TransientWorkspace,
+        TensorParallel,
+        ForwardInfo,
+        LayerSlotView,
+        PretrainedConfig,
+        torch.nn.Module,
+        torch.Generator,
+    )
 
 
 def _state_class(obj) -> bool:
     """Objects whose attributes are walked: our layers, policies, stores and codecs, and transformers' cache layers."""
-    return hasattr(obj, "__dict__") and (type(obj).__module__.startswith("hf_kvcache.") or is_upstream_layer_object(obj))
+    return hasattr(obj, "__dict__") and (
+        type(obj).__module__.startswith("hf_kvcache.") or is_upstream_layer_object(obj)
+    )
 
 
 def _skipped(obj, name: str) -> bool:
@@ -198,8 +221,11 @@ class _Decoder:
         if "object" in enc:
             name = f"{type(current).__module__}.{type(current).__qualname__}"
             if current is None or name != _current_name(enc["object"]):
-                raise self.error(path, f"the file holds a {enc['object']} here, this cache a {name}: the file is "
-                                       "from another cache layout or version.")
+                raise self.error(
+                    path,
+                    f"the file holds a {enc['object']} here, this cache a {name}: the file is "
+                    "from another cache layout or version.",
+                )
             self.fill(current, enc.get("fields", {}), path)
             return current
         raise self.error(path, f"malformed entry {str(enc)[:80]!r}.")
@@ -230,8 +256,9 @@ def _model_shape(config) -> dict[str, Any]:
 def save_cache_state(cache: KVCache, path: str | os.PathLike) -> None:
     """Write `cache`'s settings and state to the safetensors file `path` (see the module docstring)."""
     if not isinstance(cache, KVCache):
-        raise ValueError(f"save_cache_state: `cache` must be an hf_kvcache cache (a KVCache), got "
-                         f"{type(cache).__name__}.")
+        raise ValueError(
+            f"save_cache_state: `cache` must be an hf_kvcache cache (a KVCache), got {type(cache).__name__}."
+        )
     settings = _Encoder()
     given = settings.encode(dict(cache._given), "settings")
     layers_setting = settings.encode(getattr(cache, "_given_layers", None), "layers_setting")
@@ -273,8 +300,10 @@ def read_cache_state_header(path: str | os.PathLike) -> dict[str, Any]:
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{where} is not a readable safetensors file (truncated or another format?): {err}") from None
     if METADATA_KEY not in metadata:
-        raise ValueError(f"{where} is a safetensors file without the {METADATA_KEY!r} header: not written by "
-                         "hf_kvcache.save_cache_state.")
+        raise ValueError(
+            f"{where} is a safetensors file without the {METADATA_KEY!r} header: not written by "
+            "hf_kvcache.save_cache_state."
+        )
     try:
         header = json.loads(metadata[METADATA_KEY])
     except json.JSONDecodeError as err:
@@ -313,8 +342,9 @@ def _windows_as_saved(cache: KVCache, saved_layers) -> None:
                 break
 
 
-def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type | None = None,
-                     device: str | torch.device | None = None) -> KVCache:
+def load_cache_state(
+    path: str | os.PathLike, config_or_model, cache: str | type | None = None, device: str | torch.device | None = None
+) -> KVCache:
     """A cache built from the settings in `path` for `config_or_model` (a model enables the attention bridge, as the
     constructors do), holding the saved state: the stream resumes where `save_cache_state` left it."""
     from ..caches.catalog import CACHE_IMPLEMENTATIONS
@@ -327,19 +357,24 @@ def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type
     if cache is not None:
         expected = cache if isinstance(cache, str) else getattr(cache, "cache_name", None)
         if expected not in CACHE_IMPLEMENTATIONS:
-            raise ValueError(f"load_cache_state: `cache` must be one of {sorted(CACHE_IMPLEMENTATIONS)} or its "
-                             f"class, got {cache!r}.")
+            raise ValueError(
+                f"load_cache_state: `cache` must be one of {sorted(CACHE_IMPLEMENTATIONS)} or its class, got {cache!r}."
+            )
         if expected != name:
             raise ValueError(f"{where}: field `cache` is {name!r}, but {expected!r} was asked for.")
     config = config_or_model.config if isinstance(config_or_model, PreTrainedModel) else config_or_model
     if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"load_cache_state: `config_or_model` must be a transformers model or its config, got "
-                         f"{type(config_or_model).__name__}.")
+        raise ValueError(
+            f"load_cache_state: `config_or_model` must be a transformers model or its config, got "
+            f"{type(config_or_model).__name__}."
+        )
     shape, saved_shape = _model_shape(config), header["model"]
     for field, value in shape.items():
         if saved_shape.get(field) != value:
-            raise ValueError(f"{where}: field `model.{field}` is {saved_shape.get(field)!r} in the file, but "
-                             f"{value!r} for the given model: the state belongs to another model shape.")
+            raise ValueError(
+                f"{where}: field `model.{field}` is {saved_shape.get(field)!r} in the file, but "
+                f"{value!r} for the given model: the state belongs to another model shape."
+            )
     device = torch.device("cpu" if device is None else device)
     try:
         tensors = load_file(os.fspath(path), device=str(device))
@@ -358,7 +393,8 @@ def load_cache_state(path: str | os.PathLike, config_or_model, cache: str | type
     _windows_as_saved(restored, state["layers"])
     layers = decoder.value(state["layers"], list(restored.layers), "layers")
     if len(layers) != len(restored.layers):
-        raise ValueError(f"{where}: field `state.layers` holds {len(layers)} layers, this cache "
-                         f"{len(restored.layers)}.")
+        raise ValueError(
+            f"{where}: field `state.layers` holds {len(layers)} layers, this cache {len(restored.layers)}."
+        )
     restored.forward_info.has_padding = bool(state.get("forward_info", {}).get("has_padding", False))
     return restored

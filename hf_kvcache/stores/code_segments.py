@@ -59,8 +59,11 @@ class CodeSegments:
         crop, a reset) changes them. None where a run would hold a tensor derived from the store's state (the
         smoothed keys' bias, a fixed FP8 scale) or for the ring layout: there, use `segments`."""
         codecs = self._codecs()
-        if self.ring or (self.key_smoothing and self.key_mean is not None) or any(
-                c.spec.granularity not in ("token", "channel") for c in codecs):
+        if (
+            self.ring
+            or (self.key_smoothing and self.key_mean is not None)
+            or any(c.spec.granularity not in ("token", "channel") for c in codecs)
+        ):
             return None
         buffers = tuple(t for codec in codecs for t in codec.slot.values())
         return buffers if self.fp_k is None else buffers + (self.fp_k, self.fp_v)

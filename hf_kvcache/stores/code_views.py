@@ -23,11 +23,25 @@ def from_codec(codec, n: int, rows: slice | None = None, bias: torch.Tensor | No
     if isinstance(codec, FP8Codec):
         gran = spec.granularity
         if gran == "token":
-            return QuantizedKV(slot["data"][:, :, :n], spec.format, slot["scale"][:, :, :n], "token",
-                               spec.channel_group(codec.head_dim), scale_pow2=codec.pow2, bias=bias)
+            return QuantizedKV(
+                slot["data"][:, :, :n],
+                spec.format,
+                slot["scale"][:, :, :n],
+                "token",
+                spec.channel_group(codec.head_dim),
+                scale_pow2=codec.pow2,
+                bias=bias,
+            )
         if gran == "channel":
-            return QuantizedKV(slot["data"][:, :, :n], spec.format, slot["scale"][:, :, : n // codec.block],
-                               "channel", codec.block, scale_pow2=codec.pow2, bias=bias)
+            return QuantizedKV(
+                slot["data"][:, :, :n],
+                spec.format,
+                slot["scale"][:, :, : n // codec.block],
+                "channel",
+                codec.block,
+                scale_pow2=codec.pow2,
+                bias=bias,
+            )
         if codec.scale is None:
             raise ValueError("from_codec: this FP8 codec has no fixed scale yet (nothing was written)")
         return QuantizedKV(slot["data"][:, :, :n], spec.format, codec.scale, "fixed", bias=bias)
@@ -42,9 +56,17 @@ def from_codec(codec, n: int, rows: slice | None = None, bias: torch.Tensor | No
             scale, zero = slot["scale"][:, :, : n // codec.block], slot["zero"][:, :, : n // codec.block]
             group = codec.block
         return QuantizedKV(
-            data, spec.format, scale, spec.granularity, group, zero=zero, zero_is_code=codec.backend == "hqq",
-            packing="token" if token_packed else "channel", pack_order="hqq" if codec.backend == "hqq" else "quanto",
-            pack_block=codec.pack_block if token_packed else None, bias=bias,
+            data,
+            spec.format,
+            scale,
+            spec.granularity,
+            group,
+            zero=zero,
+            zero_is_code=codec.backend == "hqq",
+            packing="token" if token_packed else "channel",
+            pack_order="hqq" if codec.backend == "hqq" else "quanto",
+            pack_block=codec.pack_block if token_packed else None,
+            bias=bias,
         )
     raise TypeError(f"from_codec: unsupported codec {type(codec).__name__}")
 
@@ -54,6 +76,8 @@ def store_segments(store, used: int) -> tuple[list[QuantizedKV], list[QuantizedK
     (`QuantizedStore`: its quantized slots, then its full-precision residual; `RegionStore`: each region's in slot
     order). Views, no copy; valid until the next write."""
     if not hasattr(store, "segments"):
-        raise TypeError(f"store_segments: {type(store).__name__} has no `segments` method (QuantizedStore, "
-                        "RegionStore and FullPrecisionStore have one)")
+        raise TypeError(
+            f"store_segments: {type(store).__name__} has no `segments` method (QuantizedStore, "
+            "RegionStore and FullPrecisionStore have one)"
+        )
     return store.segments(used)

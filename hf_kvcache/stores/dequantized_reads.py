@@ -35,8 +35,18 @@ class DequantizedReads:
         return self.workspace
 
     def _read_buffers(self, width: int):
-        return kv_buffers(self._read_workspace(), "", self.batch, self.heads, width, self.head_dim, self.value_dim,
-                          self.dtype, self.device, self.joint)
+        return kv_buffers(
+            self._read_workspace(),
+            "",
+            self.batch,
+            self.heads,
+            width,
+            self.head_dim,
+            self.value_dim,
+            self.dtype,
+            self.device,
+            self.joint,
+        )
 
     def _decode_codes(self, width: int, codes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, width, D] from the read workspace, slots [0, codes) dequantized from the codes (the

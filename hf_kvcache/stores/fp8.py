@@ -149,12 +149,18 @@ class FP8Codec(Codec):
             xg = x.unflatten(-1, (self.head_dim // g, g))
             stored, scale = self._dynamic_scale(torch.linalg.vector_norm(xg, math.inf, -1))
             q = xg / scale.unsqueeze(-1)
-            return {"data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(-2).view(torch.uint8), "scale": stored}
+            return {
+                "data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(-2).view(torch.uint8),
+                "scale": stored,
+            }
         if gran == "channel":
             xb = x.unflatten(2, (x.shape[2] // self.block, self.block))
             stored, scale = self._dynamic_scale(xb.abs().amax(3))
             q = xb / scale.unsqueeze(3)
-            return {"data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(2, 3).view(torch.uint8), "scale": stored}
+            return {
+                "data": q.clamp_(-self.fmax, self.fmax).to(self.fp8_dtype).flatten(2, 3).view(torch.uint8),
+                "scale": stored,
+            }
         if self.scale is None:  # warm-up: the first write fixes the scale
             dims = (0, 2, 3) if gran == "head" else (0, 1, 2, 3)
             amax = x.abs().amax(dim=dims, keepdim=True)
@@ -174,8 +180,9 @@ class FP8Codec(Codec):
         data, scale = self.slot["data"], self.slot["scale"]
         if cpu_encode.unsupported(keys, data, scale) is not None:
             return None
-        return cpu_encode.fp8_write_tokens(keys, values, data, scale, slot, self.fp8_dtype,
-                                           self.spec.channel_group(self.head_dim))
+        return cpu_encode.fp8_write_tokens(
+            keys, values, data, scale, slot, self.fp8_dtype, self.spec.channel_group(self.head_dim)
+        )
 
     # -- dequantize -------------------------------------------------------------------------------------------
     def decode_into(self, out: torch.Tensor, n: int, workspace, bias: torch.Tensor | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -18,8 +18,16 @@ class FullPrecisionStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device,
-                 value_dim: int | None = None) -> None:
+    def allocate(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        slots: int,
+        dtype: torch.dtype,
+        device,
+        value_dim: int | None = None,
+    ) -> None:
         self.keys = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, slots, value_dim or head_dim, dtype=dtype, device=device)
         fixed_shape(self.keys, self.values)
@@ -45,7 +53,9 @@ class FullPrecisionStore:
             index = dest[..., None].expand(values.shape)
         self.values.scatter_(2, index, values.to(self.values.dtype))
 
-    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    def write_slot(
+        self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
         """One token [B, H, 1, D] into one slot shared by all rows and heads (`index`: the slot as a 1-element tensor,
         so compiled code does not specialise on the slot number)."""
         if index is None:

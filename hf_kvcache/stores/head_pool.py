@@ -27,8 +27,16 @@ class HeadPooledStore(FullPrecisionStore):
         super().__init__()
         self.heads = 0
 
-    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device,
-                 value_dim: int | None = None) -> None:
+    def allocate(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        slots: int,
+        dtype: torch.dtype,
+        device,
+        value_dim: int | None = None,
+    ) -> None:
         self.heads = heads
         super().allocate(batch, 1, head_dim, slots, dtype, device, value_dim)
 

@@ -174,8 +174,15 @@ class IntegerCodec(Codec):
         mantissa, exponent = torch.frexp(rows.abs().amax(-1, keepdim=True))
         norm = torch.ldexp(torch.ones_like(mantissa), exponent.clamp(-125, 127))
         w_q, meta = self._quantizer.quantize(
-            rows / norm, nbits=self.bits, channel_wise=True, group_size=None, optimize=True, axis=1, bitpack=False,
-            compute_dtype=torch.float32, device=x.device,
+            rows / norm,
+            nbits=self.bits,
+            channel_wise=True,
+            group_size=None,
+            optimize=True,
+            axis=1,
+            bitpack=False,
+            compute_dtype=torch.float32,
+            device=x.device,
         )
         group_shape = moved.shape[:-1]
         q = w_q.reshape(moved.shape).movedim(-1, dim).to(torch.uint8)

@@ -25,6 +25,10 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 def scales_to_float32(stored: torch.Tensor) -> torch.Tensor:
     """`stored.float()`, through the opaque op when compiling for the CPU (module docstring)."""
-    if stored.dtype in (torch.bfloat16, torch.float16) and stored.device.type == "cpu" and torch.compiler.is_compiling():
+    if (
+        stored.dtype in (torch.bfloat16, torch.float16)
+        and stored.device.type == "cpu"
+        and torch.compiler.is_compiling()
+    ):
         return widen_to_float32(stored)
     return stored.float()

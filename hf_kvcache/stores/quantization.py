@@ -86,8 +86,7 @@ def default_backend(fmt: str) -> str:
         if backend_available(backend):
             return backend
     raise ImportError(
-        f"format {fmt!r} needs a packing backend: pip install optimum-quanto (backend 'quanto') or hqq "
-        "(backend 'hqq')."
+        f"format {fmt!r} needs a packing backend: pip install optimum-quanto (backend 'quanto') or hqq (backend 'hqq')."
     )
 
 
@@ -183,12 +182,12 @@ class QuantSpec:
 
     def validate_head_dim(self, head_dim: int, where: str = "") -> None:
         prefix = f"{where}: " if where else ""
-        if self.granularity == "token" and self.group_size is not None and self.format != "none":
-            if head_dim % self.group_size:
-                raise ValueError(
-                    f"{prefix}`group_size` ({self.group_size}) must divide the model's head_dim ({head_dim}) for "
-                    "per-token groups."
-                )
+        per_token_groups = self.granularity == "token" and self.group_size is not None and self.format != "none"
+        if per_token_groups and head_dim % self.group_size:
+            raise ValueError(
+                f"{prefix}`group_size` ({self.group_size}) must divide the model's head_dim ({head_dim}) for "
+                "per-token groups."
+            )
         if self.is_int:
             per_byte = 8 // self.bits
             if head_dim % per_byte:
@@ -199,7 +198,7 @@ class QuantSpec:
         return asdict(self)
 
     @classmethod
-    def from_value(cls, value: Any, where: str = "spec") -> "QuantSpec":
+    def from_value(cls, value: Any, where: str = "spec") -> QuantSpec:
         """A spec from a QuantSpec, a dict of its fields, or a format name ("fp8_e4m3", "int4", "full" ...)."""
         if isinstance(value, QuantSpec):
             return value
@@ -320,8 +319,15 @@ class Codec:
         none for these tensors (the default; FP8Codec has one on CPU)."""
         return None
 
-    def put(self, encoded: dict[str, torch.Tensor], start: int | None = None, dest: torch.Tensor | None = None,
-            rows: slice | None = None, index: torch.Tensor | None = None, block: torch.Tensor | None = None):
+    def put(
+        self,
+        encoded: dict[str, torch.Tensor],
+        start: int | None = None,
+        dest: torch.Tensor | None = None,
+        rows: slice | None = None,
+        index: torch.Tensor | None = None,
+        block: torch.Tensor | None = None,
+    ):
         """Store encoded tokens at slots [start, start + n) or, for dest [B, 1 or H, n], at those slots (of the batch
         `rows` only, if given). `index`: slots [start, start + n) as a tensor, for per-slot layouts: compiled code
         then does not specialise on `start`. `block` ([1] long tensor): the encoded n tokens are block number `block`

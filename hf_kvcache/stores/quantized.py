@@ -25,7 +25,7 @@ state changes.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -127,8 +127,16 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
             self.static_key_mean = self.key_mean = mean[None, :, None, :]
 
     # -- allocation -------------------------------------------------------------------------------------------
-    def allocate(self, batch: int, heads: int, head_dim: int, slots: int, dtype: torch.dtype, device,
-                 value_dim: int | None = None) -> None:
+    def allocate(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        slots: int,
+        dtype: torch.dtype,
+        device,
+        value_dim: int | None = None,
+    ) -> None:
         self.batch, self.heads, self.head_dim, self.dtype, self.device = batch, heads, head_dim, dtype, device
         self.value_dim = value_dim or head_dim
         if self.joint and self.value_dim != head_dim:  # keys and values of different sizes (MLA): one codec each
@@ -206,7 +214,9 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
     def keys(self) -> torch.Tensor:
         """Shape/dtype/device stand-in [B, H, slots, D] (zeros, no memory) for code that inspects `store.keys`; the
         data itself is quantized: use `read`."""
-        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.batch, self.heads, self.slots, self.head_dim)
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(
+            self.batch, self.heads, self.slots, self.head_dim
+        )
 
     # -- writes -----------------------------------------------------------------------------------------------
     def _smooth(self, keys: torch.Tensor) -> torch.Tensor:
@@ -217,19 +227,27 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
             self._key_mean_cast = None
         return keys.float() - self.key_mean
 
-    def _encode_put(self, keys, values, start: int | None = None, dest: torch.Tensor | None = None,
-                    block: torch.Tensor | None = None) -> None:
+    def _encode_put(
+        self,
+        keys,
+        values,
+        start: int | None = None,
+        dest: torch.Tensor | None = None,
+        block: torch.Tensor | None = None,
+    ) -> None:
         keys = self._smooth(keys)
         if self.joint:
             both = torch.cat((keys, values.to(keys.dtype)), 0)
-            self.keys_codec.put(self.keys_codec.encode(both), start, None if dest is None else torch.cat((dest, dest), 0),
-                                block=block)
+            self.keys_codec.put(
+                self.keys_codec.encode(both), start, None if dest is None else torch.cat((dest, dest), 0), block=block
+            )
             return
         self.keys_codec.put(self.keys_codec.encode(keys), start, dest, block=block)
         self.values_codec.put(self.values_codec.encode(values), start, dest, block=block)
 
-    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int | None = None,
-              regions=None) -> None:
+    def write(
+        self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int | None = None, regions=None
+    ) -> None:
         """dest [B, H or 1, n] slot indices for the n tokens in keys/values [B, H, n, D]. The append-only layout
         needs the policy's host-side `start` (dest is start, start + 1, ...): nothing is read back from the device."""
         if not self.append_only and self.joint and not self.key_smoothing:  # keys and values in one op per step
@@ -251,7 +269,9 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
             )
         self._append(start, keys, values)
 
-    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    def write_slot(
+        self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
         """One token [B, H, 1, D] into one slot shared by all rows and heads (the layer's decode fast path)."""
         if self.ring:
             self._write_ring_token(slot, keys, values, index)
@@ -261,8 +281,11 @@ class QuantizedStore(DequantizedReads, GrowingLayout, RingLayout, CodeSegments):
             # native call, hf_kvcache.kernels.cpu_encode, which checks and writes; when the growing layout must
             # first crop or grow, the inputs are checked before anything changes)
             native = not self.key_smoothing
-            growing = self.append_only and not self.fixed_slots and (
-                slot != self.length or self.qlen >= self.keys_codec.capacity)
+            growing = (
+                self.append_only
+                and not self.fixed_slots
+                and (slot != self.length or self.qlen >= self.keys_codec.capacity)
+            )
             both = self._joint_checked(keys, values) if growing or not native else None
             if self.append_only and not self.fixed_slots:
                 if slot != self.length:

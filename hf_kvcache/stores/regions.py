@@ -9,7 +9,8 @@ quantized caches' reads, hf_kvcache.stores.workspace). Without a shared workspac
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -57,8 +58,18 @@ class RegionStore:
     def _read_buffers(self, width: int):
         batch = self.stores[0].keys.shape[0]  # (the batch may have changed since allocation: beams, row selection)
         # keys in rows [0, B), values in [B, 2B) of one buffer when they have one size: joint codecs fill both at once
-        return kv_buffers(self.workspace, "regions_", batch, self.heads, width, self.head_dim, self.value_dim,
-                          self.dtype, self.device, joint=self.value_dim == self.head_dim)
+        return kv_buffers(
+            self.workspace,
+            "regions_",
+            batch,
+            self.heads,
+            width,
+            self.head_dim,
+            self.value_dim,
+            self.dtype,
+            self.device,
+            joint=self.value_dim == self.head_dim,
+        )
 
     def grow(self, slots: int) -> None:
         self.sizes = self.sizes[:-1] + (slots - 1 - self.bases[-1],)
@@ -207,8 +218,8 @@ def _same_codes(a, b) -> bool:
     if (a.key_spec, a.value_spec, a.joint) != (b.key_spec, b.value_spec, b.joint) or a.key_smoothing or b.key_smoothing:
         return False
     return all(spec.granularity == "token" for spec in (a.key_spec, a.value_spec)) and all(
-        codec.block == 1 and not codec.per_block and not getattr(codec, "token_pairs", False)
-        for codec in a._codecs())
+        codec.block == 1 and not codec.per_block and not getattr(codec, "token_pairs", False) for codec in a._codecs()
+    )
 
 
 def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):

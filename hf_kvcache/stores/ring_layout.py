@@ -81,7 +81,9 @@ class RingLayout:
             if getattr(codec, "scale", True) is None and codec.spec.granularity in ("tensor", "head"):
                 codec.encode(x)
 
-    def _write_ring_token(self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None) -> None:
+    def _write_ring_token(
+        self, slot: int, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor | None
+    ) -> None:
         """A decode step: the token into the ring, then the block that completed now (if any) quantized into its
         codes, else the same work into the trash block. `index` ([1] long, = slot) carries the position on the
         device; `slot` is only used on the host outside torch.compile (to notice a crop)."""

@@ -54,18 +54,32 @@ class TransientWorkspace:
         pass
 
 
-def kv_buffers(workspace, prefix: str, batch: int, heads: int, width: int, head_dim: int, value_dim: int,
-               dtype: torch.dtype, device, joint: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def kv_buffers(
+    workspace,
+    prefix: str,
+    batch: int,
+    heads: int,
+    width: int,
+    head_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device,
+    joint: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A read's keys [B, H, width, head_dim] and values [B, H, width, value_dim] from `workspace` (roles `prefix` +
     "keys" / "values"), and, when `joint`, the one [2B, H, width, head_dim] buffer (role `prefix` + "kv") they are
     rows [0, B) and [B, 2B) of, for codecs that decode keys and values at once (else None).
 
     Stores also call it at allocation, results unused, so that a compiled decode step finds its buffers allocated in
     eager code, with fixed shapes (a buffer first allocated inside a compiled step escapes `fixed_shape`, and its size
-    turns symbolic once a cache of another size runs through the same compiled code: hf_kvcache.common.compile_static)."""
+    turns symbolic once a cache of another size runs through the same compiled code:
+    hf_kvcache.common.compile_static)."""
     shape = (batch, heads, width, head_dim)
     if joint:
         both = workspace.get(prefix + "kv", (2 * batch,) + shape[1:], dtype, device)
         return both[:batch], both[batch:], both
-    return (workspace.get(prefix + "keys", shape, dtype, device),
-            workspace.get(prefix + "values", shape[:-1] + (value_dim,), dtype, device), None)
+    return (
+        workspace.get(prefix + "keys", shape, dtype, device),
+        workspace.get(prefix + "values", shape[:-1] + (value_dim,), dtype, device),
+        None,
+    )

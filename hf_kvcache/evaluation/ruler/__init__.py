@@ -5,14 +5,14 @@ the offline corpus, so the suite needs no download and any model id can run it.
     sample = make_sample("niah_single_2", context_len=2048, seed=0, tokenizer=tokenizer)
     score(model_output, sample.answers, sample.metric)
 
-One module per task family: `niah` (needle in a haystack: single, multi-key, multi-value, multi-query), 
+One module per task family: `niah` (needle in a haystack: single, multi-key, multi-value, multi-query),
 `variable_tracking`, `word_extraction` (common / frequent words), `qa` (questions over records). A sample's prompt
 fits `context_len` tokens of the model's tokenizer (context + question + answer prefix).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from . import niah, qa, variable_tracking, word_extraction
 from .sample import METRICS, Sample, score, token_counter

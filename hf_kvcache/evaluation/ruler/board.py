@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import lzma
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -46,9 +46,18 @@ FIXED = "fixed"
 DEFAULT_METHODS = [
     # model-wide layer shares are averaged over a batch's rows: one sample at a time
     Method("KVzip (model-wide)", "kvzip", {"head_budget": "adaptive", "layer_budget": "adaptive"}, batchable=False),
-    *[Method(f"{label} {mode}", name, {"compress": mode}) for mode in ("prompt", "always") for label, name in (
-        ("ExpectedAttention", "expected_attention"), ("SnapKV", "snapkv"), ("TOVA", "tova"), ("KeyDiff", "keydiff"),
-        ("Knorm", "knorm"), ("H2O", "h2o"))],
+    *[
+        Method(f"{label} {mode}", name, {"compress": mode})
+        for mode in ("prompt", "always")
+        for label, name in (
+            ("ExpectedAttention", "expected_attention"),
+            ("SnapKV", "snapkv"),
+            ("TOVA", "tova"),
+            ("KeyDiff", "keydiff"),
+            ("Knorm", "knorm"),
+            ("H2O", "h2o"),
+        )
+    ],
     Method("StreamingLLM prompt", "sink", {"sinks": 4, "compress": "prompt"}, budget_key="window"),
     Method("StreamingLLM always", "sink", {"sinks": 4}, budget_key="window"),
     Method("FP8 (E4M3)", "fp8", {}, budget_key=None),
@@ -65,8 +74,14 @@ def cell_key(method: str, compression, protocol: str, task: str, length: int, se
     return json.dumps([method, point, protocol, task, length, seed])
 
 
-def jobs(methods: list[Method], compressions: list[float], protocols: list[str], tasks: list[str],
-         lengths: list[int], samples: int) -> Iterator[tuple[Method, float | str, str, str, int, int]]:
+def jobs(
+    methods: list[Method],
+    compressions: list[float],
+    protocols: list[str],
+    tasks: list[str],
+    lengths: list[int],
+    samples: int,
+) -> Iterator[tuple[Method, float | str, str, str, int, int]]:
     """Every (method, compression, protocol, task, length, seed) to run; compression 0 is the full cache (once), a
     method without a budget runs once per cell at FIXED."""
     for protocol in protocols:
@@ -147,13 +162,25 @@ def _batches(group: list[tuple], batch_size: int, tail_of) -> Iterator[list[tupl
         by_tail.setdefault(tail_of(job), []).append(job)
     for same in by_tail.values():
         for i in range(0, len(same), batch_size):
-            yield same[i: i + batch_size]
+            yield same[i : i + batch_size]
 
 
-def run_board(model, tokenizer, make_cache: Callable[[str, dict, int], object], methods: list[Method],
-              compressions: list[float], protocols: list[str], tasks: list[str], lengths: list[int], samples: int,
-              out: Path, progress: bool = False, batch_size: int = 1, shard: tuple[int, int] = (0, 1),
-              keep_going: bool = False) -> Path:
+def run_board(
+    model,
+    tokenizer,
+    make_cache: Callable[[str, dict, int], object],
+    methods: list[Method],
+    compressions: list[float],
+    protocols: list[str],
+    tasks: list[str],
+    lengths: list[int],
+    samples: int,
+    out: Path,
+    progress: bool = False,
+    batch_size: int = 1,
+    shard: tuple[int, int] = (0, 1),
+    keep_going: bool = False,
+) -> Path:
     """Run every missing job, appending one line per answer to `out`/results.jsonl (returned; shard i of n writes
     results.<i>of<n>.jsonl and takes every n-th cell). `make_cache(name, config, context_tokens)` builds a fresh cache;
     the kept share is a fraction of the context's tokens, resolved by the harness so every method keeps the same number
@@ -172,8 +199,11 @@ def run_board(model, tokenizer, make_cache: Callable[[str, dict, int], object], 
     for job in jobs(methods, compressions, protocols, tasks, lengths, samples):
         cells.setdefault((job[0].label,) + job[1:5], []).append(job)
     # shards split the cells in plan order (done or not, so a shard's share never moves), then drop the done jobs
-    mine = [[j for j in group if cell_key(j[0].label, *j[1:]) not in done]
-            for i, group in enumerate(cells.values()) if i % count == index]
+    mine = [
+        [j for j in group if cell_key(j[0].label, *j[1:]) not in done]
+        for i, group in enumerate(cells.values())
+        if i % count == index
+    ]
     mine = [group for group in mine if group]
     memo: dict[tuple, tuple] = {}
     made = load_samples(out)
@@ -225,22 +255,45 @@ def _run_batch(model, tokenizer, make_cache, batch, made, f, out: Path, keep_goi
         for part, got in ((batch[:half], made[:half]), (batch[half:], made[half:])):
             _run_batch(model, tokenizer, make_cache, part, got, f, out, keep_going)
         return
-    except Exception as err:  # noqa: BLE001 - recorded and skipped only when asked (`keep_going`)
+    except Exception as err:
         if not keep_going:
             raise
         with (out / "errors.jsonl").open("a", encoding="utf-8") as e:
-            e.write(json.dumps({"method": method.label, "compression": c, "protocol": protocol, "task": task,
-                                "context_len": length, "seeds": [j[5] for j in batch],
-                                "error": f"{type(err).__name__}: {err}"}) + "\n")
+            e.write(
+                json.dumps(
+                    {
+                        "method": method.label,
+                        "compression": c,
+                        "protocol": protocol,
+                        "task": task,
+                        "context_len": length,
+                        "seeds": [j[5] for j in batch],
+                        "error": f"{type(err).__name__}: {err}",
+                    }
+                )
+                + "\n"
+            )
         return
     measured = c
     if c == FIXED:
         full = full_cache_bytes(model, len(batch), cache.get_seq_length())
         measured = 1.0 - cache_nbytes(cache) / full
     for job, result in zip(batch, results):
-        record = {"key": cell_key(method.label, *job[1:]), "method": method.label, "cache": method.cache,
-                  "config": config, "point": c, "compression": measured, "protocol": protocol, "task": task,
-                  "context_len": length, "seed": job[5], "batch": len(batch), "budget_context": context, **result}
+        record = {
+            "key": cell_key(method.label, *job[1:]),
+            "method": method.label,
+            "cache": method.cache,
+            "config": config,
+            "point": c,
+            "compression": measured,
+            "protocol": protocol,
+            "task": task,
+            "context_len": length,
+            "seed": job[5],
+            "batch": len(batch),
+            "budget_context": context,
+            **result,
+        }
         f.write(json.dumps(record, default=repr) + "\n")
     f.flush()
 
@@ -283,10 +336,20 @@ def summarize(where: Path, tasks: list[str] | None = None) -> dict[str, list[dic
     for (method, point, protocol, task, length), rs in sorted(groups.items(), key=lambda kv: json.dumps(kv[0])):
         scores = [r["score"] for r in rs]
         low, high = interval95(scores)
-        cells.append({"method": method, "compression": sum(r["compression"] for r in rs) / len(rs),
-                      "protocol": protocol, "task": task, "context_len": length, "n": len(scores),
-                      "score": sum(scores) / len(scores), "ci95": [low, high], "stderr": standard_error(scores),
-                      "point": point})
+        cells.append(
+            {
+                "method": method,
+                "compression": sum(r["compression"] for r in rs) / len(rs),
+                "protocol": protocol,
+                "task": task,
+                "context_len": length,
+                "n": len(scores),
+                "score": sum(scores) / len(scores),
+                "ci95": [low, high],
+                "stderr": standard_error(scores),
+                "point": point,
+            }
+        )
     wanted = set(tasks) if tasks is not None else {c["task"] for c in cells}
     board: dict[tuple, list[dict]] = {}
     for cell in cells:
@@ -296,12 +359,21 @@ def summarize(where: Path, tasks: list[str] | None = None) -> dict[str, list[dic
     for cell in cells:
         planned[cell["context_len"]] = max(planned.get(cell["context_len"], 0), cell["n"])
     rows = []
-    for (m, point, p, n), cs in sorted(board.items(), key=lambda kv: json.dumps(kv[0])):
+    for (m, _point, p, n), cs in sorted(board.items(), key=lambda kv: json.dumps(kv[0])):
         variance = sum(x["stderr"] ** 2 for x in cs)
-        rows.append({"method": m, "compression": sum(x["compression"] for x in cs) / len(cs), "protocol": p,
-                     "context_len": n, "tasks": len(cs), "score": sum(x["score"] for x in cs) / len(cs),
-                     "ci95_halfwidth": 1.96 * math.sqrt(variance) / len(cs), "samples": min(x["n"] for x in cs),
-                     "complete": {x["task"] for x in cs} == wanted and all(x["n"] == planned[n] for x in cs)})
+        rows.append(
+            {
+                "method": m,
+                "compression": sum(x["compression"] for x in cs) / len(cs),
+                "protocol": p,
+                "context_len": n,
+                "tasks": len(cs),
+                "score": sum(x["score"] for x in cs) / len(cs),
+                "ci95_halfwidth": 1.96 * math.sqrt(variance) / len(cs),
+                "samples": min(x["n"] for x in cs),
+                "complete": {x["task"] for x in cs} == wanted and all(x["n"] == planned[n] for x in cs),
+            }
+        )
     for cell in cells:
         del cell["point"]
     return {"cells": cells, "board": rows}
@@ -327,8 +399,15 @@ def plot_board(rows: list[dict], path: Path, title: str) -> None:
             if method == FULL_LABEL:
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full cache")
             else:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=method,
-                        color=colors[method.rsplit(" ", 1)[0]], linestyle="--" if method.endswith("always") else "-")
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o",
+                    markersize=3,
+                    label=method,
+                    color=colors[method.rsplit(" ", 1)[0]],
+                    linestyle="--" if method.endswith("always") else "-",
+                )
         ax.set_title(f"{protocol}, {length} tokens")
         ax.set_xlabel("compression (share of the context dropped)")
         ax.set_ylabel("score (mean over tasks)")

@@ -47,29 +47,51 @@ def run_batch(model, tokenizer, samples: list[Sample], cache, protocol: str = "a
     contexts = [tokenizer(c, add_special_tokens=False).input_ids for c, _ in parts]
     tails = [tokenizer(t, add_special_tokens=False).input_ids for _, t in parts]
     if len({len(t) for t in tails}) != 1:
-        raise ValueError(f"`samples`: the question + answer prefix must have one token length in a batch, got "
-                         f"{sorted({len(t) for t in tails})}; batch samples by `tail_length`.")
+        raise ValueError(
+            f"`samples`: the question + answer prefix must have one token length in a batch, got "
+            f"{sorted({len(t) for t in tails})}; batch samples by `tail_length`."
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(c) for c in contexts)
     context = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
     mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    model(input_ids=context, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True,
-          logits_to_keep=1)
+    model(
+        input_ids=context,
+        attention_mask=mask,
+        position_ids=positions,
+        **cache_kwargs(cache),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     if hasattr(cache, "end_prompt"):
         cache.end_prompt()
     ids = torch.cat((context, torch.tensor(tails, device=device)), 1)
     mask = torch.cat((mask, torch.ones_like(ids[:, width:])), 1)
     # disable_compile: on CUDA, generate compiles the forward by itself for a compileable cache (ours evicting into
     # fixed slots are), recompiling for every new batch size: on an H200 that made the board several times slower
-    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
-                         max_new_tokens=max(s.max_new_tokens for s in samples), pad_token_id=pad, disable_compile=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        **cache_kwargs(cache),
+        do_sample=False,
+        max_new_tokens=max(s.max_new_tokens for s in samples),
+        pad_token_id=pad,
+        disable_compile=True,
+    )
     results = []
     for row, sample in enumerate(samples):
-        text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
-        results.append({"task": sample.task, "score": score(text, sample.answers, sample.metric), "output": text,
-                        "answers": sample.answers, "prompt_tokens": len(contexts[row]) + len(tails[row]),
-                        "chance": sample.chance})
+        text = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+        results.append(
+            {
+                "task": sample.task,
+                "score": score(text, sample.answers, sample.metric),
+                "output": text,
+                "answers": sample.answers,
+                "prompt_tokens": len(contexts[row]) + len(tails[row]),
+                "chance": sample.chance,
+            }
+        )
     return results
 
 

@@ -10,8 +10,10 @@ from ..retrieval import CITIES, make_records, record_line
 from .sample import Sample, fit, rng_for
 
 VARIANTS = {"qa_records_city": "city", "qa_records_code": "code"}
-HEADER = ("Below is a list of customer records, one per line. Each record has an id, a name, a date, a city and a "
-          "code. Several records share names, dates or similar ids: match the id exactly.\n\n")
+HEADER = (
+    "Below is a list of customer records, one per line. Each record has an id, a name, a date, a city and a "
+    "code. Several records share names, dates or similar ids: match the id exactly.\n\n"
+)
 
 
 def qa_records(name: str, context_len: int, seed: int, count) -> Sample:
@@ -20,7 +22,7 @@ def qa_records(name: str, context_len: int, seed: int, count) -> Sample:
     records, target = make_records(rng, max(8, context_len // 20))
     depth = rng.random()
     question = f'\nQuestion: what is the {field_name} of the record with id "{target["id"]}"?'
-    prefix = f" Answer: the {field_name} of the record with id \"{target['id']}\" is"
+    prefix = f' Answer: the {field_name} of the record with id "{target["id"]}" is'
 
     def build(n: int) -> str:
         shown = records[:n]
@@ -28,6 +30,14 @@ def qa_records(name: str, context_len: int, seed: int, count) -> Sample:
         return HEADER + "".join(record_line(r) for r in shown[:at] + [target] + shown[at:])
 
     n = fit(build, len(records), context_len - count(question + prefix) - 2, count)
-    return Sample(name, build(n), question, prefix, [str(target[field_name])], "part", max_new_tokens=12,
-                  meta={"records": n + 1, "depth": depth, "id": target["id"]},
-                  chance=1 / len(CITIES) if field_name == "city" else 0.0)
+    return Sample(
+        name,
+        build(n),
+        question,
+        prefix,
+        [str(target[field_name])],
+        "part",
+        max_new_tokens=12,
+        meta={"records": n + 1, "depth": depth, "id": target["id"]},
+        chance=1 / len(CITIES) if field_name == "city" else 0.0,
+    )

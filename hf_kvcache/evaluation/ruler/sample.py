@@ -13,8 +13,8 @@ reading the context scores in expectation: 0 where the references are random str
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 from ..retrieval import longest_fit
 
@@ -57,8 +57,9 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 def fit(build: Callable[[int], str], most: int, budget: int, count: Callable[[str], int]) -> int:
     """The largest n in [1, most] with count(build(n)) <= budget (build grows with n); an error when none fits."""
     if count(build(1)) > budget:
-        raise ValueError(f"the task does not fit in {budget} tokens even with the least haystack; give a longer "
-                         "`context_len`.")
+        raise ValueError(
+            f"the task does not fit in {budget} tokens even with the least haystack; give a longer `context_len`."
+        )
     return longest_fit(build, most, budget, count)
 
 

@@ -7,6 +7,7 @@ of the chain's variables the output names ("all").
 
 from __future__ import annotations
 
+import itertools
 import string
 
 from .haystack import haystack_units, weave
@@ -31,7 +32,7 @@ def variable_tracking(name: str, context_len: int, seed: int, count) -> Sample:
     for _ in range(n_chains):
         value = str(rng.randint(10000, 99999))
         names = [variable() for _ in range(hops + 1)]
-        statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(names)]
         chains.append((value, names, statements))
         starts.append(value)
     texts, depths = [], []
@@ -42,13 +43,23 @@ def variable_tracking(name: str, context_len: int, seed: int, count) -> Sample:
     value, names, _ = chains[0]
     header = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
     question = f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {len(names)} variables "
-              f"are assigned the value {value}, they are:")
+    prefix = (
+        f" Answer: According to the chain(s) of variable assignment in the text above, {len(names)} variables "
+        f"are assigned the value {value}, they are:"
+    )
     units = haystack_units(haystack, rng)
 
     def build(n: int) -> str:
         return header + weave(units[:n], texts, depths)
 
     n = fit(build, len(units), context_len - count(question + prefix) - 2, count)
-    return Sample(name, build(n), question, prefix, names, "all", max_new_tokens=30,
-                  meta={"haystack": haystack, "chains": [c[1] for c in chains], "values": starts, "units": n})
+    return Sample(
+        name,
+        build(n),
+        question,
+        prefix,
+        names,
+        "all",
+        max_new_tokens=30,
+        meta={"haystack": haystack, "chains": [c[1] for c in chains], "values": starts, "units": n},
+    )

@@ -25,8 +25,10 @@ def common_words(name: str, context_len: int, seed: int, count) -> Sample:
     words = list(WORDS)
     rng.shuffle(words)
     common, rare = words[:10], words[10:]
-    header = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the " \
-             "ones that appear most often.\n"
+    header = (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+        "ones that appear most often.\n"
+    )
     question = "\nQuestion: What are the 10 most common words in the above list?"
     prefix = " Answer: The top 10 words that appear most often in the list are:"
 
@@ -43,8 +45,16 @@ def common_words(name: str, context_len: int, seed: int, count) -> Sample:
         return header + " ".join(f"{i + 1}. {w}" for i, w in enumerate(listing(n_rare)))
 
     n = fit(build, len(rare), context_len - count(question + prefix) - 2, count)
-    return Sample(name, build(n), question, prefix, common, "all", max_new_tokens=60,
-                  meta={"rare_words": n, "common_frequency": often, "rare_frequency": seldom})
+    return Sample(
+        name,
+        build(n),
+        question,
+        prefix,
+        common,
+        "all",
+        max_new_tokens=60,
+        meta={"rare_words": n, "common_frequency": often, "rare_frequency": seldom},
+    )
 
 
 def frequent_words(name: str, context_len: int, seed: int, count) -> Sample:
@@ -56,10 +66,14 @@ def frequent_words(name: str, context_len: int, seed: int, count) -> Sample:
             vocabulary.append(word)
     weights = [1.0 / (rank + 1) ** 2.0 for rank in range(len(vocabulary))]  # Zipf, alpha 2.0
     stream = rng.choices(vocabulary, weights=weights, k=20000)
-    header = "Read the following coded text and track the frequency of each coded word. Find the three most " \
-             "frequently appeared coded words.\n"
-    question = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
-                "frequently appeared words in the above coded text?")
+    header = (
+        "Read the following coded text and track the frequency of each coded word. Find the three most "
+        "frequently appeared coded words.\n"
+    )
+    question = (
+        "\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
+        "frequently appeared words in the above coded text?"
+    )
     prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
     def build(n: int) -> str:
@@ -70,5 +84,13 @@ def frequent_words(name: str, context_len: int, seed: int, count) -> Sample:
     for word in stream[:n]:
         counts[word] = counts.get(word, 0) + 1
     top = sorted(counts, key=lambda w: (-counts[w], w))[:3]
-    return Sample(name, build(n), question, prefix, top, "all", max_new_tokens=20,
-                  meta={"words": n, "top_counts": [counts[w] for w in top]})
+    return Sample(
+        name,
+        build(n),
+        question,
+        prefix,
+        top,
+        "all",
+        max_new_tokens=20,
+        meta={"words": n, "top_counts": [counts[w] for w in top]},
+    )

@@ -22,8 +22,13 @@ def _docs(kind: str, context_tokens=1024, n_docs=30, seed=0, **_):
     for i in range(int(n_docs)):
         position = POS[i % len(POS)]
         p = make_probe(kind, int(context_tokens), position, int(seed) + i)
-        doc = {"context": p.context, "question": p.question, "answer": p.answer, "position": position,
-               "meta": json.dumps(p.meta)}
+        doc = {
+            "context": p.context,
+            "question": p.question,
+            "answer": p.answer,
+            "position": position,
+            "meta": json.dumps(p.meta),
+        }
         if kind == "passkey":
             rng = random.Random(f"choices-{seed}-{i}")
             choices = {p.meta["key"]}
@@ -45,8 +50,9 @@ def records_dataset(**kwargs):
 
 
 def records_process_results(doc, results):
-    probe = Probe("records", doc["context"], doc["question"], doc["answer"], doc["position"], 0.0,
-                  json.loads(doc["meta"]))
+    probe = Probe(
+        "records", doc["context"], doc["question"], doc["answer"], doc["position"], 0.0, json.loads(doc["meta"])
+    )
     text = results[0].strip().split("\n")[0]
     s = score_answer(probe, text)
     return {"exact_match": s["exact"], "json_parse": s["parsed"], "value_match": s["value_match"]}

@@ -23,8 +23,15 @@ def dataset(task: str, context_tokens=2048, n_docs=50, seed=0, tokenizer=None, *
     docs = []
     for i in range(int(n_docs)):
         sample = make_sample(task, int(context_tokens), int(seed) + i, tokenizer)
-        docs.append({"context": sample.context, "question": sample.question, "answer_prefix": sample.answer_prefix,
-                     "answers": json.dumps(sample.answers), "metric": sample.metric})
+        docs.append(
+            {
+                "context": sample.context,
+                "question": sample.question,
+                "answer_prefix": sample.answer_prefix,
+                "answers": json.dumps(sample.answers),
+                "metric": sample.metric,
+            }
+        )
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
