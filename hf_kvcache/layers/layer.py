@@ -21,7 +21,7 @@ from ..common.compile_static import fixed_shape
 from ..common.rotation import rotate
 from ..integration.cache_layers import CacheLayerMixin
 from ..policies.base import Policy
-from ..policies.view import Chunk
+from ..policies.view import Chunk, Incoming
 from .codes_read import codes_now, dequantizes, read_codes, resolve_attention, watch_first_prefill
 from .forward_info import ForwardInfo
 from .slot_view import LayerSlotView
@@ -51,7 +51,7 @@ class CompressedLayer(CacheLayerMixin):
         self._attention_query_len = 0
         self._pending: Chunk | None = None  # a chunk whose placement waits for attention scores (`deferred`)
         # (keys, values, position ids) of the tokens being placed, during `policy.place` and the write (key scorers)
-        self.incoming: tuple | None = None
+        self.incoming: Incoming | None = None
         self.key_rotation: torch.Tensor | None = None  # [D, D] orthogonal: keys are stored (and returned) rotated
         # "auto" / "blockwise": attention reads the store's codes (hf_kvcache.layers.codes_read), resolved at
         # allocation; None: the cache has no such option (eviction caches: `full_precision_native` decides)
@@ -214,7 +214,7 @@ class CompressedLayer(CacheLayerMixin):
     def _place_and_write(self, key_states, value_states, real, positions) -> None:
         """Let the policy place the new tokens and write them; during both, `incoming` holds (keys, values, position
         ids) of those tokens for policies that score them (key scorers), cleared afterwards even if either raises."""
-        self.incoming = (key_states, value_states, positions)
+        self.incoming = Incoming(key_states, value_states, positions)
         try:
             placement = self.policy.place(self.view, real, self.seen)
             self._write(placement, key_states, value_states, positions, self.seen)
@@ -248,8 +248,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def commit(self, placement) -> None:
         """Write the pending chunk's survivors (called by a deferred policy once it has the chunk's scores)."""
-        key_states, value_states, _, positions, seen_before = self._pending
-        self._pending = None
+        chunk, self._pending = self._pending, None
+        key_states, value_states, positions, seen_before = chunk.keys, chunk.values, chunk.positions, chunk.seen_before
         self._write(placement, key_states, value_states, positions, seen_before)
         self.used = self.policy.used_after(self.seen)
 

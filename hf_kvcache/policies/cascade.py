@@ -340,7 +340,7 @@ class CascadePolicy(Policy):
         if scores is None:
             return
         used = view.used
-        _, _, real, _, seen_before = view.pending
+        real, seen_before = view.pending.real, view.pending.seen_before
         placement = self._place_chunk(view, real, seen_before, scores[..., used:])
         view.commit(placement)
         q = real.shape[1]

@@ -136,7 +136,7 @@ class TOVAScorer(_AttentionScorer):
 
 class KnormScorer(HeavyScorer):
     def chunk_scores(self, policy, view, real: torch.Tensor) -> torch.Tensor:
-        return knorm_scores(view.incoming[0])
+        return knorm_scores(view.incoming.keys)
 
     def arrival(self, policy, view, placement, keys: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         return knorm_scores(keys)  # fixed at arrival
@@ -151,7 +151,7 @@ class KeyDiffScorer(HeavyScorer):
     def _candidates(self, view, real: torch.Tensor, n_stored: int) -> torch.Tensor:
         """KeyDiff scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens, the anchor
         taken over the valid ones (as KeyDiffPolicy does)."""
-        keys = view.incoming[0]
+        keys = view.incoming.keys
         stored = view.read(n_stored)[0] if n_stored else keys[:, :, :0]
         candidates = torch.cat((stored, keys.to(stored.dtype)), 2)
         valid = torch.cat((view.valid[..., :n_stored], real[:, None].expand(-1, keys.shape[1], -1)), -1)
@@ -294,7 +294,8 @@ class ExpectedAttentionScorer(_SlotState):
     def observe_queries(self, policy, view, query: torch.Tensor) -> torch.Tensor | None:
         if view.pending is None:  # decode: the statistics stay those of the prompt
             return None
-        keys, values, real, positions, _seen_before = view.pending
+        pending = view.pending
+        keys, values, real, positions = pending.keys, pending.values, pending.real, pending.positions
         running = None if self.count is None else (self.count, self.total, self.outer)
         self.count, self.total, self.outer = accumulate_queries(
             running, query, real, positions, self.sinks, self.rotator, view.layer_idx, True
@@ -332,7 +333,7 @@ class ExpectedAttentionScorer(_SlotState):
             self._chunk = None
         else:  # decode: the new token, with the statistics of the prompt
             logits = expected_logits(keys, self.mean, self.cov).view(dest.shape[0], dest.shape[1], groups, -1)
-            value_norm = view.incoming[1].float().norm(dim=-1)
+            value_norm = view.incoming.values.float().norm(dim=-1)
         self.logits.scatter_(3, dest[:, :, None].expand(-1, -1, groups, -1), logits)
         self.value_norm[:, :, 0].scatter_(2, dest, value_norm.gather(2, src))
         return None

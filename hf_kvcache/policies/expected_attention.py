@@ -150,7 +150,9 @@ class ExpectedAttentionPolicy(ScoredPolicy):
     def observe_queries(self, view, query: torch.Tensor) -> None:
         if view.pending is None:  # decode: statistics stay those of the prompt
             return
-        keys, values, real, positions, seen_before = view.pending
+        pending = view.pending
+        keys, values, real, positions = pending.keys, pending.values, pending.real, pending.positions
+        seen_before = pending.seen_before
         self._statistics(view, query, real, positions)
         used = view.used
         if used:
@@ -186,7 +188,7 @@ class ExpectedAttentionPolicy(ScoredPolicy):
             logits, value_norm = chunk
             self._chunk_logits = None
         else:  # decode: the new token, with the statistics of the prompt
-            values = view.incoming[1]
+            values = view.incoming.values
             src = placement.src.expand(dest.shape)
             logits = expected_logits(keys, self.mean, self.cov)
             value_norm = values.float().norm(dim=-1).gather(2, src) if self.use_value_norm else None

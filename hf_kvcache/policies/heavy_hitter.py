@@ -151,7 +151,7 @@ class HeavyHitterPolicy(Policy):
             return
         used = view.used
         self.scores[..., :used] += scores[..., :used]
-        _, _, real, _, seen_before = view.pending
+        real, seen_before = view.pending.real, view.pending.seen_before
         placement = self._select(view, real, seen_before, scores[..., used:])
         view.commit(placement)
         dest = torch.where(placement.dest >= 0, placement.dest, view.trash_slot)

@@ -37,13 +37,13 @@ class KeyDiffPolicy(ScoredPolicy):
         return keydiff_scores(keys, valid)
 
     def place_chunk(self, view, real, seen: int) -> Placement:
-        keys, _, positions = view.incoming
+        keys, positions = view.incoming.keys, view.incoming.positions
         used = view.used
         scores = self._candidates(view, used, keys, real[:, None, :].expand(-1, keys.shape[1], -1))
         return self.select_chunk(view, real, seen, positions, scores[..., :used], scores[..., used:])
 
     def refresh(self, view, real: torch.Tensor) -> None:
-        keys, _, _ = view.incoming
+        keys = view.incoming.keys
         c = self.capacity
         scores = self._candidates(view, c, keys, real[:, None, :].expand(-1, keys.shape[1], -1))[..., :c]
         self.scores[..., :c] = self.protect(scores, view.positions[..., :c])

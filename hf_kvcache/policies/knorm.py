@@ -28,6 +28,6 @@ class KnormPolicy(ScoredPolicy):
         return knorm_scores(keys)
 
     def place_chunk(self, view, real, seen: int) -> Placement:
-        keys, _, positions = view.incoming
+        keys, positions = view.incoming.keys, view.incoming.positions
         used = view.used
         return self.select_chunk(view, real, seen, positions, self.scores[..., :used], knorm_scores(keys))

@@ -113,7 +113,7 @@ class KVzipPolicy(ScoredPolicy):
     def place_chunk(self, view, real, seen: int) -> Placement:
         if self.context_scores is None or self.context_scores.shape[-1] != real.shape[1] or view.used:
             raise RuntimeError("KVzipPolicy places one context whose reconstruction scores it was given, once.")
-        _, _, positions = view.incoming
+        positions = view.incoming.positions
         scores, self.context_scores = self.context_scores, None
         return self.select_chunk(view, real, seen, positions, scores[..., :0], scores)
 

@@ -45,7 +45,7 @@ def chunk_votes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pending chunk's window votes [B, heads, used + q] (column scores over the real queries of the observation
     window: its mean attention) for the stored tokens then the chunk's, and the same votes pooled."""
-    _, _, real, _, seen_before = view.pending
+    real, seen_before = view.pending.real, view.pending.seen_before
     count = real[:, -window:].sum(-1).clamp_min(1).float()[:, None, None]  # real queries in the window
     scores = group_mean(column_scores.float(), heads) / count
     used, q = view.used, real.shape[1]
@@ -97,7 +97,8 @@ class SnapKVPolicy(ScoredPolicy):
                 self.rows, group_mean(column_scores.float(), heads), view.seen - self.ring_origin, self.window
             )
             return
-        _, _, real, positions, seen_before = view.pending
+        pending = view.pending
+        real, positions, seen_before = pending.real, pending.positions, pending.seen_before
         used = view.used
         scores, pooled = chunk_votes(view, column_scores, heads, self.stream, self.window, self.kernel)
         self._seed = scores  # the prompt's window as one ring row, re-slotted after the commit

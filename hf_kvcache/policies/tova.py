@@ -36,5 +36,6 @@ class TOVAPolicy(ScoredPolicy):
             self.scores[..., :n] = self.protect(scores, view.positions[..., :n])
             return
         used = view.used
-        _, _, real, positions, seen_before = view.pending
+        pending = view.pending
+        real, positions, seen_before = pending.real, pending.positions, pending.seen_before
         view.commit(self.select_chunk(view, real, seen_before, positions, scores[..., :used], scores[..., used:]))

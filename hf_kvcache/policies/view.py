@@ -28,6 +28,14 @@ class Chunk(NamedTuple):
     seen_before: int  # stream index of its first token
 
 
+class Incoming(NamedTuple):
+    """The tokens of the current update, being placed (read by policies that score tokens as they arrive)."""
+
+    keys: torch.Tensor  # [B, H, q, D]
+    values: torch.Tensor  # [B, H, q, Dv]
+    positions: torch.Tensor  # [B, q] position ids
+
+
 class SlotView(Protocol):
     # -- what a policy may read -----------------------------------------------------------------------------------
     valid: torch.Tensor  # [B, Hm, slots + 1] bool: the slot holds a real token (do not write: use evict / move)
@@ -38,7 +46,7 @@ class SlotView(Protocol):
     layer_idx: int  # the model layer (RoPE plans are per layer)
     ready: bool  # the layer has allocated its slots (a first forward happened)
     padded: bool  # the stream has had padding (rows then differ in layout)
-    incoming: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (keys, values, position ids) being placed
+    incoming: Incoming | None  # the tokens being placed
     pending: Chunk | None  # the chunk waiting for a deferred policy's `commit`, else None
     has_regions: bool  # the store splits its slots into regions of their own format (CompositeCache)
     writes_single_slots: bool  # the store takes one-token writes into a known slot (the decode fast path)
