@@ -44,11 +44,12 @@ def _one(pattern: str) -> Path:
 
 def _run(code: str, tmp_path: Path, env: dict | None = None, timeout: int = 600) -> str:
     """Run `code` with the wheel environment's Python, from a folder outside the checkout (so `hf_kvcache` can only
-    come from the installed wheel); returns stdout, failing with its output if it exits non-zero."""
+    come from the installed wheel) and offline (HF_HUB_OFFLINE=1); returns stdout, failing with its output if it exits
+    non-zero. `env`: variables to set, None to leave one out."""
     script = tmp_path / "run.py"
     script.write_text(code)
     python = str(Path(VENV) / "bin" / "python")
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     for name in [n for n, v in full_env.items() if v is None] + ["PYTHONPATH"]:  # None: left out
         full_env.pop(name, None)
     done = subprocess.run(
@@ -93,7 +94,7 @@ def test_the_installed_package_is_the_wheel(tmp_path):
 
 
 def test_readme_quickstart_runs_from_the_wheel(tmp_path):
-    out = _run(program(), tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    out = _run(program(), tmp_path)
     assert "README.md, python block 2" in out and "snippets ran:" in out
 
 
@@ -110,7 +111,7 @@ done = {}
 for name in sorted(CACHE_IMPLEMENTATIONS):
     out = model.generate(**ids, cache_implementation=name, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     done[name] = out.shape[1] - ids["input_ids"].shape[1]
-tasks = Path(evaluation.__file__).with_name("tasks")
+tasks = Path(evaluation.__file__).with_name("tasks")  # (lm_eval_adapter.TASKS_DIR needs lm_eval, not installed)
 print(json.dumps({"generated": done, "tasks": sorted(p.name for p in tasks.glob("*.yaml"))}))
 """
 
@@ -118,7 +119,7 @@ print(json.dumps({"generated": done, "tasks": sorted(p.name for p in tasks.glob(
 def test_every_cache_name_generates_from_the_wheel(tmp_path):
     """Each registered name by `cache_implementation` with its defaults: KIVI's packing comes from the quanto extra,
     the lm-eval task files and the kernel sources from the wheel."""
-    found = json.loads(_run(_EVERY_CACHE, tmp_path, env={"HF_HUB_OFFLINE": "1"}).strip().splitlines()[-1])
+    found = json.loads(_run(_EVERY_CACHE, tmp_path).strip().splitlines()[-1])
     from hf_kvcache.caches.catalog import CACHE_IMPLEMENTATIONS
 
     assert found["generated"] == {name: 4 for name in CACHE_IMPLEMENTATIONS}
@@ -140,7 +141,7 @@ print(json.dumps({"unavailable": why, "sources": [str(s) for s in cpu_blockwise.
 
 
 def _native(tmp_path, env):
-    return json.loads(_run(_NATIVE, tmp_path, env={"HF_HUB_OFFLINE": "1", **env}).strip().splitlines()[-1])
+    return json.loads(_run(_NATIVE, tmp_path, env=env).strip().splitlines()[-1])
 
 
 def test_native_kernel_builds_from_the_wheel_sources_and_falls_back_without_a_compiler(tmp_path):
