@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_kvcache.policies.heavy_hitter import random_keys
+from hf_kvcache.scorers.random_keys import random_keys
 
 FP8_E4M3_MAX = 448.0
 

@@ -360,7 +360,7 @@ def test_random_eviction_draws_per_global_kv_head_and_seed():
         assert cache.tensor_parallel.size == 1  # a config-only cache: single process, head offset 0
         if name.startswith("rank"):
             for layer in cache.layers:
-                layer.policy.tensor_parallel = TensorParallel(rank=rank, size=2, kv_heads=4)
+                layer.policy.scorer.tensor_parallel = TensorParallel(rank=rank, size=2, kv_heads=4)
         _feed(cache, heads, steps)
         caches[name] = _kept_sets(cache)
     full = caches["full"]

@@ -122,21 +122,13 @@ def test_public_api():
 
     assert hf_kvcache.SinkCache is caches.SinkCache and hf_kvcache.KVCacheConfig is hf_kvcache.sharing.hub.KVCacheConfig
     assert hf_kvcache.CACHE_IMPLEMENTATIONS["sink"] is hf_kvcache.SinkCache
-    assert set(hf_kvcache.CACHE_IMPLEMENTATIONS) == {
-        "sink",
-        "sliding",
-        "h2o",
-        "composite",
-        "random_eviction",
-        "fp8",
-        "kivi",
-        "knorm",
-        "keydiff",
-        "tova",
-        "snapkv",
-        "expected_attention",
-        "kvzip",
-    }
+    from hf_kvcache.scorers import SCORERS
+
+    # every scorer is a cache of its own name (hf_kvcache.scorers.registry), besides the caches that rank nothing
+    assert set(hf_kvcache.CACHE_IMPLEMENTATIONS) == {"sink", "sliding", "composite", "fp8", "kivi"} | set(SCORERS)
+    assert {"h2o", "random_eviction", "knorm", "keydiff", "tova", "snapkv", "expected_attention", "kvzip"} <= set(
+        SCORERS
+    )
     assert hf_kvcache.__version__ == hf_kvcache.version.__version__
 
 

@@ -14,7 +14,7 @@ from conftest import PAD, build_model, left_pad, random_ids
 from transformers import DynamicCache
 
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
-from hf_kvcache.policies.scored import group_mean
+from hf_kvcache.scorers.base import group_mean
 
 N = 24  # prompt length; budgets >= N keep every token, so every token's score is stored in slot = its index
 LAYER = 1
@@ -219,15 +219,16 @@ def test_rescore_every_n_steps(name, monkeypatch):
 
     model = build_model("llama")
     extra = {"window": 2} if name == "snapkv" else {}
-    cls = type(CACHE_IMPLEMENTATIONS[name](model, budget=6, **extra).layers[0].policy)
-    assert issubclass(cls, ScoredPolicy)
-    original, calls = cls.refresh, []
+    policy = CACHE_IMPLEMENTATIONS[name](model, budget=6, **extra).layers[0].policy
+    assert isinstance(policy, ScoredPolicy)
+    cls = type(policy.scorer)
+    original, calls = cls.before_selection, []
 
-    def counted(self, view, real):
+    def counted(self, host, view, real):
         calls.append(view.seen)
-        original(self, view, real)
+        original(self, host, view, real)
 
-    monkeypatch.setattr(cls, "refresh", counted)
+    monkeypatch.setattr(cls, "before_selection", counted)
     cache = CACHE_IMPLEMENTATIONS[name](model, budget=6, rescore_every=4, **extra)
     model.generate(random_ids(1, 10), max_new_tokens=9, do_sample=False, **cache_kwargs(cache))
     # 8 decode steps (the first new token comes from the prefill), all evicting: re-scored before steps 1 and 5

@@ -7,8 +7,9 @@
         {"role": "rest", "keys": "fp8_e4m3", "values": "int4"},              # everything older, kept
     ]
     # or, instead of "rest": {"role": "heavy", "tokens": 64, "keys": ..., "values": ...}  (H2O heavy hitters;
-    #   "scorer": "tova" / "knorm" / "keydiff" / "snapkv" / "expected_attention" ranks them like those caches, see
-    #   policies/cascade_scorers.py; snapkv also takes "window" (observation window, 64) and "kernel" (5));
+    #   "scorer": any name of hf_kvcache.scorers.HEAVY_SCORERS ranks them as that scorer's cache does, the scorer's
+    #   parameters as keys of the region, e.g. snapkv's "window" (observation window, 64) and "kernel" (5); a
+    #   scorer's "sinks" defaults to the sinks region's tokens);
     # with neither, tokens older than the last window are evicted.
 
 Windows are age ranges (tokens back from the newest) and must tile [0, end) without overlap or gap. `keys` and
@@ -57,10 +58,11 @@ from ..common.architecture import is_latent_attention
 from ..common.rope import KeyRotator, check_rotator_once
 from ..common.validation import check_keys, require_choice, require_int
 from ..layers.codes_read import ATTENTION_MODES, attention_option
-from ..policies.cascade import HEAVY_SCORERS, CascadePolicy
-from ..policies.cascade_scorers import SNAPKV_KERNEL, SNAPKV_WINDOW
-from ..policies.heavy_hitter import AGGREGATIONS
+from ..policies.cascade import CascadePolicy
 from ..policies.prompt_mode import COMPRESS_MODES
+from ..scorers.h2o import AGGREGATIONS
+from ..scorers.registry import HEAVY_SCORERS, make_scorer, options_of
+from ..scorers.snapkv import WINDOW as SNAPKV_WINDOW
 from ..stores import FullPrecisionStore
 from ..stores.quantization import QuantSpec
 from ..stores.regions import RegionStore
@@ -71,7 +73,7 @@ ROLES = ("sinks", "window", "heavy", "rest")
 ROLE_KEYS = {
     "sinks": ("role", "tokens", "keys", "values"),
     "window": ("role", "start", "end", "keys", "values"),
-    "heavy": ("role", "tokens", "keys", "values", "scorer", "window", "kernel"),
+    "heavy": ("role", "tokens", "keys", "values", "scorer"),  # and the scorer's parameters (`_scorer_keys`)
     "rest": ("role", "keys", "values"),
 }
 FULL = "full"
@@ -98,7 +100,12 @@ def parse_regions(regions: Any) -> dict:
         if not isinstance(region, dict):
             raise ValueError(f"{where} must be a dict, got {type(region).__name__}.")
         role = require_choice(f"{where}.role", region.get("role"), ROLES)
-        check_keys(f"{where} ({role})", region, ROLE_KEYS[role])
+        scorer = None
+        if role == "heavy":
+            scorer = require_choice(f"{where}.scorer", region.get("scorer", "h2o"), HEAVY_SCORERS)
+        check_keys(
+            f"{where} ({role})", region, ROLE_KEYS[role] + (_scorer_keys(where, scorer, region) if scorer else ())
+        )
         entry = {"keys": region.get("keys", FULL), "values": region.get("values", FULL), "where": where}
         if role == "sinks":
             if sinks is not None:
@@ -116,8 +123,14 @@ def parse_regions(regions: Any) -> dict:
             final = {**entry, "role": role}
             if role == "heavy":
                 final["tokens"] = require_int(f"{where}.tokens", region.get("tokens"), 1)
-                final["scorer"] = require_choice(f"{where}.scorer", region.get("scorer", "h2o"), HEAVY_SCORERS)
-                final["options"] = _scorer_options(where, final["scorer"], region)
+                final["scorer"] = scorer
+                final["options"] = {key: region[key] for key in options_of(scorer) if key in region}
+                try:
+                    final["observation_window"] = getattr(make_scorer(scorer, **final["options"]), "window", None)
+                except ValueError as error:  # the scorer's own check, its field named by where it is in the config
+                    message = str(error)
+                    named = f"`{where}.{message[1:]}" if message.startswith("`") else f"{where}: {message}"
+                    raise ValueError(named) from None
     if not windows:
         raise ValueError("`regions` needs at least one 'window' region (the most recent tokens, start 0).")
     windows.sort(key=lambda w: w["start"])
@@ -134,28 +147,28 @@ def parse_regions(regions: Any) -> dict:
                 f"{w['start'] - expected} tokens."
             )
         expected = w["end"]
-    if final is not None and "window" in final.get("options", {}) and final["options"]["window"] > expected:
+    if final is not None and (final.get("observation_window") or 0) > expected:
         raise ValueError(
-            f"{final['where']}.window ({final['options']['window']}) must not exceed the window regions' span "
+            f"{final['where']}.window ({final['observation_window']}) must not exceed the window regions' span "
             f"({expected} tokens): the observation window's tokens are kept by the windows, not ranked."
         )
     return {"sinks": sinks, "windows": windows, "final": final}
 
 
-def _scorer_options(where: str, scorer: str, region: dict) -> dict:
-    """SnapKV's `window` and `kernel` (defaults: SnapKVCache's); refused for the other scorers."""
-    given = [key for key in ("window", "kernel") if key in region]
-    if scorer != "snapkv":
-        if given:
+def _scorer_keys(where: str, scorer: str, region: dict) -> tuple[str, ...]:
+    """The keys a heavy region ranked by `scorer` may hold besides its own: the scorer's parameters. A parameter of
+    another scorer is refused by name."""
+    allowed = options_of(scorer)
+    for key in region:
+        if key in ROLE_KEYS["heavy"] or key in allowed:
+            continue
+        owners = [name for name in HEAVY_SCORERS if key in options_of(name)]
+        if owners:
             raise ValueError(
-                f"{where}.{given[0]} is an option of scorer 'snapkv' only (this region's scorer is {scorer!r})."
+                f"{where}.{key} is an option of scorer {' / '.join(map(repr, owners))} only (this region's scorer is "
+                f"{scorer!r})."
             )
-        return {}
-    window = require_int(f"{where}.window", region.get("window", SNAPKV_WINDOW), 1)
-    kernel = require_int(f"{where}.kernel", region.get("kernel", SNAPKV_KERNEL), 1)
-    if kernel % 2 == 0:
-        raise ValueError(f"`{where}.kernel` must be odd (pooling keeps the sequence length), got {kernel}.")
-    return {"window": window, "kernel": kernel}
+    return allowed
 
 
 def precision_key(keys: Any, values: Any) -> tuple:
@@ -250,6 +263,7 @@ class CompositeCache(KVCache):
                 "nothing to compress; use compress='always' or a 'heavy' region / no final region."
             )
         scorer = final.get("scorer", "h2o") if final else "h2o"
+        sink_tokens = sinks["tokens"] if sinks else 0
         rotators = {}  # built after the base class checked the architecture
         final_kind = "evict" if final is None else {"rest": "keep", "heavy": "heavy"}[final["role"]]
         # heavy hitters at the last window's precision share its slots (one pool, no move from window to heavy)
@@ -274,20 +288,23 @@ class CompositeCache(KVCache):
             if sinks is not None and sink_positions == "cache" and "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg, parameter="sink_positions")
             options = dict(final.get("options", {})) if final else {}
+            if scorer == "h2o":
+                options.setdefault("aggregation", aggregation)
+            if "sinks" in options_of(scorer):  # the sinks region plays the scorer's sinks unless it says otherwise
+                options.setdefault("sinks", sink_tokens)
+            heavy_scorer = make_scorer(scorer, **options)
             if scorer == "expected_attention":  # un-rotates queries and rotates their statistics with the RoPE
                 if "queries" not in rotators:
                     rotators["queries"] = KeyRotator(cfg, parameter="expected_attention")
-                options["rotator"] = rotators["queries"]
+                heavy_scorer.rotator = rotators["queries"]
             policy = CascadePolicy(
-                sinks=sinks["tokens"] if sinks else 0,
+                sinks=sink_tokens,
                 tier_sizes=[w["end"] - w["start"] for w in windows],
                 final=final_kind,
                 heavy=final.get("tokens", 0) if final else 0,
-                aggregation=aggregation,
                 rotator=rotators.get("rotator"),
                 pooled=pooled,
-                scorer=scorer,
-                scorer_options=options,
+                scorer=heavy_scorer if final_kind == "heavy" else None,
             )
             stores = [make_store(p["keys"], p["values"], p["where"], self.workspace) for p in parts]
             return policy, RegionStore(sizes, stores, self.workspace)

@@ -9,8 +9,10 @@ from __future__ import annotations
 from ..common.rope import KeyRotator
 from ..common.validation import require_choice, require_int
 from ..policies import SinkWindowPolicy
-from ..policies.heavy_hitter import AGGREGATIONS, HeavyHitterPolicy, RandomEvictionPolicy
+from ..policies.heavy_hitter import HeavyHitterPolicy
 from ..policies.prompt_mode import COMPRESS_MODES
+from ..scorers.h2o import AGGREGATIONS, H2O
+from ..scorers.random_keys import RandomKeys
 from ..stores import FullPrecisionStore
 from .base import POSITION_MODES, KVCache, _size_or_ratio
 from .head_budget import check_head_budget, with_head_budget
@@ -141,13 +143,13 @@ class H2OCache(KVCache):
         if not isinstance(heavy, float) and not isinstance(recent, float) and heavy + recent < 1:
             raise ValueError("`heavy` + `recent` must be at least 1 token.")
         self.heavy, self.recent, self.aggregation, self.position_mode = heavy, recent, aggregation, position_mode
-        make_policy = getattr(self, "_policy_factory", HeavyHitterPolicy)
+        make_scorer = getattr(self, "_scorer_factory", lambda: H2O(aggregation))
         rotators = {}
 
         def layer_parts(cfg):
             if position_mode == "compact" and "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg)
-            policy = make_policy(heavy, recent, aggregation, rotators.get("rotator"))
+            policy = HeavyHitterPolicy(heavy, recent, make_scorer(), rotators.get("rotator"))
             policy.average = self.attention_score == "average"
             return with_head_budget(policy, self.head_budget, self.safeguard)
 
@@ -173,7 +175,6 @@ class RandomEvictionCache(H2OCache):
     ):
         seed = require_int("seed", seed, 0)
         self.seed = seed
-        self._policy_factory = lambda heavy, recent, aggregation, rotator: RandomEvictionPolicy(
-            heavy, recent, seed, self.tensor_parallel
-        )  # draws keyed by global KV head under tensor parallelism
+        # draws keyed by global KV head under tensor parallelism
+        self._scorer_factory = lambda: RandomKeys(seed, self.tensor_parallel)
         super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, compress=compress, layers=layers)

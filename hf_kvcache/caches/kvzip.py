@@ -39,8 +39,10 @@ from ..common.validation import require_choice, require_int
 from ..integration.cache_argument import cache_kwargs
 from ..layers.layer import CompressedLayer
 from ..policies.heavy_hitter import resolve_size
-from ..policies.kvzip import KVzipPolicy, ReconstructionScoringPolicy, layer_budgets
+from ..policies.kvzip import ReconstructionScoringPolicy, layer_budgets
 from ..policies.prompt_mode import PromptCompressionPolicy
+from ..policies.scored import ScoredPolicy
+from ..scorers.kvzip import Reconstruction
 from ..stores import FullPrecisionStore
 from .base import KVCache
 from .head_budget import check_head_budget, with_head_budget
@@ -346,12 +348,14 @@ class KVzipCache(KVCache):
         when the model allots them), scored by `scores`."""
         settings = self._settings(layer)
         head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
+        scorer = Reconstruction()
+        scorer.context_scores = scores
         policy, store = with_head_budget(
-            KVzipPolicy(
+            ScoredPolicy(
                 budget or _budget(settings["budget"]),
-                scores,
-                settings["sinks"],
                 settings["recent"],
+                scorer,
+                sinks=settings["sinks"],
                 total=total if head_budget == "adaptive" else None,
             ),
             head_budget,

@@ -25,16 +25,23 @@ re-score the stored tokens before choosing the victim): re-score every N steps i
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import sys
+
 from transformers import PreTrainedModel
 
 from ..common.rope import KeyRotator, check_rotator_once
 from ..common.validation import require_choice, require_int
-from ..policies.expected_attention import ExpectedAttentionPolicy
-from ..policies.keydiff import KeyDiffPolicy
-from ..policies.knorm import KnormPolicy
 from ..policies.prompt_mode import COMPRESS_MODES
-from ..policies.snapkv import SnapKVPolicy
-from ..policies.tova import TOVAPolicy
+from ..policies.scored import ScoredPolicy
+from ..scorers.base import Scorer
+from ..scorers.expected_attention import ExpectedAttention
+from ..scorers.keydiff import KeyDiff
+from ..scorers.knorm import Knorm
+from ..scorers.registry import SCORERS
+from ..scorers.snapkv import SnapKV
+from ..scorers.tova import TOVA
 from .base import KVCache, _size_or_ratio
 from .head_budget import check_head_budget, with_head_budget
 
@@ -101,7 +108,7 @@ class KnormCache(_ScorerCache):
         layers: dict | list | None = None,
     ):
         self.recent, share = self._window(recent, budget, compress, paper=0, decode_share=KNORM_DECODE_RECENT_SHARE)
-        policy = lambda cfg: KnormPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
+        policy = lambda cfg: ScoredPolicy(self.budget, self.recent, Knorm(), recent_share=share)  # noqa: E731
         self._setup(config_or_model, budget, compress, policy, layers, head_budget, safeguard)
 
 
@@ -128,7 +135,9 @@ class KeyDiffCache(_ScorerCache):
             config_or_model,
             budget,
             compress,
-            lambda cfg: KeyDiffPolicy(self.budget, self.recent, recent_share=share, rescore_every=self.rescore_every),
+            lambda cfg: ScoredPolicy(
+                self.budget, self.recent, KeyDiff(), recent_share=share, rescore_every=self.rescore_every
+            ),
             layers,
             head_budget,
             safeguard,
@@ -150,7 +159,7 @@ class TOVACache(_ScorerCache):
         layers: dict | list | None = None,
     ):
         self.recent, share = self._window(recent, budget, compress, paper=1)
-        policy = lambda cfg: TOVAPolicy(self.budget, self.recent, recent_share=share)  # noqa: E731
+        policy = lambda cfg: ScoredPolicy(self.budget, self.recent, TOVA(), recent_share=share)  # noqa: E731
         self._setup(config_or_model, budget, compress, policy, layers)  # (one token set per layer: no head budgets)
 
 
@@ -174,10 +183,8 @@ class SnapKVCache(_ScorerCache):
         safeguard: float = 0.2,
         layers: dict | list | None = None,
     ):
-        self.window = require_int("window", window, 1)
-        self.kernel = require_int("kernel", kernel, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"`kernel` must be odd (pooling keeps the sequence length), got {kernel}.")
+        SnapKV(window, kernel)  # (validates them)
+        self.window, self.kernel = window, kernel
         _recent(window, _budget(budget), "window")
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
         self.recent, share = self._window(recent, budget, compress, paper=window)
@@ -185,11 +192,10 @@ class SnapKVCache(_ScorerCache):
             config_or_model,
             budget,
             compress,
-            lambda cfg: SnapKVPolicy(
+            lambda cfg: ScoredPolicy(
                 self.budget,
-                self.window,
-                self.kernel,
-                recent=self.recent,
+                max(self.window, self.recent),  # the observation window is kept
+                SnapKV(self.window, self.kernel),
                 recent_share=share,
                 rescore_every=self.rescore_every,
             ),
@@ -223,24 +229,20 @@ class ExpectedAttentionCache(_ScorerCache):
     ):
         self.recent, share = self._window(recent, budget, compress, paper=0)
         self.rescore_every = require_int("rescore_every", rescore_every, 1)
-        self.sinks = require_int("sinks", sinks, 0)
-        self.future = require_int("future", future, 1)
-        for name, value in (("use_covariance", use_covariance), ("use_value_norm", use_value_norm)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        ExpectedAttention(sinks, future, use_covariance, use_value_norm)  # (validates them)
+        self.sinks, self.future = sinks, future
         rotators = {}
 
         def make_policy(cfg):
             if "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg, parameter="expected_attention")
-            return ExpectedAttentionPolicy(
+            scorer = ExpectedAttention(self.sinks, self.future, use_covariance, use_value_norm)
+            scorer.rotator = rotators["rotator"]
+            return ScoredPolicy(
                 self.budget,
                 self.recent,
-                self.sinks,
-                self.future,
-                use_covariance,
-                use_value_norm,
-                rotator=rotators["rotator"],
+                scorer,
+                sinks=self.sinks,
                 recent_share=share,
                 rescore_every=self.rescore_every,
             )
@@ -251,4 +253,95 @@ class ExpectedAttentionCache(_ScorerCache):
             check_rotator_once(config_or_model, rotators["rotator"], indices)
 
 
-SCORER_CACHES = (KnormCache, KeyDiffCache, TOVACache, SnapKVCache, ExpectedAttentionCache)
+#: scorers whose cache is written elsewhere (H2OCache, RandomEvictionCache, KVzipCache) or above
+WRITTEN_CACHES = ("h2o", "random_eviction", "kvzip", "knorm", "keydiff", "tova", "snapkv", "expected_attention")
+#: constructor arguments every generated scorer cache takes besides its scorer's fields
+COMMON_PARAMETERS = ("budget", "recent", "compress", "rescore_every", "head_budget", "safeguard")
+
+
+def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:
+    """The cache of a registered scorer that has no hand-written one: `budget`, `recent`, `compress`,
+    `rescore_every`, `head_budget`, `safeguard` as the scorer caches above (no recent window by default in prompt
+    mode, `DECODE_RECENT_SHARE` of the budget in "always" mode), and the scorer's own fields as keyword arguments.
+    Registered as `cache_implementation=scorer_cls.name`."""
+    fields = [f for f in dataclasses.fields(scorer_cls) if f.init and not f.metadata.get("bound")]
+    allowed = tuple(f.name for f in fields)
+
+    def __init__(
+        self,
+        config_or_model,
+        budget=None,
+        recent=None,
+        compress="always",
+        rescore_every=1,
+        head_budget="uniform",
+        safeguard=0.2,
+        layers=None,
+        **options,
+    ):
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"`{unknown[0]}` is not a parameter of cache {scorer_cls.name!r}; its scorer's parameters: "
+                f"{', '.join(allowed) or 'none'}."
+            )
+        scorer_cls(**options)  # (validates them)
+        self.options = dict(options)
+        self.recent, share = self._window(recent, budget, compress, paper=0)
+        self.rescore_every = require_int("rescore_every", rescore_every, 1)
+        self._setup(
+            config_or_model,
+            budget,
+            compress,
+            lambda cfg: ScoredPolicy(
+                self.budget,
+                self.recent,
+                scorer_cls(**self.options),
+                recent_share=share,
+                rescore_every=self.rescore_every,
+            ),
+            layers,
+            head_budget,
+            safeguard,
+        )
+
+    parameter = inspect.Parameter
+    __init__.__signature__ = inspect.Signature(
+        [
+            parameter("self", parameter.POSITIONAL_OR_KEYWORD),
+            parameter("config_or_model", parameter.POSITIONAL_OR_KEYWORD),
+            *(
+                parameter(name, parameter.POSITIONAL_OR_KEYWORD, default=default)
+                for name, default in (
+                    ("budget", None),
+                    ("recent", None),
+                    ("compress", "always"),
+                    ("rescore_every", 1),
+                    ("head_budget", "uniform"),
+                    ("safeguard", 0.2),
+                )
+            ),
+            *(parameter(f.name, parameter.KEYWORD_ONLY, default=f.default) for f in fields),
+            parameter("layers", parameter.KEYWORD_ONLY, default=None),
+        ]
+    )
+    module = sys.modules[scorer_cls.__module__]
+    name = f"{scorer_cls.__name__}Cache"
+    doc = f"{(module.__doc__ or '').strip()}\n\nThe cache: {scorer_cache.__doc__.split(':', 1)[1].strip()}"
+    return type(
+        name,
+        (_ScorerCache,),
+        {
+            "cache_name": scorer_cls.name,
+            "__init__": __init__,
+            "__doc__": doc,
+            "__module__": __name__,
+            "scorer_class": scorer_cls,
+        },
+    )
+
+
+GENERATED_CACHES = tuple(scorer_cache(cls) for name, cls in SCORERS.items() if name not in WRITTEN_CACHES)
+globals().update({cls.__name__: cls for cls in GENERATED_CACHES})  # (importable by name, e.g. LagKVCache)
+
+SCORER_CACHES = (KnormCache, KeyDiffCache, TOVACache, SnapKVCache, ExpectedAttentionCache, *GENERATED_CACHES)

@@ -52,6 +52,14 @@ class StaticInt:
         holder.__dict__[self.name] = tuple(value) if isinstance(value, list) else value
 
 
+class StaticField(StaticInt):
+    """A StaticInt that is a dataclass field: `window: int = StaticField(64)` (a parameter of a scorer that sizes its
+    buffers). Dataclasses read a field's default through the class, so the class gives the default."""
+
+    def __get__(self, obj, owner=None):
+        return self.default if obj is None else super().__get__(obj, owner)
+
+
 def static_values(obj) -> dict:
     """The StaticInt values `obj` holds, by attribute name (for code that walks objects' attributes: state files):
     those of the StaticInt attributes its class declares (the holder module's own attributes are not among them)."""

@@ -5,9 +5,9 @@
   token's stream index, so a token keeps its slot while it stays in a tier and moves only when it ages into the
   next one (one move per tier boundary per decode step);
 - final: what happens to tokens older than the last tier: "evict" them, "keep" them all (a growing region), or
-  keep the `heavy` ones with the highest scores, per row and KV head. The `scorer` ranks them ("h2o", accumulated
-  attention, by default; the others and what they read: cascade_scorers.py); this policy keeps the per-slot scores
-  and moves them with their tokens.
+  keep the `heavy` ones with the highest scores, per row and KV head. The `scorer` ranks them (hf_kvcache.scorers:
+  H2O's accumulated attention by default); this policy is its host: it keeps the per-slot scores and moves them,
+  and the scorer's per-slot state, with their tokens.
 Each region's slots can live in a store of its own precision (see stores/regions.py).
 
 Pooled (`pooled=True`, heavy hitters at the last tier's precision): the last tier's ring and the heavy slots are one
@@ -26,9 +26,9 @@ import torch
 
 from ..common.compile_static import StaticInt, fixed_shape
 from ..common.rope import KeyRotator
-from ..common.validation import require_choice
+from ..scorers.base import Scorer
+from ..scorers.h2o import H2O
 from .base import Placement, Policy
-from .cascade_scorers import HEAVY_SCORERS, make_heavy_scorer
 from .sinks import SinkMemory
 
 FINAL_KINDS = ("evict", "keep", "heavy")
@@ -52,11 +52,9 @@ class CascadePolicy(Policy):
         tier_sizes: list[int],
         final: str,
         heavy: int = 0,
-        aggregation: str = "sum",
         rotator: KeyRotator | None = None,
         pooled: bool = False,
-        scorer: str = "h2o",
-        scorer_options: dict | None = None,
+        scorer: Scorer | None = None,
     ):
         if pooled and (final != "heavy" or not tier_sizes):
             raise ValueError(
@@ -71,19 +69,20 @@ class CascadePolicy(Policy):
         self.final_base = sinks + (ends[-1] if ends else 0)
         self.capacity = None if final == "keep" else self.final_base + (heavy if final == "heavy" else 0)
         self.pool_tier = len(self.tier_sizes) - 1 if pooled else None  # its ring and the heavy slots: one pool
-        self.scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
         self.per_head = final == "heavy"
-        # scorer_options: make_heavy_scorer's window / kernel (snapkv) or rotator (expected_attention: its sinks are
-        # this policy's sinks)
-        self.heavy_scorer = make_heavy_scorer(
-            scorer if final == "heavy" else None, aggregation, sinks=sinks, **(scorer_options or {})
-        )
-        self.deferred, self.needs_attention = self.heavy_scorer.deferred, self.heavy_scorer.needs_attention
-        self.needs_queries, self.attention_window = self.heavy_scorer.needs_queries, self.heavy_scorer.attention_window
-        self.reads_stored_keys = self.heavy_scorer.reads_stored_keys
+        # what ranks the heavy hitters (H2O by default); without a heavy region, no scores at all
+        self.scorer = (scorer or H2O()) if final == "heavy" else Scorer()
         self.n_real = self.stream = self.scores = None
         self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
         self.memory = SinkMemory(sinks, rotator)
+
+    # what the bridge hands over is what the scorer needs
+    deferred = property(lambda self: self.scorer.deferred)
+    needs_attention = property(lambda self: self.scorer.needs_attention)
+    needs_queries = property(lambda self: self.scorer.needs_queries)
+    attention_window = property(lambda self: self.scorer.attention_window)
+    reads_stored_keys = property(lambda self: self.scorer.reads_stored_keys)
+    sink_slots = property(lambda self: self.sinks)  # the scorer's host contract: slots that are never candidates
 
     # -- state --------------------------------------------------------------------------------------------------
     def allocate(self, batch: int, heads: int, device) -> None:
@@ -141,7 +140,7 @@ class CascadePolicy(Policy):
         dest = view.move(src, dest, self._region_hint(view, src_slots), self._region_hint(view, dest_slots))
         self.stream.scatter_(2, dest, stream)
         self.scores.scatter_(2, dest, scores)
-        self.heavy_scorer.move(src, dest)
+        self.scorer.move(src, dest)
 
     def _ring_slot(self, tier: int, u: torch.Tensor) -> torch.Tensor:
         return self.bases[tier] + u.remainder(self.tier_sizes[tier])
@@ -183,11 +182,11 @@ class CascadePolicy(Policy):
         batch, q = real.shape
         device = real.device
         if q > 1:  # (deferred scorers place chunks in observe)
-            return self._place_chunk(view, real, seen, self.heavy_scorer.chunk_scores(self, view, real))
+            return self._place_chunk(view, real, seen, self.scorer.chunk_scores(self, view, real, seen))
         hm = view.valid.shape[1]
         t = seen
-        if self.per_head and t >= self.capacity - self.sinks:  # a selection is due
-            self.heavy_scorer.before_selection(self, view, real)
+        if self.per_head and self.scorer.rescores and t >= self.capacity - self.sinks:  # a selection is due
+            self.scorer.before_selection(self, view, real)
         for tier in reversed(range(len(self.tier_sizes))):
             u = t - self.ends[tier]
             if u < 0 or tier == self.pool_tier:  # (the pool's oldest stay in their slots, as eviction candidates)
@@ -328,11 +327,11 @@ class CascadePolicy(Policy):
 
     def observe(self, view, column_scores: torch.Tensor) -> None:
         self._ensure_meta(view)
-        self._place_pending(view, self.heavy_scorer.observe(self, view, column_scores))
+        self._place_pending(view, self.scorer.observe(self, view, column_scores))
 
     def observe_queries(self, view, query: torch.Tensor) -> None:
         self._ensure_meta(view)
-        self._place_pending(view, self.heavy_scorer.observe_queries(self, view, query))
+        self._place_pending(view, self.scorer.observe_queries(self, view, query))
 
     def _place_pending(self, view, scores: torch.Tensor | None) -> None:
         """Place the pending chunk, given the scorer's scores [B, Hm, used + q] of the stored and new tokens (None:
@@ -351,7 +350,7 @@ class CascadePolicy(Policy):
 
     def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
         self._ensure_meta(view)
-        scores = self.heavy_scorer.arrival(self, view, placement, keys, dest)
+        scores = self.scorer.arrival(self, view, placement, keys, dest, seen_before)
         if scores is None:  # set later: by observe (attention scorers) or the next selection
             self.scores.scatter_(2, dest, 0.0)
         else:
@@ -382,13 +381,13 @@ class CascadePolicy(Policy):
             if value is not None:
                 setattr(self, name, fn(value))
         self.memory.map_batch(fn)
-        self.heavy_scorer.map_batch(fn)
+        self.scorer.map_batch(fn)
 
     def reset(self) -> None:
         self.n_real = self.stream = self.scores = None
         self.memory.reset()
-        self.heavy_scorer.reset()
+        self.scorer.reset()
 
     def nbytes(self) -> int:
         tensors = (self.n_real, self.stream, self.scores)
-        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes() + self.heavy_scorer.nbytes()
+        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes() + self.scorer.nbytes()

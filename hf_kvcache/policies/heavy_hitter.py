@@ -1,15 +1,15 @@
-"""H2O (arXiv 2306.14048): keep the recent window plus the "heavy hitters", the older tokens that received the most
-attention, per batch row and per KV head.
+"""Heavy hitters: keep the recent window plus the older tokens a scorer ranks highest, per batch row and KV head.
 
-A token's score is the attention probability it has received, accumulated over queries (float32), for its KV head
-(for GQA the query heads of a group are aggregated: "sum" by default, "mean" or "max"). Scores of evicted tokens are
-dropped; padding tokens are invalid and never heavy hitters.
+The host of a scorer (hf_kvcache.scorers): this policy owns the per-slot scores [B, H, slots + 1] (float32) and the
+stream index of each slot's token, the scorer says what the scores are (H2O's accumulated attention by default: arXiv
+2306.14048). Padding tokens are invalid and never kept; scores of evicted tokens are dropped.
 
-- Multi-token forwards (prefill, chunked prefill): attention sees the stored past plus the whole chunk, then the
-  policy keeps the recent window and the top-scoring rest (`deferred`: placement waits for the chunk's scores).
-- Decode (one token): the token evicted is chosen before attention, by the scores accumulated so far: the lowest
-  scoring token outside the new recent window. The new token takes its slot in place, so the cache and attention
-  hold exactly `heavy + recent` tokens.
+- Multi-token forwards (prefill, chunked prefill): the stored past and the whole chunk compete; the policy keeps the
+  recent window and the top-scoring rest. Scorers that need the chunk's attention or queries make the policy
+  `deferred`: placement waits for the bridge to hand them over (`observe` / `observe_queries`).
+- Decode (one token): the token evicted is chosen before attention, by the scores so far (re-scored first by scorers
+  that do, every `rescore_every` steps): the lowest scoring token outside the new recent window. The new token takes
+  its slot in place, so the cache and attention hold exactly `heavy + recent` tokens.
 
 Positions: original by default. With a `rotator` ("compact"), the kept tokens of each row and head are placed at
 contiguous positions ending at the newest one, as StreamingLLM does for sinks: keys are re-rotated before each
@@ -23,11 +23,10 @@ from collections.abc import Callable
 import torch
 
 from ..common.compile_static import StaticInt, fixed_shape
-from ..common.tensor_parallel import SINGLE_PROCESS, TensorParallel
+from ..scorers.base import Scorer
+from ..scorers.h2o import AGGREGATIONS, H2O  # noqa: F401  (AGGREGATIONS: H2OCache's `aggregation` values)
 from .base import Placement, Policy
 from .head_budgets import adaptive_keep, pool_destinations, pool_victims
-
-AGGREGATIONS = ("sum", "mean", "max")
 
 
 def resolve_size(name: str, value, prompt_length: int) -> int:
@@ -38,29 +37,39 @@ def resolve_size(name: str, value, prompt_length: int) -> int:
 
 
 class HeavyHitterPolicy(Policy):
-    compileable = True
     per_head = True
     may_have_holes = True
     heavy, recent = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
-    deferred = True
-    needs_attention = True
+    sinks = 0  # position ids below it are never evicted (ScoredPolicy; H2O keeps none)
+    sink_slots = 0  # slots before the scored ones (the composite's sinks region; none here)
+    rescore_every = 1
 
-    def __init__(self, heavy, recent, aggregation: str = "sum", rotator=None):
-        self.heavy_spec, self.recent_spec, self.aggregation = heavy, recent, aggregation
+    def __init__(self, heavy, recent, scorer: Scorer | None = None, rotator=None):
+        self.heavy_spec, self.recent_spec = heavy, recent
+        self.scorer = H2O() if scorer is None else scorer
         self.rotator = rotator
         self.arrived_keys: torch.Tensor | None = None  # compact positions: keys as they arrived, per slot
         self.heavy = self.recent = None
         self.capacity = None if isinstance(heavy, float) or isinstance(recent, float) else heavy + recent
         if self.capacity is not None:
             self.heavy, self.recent = heavy, recent
-        self.scores: torch.Tensor | None = None  # [B, H, slots + 1] accumulated attention (float32)
+        self.scores: torch.Tensor | None = None  # [B, H, slots + 1] the scorer's scores (float32)
         self.stream: torch.Tensor | None = None  # [B, H, slots + 1] stream index of each slot's token
+        self._new_scores: torch.Tensor | None = None  # a chunk's new tokens' scores, until they are written
         # head-adaptive budgets (policies/head_budgets.py): one pool of budget x heads slots for the layer's heads
         self.adaptive, self.safeguard = False, 0.2
         self.pool_heads: int | None = None
         # rank by the attention a token received per query that saw it (kvpress's ObservedAttentionPress) instead of
         # the accumulated sum, which favours old tokens (more queries saw them)
         self.average = False
+
+    # what the bridge hands over is what the scorer needs
+    deferred = property(lambda self: self.scorer.deferred)
+    needs_attention = property(lambda self: self.scorer.needs_attention)
+    needs_queries = property(lambda self: self.scorer.needs_queries)
+    attention_window = property(lambda self: self.scorer.attention_window)
+    reads_stored_keys = property(lambda self: self.scorer.reads_stored_keys)
+    compileable = property(lambda self: self.scorer.compileable)
 
     def configure(self, prompt_length: int) -> None:
         if self.heavy is None:
@@ -82,14 +91,46 @@ class HeavyHitterPolicy(Policy):
         self.scores = torch.zeros(batch, heads, self.capacity + 1, dtype=torch.float32, device=device)
         self.stream = torch.full((batch, heads, self.capacity + 1), -1, dtype=torch.long, device=device)
         fixed_shape(self.scores, self.stream)
+        self.scorer.allocate(self, batch, heads, device)
 
     def _ranked(self, scores: torch.Tensor, stream: torch.Tensor, now: int) -> torch.Tensor:
         """What selections compare: the scores, or with `average` their mean over the `now - stream` queries that
         attended each token (queries at stream indices stream .. now - 1)."""
         return scores / (now - stream).clamp_min(1) if self.average else scores
 
-    # -- decode: choose the victim before attention ---------------------------------------------------------------
+    def protect(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Sinks (position id < `sinks`) score +inf: never evicted."""
+        if self.sinks == 0:
+            return scores
+        return torch.where(positions < self.sinks, float("inf"), scores)
+
+    # -- placement --------------------------------------------------------------------------------------------------
     def place(self, view, real: torch.Tensor, seen: int) -> Placement:
+        if real.shape[1] == 1 and seen > 0:
+            if self.scorer.rescores:
+                budget = self.heavy + self.recent  # (per head; under head-adaptive budgets the pool holds it x heads)
+                if seen >= budget and (seen - budget) % self.rescore_every == 0:
+                    self.scorer.before_selection(self, view, real)
+                    c = self.capacity
+                    self.scores[..., :c] = self.protect(self.scores[..., :c], view.positions[..., :c])
+            return self._place_decode(view, real, seen)
+        new_scores = self.scorer.chunk_scores(self, view, real, seen)
+        if new_scores is None:
+            raise RuntimeError(f"{type(self).__name__} places chunks after attention (deferred)")
+        return self.select_chunk(view, real, seen, view.incoming.positions, new_scores)
+
+    def select_chunk(self, view, real, seen_before: int, positions, new_scores) -> Placement:
+        """Keep the recent window and the best-scoring rest among the stored tokens (their scores in `self.scores`,
+        as the scorer left them) and the new ones (new_scores [B, H, q])."""
+        used = view.used
+        if used and self.sinks:
+            self.scores[..., :used] = self.protect(self.scores[..., :used], view.positions[..., :used])
+        new_scores = self.protect(new_scores.float(), positions[:, None, :])
+        self._new_scores = new_scores
+        return self._select(view, real, seen_before, new_scores)
+
+    # -- decode: choose the victim before attention ---------------------------------------------------------------
+    def _place_decode(self, view, real: torch.Tensor, seen: int) -> Placement:
         batch, _q = real.shape
         heads = self.scores.shape[1]
         src = torch.zeros(batch, heads, 1, dtype=torch.long, device=real.device)
@@ -112,8 +153,19 @@ class HeavyHitterPolicy(Policy):
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 
     def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        self.scores.scatter_(2, dest, 0.0)
+        src = placement.src.expand(dest.shape)
         self.stream.scatter_(2, dest, seen_before + placement.src)
+        scores = self.scorer.arrival(self, view, placement, keys, dest, seen_before)
+        if self._new_scores is not None:  # a chunk: the scores it was selected by
+            scores, self._new_scores = self._new_scores.gather(2, src), None
+        elif scores is not None or self.sinks:
+            if scores is None:
+                scores = keys.new_zeros(keys.shape[:3], dtype=torch.float32)
+            scores = self.protect(scores, positions.gather(1, src[:, 0])[:, None])
+        if scores is None:  # set later: by `observe` or the next selection
+            self.scores.scatter_(2, dest, 0.0)
+        else:
+            self.scores.scatter_(2, dest, scores)
         if self.rotator is not None:
             if self.arrived_keys is None:
                 self.arrived_keys = keys.new_zeros(keys.shape[:2] + view.valid.shape[-1:] + keys.shape[-1:])
@@ -134,28 +186,22 @@ class HeavyHitterPolicy(Policy):
         view.write_keys(0, rotated)
 
     # -- scores from the bridge ---------------------------------------------------------------------------------
-    def aggregate(self, column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        """[B, Hq, kv] -> [B, Hkv, kv] over the query heads of each KV group."""
-        batch, q_heads, kv = column_scores.shape
-        grouped = column_scores.view(batch, kv_heads, q_heads // kv_heads, kv)
-        if self.aggregation == "sum":
-            return grouped.sum(2)
-        if self.aggregation == "mean":
-            return grouped.mean(2)
-        return grouped.amax(2)
-
     def observe(self, view, column_scores: torch.Tensor) -> None:
-        scores = self.aggregate(column_scores, self.scores.shape[1])
-        if view.pending is None:  # decode: the columns are the slots
-            self.scores[..., : scores.shape[-1]] += scores
+        self._place_pending(view, self.scorer.observe(self, view, column_scores))
+
+    def observe_queries(self, view, query: torch.Tensor) -> None:
+        self._place_pending(view, self.scorer.observe_queries(self, view, query))
+
+    def _place_pending(self, view, scores: torch.Tensor | None) -> None:
+        """Place the pending chunk by the scorer's scores [B, H, used + q] of the stored and new tokens (None:
+        decode, the scorer updated the stored scores)."""
+        if view.pending is None:
+            if self.sinks:
+                self.scores[..., :-1] = self.protect(self.scores[..., :-1], view.positions[..., :-1])
             return
-        used = view.used
-        self.scores[..., :used] += scores[..., :used]
-        real, seen_before = view.pending.real, view.pending.seen_before
-        placement = self._select(view, real, seen_before, scores[..., used:])
-        view.commit(placement)
-        dest = torch.where(placement.dest >= 0, placement.dest, view.trash_slot)
-        self.scores.scatter_(2, dest, scores[..., used:])
+        pending = view.pending
+        new_scores = scores[..., view.used :]
+        view.commit(self.select_chunk(view, pending.real, pending.seen_before, pending.positions, new_scores))
 
     def _select(self, view, real: torch.Tensor, seen_before: int, new_scores: torch.Tensor) -> Placement:
         """Keep the recent window and the top-scoring rest among the stored past and the new chunk."""
@@ -199,83 +245,17 @@ class HeavyHitterPolicy(Policy):
         view.evict(self.stream < new_seen)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.scores is not None:
-            self.scores, self.stream = fn(self.scores), fn(self.stream)
-        if self.arrived_keys is not None:
-            self.arrived_keys = fn(self.arrived_keys)
+        for name in ("scores", "stream", "arrived_keys"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+        self.scorer.map_batch(fn)
 
     def reset(self) -> None:
-        self.scores = self.stream = self.arrived_keys = None
+        self.scores = self.stream = self.arrived_keys = self._new_scores = None
         if isinstance(self.heavy_spec, float) or isinstance(self.recent_spec, float):
             self.heavy = self.recent = self.capacity = None
+        self.scorer.reset()
 
     def nbytes(self) -> int:
         tensors = (self.scores, self.stream, self.arrived_keys)
-        return sum(t.nbytes for t in tensors if t is not None)
-
-
-_MASK32 = 0xFFFFFFFF
-_GOLDEN32 = 0x9E3779B9
-
-
-def _mix32(x):
-    """A 32-bit integer finaliser (xorshift-multiply, as in splitmix/murmur) on int64 tensors or Python ints holding
-    values in [0, 2**32). The multipliers are below 2**31, so no product overflows int64 (exact everywhere)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x31848BAB) & _MASK32
-    return x ^ (x >> 16)
-
-
-def random_keys(seed: int, rows: torch.Tensor, heads: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 keys in [0, 1), a pure function of (seed, batch row, global KV head, stream index): counter
-    based, so any token's key can be recomputed anywhere (every TP rank, any device, inside torch.compile) with
-    tensor ops only. `rows`, `heads`, `stream` are int64 tensors broadcasting to the output shape."""
-    h = _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
-    for part in (rows, heads, stream):
-        h = _mix32(((h ^ (part & _MASK32)) + _GOLDEN32) & _MASK32)
-    return (h >> 8).to(torch.float32) * (1.0 / 2**24)  # 24 bits: exact in float32
-
-
-class RandomEvictionPolicy(HeavyHitterPolicy):
-    """The baseline H2O is measured against: the recent window plus a uniformly random subset of older tokens.
-
-    Each token gets a random key when it arrives, and the token with the lowest key is evicted, which picks
-    uniformly among the candidates. No attention scores are needed. The key is a hash of (seed, batch row, global
-    KV head, stream index) (`random_keys`): the same seed makes the same choices, and under tensor parallelism rank
-    r's heads (global heads from `tensor_parallel.head_offset`) make exactly the choices one process makes for them.
-    No generator state: it compiles and runs on any device."""
-
-    deferred = False
-    needs_attention = False
-
-    def __init__(self, heavy, recent, seed: int = 0, tensor_parallel: TensorParallel = SINGLE_PROCESS):
-        super().__init__(heavy, recent)
-        self.seed, self.tensor_parallel = seed, tensor_parallel
-        self.head_offset = 0
-
-    def allocate(self, batch: int, heads: int, device) -> None:
-        super().allocate(batch, heads, device)
-        self.head_offset = self.tensor_parallel.head_offset(heads)
-
-    def _random(self, stream: torch.Tensor) -> torch.Tensor:
-        """Keys of the tokens with stream indices `stream` [B, H, n] (rows and heads by position in the tensor)."""
-        batch, heads, _ = stream.shape
-        rows = torch.arange(batch, device=stream.device)[:, None, None]
-        global_heads = (torch.arange(heads, device=stream.device) + self.head_offset)[None, :, None]
-        return random_keys(self.seed, rows, global_heads, stream)
-
-    def place(self, view, real: torch.Tensor, seen: int) -> Placement:
-        if real.shape[1] == 1 and seen > 0:
-            return super().place(view, real, seen)
-        batch, q = real.shape
-        stream = (seen + torch.arange(q, device=real.device)).expand(batch, self.scores.shape[1], q)
-        return self._select(view, real, seen, self._random(stream))
-
-    def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        super().after_write(view, placement, keys, dest, positions, seen_before)
-        self.scores.scatter_(2, dest, self._random(seen_before + placement.src))
-
-    def observe(self, view, column_scores: torch.Tensor) -> None:  # never called: needs_attention is False
-        raise RuntimeError("RandomEvictionPolicy does not use attention scores")
+        return sum(t.nbytes for t in tensors if t is not None) + self.scorer.nbytes()

@@ -12,19 +12,17 @@ Two policies, one per phase of a layer (hf_kvcache.caches.kvzip runs the phases)
 - `ReconstructionScoringPolicy` while the context is collected and reconstructed: every token kept (the layer
   grows); during a reconstruction forward it takes the bridge's max-attention column scores (`attention_reduce`
   "max", `score_columns` the restricted softmax's columns) into `context_scores` for the chunk's columns;
-- `KVzipPolicy` when the context is placed at its budget: a scorer policy (hf_kvcache.policies.scored) whose
-  scores for the context are the reconstruction's, uniform per head or head-adaptive (the paper allots by score
-  across heads: `head_budget="adaptive"`), the layer's pool given (`total`) when the model allots its budget over
-  the layers too (`layer_budgets`).
+- `ScoredPolicy` with the `Reconstruction` scorer (hf_kvcache.scorers.kvzip) when the context is placed at its
+  budget: the scores for the context are the reconstruction's, uniform per head or head-adaptive (the paper allots
+  by score across heads: `head_budget="adaptive"`), the layer's pool given (`total`) when the model allots its
+  budget over the layers too (`layer_budgets`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import Placement
 from .keep_all import KeepAllPolicy
-from .scored import ScoredPolicy
 
 
 def layer_budgets(scores: list[torch.Tensor], budgets: list[int], heads: int) -> list[int]:
@@ -93,33 +91,3 @@ class ReconstructionScoringPolicy(KeepAllPolicy):
 
     def nbytes(self) -> int:
         return 0 if self.context_scores is None else self.context_scores.nbytes
-
-
-class KVzipPolicy(ScoredPolicy):
-    """Place the context at the budget by its reconstruction scores (`context_scores` [B, Hkv, context], given
-    before the context is written); the first `sinks` positions are never evicted. Prompt mode only: nothing is
-    scored after the context."""
-
-    def __init__(self, budget, context_scores: torch.Tensor, sinks: int = 4, recent: int = 0, total: int | None = None):
-        super().__init__(budget, recent=recent, sinks=sinks)
-        self.context_scores = context_scores
-        self.total = total  # head-adaptive: the layer's pool, when the model allots it (layer-adaptive budgets)
-
-    def size_for(self, heads: int) -> None:
-        super().size_for(heads)
-        if self.total is not None and self.pool_heads:
-            self.capacity = self.total
-
-    def place_chunk(self, view, real, seen: int) -> Placement:
-        if self.context_scores is None or self.context_scores.shape[-1] != real.shape[1] or view.used:
-            raise RuntimeError("KVzipPolicy places one context whose reconstruction scores it was given, once.")
-        positions = view.incoming.positions
-        scores, self.context_scores = self.context_scores, None
-        return self.select_chunk(view, real, seen, positions, scores[..., :0], scores)
-
-    def reset(self) -> None:
-        super().reset()
-        self.context_scores = None
-
-    def nbytes(self) -> int:
-        return super().nbytes() + (0 if self.context_scores is None else self.context_scores.nbytes)

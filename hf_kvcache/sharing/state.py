@@ -175,6 +175,49 @@ _MOVED_MODULES = {
 }
 
 
+def _cascade_policy_before_scorers(fields: dict) -> dict:
+    """CascadePolicy before hf_kvcache.scorers (0.3.0): the scorer object was `heavy_scorer`, `scorer` its name, and
+    what the bridge reads was copied from it (now read from the scorer)."""
+    if "heavy_scorer" not in fields:  # written since
+        return fields
+    copied = ("scorer", "deferred", "needs_attention", "needs_queries", "reads_stored_keys", "attention_window")
+    fields = {k: v for k, v in fields.items() if k not in copied}
+    fields["scorer"] = fields.pop("heavy_scorer")
+    return fields
+
+
+def _h2o_scorer_before_scorers(fields: dict) -> dict:
+    """cascade_scorers.H2OScorer held a HeavyHitterPolicy for its `aggregate`; the scorer holds the name."""
+    aggregation = fields.get("aggregation")
+    if isinstance(aggregation, dict) and "object" in aggregation:
+        aggregation = aggregation.get("fields", {}).get("aggregation", "sum")
+    return {"aggregation": aggregation if isinstance(aggregation, str) else "sum"}
+
+
+#: objects of files written before hf_kvcache.scorers: class name -> (class name now, fields -> fields now)
+_UPGRADED_OBJECTS = {
+    "hf_kvcache.policies.cascade.CascadePolicy": (
+        "hf_kvcache.policies.cascade.CascadePolicy",
+        _cascade_policy_before_scorers,
+    ),
+    "hf_kvcache.policies.cascade_scorers.H2OScorer": ("hf_kvcache.scorers.h2o.H2O", _h2o_scorer_before_scorers),
+    # the aggregation moved to the H2O scorer (which the settings rebuild): a string here is from before
+    "hf_kvcache.policies.heavy_hitter.HeavyHitterPolicy": (
+        "hf_kvcache.policies.heavy_hitter.HeavyHitterPolicy",
+        lambda fields: {k: v for k, v in fields.items() if not (k == "aggregation" and isinstance(v, str))},
+    ),
+}
+
+
+def _upgraded(enc: dict) -> dict:
+    """An object entry of an older file in today's terms (`_UPGRADED_OBJECTS`); others as they are."""
+    upgrade = _UPGRADED_OBJECTS.get(str(enc["object"]))
+    if upgrade is None:
+        return enc
+    name, fields = upgrade
+    return {"object": name, "fields": fields(dict(enc.get("fields", {})))}
+
+
 def _current_name(saved: str) -> str:
     """A class name from a file, with the module it lives in now."""
     module, _, qualname = str(saved).rpartition(".")
@@ -219,6 +262,7 @@ class _Decoder:
         if "alias" in enc:  # the same object as at another path: the fresh cache links them itself
             return current
         if "object" in enc:
+            enc = _upgraded(enc)
             name = f"{type(current).__module__}.{type(current).__qualname__}"
             if current is None or name != _current_name(enc["object"]):
                 raise self.error(

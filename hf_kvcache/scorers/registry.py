@@ -1,0 +1,44 @@
+"""The scorers by name: what `"scorer": NAME` in a composite's heavy region, the scorer caches and the tests read.
+
+Adding a scorer: its module in this package (a `Scorer` dataclass) and one line here. The line makes it
+- a heavy-region scorer of CompositeCache (`{"role": "heavy", "scorer": NAME, ...}`, its fields as options);
+- a cache of its own, `cache_implementation=NAME` (hf_kvcache.caches.scorers builds one for every scorer without a
+  hand-written cache), with its defaults, bad-input rows and support-matrix row;
+- a row of the scorer table in docs/scorers.md and a case of the scorer tests (tests/test_scorer_registry.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import Scorer
+from .expected_attention import ExpectedAttention
+from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import Knorm
+from .kvzip import Reconstruction
+from .lagkv import LagKV
+from .random_keys import RandomKeys
+from .snapkv import SnapKV
+from .tova import TOVA
+
+#: name -> scorer class (the name is also `cls.name`)
+SCORERS: dict[str, type[Scorer]] = {
+    cls.name: cls for cls in (H2O, TOVA, Knorm, KeyDiff, SnapKV, ExpectedAttention, RandomKeys, LagKV, Reconstruction)
+}
+
+#: what may rank a composite's heavy hitters: every scorer that needs no model forwards of its own
+HEAVY_SCORERS = tuple(name for name, cls in SCORERS.items() if not cls.needs_model_forwards)
+
+
+def options_of(name: str) -> tuple[str, ...]:
+    """The parameters a config may give scorer `name` (its dataclass fields that `__init__` takes, but those set
+    from the model)."""
+    return tuple(f.name for f in dataclasses.fields(SCORERS[name]) if f.init and not f.metadata.get("bound"))
+
+
+def make_scorer(name: str, **options) -> Scorer:
+    """The scorer called `name` with `options` (its dataclass fields; each validated by the scorer)."""
+    if name not in SCORERS:
+        raise ValueError(f"Unknown scorer {name!r}; allowed values: {', '.join(SCORERS)}.")
+    return SCORERS[name](**options)
