@@ -12,6 +12,7 @@ from transformers import DynamicCache, GenerationConfig
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
+from hf_kvcache.scorers.registry import HEAVY_SCORERS, options_of
 
 W = {"role": "window"}
 
@@ -301,7 +302,7 @@ def _kept(cache) -> list[list[list[list[int]]]]:
     return out
 
 
-@pytest.mark.parametrize("scorer", ["h2o", "tova", "knorm", "keydiff", "snapkv", "expected_attention"])
+@pytest.mark.parametrize("scorer", HEAVY_SCORERS)
 @pytest.mark.parametrize("windows", [[(0, 4)], [(0, 2), (2, 5)]], ids=["one_window", "two_windows"])
 def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(windows, scorer):
     """Heavy hitters at the last window's precision share its slots (no move between them); with that precision
@@ -311,7 +312,12 @@ def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(win
     ids = random_ids(2, 45, seed=31)
     first = [{"role": "sinks", "tokens": 2}] + ([{**W, "start": 0, "end": windows[0][1]}] if len(windows) == 2 else [])
     last = {**W, "start": windows[-1][0], "end": windows[-1][1], "keys": "none", "values": "none"}
-    heavy = {"role": "heavy", "tokens": 5, "scorer": scorer, **({"window": 2} if scorer == "snapkv" else {})}
+    heavy = {
+        "role": "heavy",
+        "tokens": 5,
+        "scorer": scorer,
+        **({"window": 2} if "window" in options_of(scorer) else {}),
+    }
     pooled = hf_kvcache.CompositeCache(model, regions=first + [last, {**heavy, "keys": "none", "values": "none"}])
     separate = hf_kvcache.CompositeCache(model, regions=first + [last, heavy])
     with torch.no_grad():
@@ -398,16 +404,21 @@ def test_moves_between_regions_of_one_format_copy_codes():
 
 
 # -- the heavy region's scorer (issue 14) -------------------------------------------------------------------------
-SCORER_CACHES = {
-    "knorm": lambda m, budget, recent: hf_kvcache.KnormCache(m, budget=budget, recent=recent),
-    "keydiff": lambda m, budget, recent: hf_kvcache.KeyDiffCache(m, budget=budget, recent=recent),
-    "tova": lambda m, budget, recent: hf_kvcache.TOVACache(m, budget=budget, recent=recent),
-    "snapkv": lambda m, budget, recent: hf_kvcache.SnapKVCache(m, budget=budget, window=recent, recent=recent),
-    # (no sinks region in the composite: the scorer's sinks are 0 there)
-    "expected_attention": lambda m, budget, recent: hf_kvcache.ExpectedAttentionCache(
-        m, budget=budget, recent=recent, sinks=0
-    ),
-}
+def _standalone(name):
+    """The scorer cache of heavy scorer `name` holding what a composite of one window of `recent` tokens + heavy
+    hitters ranked by it holds: SnapKV's observation window is the composite's window, and a scorer's sinks are 0
+    (no sinks region in the composite)."""
+    options = {"sinks": 0} if "sinks" in options_of(name) else {}
+
+    def build(model, budget, recent):
+        extra = {"window": recent} if "window" in options_of(name) else {}
+        return hf_kvcache.CACHE_IMPLEMENTATIONS[name](model, budget=budget, recent=recent, **options, **extra)
+
+    return build
+
+
+# every heavy scorer of the registry but H2O's (its composite is tested against H2OCache above)
+SCORER_CACHES = {name: _standalone(name) for name in HEAVY_SCORERS if name != "h2o"}
 
 
 def _kept_positions(cache) -> list[list[list[list[int]]]]:
@@ -426,7 +437,7 @@ def _kept_positions(cache) -> list[list[list[list[int]]]]:
 
 def _scored_composite(model, scorer, budget, recent, **kwargs):
     heavy = {"role": "heavy", "tokens": budget - recent, "scorer": scorer}
-    if scorer == "snapkv":  # SnapKVCache keeps its observation window: the composite's window
+    if "window" in options_of(scorer):  # SnapKVCache keeps its observation window: the composite's window
         heavy["window"] = recent
     return hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": recent}, heavy], **kwargs)
 

@@ -53,6 +53,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
+from hf_kvcache.caches.scorers import GENERATED_CACHES
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -162,6 +163,13 @@ SPECS: dict[str, Spec] = {
         4,
         f"budget 64 (window 64) / {BUDGET} (window 2)",
     ),
+    # scorers added to hf_kvcache.scorers.registry: their cache with the scorer's settings for a few tokens
+    **{
+        cls.cache_name: Spec(
+            {"budget": 64}, {"budget": BUDGET, **cls.scorer_class.small}, "exact", "bounded", 4, f"budget 64 / {BUDGET}"
+        )
+        for cls in GENERATED_CACHES
+    },
     # the reconstruction request as ids: these random models have no tokenizer
     "kvzip": Spec(
         {"budget": 64, "request_ids": KVZIP_REQUEST},

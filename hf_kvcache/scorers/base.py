@@ -103,6 +103,12 @@ class Scorer:
     needs_model_forwards: ClassVar[bool] = False
     #: one token set for all KV heads of a layer (the scores are the same for every head)
     layer_wide: ClassVar[bool] = False
+    #: a row of a (left-padded) batch scores as it would alone (random draws are keyed by batch row and stream index)
+    row_independent: ClassVar[bool] = True
+    #: what it reads, in words (the docs' scorer table)
+    reads: ClassVar[str] = "nothing"
+    #: settings that let it rank the few tokens of a tiny test model (the registry's tests and support matrix)
+    small: ClassVar[dict] = {}
 
     @property
     def deferred(self) -> bool:

@@ -119,6 +119,8 @@ class ExpectedAttention(Scorer):
     rotator: KeyRotator | None = bound()  # the model's RoPE (None: a model without RoPE); set by the cache
 
     name: ClassVar[str] = "expected_attention"
+    reads: ClassVar[str] = "queries (statistics), keys, values"
+    small: ClassVar[dict] = {"future": 16}
     needs_queries: ClassVar[bool] = True
     reads_stored_keys: ClassVar[bool] = True
     rescores: ClassVar[bool] = True

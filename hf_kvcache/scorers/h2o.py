@@ -36,6 +36,7 @@ class H2O(Scorer):
     aggregation: str = "sum"
 
     name: ClassVar[str] = "h2o"
+    reads: ClassVar[str] = "attention received"
     needs_attention: ClassVar[bool] = True
     compileable: ClassVar[bool] = True
 

@@ -42,6 +42,7 @@ def stored_and_incoming(view, real: torch.Tensor, n_stored: int) -> tuple[torch.
 @dataclass(eq=False)
 class KeyDiff(Scorer):
     name: ClassVar[str] = "keydiff"
+    reads: ClassVar[str] = "keys (the stored ones again at each selection)"
     reads_stored_keys: ClassVar[bool] = True
     rescores: ClassVar[bool] = True
 

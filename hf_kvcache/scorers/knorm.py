@@ -24,6 +24,7 @@ def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
 @dataclass(eq=False)
 class Knorm(Scorer):
     name: ClassVar[str] = "knorm"
+    reads: ClassVar[str] = "keys"
 
     def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
         return knorm_scores(view.incoming.keys)

@@ -20,6 +20,7 @@ from .base import Scorer, state
 @dataclass(eq=False)
 class Reconstruction(Scorer):
     name: ClassVar[str] = "kvzip"
+    reads: ClassVar[str] = "the model's own forwards (context reconstruction)"
     needs_model_forwards: ClassVar[bool] = True
 
     context_scores: torch.Tensor | None = state()  # [B, Hkv, context] float32, until the context is placed

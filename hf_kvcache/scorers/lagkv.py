@@ -4,7 +4,8 @@ it, from the keys and values alone.
 After `sinks` tokens the sequence is cut into partitions of `lag` tokens. A token of partition p is normalised per
 channel by the min and max of partition p + 1 (its "lag" reference), and its score is the standard deviation of
 that over the channels, for its key and its value, softmaxed within the partition and averaged (key + value) / 2;
-each partition then ranks its tokens (rank / lag in [0, 1): kvpress's default, `cross_scoring` off). The sinks, the
+each partition then ranks its tokens (rank / lag in [0, 1): kvpress's default, `cross_scoring` off; equal ranks
+of different partitions go to the later one). The sinks, the
 last full partition and the partial tail have no reference and score 1: always kept before any scored token. No
 attention and no queries are read.
 
@@ -53,6 +54,9 @@ def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, order_key: torch.Tens
         score = (_partition_scores(part_k, lag) + _partition_scores(part_v, lag)) / 2
         rank = score.argsort(dim=-1).argsort(dim=-1).float() / lag  # [B, H, P - 1, lag]
         position = torch.arange(n, device=keys.device)
+        # equal ranks of different partitions: the later partition first (less than a rank step apart, so the
+        # ranks' order stands; a row of a padded batch then keeps what it keeps alone, whatever slots it uses)
+        rank = rank + (position[sinks : sinks + rank[0, 0].numel()].view(rank.shape[2:]) / (2 * n * lag))
         # a partition is scored when the row's valid tokens fill the partition after it (else: tail, score 1)
         full = (count - sinks).clamp_min(0) // lag  # [B, H, 1] full partitions of each row
         scored_end = sinks + (full - 1).clamp_min(0) * lag
@@ -71,6 +75,8 @@ class LagKV(Scorer):
     lag: int = 128
 
     name: ClassVar[str] = "lagkv"
+    reads: ClassVar[str] = "keys and values (the stored ones again at each selection)"
+    small: ClassVar[dict] = {"sinks": 2, "lag": 2}
     reads_stored_keys: ClassVar[bool] = True
     rescores: ClassVar[bool] = True
 

@@ -48,6 +48,8 @@ class RandomKeys(Scorer):
     tensor_parallel: TensorParallel = bound(SINGLE_PROCESS)  # draws keyed by global KV head under tensor parallelism
 
     name: ClassVar[str] = "random_eviction"
+    row_independent: ClassVar[bool] = False
+    reads: ClassVar[str] = "nothing (a hash of row, head and position)"
     compileable: ClassVar[bool] = True
 
     head_offset: int = state(0)

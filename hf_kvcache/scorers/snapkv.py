@@ -77,6 +77,8 @@ class SnapKV(Scorer):
     kernel: int = StaticField(KERNEL)
 
     name: ClassVar[str] = "snapkv"
+    reads: ClassVar[str] = "attention of the last `window` queries"
+    small: ClassVar[dict] = {"window": 2}
     needs_attention: ClassVar[bool] = True
     rescores: ClassVar[bool] = True
 

@@ -29,6 +29,7 @@ def tova_scores(column_scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
 @dataclass(eq=False)
 class TOVA(Scorer):
     name: ClassVar[str] = "tova"
+    reads: ClassVar[str] = "the last query's attention"
     needs_attention: ClassVar[bool] = True
     layer_wide: ClassVar[bool] = True
 
