@@ -170,7 +170,8 @@ def scorer_table() -> str:
         summary = " ".join(sys.modules[cls.__module__].__doc__.split("\n\n")[0].split())
         where = f'`cache_implementation="{name}"`' + (", composite heavy region" if name in HEAVY_SCORERS else "")
         options = ", ".join(f"`{o}`" for o in options_of(name)) or "none"
-        lines.append(f"| `{name}` | {summary} | {cls.reads} | {_decode_rule(cls)} | {where}; scorer parameters: {options} |")
+        where += f"; scorer parameters: {options}"
+        lines.append(f"| `{name}` | {summary} | {cls.reads} | {_decode_rule(cls)} | {where} |")
     return "\n".join(lines)
 
 
