@@ -14,7 +14,7 @@ far the stored keys and values may be from the originals (their precision):
   eviction's score is a hash of (seed, row, KV head, stream index) drawn once when the token arrives. A multi-token
   forward adds its scores first and then keeps the top tokens; a one-token step evicts the lowest-scoring old token
   by the scores so far, then adds the step's scores.
-- `CascadeRule` (CompositeCache): sinks, then windows by age (tokens back from the newest), then the final region:
+- `CompositeRule` (CompositeCache): sinks, then windows by age (tokens back from the newest), then the final region:
   nothing (evict), everything (keep), or the `heavy` highest-scoring older tokens (H2O over tokens that aged out).
 
 Positions: original, or "moved" as the caches document: sinks re-rotated to sit just before the oldest other kept
@@ -52,7 +52,7 @@ class Token:
     real: bool
     raw_key: torch.Tensor  # [H, D] before RoPE
     value: torch.Tensor  # [H, D]
-    #: CascadeRule: per KV head, [region it was last stored in, how many times it was quantized (each move into a
+    #: CompositeRule: per KV head, [region it was last stored in, how many times it was quantized (each move into a
     #: quantized region quantizes the values it held again)]
     regions: dict[int, list] = field(default_factory=dict)
 
@@ -353,7 +353,7 @@ class HeavyHitterRule(_Rule):
         return out
 
 
-class CascadeRule(_Rule):
+class CompositeRule(_Rule):
     """CompositeCache: first `sinks` real tokens, windows by age covering the last `window` stream indices (each at
     its region's precision), then `final`: "evict", "keep" (every older real token) or "heavy" (the `heavy`
     highest-scoring real tokens among those that aged out of the windows)."""

@@ -336,9 +336,9 @@ def test_pooled_heavy_hitters_keep_the_tokens_of_the_region_by_region_layout(win
 def test_preset_decode_moves_no_token_and_adjacent_windows_share_a_ring(monkeypatch):
     model = build_model("llama", num_hidden_layers=2)
     moves = []
-    original = hf_kvcache.policies.cascade.CascadePolicy._move
+    original = hf_kvcache.policies.composite.CompositePolicy._move
     monkeypatch.setattr(
-        hf_kvcache.policies.cascade.CascadePolicy,
+        hf_kvcache.policies.composite.CompositePolicy,
         "_move",
         lambda self, *a, **k: moves.append(1) or original(self, *a, **k),
     )
@@ -437,7 +437,7 @@ def _kept_positions(cache) -> list[list[list[list[int]]]]:
 
 def _scored_composite(model, scorer, budget, recent, **kwargs):
     heavy = {"role": "heavy", "tokens": budget - recent, "scorer": scorer}
-    if "window" in options_of(scorer):  # SnapKVCache keeps its observation window: the composite's window
+    if scorer in HEAVY_SCORERS and "window" in options_of(scorer):  # SnapKV's observation window: the window
         heavy["window"] = recent
     return hf_kvcache.CompositeCache(model, regions=[{**W, "start": 0, "end": recent}, heavy], **kwargs)
 

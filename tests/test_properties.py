@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from references import (
-    CascadeRule,
+    CompositeRule,
     FP8TokenPrecision,
     HeavyHitterRule,
     KeepAllRule,
@@ -101,7 +101,7 @@ def composite_pair(draw):
     elif final == "keep":
         regions.append({"role": "rest", "keys": final_precision, "values": final_precision})
     cache = CompositeCache(CONFIG, regions=regions, sink_positions=sink_positions)
-    rule = CascadeRule(
+    rule = CompositeRule(
         sinks,
         windows,
         final,

@@ -29,7 +29,7 @@ decode steps, the native kernel) there is no such read at all: attention reads e
 full-precision keys where they are (hf_kvcache.layers.codes_read), so a decode step's work outside attention itself no
 longer grows with the regions. `attention_block`: tokens dequantized at a time by the torch block path (when neither
 kernel runs, docs/blockwise_attention.md). With a fixed budget the cache is compileable (its decode
-traces whole; policies/cascade.py, hf_kvcache.common.compile_static).
+traces whole; policies/composite.py, hf_kvcache.common.compile_static).
 The tokens kept are those of the region-by-region layout (exact ties in heavy-hitter scores aside); only their slots
 differ (attention does not depend on slot order). Outputs differ from that layout only where it rounded twice: a
 token moving into a region of its own format used to be dequantized and quantized again (FP8: a second rounding of
@@ -58,7 +58,7 @@ from ..common.architecture import is_latent_attention
 from ..common.rope import KeyRotator, check_rotator_once
 from ..common.validation import check_keys, require_choice, require_int
 from ..layers.codes_read import ATTENTION_MODES, attention_option
-from ..policies.cascade import CascadePolicy
+from ..policies.composite import CompositePolicy
 from ..policies.prompt_mode import COMPRESS_MODES
 from ..scorers.h2o import AGGREGATIONS
 from ..scorers.registry import HEAVY_SCORERS, make_scorer, options_of
@@ -297,7 +297,7 @@ class CompositeCache(KVCache):
                 if "queries" not in rotators:
                     rotators["queries"] = KeyRotator(cfg, parameter="expected_attention")
                 heavy_scorer.rotator = rotators["queries"]
-            policy = CascadePolicy(
+            policy = CompositePolicy(
                 sinks=sink_tokens,
                 tier_sizes=[w["end"] - w["start"] for w in windows],
                 final=final_kind,

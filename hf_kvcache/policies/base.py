@@ -3,12 +3,12 @@ one goes (or that it is dropped)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..common.compile_static import StaticInt
+from ..common.declared_state import DeclaredState
 
 
 @dataclass
@@ -25,9 +25,11 @@ class Placement:
     start: int | None = None
 
 
-class Policy:
+class Policy(DeclaredState):
     """Base class. `capacity` is the fixed number of slots, or None for a growing cache. Every hook that takes a
-    `view` is given the layer's `SlotView` (policies/view.py): what the policy may read and ask of its layer."""
+    `view` is given the layer's `SlotView` (policies/view.py): what the policy may read and ask of its layer. Its
+    per-row state is declared (`state`, `parts`: hf_kvcache.common.declared_state), from which batch mapping,
+    reset and `nbytes` derive."""
 
     capacity: int | None = StaticInt()  # fixed for the cache's life: torch.compile specialises on it
     per_head = False  # True when each KV head keeps its own token set
@@ -82,15 +84,16 @@ class Policy:
     def before_read(self, view) -> None:
         """Called before attention reads the store (e.g. to move keys to new positions)."""
 
+    def observe(self, view, column_scores: torch.Tensor) -> None:
+        """With `needs_attention`: the attention column scores [B, Hq, columns] of this forward (summed over its
+        last `attention_window` queries, or their max with `attention_reduce` "max"); a deferred policy places its
+        pending chunk here (`view.commit`)."""
+        raise RuntimeError(f"{type(self).__name__} does not use attention scores")
+
+    def observe_queries(self, view, query: torch.Tensor) -> None:
+        """With `needs_queries`: this forward's queries [B, Hq, q, D] (RoPE-rotated), before attention."""
+        raise RuntimeError(f"{type(self).__name__} does not use queries")
+
     def crop(self, view, new_seen: int) -> None:
         """Forget the tokens from stream index `new_seen` on; only called while nothing was evicted."""
         raise NotImplementedError(f"{type(self).__name__} does not support crop")
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-dim operation (beam reorder, repeat, select) to per-row state."""
-
-    def reset(self) -> None:
-        pass
-
-    def nbytes(self) -> int:
-        return 0

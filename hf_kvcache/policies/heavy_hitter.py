@@ -18,8 +18,6 @@ read from a copy kept as they arrived (exact; the copy is counted in `nbytes`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..common.compile_static import StaticInt, fixed_shape
@@ -43,6 +41,7 @@ class HeavyHitterPolicy(Policy):
     sinks = 0  # position ids below it are never evicted (ScoredPolicy; H2O keeps none)
     sink_slots = 0  # slots before the scored ones (the composite's sinks region; none here)
     rescore_every = 1
+    state, transient, parts = ("scores", "stream", "arrived_keys"), ("_new_scores",), ("scorer",)
 
     def __init__(self, heavy, recent, scorer: Scorer | None = None, rotator=None):
         self.heavy_spec, self.recent_spec = heavy, recent
@@ -244,18 +243,7 @@ class HeavyHitterPolicy(Policy):
     def crop(self, view, new_seen: int) -> None:
         view.evict(self.stream < new_seen)
 
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("scores", "stream", "arrived_keys"):
-            if getattr(self, name) is not None:
-                setattr(self, name, fn(getattr(self, name)))
-        self.scorer.map_batch(fn)
-
     def reset(self) -> None:
-        self.scores = self.stream = self.arrived_keys = self._new_scores = None
+        super().reset()
         if isinstance(self.heavy_spec, float) or isinstance(self.recent_spec, float):
             self.heavy = self.recent = self.capacity = None
-        self.scorer.reset()
-
-    def nbytes(self) -> int:
-        tensors = (self.scores, self.stream, self.arrived_keys)
-        return sum(t.nbytes for t in tensors if t is not None) + self.scorer.nbytes()

@@ -46,6 +46,8 @@ class ReconstructionScoringPolicy(KeepAllPolicy):
     """Keep every token; during a reconstruction forward (`begin_scoring`), record for each context column the
     largest attention the forward's queries gave it (max over the queries and the KV group's query heads)."""
 
+    state, transient = ("context_scores",), ("targets", "score_columns")
+
     def __init__(self):
         super().__init__(None)
         self.context_scores: torch.Tensor | None = None  # [B, Hkv, context] float32
@@ -81,13 +83,3 @@ class ReconstructionScoringPolicy(KeepAllPolicy):
         grouped = column_scores[..., :context].view(batch, self.heads, q_heads // self.heads, context).amax(2)
         targets = self.targets[:, None, :]
         self.context_scores = torch.where(targets, torch.maximum(self.context_scores, grouped), self.context_scores)
-
-    def map_batch(self, fn) -> None:
-        if self.context_scores is not None:
-            self.context_scores = fn(self.context_scores)
-
-    def reset(self) -> None:
-        self.context_scores = self.targets = self.score_columns = None
-
-    def nbytes(self) -> int:
-        return 0 if self.context_scores is None else self.context_scores.nbytes

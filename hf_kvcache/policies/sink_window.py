@@ -11,8 +11,6 @@ position, so they need no change. Without it, sinks keep their original position
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..common.compile_static import StaticInt
@@ -22,6 +20,7 @@ from .sinks import SinkMemory
 
 
 class SinkWindowPolicy(Policy):
+    state, parts = ("n_real",), ("memory",)
     compileable = True
     sinks, window = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
 
@@ -98,16 +97,3 @@ class SinkWindowPolicy(Policy):
         view.evict(self.memory.kept_after_crop(new_seen)[:, None])
         view.forget_from(max(s, new_seen))
         self.n_real = view.valid[:, 0, : self.capacity].long().sum(-1)
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.n_real is None:
-            return
-        self.n_real = fn(self.n_real)
-        self.memory.map_batch(fn)
-
-    def reset(self) -> None:
-        self.n_real = None
-        self.memory.reset()
-
-    def nbytes(self) -> int:
-        return (0 if self.n_real is None else self.n_real.nbytes) + self.memory.nbytes()

@@ -1,4 +1,4 @@
-"""Attention sinks' memory, shared by the policies that keep sinks (SinkWindowPolicy, CascadePolicy).
+"""Attention sinks' memory, shared by the policies that keep sinks (SinkWindowPolicy, CompositePolicy).
 
 Sinks are each row's first real tokens. We remember, per sink slot, the key as it arrived, its original position
 id and its stream index; with a rotator ("positions inside the cache", StreamingLLM), the sink keys are re-rotated
@@ -16,16 +16,16 @@ the no-cache floor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..common.compile_static import StaticInt
+from ..common.declared_state import DeclaredState
 from ..common.rope import KeyRotator
 from ..kernels.cpu_rope import rotate_sinks_into
 
 
-class SinkMemory:
+class SinkMemory(DeclaredState):
+    state = ("keys", "pos", "index", "_shift")
     sinks = StaticInt()  # torch.compile specialises on it (hf_kvcache.common.compile_static)
 
     def __init__(self, sinks: int, rotator: KeyRotator | None):
@@ -133,18 +133,6 @@ class SinkMemory:
     def kept_after_crop(self, new_seen: int) -> torch.Tensor:
         """[B, sinks] whether each sink slot's token survives a crop to `new_seen` tokens."""
         return self.index[:, : self.sinks] < new_seen
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("keys", "pos", "index", "_shift"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-
-    def reset(self) -> None:
-        self.keys = self.pos = self.index = self._shift = None
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.keys, self.pos, self.index, self._shift) if t is not None)
 
 
 def _rotary_pairs(keys: torch.Tensor, convention: str) -> torch.Tensor:

@@ -5,7 +5,7 @@ model's own forwards, as KVzip's reconstruction) to one score per token and KV h
 never places a token: its *host* does, the policy that owns the per-slot scores and chooses the survivors.
 - `HeavyHitterPolicy` / `ScoredPolicy` (policies/heavy_hitter.py, policies/scored.py): the standalone caches (H2O,
   random eviction, the scorer caches, KVzip's placement) and prompt mode;
-- `CascadePolicy` (policies/cascade.py): the heavy region of CompositeCache.
+- `CompositePolicy` (policies/composite.py): the heavy region of CompositeCache.
 
 A scorer is a dataclass: its parameters are fields (validated once, in `__post_init__`), its state fields are
 declared with `state()` (per batch row: map_batch reorders them) or `slot_state()` (tensors [B, Hm, X, slots + 1]

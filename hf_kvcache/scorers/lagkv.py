@@ -4,9 +4,10 @@ it, from the keys and values alone.
 After `sinks` tokens the sequence is cut into partitions of `lag` tokens. A token of partition p is normalised per
 channel by the min and max of partition p + 1 (its "lag" reference), and its score is the standard deviation of
 that over the channels, for its key and its value, softmaxed within the partition and averaged (key + value) / 2;
-each partition then ranks its tokens (rank / lag in [0, 1): kvpress's default, `cross_scoring` off; equal ranks
-of different partitions go to the later one). The sinks, the
-last full partition and the partial tail have no reference and score 1: always kept before any scored token. No
+each partition then ranks its tokens (rank / lag in [0, 1): kvpress's default, `cross_scoring` off). The sinks,
+the last full partition and the partial tail have no reference: kvpress scores them 1, kept before any scored
+token; here the sinks come first (oldest first), then the tail (newest first), so that no two tokens tie (exact
+ties would leave the choice to `topk`'s order of slots, which differs between a padded row and the row alone). No
 attention and no queries are read.
 
 Here the partitions are cut along the stream order of the candidates (stored tokens and new ones, padding and empty
@@ -38,14 +39,18 @@ def _partition_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
 
 def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, order_key: torch.Tensor, sinks: int, lag: int):
     """keys, values [B, H, n, D]; order_key [B, H, n] (stream index, the largest value for padding and empty slots)
-    -> scores [B, H, n] in [0, 1]: within-partition ranks / lag, 1 for the sinks and the unscored tail, 0 for
-    invalid candidates."""
+    -> scores [B, H, n]: within-partition ranks / lag in [0, 1) for the scored tokens, in [1, 2) for the unscored
+    tail (newest first) and in (2, 3] for the sinks (oldest first), 0 for invalid candidates. No two valid tokens of
+    a row tie: equal ranks of different partitions go to the later partition (less than a rank step apart), so a
+    row of a padded batch keeps what it keeps alone, whatever slots its tokens use."""
     batch, heads, n, dim = keys.shape
     valid = order_key < torch.iinfo(order_key.dtype).max
     order = order_key.argsort(dim=-1, stable=True)  # the valid candidates first, in stream order
     count = valid.sum(-1, keepdim=True)  # [B, H, 1]
+    position = torch.arange(n, device=keys.device)  # in stream order
+    tie_break = position / (2 * n)  # < 1/2: keeps every level below the next
+    ordered_scores = torch.where(position < sinks, 3.0 - tie_break, 1.0 + tie_break).expand(batch, heads, n)
     partitions = max(0, (n - sinks) // lag)
-    ordered_scores = torch.ones(batch, heads, n, device=keys.device)
     if partitions >= 2:
         span = slice(sinks, sinks + partitions * lag)
         index = order[..., span, None]
@@ -53,19 +58,14 @@ def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, order_key: torch.Tens
         part_v = values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).view(batch, heads, partitions, lag, -1)
         score = (_partition_scores(part_k, lag) + _partition_scores(part_v, lag)) / 2
         rank = score.argsort(dim=-1).argsort(dim=-1).float() / lag  # [B, H, P - 1, lag]
-        position = torch.arange(n, device=keys.device)
-        # equal ranks of different partitions: the later partition first (less than a rank step apart, so the
-        # ranks' order stands; a row of a padded batch then keeps what it keeps alone, whatever slots it uses)
-        rank = rank + (position[sinks : sinks + rank[0, 0].numel()].view(rank.shape[2:]) / (2 * n * lag))
-        # a partition is scored when the row's valid tokens fill the partition after it (else: tail, score 1)
+        body = rank.flatten(2) + tie_break[sinks : sinks + rank.shape[2] * lag] / lag  # [B, H, (P - 1) * lag]
+        # a partition is scored when the row's valid tokens fill the partition after it (else: tail)
         full = (count - sinks).clamp_min(0) // lag  # [B, H, 1] full partitions of each row
-        scored_end = sinks + (full - 1).clamp_min(0) * lag
-        in_scored = (position >= sinks) & (position < scored_end)
-        body = rank.flatten(2)  # [B, H, (P - 1) * lag]
-        padded = torch.ones(batch, heads, n, device=keys.device)
+        in_scored = (position >= sinks) & (position < sinks + (full - 1).clamp_min(0) * lag)
+        padded = ordered_scores.clone()
         padded[..., sinks : sinks + body.shape[-1]] = body
         ordered_scores = torch.where(in_scored, padded, ordered_scores)
-    ordered_scores = torch.where(torch.arange(n, device=keys.device) < count, ordered_scores, 0.0)
+    ordered_scores = torch.where(position < count, ordered_scores, 0.0)
     return torch.empty_like(ordered_scores).scatter_(-1, order, ordered_scores)
 
 

@@ -175,8 +175,9 @@ _MOVED_MODULES = {
 }
 
 
-def _cascade_policy_before_scorers(fields: dict) -> dict:
-    """CascadePolicy before hf_kvcache.scorers (0.3.0): the scorer object was `heavy_scorer`, `scorer` its name, and
+def _composite_policy_before_scorers(fields: dict) -> dict:
+    """The composite's policy before hf_kvcache.scorers (0.3.0, `policies.cascade.CascadePolicy`): the scorer object
+    was `heavy_scorer`, `scorer` its name, and
     what the bridge reads was copied from it (now read from the scorer)."""
     if "heavy_scorer" not in fields:  # written since
         return fields
@@ -197,8 +198,8 @@ def _h2o_scorer_before_scorers(fields: dict) -> dict:
 #: objects of files written before hf_kvcache.scorers: class name -> (class name now, fields -> fields now)
 _UPGRADED_OBJECTS = {
     "hf_kvcache.policies.cascade.CascadePolicy": (
-        "hf_kvcache.policies.cascade.CascadePolicy",
-        _cascade_policy_before_scorers,
+        "hf_kvcache.policies.composite.CompositePolicy",
+        _composite_policy_before_scorers,
     ),
     "hf_kvcache.policies.cascade_scorers.H2OScorer": ("hf_kvcache.scorers.h2o.H2O", _h2o_scorer_before_scorers),
     # the aggregation moved to the H2O scorer (which the settings rebuild): a string here is from before

@@ -20,8 +20,6 @@ broken differently.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..common.compile_static import StaticInt, fixed_shape
@@ -34,7 +32,7 @@ from .sinks import SinkMemory
 FINAL_KINDS = ("evict", "keep", "heavy")
 
 
-class CascadePolicy(Policy):
+class CompositePolicy(Policy):
     may_have_holes = True
     # sizes fixed for the cache's life: torch.compile specialises on them (hf_kvcache.common.compile_static)
     sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
@@ -45,6 +43,7 @@ class CascadePolicy(Policy):
     # recompilation (tests/test_compile.py). Compiled SmolLM2 decode (CPU, inductor): 1.04x / 1.13x compiled H2O at
     # budgets 256 / 1024 (eval/results/composite_decode_compiled.json).
     compileable = True
+    state, parts = ("n_real", "stream", "scores"), ("memory", "scorer")
 
     def __init__(
         self,
@@ -374,20 +373,3 @@ class CascadePolicy(Policy):
         # (nothing was evicted, so they all fit). Without this they stayed where their old ages put them.
         batch, hm = view.valid.shape[:2]
         self._place_chunk(view, view.valid.new_zeros(batch, 0), new_seen, self.scores.new_zeros(batch, hm, 0))
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("n_real", "stream", "scores"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-        self.memory.map_batch(fn)
-        self.scorer.map_batch(fn)
-
-    def reset(self) -> None:
-        self.n_real = self.stream = self.scores = None
-        self.memory.reset()
-        self.scorer.reset()
-
-    def nbytes(self) -> int:
-        tensors = (self.n_real, self.stream, self.scores)
-        return sum(t.nbytes for t in tensors if t is not None) + self.memory.nbytes() + self.scorer.nbytes()
