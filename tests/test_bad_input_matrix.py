@@ -15,6 +15,7 @@ and compares it with the committed file (only when every case ran in this sessio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -34,7 +35,8 @@ from conftest import build_config, build_model, random_ids, skip_unless_locked_v
 
 import hf_kvcache
 from hf_kvcache import CACHE_ARG, cache_kwargs
-from hf_kvcache.scorers import HEAVY_SCORERS
+from hf_kvcache.scorers import HEAVY_SCORERS, SCORERS
+from hf_kvcache.scorers.registry import options_of
 from hf_kvcache.sharing.hub import KVCacheConfig
 from hf_kvcache.stores.quantization import NonFiniteError
 
@@ -1437,6 +1439,40 @@ CASES: list[Case] = [
         r"`cache` must be an hf_kvcache cache \(a KVCache\), got DynamicCache",
     ),
 ]
+
+
+def _bad_scorer_values(field) -> list:
+    """Values a scorer parameter must refuse, by the type of its default (floats are free)."""
+    if isinstance(field.default, bool):
+        return ["yes"]
+    if isinstance(field.default, int):
+        return [-1]
+    if isinstance(field.default, str):
+        return ["no-such-value"]
+    return []
+
+
+def _scorer_cases() -> list[Case]:
+    """From the scorer registry: each scorer parameter given a bad value, to the scorer's cache and to a composite's
+    heavy region ranked by it (a new scorer's parameters get their rows here without a line of this file)."""
+    cases = []
+    for name, scorer in SCORERS.items():
+        cache = hf_kvcache.CACHE_IMPLEMENTATIONS[name]
+        CLASSES.setdefault(cache.__name__, cache)
+        size = {"heavy": 4, "recent": 4} if name in ("h2o", "random_eviction") else {"budget": 8}
+        for parameter in dataclasses.fields(scorer):
+            if parameter.name not in options_of(name):
+                continue
+            for value in _bad_scorer_values(parameter):
+                cases.append(ctor(cache.__name__, match=rf"`{parameter.name}`", **size, **{parameter.name: value}))
+                if name in HEAVY_SCORERS:
+                    heavy = {"role": "heavy", "tokens": 4, "scorer": name, parameter.name: value}
+                    regions = [{"role": "window", "start": 0, "end": 8}, heavy]
+                    cases.append(region_case(regions, rf"`regions\[1\]\.{parameter.name}`"))
+    return cases
+
+
+CASES += _scorer_cases()
 
 
 # -- the tests --------------------------------------------------------------------------------------------------------
