@@ -149,7 +149,8 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
     valid, causal_tail = spec if spec is not None else (None, q if q > 1 else 0)
     if q > 1 and key.shape[2] == q and not layer.forward_info.has_padding:
         valid = None  # a first prefill without padding (known on the host): every column is a real new token
-    window = layer.policy.attention_window
+    needs = layer.needs
+    window = needs.window
     weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
     scaling = kwargs.get("scaling")
     if scaling is None:
@@ -165,8 +166,8 @@ def _attend_with_scores(module, layer, query, key, value, spec, kwargs):
         sinks=getattr(module, "sinks", None),
         query_weight=weight,
         score_from=q - window if window is not None and q > window else 0,
-        reduce=layer.policy.attention_reduce,
-        normalize_over=layer.policy.score_columns,
+        reduce=needs.reduce,
+        normalize_over=needs.columns,
     )
     layer.policy.observe(layer.view, scores)
     return out, None
@@ -211,7 +212,8 @@ def _make_bridge(name: str):
         layer = None if cache is None else attended_layer(cache, module.layer_idx)
         if isinstance(layer, CompressedLayer):  # transformers' own layers (sliding, ...) need nothing from us
             first = _first_call(module, layer, key)
-            if layer.policy.needs_attention and key.shape[1] != layer.heads and not layer.latent_attention:
+            needs = layer.needs
+            if needs.attention and key.shape[1] != layer.heads and not layer.latent_attention:
                 raise ValueError(
                     f"{type(module).__name__} (layer {layer.layer_idx}) attends with {key.shape[1]} key heads made "
                     f"from the {layer.heads} it caches (JetMoE repeats them after the cache), so "
@@ -221,10 +223,10 @@ def _make_bridge(name: str):
             # stored keys are rotated: rotate the queries alike (q.k unchanged); reading from codes, `attend` does it
             # (the native kernel inside its call)
             rotation = layer.key_rotation
-            if rotation is not None and (layer.codes_read is None or layer.policy.needs_queries):
+            if rotation is not None and (layer.codes_read is None or needs.queries):
                 query, rotation = rotate(query, rotation), None
             spec = layer.attention_validity()
-            if layer.policy.needs_queries and first:  # (may place a pending chunk: attention reads the past as it was)
+            if needs.queries and first:  # (may place a pending chunk: attention reads the past as it was)
                 layer.policy.observe_queries(layer.view, query)
             if layer.codes_read is not None:  # attention straight from the store's codes (hf_kvcache.layers.codes_read)
                 out = attend(module, layer, query, key, value, spec, kwargs, rotation)
@@ -233,7 +235,7 @@ def _make_bridge(name: str):
             if rotation is not None:
                 query = rotate(query, rotation)
             if (
-                layer.policy.needs_attention
+                needs.attention
                 and first
                 and (spec is not None or attention_mask is None)
                 and not (
@@ -241,7 +243,7 @@ def _make_bridge(name: str):
                 )
             ):  # output and column scores from one pass (hf_kvcache.attention.scored)
                 return _attend_with_scores(module, layer, query, key, value, spec, kwargs)
-            if sdpa and query.shape[2] == 1 and not layer.policy.needs_attention:
+            if sdpa and query.shape[2] == 1 and not needs.attention:
                 # one decode token: each KV head read once, not once per query head (hf_kvcache.attention.gqa_decode);
                 # the
                 # layer's validity [B, Hm, kv] is the whole mask of a decode step
@@ -256,9 +258,9 @@ def _make_bridge(name: str):
                         ~mask, torch.finfo(query.dtype).min
                     )
                 attention_mask = mask
-            if layer.policy.needs_attention and first:  # the model's own mask (not causal-only): scores, 2nd pass
+            if needs.attention and first:  # the model's own mask (not causal-only): scores, 2nd pass
                 weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
-                scored_query, scored_mask, window = query, attention_mask, layer.policy.attention_window
+                scored_query, scored_mask, window = query, attention_mask, needs.window
                 if window is not None and query.shape[2] > window:  # only the last `window` queries are scored
                     scored_query, weight = query[:, :, -window:], weight[:, -window:]
                     if scored_mask.shape[2] > 1:
@@ -271,8 +273,8 @@ def _make_bridge(name: str):
                     weight,
                     softcap=kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)),
                     sinks=getattr(module, "sinks", None),
-                    reduce=layer.policy.attention_reduce,
-                    normalize_over=layer.policy.score_columns,
+                    reduce=needs.reduce,
+                    normalize_over=needs.columns,
                 )
                 layer.policy.observe(layer.view, scores)
         return inner(module, query, key, value, attention_mask, **kwargs)

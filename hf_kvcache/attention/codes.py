@@ -68,11 +68,12 @@ def attend(
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
-    needs_scores = layer.policy.needs_attention
+    needs = layer.needs
+    needs_scores = needs.attention
     weight = None
     if needs_scores:
         weight = layer.forward_info.real.to(device=query.device, dtype=torch.float32)
-        window = layer.policy.attention_window
+        window = needs.window
         if window is not None and q > window:  # column scores from the last `window` queries only (SnapKV, TOVA)
             weight = torch.cat((torch.zeros_like(weight[:, : q - window]), weight[:, q - window :]), 1)
     if not needs_scores and q == 1 and query.device.type == "cpu" and native_decode():

@@ -180,8 +180,8 @@ def full_precision_native(layer, device) -> bool:
         and not getattr(layer, "latent_attention", True)
         and not holds_codes(layer.store)
         and reads_codes(layer.store)
-        and not layer.policy.needs_attention
-        and not layer.policy.needs_queries
+        and not layer.needs.attention
+        and not layer.needs.queries
         and cpu_blockwise.unavailable() is None
     )
 
@@ -287,4 +287,4 @@ def native_decode() -> bool:
 def native_decode_read(layer) -> bool:
     """Whether this decode step of `layer` attends through the native CPU kernel without scores (what
     `attention.codes.attend` checks again with the query): its keys on CPU, no scores, `native_decode()`."""
-    return layer.device.type == "cpu" and not layer.policy.needs_attention and native_decode()
+    return layer.device.type == "cpu" and not layer.needs.attention and native_decode()

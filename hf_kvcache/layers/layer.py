@@ -31,6 +31,11 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
 
     @property
+    def needs(self):
+        """What this layer's policy needs the attention bridge to hand over in this forward (`policies.base.Needs`)."""
+        return self.policy.needs
+
+    @property
     def is_compileable(self) -> bool:
         """Decode keeps constant shapes and never reads the device on the host: a fixed capacity, a policy and a
         store whose decode steps are written for it (tested with torch.compile(fullgraph=True))."""

@@ -4,11 +4,23 @@ one goes (or that it is dropped)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..common.compile_static import StaticInt
 from ..common.declared_state import DeclaredState
+
+
+class Needs(NamedTuple):
+    """What a layer's policy (its scorer's, for the hosts of a scorer) needs the attention bridge to hand over in the
+    current forward: the bridge asks the layer (`CompressedLayer.needs`) instead of reading policy attributes."""
+
+    attention: bool = False  # attention column scores, to `observe`
+    window: int | None = None  # ... over the last `window` queries only (None: every query)
+    reduce: str = "sum"  # "max": the largest probability a column got, not the sum
+    columns: torch.Tensor | None = None  # with "max": [B, kv] bool, each query's softmax restricted to them
+    queries: bool = False  # the forward's (RoPE-rotated) queries, to `observe_queries`
 
 
 @dataclass
@@ -42,6 +54,13 @@ class Policy(DeclaredState):
     reads_stored_keys = False  # True when it reads the stored keys itself (the store's dequantizing read)
     needs_positions = True  # False when the policy never reads the layer's per-slot position ids (keep-all)
     compileable = False  # True when its decode steps compile without graph breaks or per-step recompilation
+
+    @property
+    def needs(self) -> Needs:
+        """What the bridge must hand over now (from the flags above)."""
+        return Needs(
+            self.needs_attention, self.attention_window, self.attention_reduce, self.score_columns, self.needs_queries
+        )
 
     def configure(self, prompt_length: int) -> None:
         """Called once with the first forward's length (budgets given as ratios of the prompt resolve here)."""
