@@ -29,6 +29,7 @@ import torch
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
+from hf_kvcache.caches.scorers import GENERATED_CACHES
 from hf_kvcache.evaluation.cache_spec import make_cache
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 
@@ -71,6 +72,8 @@ CONFIGS = {
     "snapkv": {"budget": 24, "window": 8},
     "expected_attention": {"budget": 24},
     "kvzip": {"budget": 24, "head_budget": "adaptive", "request_ids": REQUEST_IDS},
+    # the caches of scorers added to hf_kvcache.scorers.registry, with the scorer's settings for a few tokens
+    **{cls.cache_name: {"budget": 24, **cls.scorer_class.small} for cls in GENERATED_CACHES},
 }
 
 

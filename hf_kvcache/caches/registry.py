@@ -35,6 +35,7 @@ head_dim is not a multiple of 32 | same |
 | `expected_attention` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `kvzip` | budget 0.2 of the prompt; 4 sinks, chunks of 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) |
 same |
+SCORER CACHE ROWS
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -59,7 +60,7 @@ from .composite import CompositeCache
 from .eviction import H2OCache, RandomEvictionCache, SinkCache, SlidingWindowCache
 from .kvzip import KVzipCache
 from .quantized import KIVICache, QuantizedFP8Cache
-from .scorers import SCORER_CACHES
+from .scorers import GENERATED_CACHES, SCORER_CACHES
 
 #: cache_implementation name -> class (the dict lives in hf_kvcache.caches.catalog, which the base class reads)
 CACHE_IMPLEMENTATIONS.update(
@@ -92,6 +93,16 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "snapkv": {"budget": 1024},  # a ratio of a short prompt can be smaller than its 64-token observation window
     "kvzip": {"budget": 0.2},
 }
+
+# the rows of the caches generated for scorers added to hf_kvcache.scorers.registry (hf_kvcache.caches.scorers)
+__doc__ = __doc__.replace(
+    "SCORER CACHE ROWS\n",
+    "".join(
+        f"| `{cls.cache_name}` | budget 0.2 of the prompt; the scorer's own defaults ({cls.scorer_class.__module__}) "
+        "| same |\n"
+        for cls in GENERATED_CACHES
+    ),
+)
 
 #: a caller's key -> the default keys it replaces (besides itself)
 DEFAULT_REPLACED_BY: dict[str, dict[str, tuple[str, ...]]] = {
