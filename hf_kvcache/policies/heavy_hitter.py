@@ -152,15 +152,15 @@ class HeavyHitterPolicy(Policy):
         return Placement(src=src, dest=key.argmin(-1, keepdim=True), valid=valid)
 
     def after_write(self, view, placement: Placement, keys, dest, positions, seen_before: int) -> None:
-        src = placement.src.expand(dest.shape)
         self.stream.scatter_(2, dest, seen_before + placement.src)
         scores = self.scorer.arrival(self, view, placement, keys, dest, seen_before)
         if self._new_scores is not None:  # a chunk: the scores it was selected by
-            scores, self._new_scores = self._new_scores.gather(2, src), None
+            scores, self._new_scores = self._new_scores.gather(2, placement.src.expand(dest.shape)), None
         elif scores is not None or self.sinks:
             if scores is None:
                 scores = keys.new_zeros(keys.shape[:3], dtype=torch.float32)
-            scores = self.protect(scores, positions.gather(1, src[:, 0])[:, None])
+            token_positions = positions.gather(1, placement.src.expand(dest.shape)[:, 0])[:, None]
+            scores = self.protect(scores, token_positions)
         if scores is None:  # set later: by `observe` or the next selection
             self.scores.scatter_(2, dest, 0.0)
         else:

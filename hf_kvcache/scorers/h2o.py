@@ -45,6 +45,10 @@ class H2O(Scorer):
 
     def observe(self, host, view, column_scores: torch.Tensor) -> torch.Tensor | None:
         scores = aggregate(column_scores, view.valid.shape[1], self.aggregation)
-        n = scores.shape[-1] if view.pending is None else view.used
-        host.scores[..., :n] += scores[..., :n]  # accumulated
-        return None if view.pending is None else scores
+        if view.pending is None:  # decode: the columns are the slots
+            stored = host.scores[..., : scores.shape[-1]]
+            stored += scores  # accumulated, in place (no write-back of the slice: one op fewer per layer and step)
+            return None
+        stored = host.scores[..., : view.used]
+        stored += scores[..., : view.used]
+        return scores
