@@ -71,13 +71,33 @@ def _recent(recent, budget, name: str = "recent") -> int:
 class _ScorerCache(KVCache):
     size_keys = ("budget",)
 
-    def _setup(self, config_or_model, budget, compress, make_policy, layers, head_budget="uniform", safeguard=0.2):
+    def _setup(
+        self,
+        config_or_model,
+        budget,
+        compress,
+        make_scorer,
+        layers,
+        head_budget="uniform",
+        safeguard=0.2,
+        *,
+        share: float,
+        recent: int | None = None,
+        sinks: int = 0,
+        rescore_every: int = 1,
+    ):
+        """Build the layers: each a `ScoredPolicy` holding `budget` with `make_scorer(config)`'s scorer, `recent`
+        (default `self.recent`) and `share` of the budget protected, `sinks` by position."""
         self.budget = _budget(budget)
         self.compress = require_choice("compress", compress, COMPRESS_MODES)
         self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
+        recent = self.recent if recent is None else recent
 
         def build(cfg):
-            return with_head_budget(make_policy(cfg), self.head_budget, self.safeguard)
+            policy = ScoredPolicy(
+                self.budget, recent, make_scorer(cfg), sinks=sinks, recent_share=share, rescore_every=rescore_every
+            )
+            return with_head_budget(policy, self.head_budget, self.safeguard)
 
         super().__init__(config_or_model, build, layers)
 
@@ -108,8 +128,7 @@ class KnormCache(_ScorerCache):
         layers: dict | list | None = None,
     ):
         self.recent, share = self._window(recent, budget, compress, paper=0, decode_share=KNORM_DECODE_RECENT_SHARE)
-        policy = lambda cfg: ScoredPolicy(self.budget, self.recent, Knorm(), recent_share=share)  # noqa: E731
-        self._setup(config_or_model, budget, compress, policy, layers, head_budget, safeguard)
+        self._setup(config_or_model, budget, compress, lambda cfg: Knorm(), layers, head_budget, safeguard, share=share)
 
 
 class KeyDiffCache(_ScorerCache):
@@ -135,12 +154,12 @@ class KeyDiffCache(_ScorerCache):
             config_or_model,
             budget,
             compress,
-            lambda cfg: ScoredPolicy(
-                self.budget, self.recent, KeyDiff(), recent_share=share, rescore_every=self.rescore_every
-            ),
+            lambda cfg: KeyDiff(),
             layers,
             head_budget,
             safeguard,
+            share=share,
+            rescore_every=self.rescore_every,
         )
 
 
@@ -159,8 +178,8 @@ class TOVACache(_ScorerCache):
         layers: dict | list | None = None,
     ):
         self.recent, share = self._window(recent, budget, compress, paper=1)
-        policy = lambda cfg: ScoredPolicy(self.budget, self.recent, TOVA(), recent_share=share)  # noqa: E731
-        self._setup(config_or_model, budget, compress, policy, layers)  # (one token set per layer: no head budgets)
+        # (one token set per layer: no head budgets)
+        self._setup(config_or_model, budget, compress, lambda cfg: TOVA(), layers, share=share)
 
 
 class SnapKVCache(_ScorerCache):
@@ -192,16 +211,13 @@ class SnapKVCache(_ScorerCache):
             config_or_model,
             budget,
             compress,
-            lambda cfg: ScoredPolicy(
-                self.budget,
-                max(self.window, self.recent),  # the observation window is kept
-                SnapKV(self.window, self.kernel),
-                recent_share=share,
-                rescore_every=self.rescore_every,
-            ),
+            lambda cfg: SnapKV(self.window, self.kernel),
             layers,
             head_budget,
             safeguard,
+            share=share,
+            recent=max(self.window, self.recent),  # the observation window is kept
+            rescore_every=self.rescore_every,
         )
 
 
@@ -233,21 +249,25 @@ class ExpectedAttentionCache(_ScorerCache):
         self.sinks, self.future = sinks, future
         rotators = {}
 
-        def make_policy(cfg):
+        def make_scorer(cfg):
             if "rotator" not in rotators:
                 rotators["rotator"] = KeyRotator(cfg, parameter="expected_attention")
             scorer = ExpectedAttention(self.sinks, self.future, use_covariance, use_value_norm)
             scorer.rotator = rotators["rotator"]
-            return ScoredPolicy(
-                self.budget,
-                self.recent,
-                scorer,
-                sinks=self.sinks,
-                recent_share=share,
-                rescore_every=self.rescore_every,
-            )
+            return scorer
 
-        self._setup(config_or_model, budget, compress, make_policy, layers, head_budget, safeguard)
+        self._setup(
+            config_or_model,
+            budget,
+            compress,
+            make_scorer,
+            layers,
+            head_budget,
+            safeguard,
+            share=share,
+            sinks=self.sinks,
+            rescore_every=self.rescore_every,
+        )
         if isinstance(config_or_model, PreTrainedModel) and rotators:  # the model's own RoPE must agree
             indices = [layer.layer_idx for layer in self.compressed_layers]
             check_rotator_once(config_or_model, rotators["rotator"], indices)
@@ -255,8 +275,6 @@ class ExpectedAttentionCache(_ScorerCache):
 
 #: scorers whose cache is written elsewhere (H2OCache, RandomEvictionCache, KVzipCache) or above
 WRITTEN_CACHES = ("h2o", "random_eviction", "kvzip", "knorm", "keydiff", "tova", "snapkv", "expected_attention")
-#: constructor arguments every generated scorer cache takes besides its scorer's fields
-COMMON_PARAMETERS = ("budget", "recent", "compress", "rescore_every", "head_budget", "safeguard")
 
 
 def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:
@@ -293,16 +311,12 @@ def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:
             config_or_model,
             budget,
             compress,
-            lambda cfg: ScoredPolicy(
-                self.budget,
-                self.recent,
-                scorer_cls(**self.options),
-                recent_share=share,
-                rescore_every=self.rescore_every,
-            ),
+            lambda cfg: scorer_cls(**self.options),
             layers,
             head_budget,
             safeguard,
+            share=share,
+            rescore_every=self.rescore_every,
         )
 
     parameter = inspect.Parameter

@@ -116,3 +116,14 @@ class Policy(DeclaredState):
     def crop(self, view, new_seen: int) -> None:
         """Forget the tokens from stream index `new_seen` on; only called while nothing was evicted."""
         raise NotImplementedError(f"{type(self).__name__} does not support crop")
+
+
+class ScorerHost(Policy):
+    """A policy that hosts a scorer (hf_kvcache.scorers) in `self.scorer`: what the bridge hands over is what the
+    scorer needs."""
+
+    deferred = property(lambda self: self.scorer.deferred)
+    needs_attention = property(lambda self: self.scorer.needs_attention)
+    needs_queries = property(lambda self: self.scorer.needs_queries)
+    attention_window = property(lambda self: self.scorer.attention_window)
+    reads_stored_keys = property(lambda self: self.scorer.reads_stored_keys)

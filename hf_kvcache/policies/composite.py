@@ -26,13 +26,13 @@ from ..common.compile_static import StaticInt, fixed_shape
 from ..common.rope import KeyRotator
 from ..scorers.base import Scorer
 from ..scorers.h2o import H2O
-from .base import Placement, Policy
+from .base import Placement, ScorerHost
 from .sinks import SinkMemory
 
 FINAL_KINDS = ("evict", "keep", "heavy")
 
 
-class CompositePolicy(Policy):
+class CompositePolicy(ScorerHost):
     may_have_holes = True
     # sizes fixed for the cache's life: torch.compile specialises on them (hf_kvcache.common.compile_static)
     sinks, heavy, final_base = StaticInt(), StaticInt(), StaticInt()
@@ -75,12 +75,6 @@ class CompositePolicy(Policy):
         self._sink_step = True  # whether the tokens being placed may include sinks (decode knows when they cannot)
         self.memory = SinkMemory(sinks, rotator)
 
-    # what the bridge hands over is what the scorer needs
-    deferred = property(lambda self: self.scorer.deferred)
-    needs_attention = property(lambda self: self.scorer.needs_attention)
-    needs_queries = property(lambda self: self.scorer.needs_queries)
-    attention_window = property(lambda self: self.scorer.attention_window)
-    reads_stored_keys = property(lambda self: self.scorer.reads_stored_keys)
     sink_slots = property(lambda self: self.sinks)  # the scorer's host contract: slots that are never candidates
 
     # -- state --------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from ..common.compile_static import StaticInt, fixed_shape
 from ..scorers.base import Scorer
 from ..scorers.h2o import AGGREGATIONS, H2O  # noqa: F401  (AGGREGATIONS: H2OCache's `aggregation` values)
-from .base import Placement, Policy
+from .base import Placement, ScorerHost
 from .head_budgets import adaptive_keep, pool_destinations, pool_victims
 
 
@@ -34,7 +34,7 @@ def resolve_size(name: str, value, prompt_length: int) -> int:
     return value
 
 
-class HeavyHitterPolicy(Policy):
+class HeavyHitterPolicy(ScorerHost):
     per_head = True
     may_have_holes = True
     heavy, recent = StaticInt(), StaticInt()  # torch.compile specialises on them (hf_kvcache.common.compile_static)
@@ -62,12 +62,6 @@ class HeavyHitterPolicy(Policy):
         # the accumulated sum, which favours old tokens (more queries saw them)
         self.average = False
 
-    # what the bridge hands over is what the scorer needs
-    deferred = property(lambda self: self.scorer.deferred)
-    needs_attention = property(lambda self: self.scorer.needs_attention)
-    needs_queries = property(lambda self: self.scorer.needs_queries)
-    attention_window = property(lambda self: self.scorer.attention_window)
-    reads_stored_keys = property(lambda self: self.scorer.reads_stored_keys)
     compileable = property(lambda self: self.scorer.compileable)
 
     def configure(self, prompt_length: int) -> None:

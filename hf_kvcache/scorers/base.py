@@ -101,8 +101,6 @@ class Scorer:
     compileable: ClassVar[bool] = False
     #: it needs model forwards of its own before placing (KVzip's reconstruction): only its cache can run it
     needs_model_forwards: ClassVar[bool] = False
-    #: one token set for all KV heads of a layer (the scores are the same for every head)
-    layer_wide: ClassVar[bool] = False
     #: a row of a (left-padded) batch scores as it would alone (random draws are keyed by batch row and stream index)
     row_independent: ClassVar[bool] = True
     #: what it reads, in words (the docs' scorer table)
@@ -166,3 +164,38 @@ class Scorer:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for f in self._state_fields() for t in _tensors(getattr(self, f.name)))
+
+
+@dataclasses.dataclass(eq=False)
+class CandidateScorer(Scorer):
+    """A scorer whose scores are relative to the candidate set (KeyDiff's anchor, LagKV's partitions): every
+    selection re-scores the stored tokens and the incoming ones together (`candidates`), a chunk at once, a decode
+    step before its selection. Subclasses write `candidates` only."""
+
+    reads_stored_keys: ClassVar[bool] = True
+    rescores: ClassVar[bool] = True
+
+    _chunk_scores: torch.Tensor | None = state()  # a chunk's new tokens' scores, until they are written
+
+    def candidates(self, host, view, real: torch.Tensor, n_stored: int, seen: int) -> torch.Tensor:
+        """Scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens (stream index `seen`
+        on)."""
+        raise NotImplementedError
+
+    def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
+        used = view.used
+        scores = self.candidates(host, view, real, used, seen)
+        host.scores[..., :used] = scores[..., :used]
+        self._chunk_scores = scores[..., used:]
+        return self._chunk_scores
+
+    def before_selection(self, host, view, real: torch.Tensor) -> None:
+        c = host.capacity
+        host.scores[..., :c] = self.candidates(host, view, real, c, view.seen)[..., :c]
+
+    def arrival(self, host, view, placement, keys: torch.Tensor, dest: torch.Tensor, seen_before: int):
+        if self._chunk_scores is None:  # decode: scored by the next selection
+            return None
+        scores = self._chunk_scores.gather(2, placement.src.expand(dest.shape))
+        self._chunk_scores = None
+        return scores

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Scorer, state
+from .base import CandidateScorer
 
 
 def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -40,28 +40,9 @@ def stored_and_incoming(view, real: torch.Tensor, n_stored: int) -> tuple[torch.
 
 
 @dataclass(eq=False)
-class KeyDiff(Scorer):
+class KeyDiff(CandidateScorer):
     name: ClassVar[str] = "keydiff"
     reads: ClassVar[str] = "keys (the stored ones again at each selection)"
-    reads_stored_keys: ClassVar[bool] = True
-    rescores: ClassVar[bool] = True
 
-    _chunk_scores: torch.Tensor | None = state()  # a chunk's new tokens' scores, until they are written
-
-    def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
-        used = view.used
-        scores = keydiff_scores(*stored_and_incoming(view, real, used))
-        host.scores[..., :used] = scores[..., :used]
-        self._chunk_scores = scores[..., used:]
-        return self._chunk_scores
-
-    def before_selection(self, host, view, real: torch.Tensor) -> None:
-        c = host.capacity
-        host.scores[..., :c] = keydiff_scores(*stored_and_incoming(view, real, c))[..., :c]
-
-    def arrival(self, host, view, placement, keys: torch.Tensor, dest: torch.Tensor, seen_before: int):
-        if self._chunk_scores is None:  # decode: scored by the next selection
-            return None
-        scores = self._chunk_scores.gather(2, placement.src.expand(dest.shape))
-        self._chunk_scores = None
-        return scores
+    def candidates(self, host, view, real: torch.Tensor, n_stored: int, seen: int) -> torch.Tensor:
+        return keydiff_scores(*stored_and_incoming(view, real, n_stored))

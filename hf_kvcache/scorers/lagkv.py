@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from ..common.validation import require_int
-from .base import Scorer, state
+from .base import CandidateScorer
 
 
 def _partition_scores(states: torch.Tensor, lag: int) -> torch.Tensor:
@@ -70,24 +70,19 @@ def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, order_key: torch.Tens
 
 
 @dataclass(eq=False)
-class LagKV(Scorer):
+class LagKV(CandidateScorer):
     sinks: int = 4
     lag: int = 128
 
     name: ClassVar[str] = "lagkv"
     reads: ClassVar[str] = "keys and values (the stored ones again at each selection)"
     small: ClassVar[dict] = {"sinks": 2, "lag": 2}
-    reads_stored_keys: ClassVar[bool] = True
-    rescores: ClassVar[bool] = True
-
-    _chunk_scores: torch.Tensor | None = state()  # a chunk's new tokens' scores, until they are written
 
     def __post_init__(self):
         require_int("sinks", self.sinks, 0)
         require_int("lag", self.lag, 1)
 
-    def _candidates(self, host, view, real: torch.Tensor, n_stored: int, seen: int) -> torch.Tensor:
-        """Scores [B, Hm, n_stored + q] of the first `n_stored` slots and the incoming tokens."""
+    def candidates(self, host, view, real: torch.Tensor, n_stored: int, seen: int) -> torch.Tensor:
         incoming = view.incoming
         if n_stored:
             stored_k, stored_v = view.read(n_stored)
@@ -101,21 +96,3 @@ class LagKV(Scorer):
         valid = torch.cat((view.valid[..., :n_stored].expand(-1, heads, -1), real[:, None].expand(-1, heads, -1)), -1)
         order_key = torch.where(valid & (stream >= 0), stream, torch.iinfo(torch.long).max)
         return lagkv_scores(keys, values, order_key, self.sinks, self.lag)
-
-    def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
-        used = view.used
-        scores = self._candidates(host, view, real, used, seen)
-        host.scores[..., :used] = scores[..., :used]
-        self._chunk_scores = scores[..., used:]
-        return self._chunk_scores
-
-    def before_selection(self, host, view, real: torch.Tensor) -> None:
-        c = host.capacity
-        host.scores[..., :c] = self._candidates(host, view, real, c, view.seen)[..., :c]
-
-    def arrival(self, host, view, placement, keys: torch.Tensor, dest: torch.Tensor, seen_before: int):
-        if self._chunk_scores is None:  # decode: scored by the next selection
-            return None
-        scores = self._chunk_scores.gather(2, placement.src.expand(dest.shape))
-        self._chunk_scores = None
-        return scores

@@ -31,7 +31,6 @@ class TOVA(Scorer):
     name: ClassVar[str] = "tova"
     reads: ClassVar[str] = "the last query's attention"
     needs_attention: ClassVar[bool] = True
-    layer_wide: ClassVar[bool] = True
 
     def __post_init__(self):
         self.attention_window = 1  # the last query's attention only
