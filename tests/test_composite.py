@@ -42,12 +42,12 @@ EQUIVALENT = {
         {"sink_positions": "original"},
     ),
     "h2o": (
-        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4),
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4, attention_score="accumulated"),
         [{**W, "start": 0, "end": 4}, {"role": "heavy", "tokens": 5}],
         {},
     ),
     "h2o_mean": (
-        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4, aggregation="mean"),
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=4, aggregation="mean", attention_score="accumulated"),
         [{**W, "start": 0, "end": 1}, {**W, "start": 1, "end": 4}, {"role": "heavy", "tokens": 5}],
         {"aggregation": "mean"},
     ),

@@ -20,6 +20,7 @@ from hf_kvcache.policies.kvzip import layer_budgets
 pytestmark = pytest.mark.upstream
 
 REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
+UNIFORM = {"head_budget": "uniform", "layer_budget": "uniform"}  # per KV head and layer (the reference's budget)
 
 
 def reference_scores(model, ids: torch.Tensor, chunk: int, sinks: int) -> torch.Tensor:
@@ -63,7 +64,7 @@ def test_kept_tokens_are_the_reference_top_budget(chunk):
     ids, budget, sinks = random_ids(1, 20, seed=3), 6, 2
     reference = reference_scores(model, ids, chunk, sinks)
     reference[..., :sinks] = float("inf")
-    cache = KVzipCache(model, budget=budget, sinks=sinks, chunk_size=chunk, request_ids=REQUEST)
+    cache = KVzipCache(model, budget=budget, sinks=sinks, chunk_size=chunk, request_ids=REQUEST, **UNIFORM)
     with torch.no_grad():
         model(ids, **cache_kwargs(cache))
         cache.compress_context(model)
@@ -100,10 +101,10 @@ def test_left_padded_rows_keep_and_generate_as_alone():
     model = build_model("llama")
     rows = [random_ids(1, n, seed=20 + n)[0] for n in (18, 11)]
     ids, mask = left_pad(rows)
-    batch = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST)
+    batch = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST, **UNIFORM)
     together = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **cache_kwargs(batch))
     for b, row in enumerate(rows):
-        alone = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST)
+        alone = KVzipCache(model, budget=6, chunk_size=5, request_ids=REQUEST, **UNIFORM)
         single = model.generate(row[None], max_new_tokens=5, do_sample=False, **cache_kwargs(alone))
         assert together[b, ids.shape[1] :].tolist() == single[0, row.numel() :].tolist()
         pad = ids.shape[1] - row.numel()
@@ -126,7 +127,7 @@ def test_a_budget_that_keeps_everything_equals_the_full_cache(arch):
         return_dict_in_generate=True,
         **cache_kwargs(DynamicCache(config=model.config)),
     )
-    cache = KVzipCache(model, budget=14, chunk_size=6, request_ids=REQUEST)
+    cache = KVzipCache(model, budget=14, chunk_size=6, request_ids=REQUEST, **UNIFORM)
     got = model.generate(
         ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, **cache_kwargs(cache)
     )
@@ -139,7 +140,7 @@ def test_head_adaptive_layers_hold_their_budget_and_free_the_context():
     model = build_model("llama")
     heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
     ids = random_ids(2, 30, seed=5)
-    cache = KVzipCache(model, budget=8, head_budget="adaptive", request_ids=REQUEST)
+    cache = KVzipCache(model, budget=8, head_budget="adaptive", layer_budget="uniform", request_ids=REQUEST)
     with torch.no_grad():
         model(ids, **cache_kwargs(cache))
         full = cache.nbytes()
@@ -161,7 +162,7 @@ def test_end_prompt_appends_the_question_uncompressed():
     """kvpress's protocol: compress the document, then append the question uncompressed."""
     model = build_model("llama")
     document, question = random_ids(1, 24, seed=6), random_ids(1, 5, seed=7)
-    cache = KVzipCache(model, budget=6, request_ids=REQUEST)
+    cache = KVzipCache(model, budget=6, request_ids=REQUEST, **UNIFORM)
     with torch.no_grad():
         model(document, **cache_kwargs(cache))
         cache.end_prompt()
@@ -320,3 +321,50 @@ def test_generate_modes_beam_chunked_prefill_and_assisted():
             assistant_model=build_model("llama", seed=1),
             **cache_kwargs(KVzipCache(model, budget=6, request_ids=REQUEST)),
         )
+
+
+@pytest.mark.parametrize("head_budget", ["adaptive", "uniform"])
+@pytest.mark.parametrize("precision", ["fp8_e4m3", "int8"])
+def test_quantized_placement_keeps_the_same_tokens_in_fewer_bytes(precision, head_budget):
+    """KVzip's placement at a quantized precision: the same (head, token) pairs as in full precision (the scores
+    come from the full-precision context), each stored as codes; the bytes held shrink, the logits stay close."""
+    model = build_model("llama")
+    ids = random_ids(2, 30, seed=5)
+    settings = dict(budget=8, head_budget=head_budget, layer_budget="uniform", request_ids=REQUEST)
+    full, quantized = KVzipCache(model, **settings), KVzipCache(model, precision=precision, **settings)
+    with torch.no_grad():
+        for cache in (full, quantized):
+            model(ids, **cache_kwargs(cache))
+            cache.compress_context(model)
+    for a, b in zip(full.layers, quantized.layers):
+        assert torch.equal(a.slot_valid, b.slot_valid)  # the same tokens kept, in the same slots
+        assert type(b.store).__name__ != type(a.store).__name__
+    assert quantized.nbytes() < 0.75 * full.nbytes()
+    step = random_ids(2, 1, seed=6)
+    with torch.no_grad():
+        want = model(step, **cache_kwargs(full)).logits
+        got = model(step, **cache_kwargs(quantized)).logits
+    assert not torch.equal(got, want)  # really quantized
+    assert (got - want).norm() < 0.1 * want.norm()  # (FP8 on a random tiny model: about 5%)
+
+
+def test_precision_must_be_a_per_token_format():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="precision"):
+        KVzipCache(model, budget=8, precision="fp7", request_ids=REQUEST)
+    with pytest.raises(ValueError, match="precision.*token"):
+        KVzipCache(model, budget=8, precision={"format": "int4", "granularity": "channel"}, request_ids=REQUEST)
+
+
+def test_default_allotment_is_model_wide():
+    """`kvzip` with only a budget allots it over the whole model (docs/defaults.md): layers get different shares."""
+    model = build_model("llama")
+    cache = KVzipCache(model, budget=8, request_ids=REQUEST)
+    assert (cache.head_budget, cache.layer_budget) == ("adaptive", "adaptive")
+    with torch.no_grad():
+        model(random_ids(1, 30, seed=5), **cache_kwargs(cache))
+        cache.compress_context(model)
+    heads = model.config.num_key_value_heads
+    kept = [int(layer.slot_valid[..., : layer.used].sum()) for layer in cache.layers]
+    assert sum(kept) == 8 * heads * len(cache.layers)  # the model's budget
+    assert len(set(kept)) > 1  # shared unevenly

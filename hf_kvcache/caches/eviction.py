@@ -91,8 +91,9 @@ class H2OCache(KVCache):
     evicts between chunks so peak memory stays near the budget. `position_mode="compact"` places the kept tokens at
     contiguous positions ending at the newest (re-rotating from a copy of the keys as they arrived, which costs
     one more key buffer); "original" (default) leaves every key at its own position. `attention_score`: rank by the
-    attention "accumulated" (the paper) or its "average" over the queries that saw each token (kvpress's
-    ObservedAttentionPress). `head_budget="adaptive"`: AdaKV's allotment over the layer's heads (docs/scorers.md)."""
+    attention's "average" over the queries that saw each token (default: kvpress's ObservedAttentionPress, measured
+    better at every budget, docs/defaults.md) or the attention "accumulated" (the paper, which favours old tokens).
+    `head_budget="adaptive"`: AdaKV's allotment over the layer's heads (docs/scorers.md)."""
 
     cache_name = "h2o"
     size_keys = ("heavy", "recent", "budget")
@@ -106,7 +107,7 @@ class H2OCache(KVCache):
         aggregation: str = "sum",
         position_mode: str = "original",
         compress: str = "always",
-        attention_score: str = "accumulated",
+        attention_score: str = "average",
         head_budget: str = "uniform",
         safeguard: float = 0.2,
         layers: dict | list | None = None,

@@ -4,9 +4,12 @@ hf_kvcache.policies.head_budgets): "uniform" keeps `budget` tokens in every KV h
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..common.validation import require_choice
 from ..stores import FullPrecisionStore
-from ..stores.head_pool import HeadPooledStore
+from ..stores.head_pool import HeadPooledQuantizedStore, HeadPooledStore
+from ..stores.quantization import QuantSpec
 
 HEAD_BUDGETS = ("uniform", "adaptive")
 
@@ -20,7 +23,28 @@ def check_head_budget(head_budget, safeguard) -> tuple[str, float]:
     return head_budget, float(safeguard)
 
 
-def with_head_budget(policy, head_budget: str, safeguard: float):
-    """(policy, store) for a heavy-hitter policy: a pool shared by the heads when the budget is adaptive."""
+def check_precision(precision: Any, where: str = "precision") -> QuantSpec | None:
+    """None for the model's dtype ("full"), else the per-token QuantSpec of a format name or spec dict (keys and
+    values alike). The error names `where`."""
+    spec = QuantSpec.from_value(precision, f"`{where}`")
+    if spec.format == "none":
+        return None
+    if spec.append_only:
+        raise ValueError(
+            f"`{where}`: granularity 'channel' quantizes blocks of tokens once they are complete (the append-only "
+            "keep-all layout); an evicting cache needs granularity 'token'."
+        )
+    return spec
+
+
+def with_head_budget(policy, head_budget: str, safeguard: float, precision: QuantSpec | None = None, workspace=None):
+    """(policy, store) for a heavy-hitter policy: a pool shared by the heads when the budget is adaptive, its tokens
+    in the model's dtype or quantized per token at `precision` (`workspace`: the cache's shared dequantization
+    scratch)."""
     policy.adaptive, policy.safeguard = head_budget == "adaptive", safeguard
-    return policy, HeadPooledStore() if policy.adaptive else FullPrecisionStore()
+    if precision is None:
+        return policy, HeadPooledStore() if policy.adaptive else FullPrecisionStore()
+    from ..stores.quantized import QuantizedStore
+
+    kind = HeadPooledQuantizedStore if policy.adaptive else QuantizedStore
+    return policy, kind(precision, precision, append_only=False, workspace=workspace, name="precision")

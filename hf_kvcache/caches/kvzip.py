@@ -12,9 +12,12 @@ What happens (hf_kvcache.policies.kvzip for the scores):
    forward, against the stored context: each context token scores the largest attention it gets. The request's
    tokens are then removed again (the other layers of the model - sliding windows, layers of other caches - are
    restored as they were).
-3. Each layer places the context at its budget by those scores (uniform per KV head, or `head_budget="adaptive"`:
-   `budget x kv_heads` per layer in one slot pool, allotted by score as AdaKV and KVzip's non-uniform heads do) and
-   frees the full-precision copy; later tokens are appended uncompressed (`compress="prompt"`).
+3. Each layer places the context at its budget by those scores and frees the full-precision copy; later tokens are
+   appended uncompressed (`compress="prompt"`). By default the budget is model-wide, as the KVzip paper and kvpress
+   allot it: the best `budget x kv_heads x layers` (head, token) pairs over the whole model are kept
+   (`layer_budget="adaptive"`), each layer's share in one slot pool allotted to its heads by score
+   (`head_budget="adaptive"`, every head at least `safeguard x budget`). `layer_budget="uniform"` gives every layer
+   the same share; `head_budget="uniform"` every KV head `budget` tokens (both measured far worse: docs/defaults.md).
 
 Cost: the reconstruction forwards process about the context's length again (plus the request), attending to the
 context too: on SmolLM2 with a 2K prompt, prefill plus reconstruction took 4.0x a plain prefill on CPU
@@ -44,8 +47,9 @@ from ..policies.prompt_mode import PromptCompressionPolicy
 from ..policies.scored import ScoredPolicy
 from ..scorers.kvzip import Reconstruction
 from ..stores import FullPrecisionStore
+from ..stores.workspace import DequantWorkspace
 from .base import KVCache
-from .head_budget import check_head_budget, with_head_budget
+from .head_budget import check_head_budget, check_precision, with_head_budget
 from .scorers import _budget, _recent
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -96,7 +100,9 @@ def _check_request_ids(request_ids) -> dict[str, list[int]] | None:
 class KVzipCache(KVCache):
     """KVzip (arXiv 2505.23416): per row and KV head, the `budget` context tokens that receive the most attention
     while the model reconstructs the context (the first `sinks` always kept); prompt compression only (see the
-    module docstring for how, and what it costs)."""
+    module docstring for how, and what it costs). `precision`: the placed tokens' format, "full" (the model's dtype)
+    or a per-token quantized format ("fp8_e4m3", "int8", "int4" ... or a spec dict: hf_kvcache.stores.quantization),
+    so eviction and quantization multiply: at FP8, twice the tokens in the same bytes."""
 
     cache_name = "kvzip"
     size_keys = ("budget",)
@@ -108,11 +114,12 @@ class KVzipCache(KVCache):
         sinks: int = 4,
         recent: int = 0,
         chunk_size: int = 2048,
-        head_budget: str = "uniform",
+        head_budget: str = "adaptive",
         safeguard: float = 0.2,
-        layer_budget: str = "uniform",
+        layer_budget: str = "adaptive",
         tokenizer=None,
         request_ids: dict | None = None,
+        precision: str | dict = "full",
         compress: str = "prompt",
         layers: dict | list | None = None,
     ):
@@ -123,6 +130,9 @@ class KVzipCache(KVCache):
         self.chunk_size = require_int("chunk_size", chunk_size, 1)
         self.head_budget, self.safeguard = check_head_budget(head_budget, safeguard)
         self.layer_budget = require_choice("layer_budget", layer_budget, LAYER_BUDGETS)
+        self.precision = precision
+        check_precision(precision)
+        self.workspace = DequantWorkspace()  # the quantized layers' shared read scratch (empty until one reads)
         encodes = callable(getattr(tokenizer, "encode", None))
         if tokenizer is not None and not isinstance(tokenizer, str) and not encodes:
             raise ValueError(
@@ -313,6 +323,7 @@ class KVzipCache(KVCache):
             "recent": self.recent,
             "head_budget": self.head_budget,
             "safeguard": self.safeguard,
+            "precision": self.precision,
             **getattr(layer, "placement_settings", {}),
         }
 
@@ -360,6 +371,8 @@ class KVzipCache(KVCache):
             ),
             head_budget,
             safeguard,
+            check_precision(settings["precision"]),
+            self.workspace,
         )
         placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
         placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)

@@ -33,7 +33,8 @@ head_dim is not a multiple of 32 | same |
 | `tova` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
 | `snapkv` | budget 1024 tokens (a prompt ratio can fall below its 64-token window); window 64, kernel 5 | same |
 | `expected_attention` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.caches.scorers) | same |
-| `kvzip` | budget 0.2 of the prompt; 4 sinks, chunks of 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) |
+| `kvzip` | budget 0.2 of the prompt, allotted model-wide (layer- and head-adaptive, floor 0.2); 4 sinks, chunks of
+2048, the model's own tokenizer (hf_kvcache.caches.kvzip) |
 same |
 SCORER CACHE ROWS
 

@@ -120,8 +120,11 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
     ref = ctx.reference(n)
     resolved = resolve_config(p["cache"], p["config"], n)
     cache = make_cache(ctx.model, p["cache"], p["config"], context_len=n, total_len=total)
+    after_prompt = []
     t0 = time.perf_counter()
-    logp = cache_logprobs(ctx.model, ids, cache, n, s.prefill_chunk)
+    logp = cache_logprobs(
+        ctx.model, ids, cache, n, s.prefill_chunk, after_first_step=lambda c: after_prompt.append(cache_nbytes(c))
+    )
     elapsed = time.perf_counter() - t0
     m = divergence_metrics(ref, logp, ids[0, n:].cpu())
     dtype = next(ctx.model.parameters()).dtype
@@ -145,6 +148,12 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
             "theory_bytes": theory,
             "dense_bytes": dense,
             "bytes_vs_dense": held / dense,
+            # what the cache holds once the prompt is compressed (after the first one-token forward: the prompt and
+            # one token), against a bfloat16 cache of the prompt: the equal-bytes comparison (docs/results.md)
+            "prompt_bytes_held": after_prompt[0] if after_prompt else None,
+            "prompt_bytes_vs_bf16": after_prompt[0] / kv_cache_bytes(shape, Precision("bfloat16", 16), n)
+            if after_prompt
+            else None,
             "score_ms_per_token": 1000 * elapsed / s.scored_tokens,
         }
     ]

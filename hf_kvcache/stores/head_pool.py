@@ -17,15 +17,18 @@ from __future__ import annotations
 import torch
 
 from .full import FullPrecisionStore
+from .quantized import QuantizedStore
 
 
-class HeadPooledStore(FullPrecisionStore):
+class HeadPool:
+    """Mixin over a slot store: the store holds one pooled head [B, 1, slots, D] and is seen as `pool_heads` heads.
+    Any slot store works underneath (full precision, or quantized per token: the pool's codes are the kept tokens'
+    only, so quantizing them costs nothing beyond the kept tokens)."""
+
     compileable = False  # (not compiled with fullgraph yet: the scorer caches that use it are not either)
     write_slot = None  # no shared-slot fast path: every head's token has its own slot
-
-    def __init__(self):
-        super().__init__()
-        self.heads = 0
+    segments = None  # attention from codes does not read it (hf_kvcache.layers.codes_read.reads_codes)
+    pool_heads = 0
 
     def allocate(
         self,
@@ -37,7 +40,7 @@ class HeadPooledStore(FullPrecisionStore):
         device,
         value_dim: int | None = None,
     ) -> None:
-        self.heads = heads
+        self.pool_heads = heads
         super().allocate(batch, 1, head_dim, slots, dtype, device, value_dim)
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start=None, regions=None) -> None:
@@ -53,12 +56,19 @@ class HeadPooledStore(FullPrecisionStore):
     def read_slots(self, slots: torch.Tensor, regions=None) -> tuple[torch.Tensor, torch.Tensor]:
         batch, heads, n = slots.shape
         keys, values = super().read_slots(slots.reshape(batch, 1, heads * n))
-        return keys.view(batch, heads, n, -1), values.view(batch, heads, n, -1)
+        return keys.reshape(batch, heads, n, -1), values.reshape(batch, heads, n, -1)
 
     def _every_head(self, x: torch.Tensor) -> torch.Tensor:
-        return x.expand(x.shape[0], self.heads, x.shape[2], x.shape[3])
+        return x.expand(x.shape[0], self.pool_heads, x.shape[2], x.shape[3])
 
     def write_keys_slice(self, start: int, keys: torch.Tensor) -> None:
         raise NotImplementedError("a head-pooled store keeps keys at their original positions (no re-rotation)")
 
-    segments = None  # attention from codes does not read it (hf_kvcache.layers.codes_read.reads_codes)
+
+class HeadPooledStore(HeadPool, FullPrecisionStore):
+    """The pool in the model's dtype."""
+
+
+class HeadPooledQuantizedStore(HeadPool, QuantizedStore):
+    """The pool quantized per token (a QuantizedStore's slot layout: FP8 or INT codes, any key/value specs that
+    quantize each token on its own)."""
