@@ -22,12 +22,14 @@ import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
 from hf_kvcache.caches.registry import DEFAULT_CACHE_CONFIGS
 from hf_kvcache.scorers import HEAVY_SCORERS, SCORERS, make_scorer
+from hf_kvcache.scorers.registry import CACHE_DRIVEN
 from hf_kvcache.scorers.base import STATE
 from hf_kvcache.scorers.registry import options_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scorers.md"
-# scorers whose cache runs forwards of its own (KVzip's reconstruction: tests/test_kvzip.py)
-PLACED_BY_ITS_CACHE = tuple(name for name, cls in SCORERS.items() if cls.needs_model_forwards)
+# scorers only their cache drives: KVzip's reconstruction forwards (tests/test_kvzip.py), KVzap's attention-input
+# hooks and trained surrogate (tests/test_kvzap.py)
+PLACED_BY_ITS_CACHE = CACHE_DRIVEN
 CACHED = tuple(name for name in SCORERS if name not in PLACED_BY_ITS_CACHE)
 PROMPTS = (12, 19, 15)
 

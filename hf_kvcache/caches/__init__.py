@@ -9,6 +9,7 @@ May import: attention, layers, policies, stores, kernels, common, integration.
 from .base import FullCache, KVCache
 from .composite import CompositeCache
 from .eviction import H2OCache, RandomEvictionCache, SinkCache, SlidingWindowCache
+from .kvzap import KVzapCache
 from .kvzip import KVzipCache
 from .quantized import KIVICache, QuantizedFP8Cache
 from .registry import CACHE_IMPLEMENTATIONS, DEFAULT_CACHE_CONFIGS, build_cache, default_cache_config
@@ -23,6 +24,7 @@ __all__ = [
     "H2OCache",
     "KIVICache",
     "KVCache",
+    "KVzapCache",
     "KVzipCache",
     "KeyDiffCache",
     "KnormCache",

@@ -23,21 +23,31 @@ def check_head_budget(head_budget, safeguard) -> tuple[str, float]:
     return head_budget, float(safeguard)
 
 
-def check_precision(precision: Any, where: str = "precision") -> QuantSpec | None:
-    """None for the model's dtype ("full"), else the per-token QuantSpec of a format name or spec dict (keys and
-    values alike). The error names `where`."""
-    spec = QuantSpec.from_value(precision, f"`{where}`")
-    if spec.format == "none":
-        return None
-    if spec.append_only:
-        raise ValueError(
-            f"`{where}`: granularity 'channel' quantizes blocks of tokens once they are complete (the append-only "
-            "keep-all layout); an evicting cache needs granularity 'token'."
+def check_precision(precision: Any, where: str = "precision") -> tuple[QuantSpec, QuantSpec] | None:
+    """None for the model's dtype ("full"), else the per-token (key, value) QuantSpecs: one format name or spec dict
+    for both, or {"keys": ..., "values": ...} (e.g. FP8 keys, INT4 values). The error names `where`."""
+    if isinstance(precision, dict) and set(precision) == {"keys", "values"}:
+        specs = tuple(
+            QuantSpec.from_value(precision[part], f"`{where}['{part}']`") for part in ("keys", "values")
         )
-    return spec
+        names = tuple(f"{where}['{part}']" for part in ("keys", "values"))
+    else:
+        specs = (QuantSpec.from_value(precision, f"`{where}`"),) * 2
+        names = (where, where)
+    if all(spec.format == "none" for spec in specs):
+        return None
+    for spec, name in zip(specs, names):
+        if spec.append_only:
+            raise ValueError(
+                f"`{name}`: granularity 'channel' quantizes blocks of tokens once they are complete (the append-only "
+                "keep-all layout); an evicting cache needs granularity 'token'."
+            )
+    return specs
 
 
-def with_head_budget(policy, head_budget: str, safeguard: float, precision: QuantSpec | None = None, workspace=None):
+def with_head_budget(
+    policy, head_budget: str, safeguard: float, precision: tuple[QuantSpec, QuantSpec] | None = None, workspace=None
+):
     """(policy, store) for a heavy-hitter policy: a pool shared by the heads when the budget is adaptive, its tokens
     in the model's dtype or quantized per token at `precision` (`workspace`: the cache's shared dequantization
     scratch)."""
@@ -47,4 +57,4 @@ def with_head_budget(policy, head_budget: str, safeguard: float, precision: Quan
     from ..stores.quantized import QuantizedStore
 
     kind = HeadPooledQuantizedStore if policy.adaptive else QuantizedStore
-    return policy, kind(precision, precision, append_only=False, workspace=workspace, name="precision")
+    return policy, kind(*precision, append_only=False, workspace=workspace, name="precision")

@@ -377,7 +377,8 @@ class KVzipCache(KVCache):
         placed = self._placed_layer(layer, layer.policy.context_scores, budget, total)
         keys, values = layer.store.read(layer.seen)
         placed.update(keys, values)
-        placed.policy.end_prompt(placed.view)
+        if isinstance(placed.policy, PromptCompressionPolicy):
+            placed.policy.end_prompt(placed.view)
         self.layers[layer.layer_idx] = placed
         layer.reset()  # (kept, empty, for `reset()`: a new context is collected by it again)
 
@@ -386,7 +387,7 @@ class KVzipCache(KVCache):
         when the model allots them), scored by `scores`."""
         settings = self._settings(layer)
         head_budget, safeguard = check_head_budget(settings["head_budget"], settings["safeguard"])
-        scorer = Reconstruction()
+        scorer = self._placement_scorer(layer.layer_idx)
         scorer.context_scores = scores
         policy, store = with_head_budget(
             ScoredPolicy(
@@ -401,9 +402,15 @@ class KVzipCache(KVCache):
             check_precision(settings["precision"]),
             self.workspace,
         )
-        placed = CompressedLayer(PromptCompressionPolicy(policy), store, self.forward_info, layer.layer_idx)
+        if self.compress == "prompt":  # later tokens appended after the placed context
+            policy = PromptCompressionPolicy(policy)
+        placed = CompressedLayer(policy, store, self.forward_info, layer.layer_idx)
         placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
         return placed
+
+    def _placement_scorer(self, layer_idx: int):
+        """The scorer of a placed layer (handed the context's scores): KVzip's reconstruction scores."""
+        return Reconstruction()
 
     # -- state files ------------------------------------------------------------------------------------------
     def state_phase(self) -> dict:

@@ -36,6 +36,8 @@ head_dim is not a multiple of 32 | same |
 | `kvzip` | budget 0.2 of the prompt, allotted model-wide (layer- and head-adaptive, floor 0.2); 4 sinks, chunks of
 2048, the model's own tokenizer (hf_kvcache.caches.kvzip) |
 same |
+| `kvzap` | budget 0.2 of the prompt, allotted model-wide as kvzip's; the surrogate shipped for the model (SmolLM2-135M
+only; others: `surrogate`) (hf_kvcache.caches.kvzap) | same |
 SCORER CACHE ROWS
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
@@ -59,6 +61,7 @@ from .base import KVCache
 from .catalog import CACHE_IMPLEMENTATIONS
 from .composite import CompositeCache
 from .eviction import H2OCache, RandomEvictionCache, SinkCache, SlidingWindowCache
+from .kvzap import KVzapCache
 from .kvzip import KVzipCache
 from .quantized import KIVICache, QuantizedFP8Cache
 from .scorers import GENERATED_CACHES, SCORER_CACHES
@@ -75,6 +78,7 @@ CACHE_IMPLEMENTATIONS.update(
         KIVICache.cache_name: KIVICache,
         **{cls.cache_name: cls for cls in SCORER_CACHES},
         KVzipCache.cache_name: KVzipCache,
+        KVzapCache.cache_name: KVzapCache,
     }
 )
 
@@ -93,6 +97,7 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     **{cls.cache_name: {"budget": 0.2} for cls in SCORER_CACHES},
     "snapkv": {"budget": 1024},  # a ratio of a short prompt can be smaller than its 64-token observation window
     "kvzip": {"budget": 0.2},
+    "kvzap": {"budget": 0.2},
 }
 
 # the rows of the caches generated for scorers added to hf_kvcache.scorers.registry (hf_kvcache.caches.scorers)

@@ -274,7 +274,7 @@ class ExpectedAttentionCache(_ScorerCache):
 
 
 #: scorers whose cache is written elsewhere (H2OCache, RandomEvictionCache, KVzipCache) or above
-WRITTEN_CACHES = ("h2o", "random_eviction", "kvzip", "knorm", "keydiff", "tova", "snapkv", "expected_attention")
+WRITTEN_CACHES = ("h2o", "random_eviction", "kvzip", "kvzap", "knorm", "keydiff", "tova", "snapkv", "expected_attention")
 
 
 def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:

@@ -55,17 +55,18 @@ def cache_logprobs(
     prefill_chunk: int | None = None,
     progress: bool = False,
     desc: str = "score",
-    after_first_step=None,
+    after_prefill=None,
 ) -> torch.Tensor:
     """Log-probs [n - prompt_len, V] (float32) of the tokens after the prompt, through `cache`: row i predicts
     token `prompt_len + i`. The prompt is prefilled, then tokens are fed one per forward (teacher-forced).
-    `after_first_step(cache)` is called after the first one-token forward (prompt-mode caches have compressed the
-    prompt by then: what they hold for it can be measured)."""
+    `after_prefill(cache)` is called once the prompt is prefilled, before the first one-token forward."""
     ids = input_ids.reshape(1, -1).to(_device(model))
     n = ids.shape[1]
     if not 1 <= prompt_len < n:
         raise ValueError(f"`prompt_len` must be in [1, {n - 1}] for {n} tokens, got {prompt_len}.")
     rows = [_log_softmax(prefill(model, ids[:, :prompt_len], cache, prefill_chunk))]
+    if after_prefill is not None:
+        after_prefill(cache)
     steps = range(prompt_len, n - 1)
     if progress:
         from tqdm.auto import tqdm
@@ -74,8 +75,6 @@ def cache_logprobs(
     for t in steps:
         out = model(input_ids=ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         rows.append(_log_softmax(out.logits[0, -1]))
-        if after_first_step is not None and t == prompt_len:
-            after_first_step(cache)
     return torch.stack(rows).cpu()
 
 

@@ -121,10 +121,19 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
     resolved = resolve_config(p["cache"], p["config"], n)
     cache = make_cache(ctx.model, p["cache"], p["config"], context_len=n, total_len=total)
     after_prompt = []
+
+    def measure_prompt(c) -> None:
+        """The bytes held for the prompt alone, compressed: a cache that compresses the context on request
+        (KVzip, KVzap) does it now, as its first decode step would; a cache that compresses in every forward has by
+        now; a prompt-mode scorer cache only at its first decode step (not measured here)."""
+        if hasattr(c, "compress_context"):
+            c.compress_context(ctx.model)
+        elif getattr(c, "compress", "always") == "prompt":
+            return
+        after_prompt.append(cache_nbytes(c))
+
     t0 = time.perf_counter()
-    logp = cache_logprobs(
-        ctx.model, ids, cache, n, s.prefill_chunk, after_first_step=lambda c: after_prompt.append(cache_nbytes(c))
-    )
+    logp = cache_logprobs(ctx.model, ids, cache, n, s.prefill_chunk, after_prefill=measure_prompt)
     elapsed = time.perf_counter() - t0
     m = divergence_metrics(ref, logp, ids[0, n:].cpu())
     dtype = next(ctx.model.parameters()).dtype
@@ -148,8 +157,8 @@ def _run_quality(ctx: CellContext, cell: Cell) -> list[dict]:
             "theory_bytes": theory,
             "dense_bytes": dense,
             "bytes_vs_dense": held / dense,
-            # what the cache holds once the prompt is compressed (after the first one-token forward: the prompt and
-            # one token), against a bfloat16 cache of the prompt: the equal-bytes comparison (docs/results.md)
+            # what the cache holds once the prompt is compressed, against a bfloat16 cache of the prompt: the
+            # equal-bytes comparison (docs/results.md)
             "prompt_bytes_held": after_prompt[0] if after_prompt else None,
             "prompt_bytes_vs_bf16": after_prompt[0] / kv_cache_bytes(shape, Precision("bfloat16", 16), n)
             if after_prompt

@@ -101,6 +101,8 @@ class Scorer:
     compileable: ClassVar[bool] = False
     #: it needs model forwards of its own before placing (KVzip's reconstruction): only its cache can run it
     needs_model_forwards: ClassVar[bool] = False
+    #: it reads the layer's attention input hidden states (KVzap): only its cache hooks the attention modules
+    needs_attention_inputs: ClassVar[bool] = False
     #: a row of a (left-padded) batch scores as it would alone (random draws are keyed by batch row and stream index)
     row_independent: ClassVar[bool] = True
     #: what it reads, in words (the docs' scorer table)

@@ -16,6 +16,7 @@ from .expected_attention import ExpectedAttention
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
+from .kvzap import KVzap
 from .kvzip import Reconstruction
 from .lagkv import LagKV
 from .random_keys import RandomKeys
@@ -24,11 +25,16 @@ from .tova import TOVA
 
 #: name -> scorer class (the name is also `cls.name`)
 SCORERS: dict[str, type[Scorer]] = {
-    cls.name: cls for cls in (H2O, TOVA, Knorm, KeyDiff, SnapKV, ExpectedAttention, RandomKeys, LagKV, Reconstruction)
+    cls.name: cls
+    for cls in (H2O, TOVA, Knorm, KeyDiff, SnapKV, ExpectedAttention, RandomKeys, LagKV, Reconstruction, KVzap)
 }
 
-#: what may rank a composite's heavy hitters: every scorer that needs no model forwards of its own
-HEAVY_SCORERS = tuple(name for name, cls in SCORERS.items() if not cls.needs_model_forwards)
+#: scorers only their own cache can drive: it runs model forwards (KVzip's reconstruction) or hooks the attention
+#: inputs (KVzap's surrogate)
+CACHE_DRIVEN = tuple(n for n, cls in SCORERS.items() if cls.needs_model_forwards or cls.needs_attention_inputs)
+
+#: what may rank a composite's heavy hitters: every scorer that its own cache does not have to drive
+HEAVY_SCORERS = tuple(name for name in SCORERS if name not in CACHE_DRIVEN)
 
 
 def options_of(name: str) -> tuple[str, ...]:

@@ -1,0 +1,170 @@
+"""KVzap (kvpress, arXiv 2601.07891): KVzip's placement with its scores predicted, not measured.
+
+    cache = KVzapCache(model, budget=0.2)                     # the surrogate shipped for the offline SmolLM2
+    cache = KVzapCache(model, budget=0.2, surrogate="DIR")    # one trained by `hf-kvcache train-kvzap`, or a Hub repo
+    out = model.generate(**inputs, cache=cache)               # or cache_implementation="kvzap"
+
+KVzip scores each context token by the attention it gets while the model reconstructs the context: extra forwards
+of about the context's length. KVzap trains a small per-layer model (hf_kvcache.scorers.kvzap_surrogate) to predict
+those scores from the layer's attention input hidden states, so each token is scored once, as it enters the cache,
+by a [hidden -> KV heads] map: no reconstruction, and decode tokens can be scored too.
+
+What happens:
+1. The prompt is prefilled into full-precision layers (as KVzip's); hooks on the attention modules hand each
+   layer's input hidden states to the surrogate, whose predicted log scores are kept per layer.
+2. At the end of the prompt (the first one-token forward, `end_prompt()`, or `compress_context(model)`), the context
+   is placed as KVzip's is: allotted over the model (`layer_budget="adaptive"`) and the layer's heads
+   (`head_budget="adaptive"`) by the predicted scores, at `precision`.
+3. `compress="prompt"` (default): later tokens are appended. `compress="always"`: the placed layers keep their
+   share; each new token is scored by the surrogate when it arrives, and the lowest-scoring token of the layer's
+   pool is evicted (the `recent` newest protected).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.bridge import active_cache
+from ..common.validation import require_choice, require_int
+from ..integration.attention_inputs import attention_modules, capture_attention_inputs
+from ..scorers.kvzap import KVzap
+from ..scorers.kvzap_surrogate import BUILTIN, Surrogate
+from .kvzip import KVzipCache
+
+#: the protected window of `compress="always"` when `recent` is not given (tokens per head)
+ALWAYS_RECENT = 64
+_HOOKED = "_hf_kvcache_attention_inputs"
+
+
+def _to_active_cache(layer_idx: int, hidden: torch.Tensor) -> None:
+    """The attention-input hook's sink: hand the hidden states to the cache of the current forward, if it reads
+    them (one hook set per model, whatever cache it runs with)."""
+    cache = active_cache()
+    receive = getattr(cache, "attention_input", None)
+    if receive is not None:
+        receive(layer_idx, hidden)
+
+
+def _resolve_surrogate(surrogate, config) -> Surrogate:
+    """A Surrogate from an object, a directory, a Hub repo id or a builtin name; None: the builtin one trained for
+    this model, if any."""
+    if surrogate is None:
+        if "smollm2-135m" not in str(getattr(config, "_name_or_path", "") or "").lower():
+            raise ValueError(
+                "KVzapCache needs a `surrogate` trained for this model: a directory or Hub repo id written by "
+                "`hf-kvcache train-kvzap --model M --out DIR` (one is shipped for the offline SmolLM2-135M only)."
+            )
+        surrogate = "smollm2"
+    if not isinstance(surrogate, Surrogate):
+        if not isinstance(surrogate, str):
+            raise ValueError(
+                f"`surrogate` must be a Surrogate, a directory, a Hub repo id or a builtin name "
+                f"({', '.join(BUILTIN)}), got {type(surrogate).__name__}."
+            )
+        surrogate = Surrogate.load(surrogate)
+    surrogate.check_model(config)
+    return surrogate
+
+
+class KVzapCache(KVzipCache):
+    """KVzap (arXiv 2601.07891): KVzip's model-wide placement by scores a trained surrogate predicts from each layer's
+    attention inputs (see the module docstring); `compress="always"` also evicts during decode."""
+
+    cache_name = "kvzap"
+    size_keys = ("budget",)
+
+    def __init__(
+        self,
+        config_or_model,
+        budget: int | float | None = None,
+        surrogate=None,
+        sinks: int = 4,
+        recent: int | None = None,
+        head_budget: str = "adaptive",
+        safeguard: float = 0.2,
+        layer_budget: str = "adaptive",
+        precision: str | dict = "full",
+        compress: str = "prompt",
+        layers: dict | list | None = None,
+    ):
+        mode = require_choice("compress", compress, ("prompt", "always"))
+        if recent is None:
+            recent = ALWAYS_RECENT if mode == "always" else 0
+        recent = require_int("recent", recent, 0)
+        config = getattr(config_or_model, "config", config_or_model)
+        self.surrogate = _resolve_surrogate(surrogate, config.get_text_config())
+        self._predicted: dict[int, list[torch.Tensor]] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
+        super().__init__(
+            config_or_model,
+            budget=budget,
+            sinks=sinks,
+            recent=recent,
+            head_budget=head_budget,
+            safeguard=safeguard,
+            layer_budget=layer_budget,
+            request_ids={"first": [0], "next": [], "suffix": []},  # (no reconstruction: never sent)
+            precision=precision,
+            layers=layers,
+        )
+        self.compress = mode
+        if mode == "always" and self.recent > 0 and isinstance(self.budget, int) and self.recent > self.budget:
+            raise ValueError(f"`recent` ({self.recent}) must not exceed `budget` ({self.budget}).")
+
+    # -- the attention inputs -------------------------------------------------------------------------------------
+    def before_forward(self, model, arguments: dict) -> None:
+        modules = [module for _, module in attention_modules(model)]
+        if not all(getattr(module, _HOOKED, False) for module in modules):  # once per model (and its base model):
+            capture_attention_inputs(model, _to_active_cache)  # the hooks hand inputs to whichever cache is active
+            for module in modules:
+                setattr(module, _HOOKED, True)
+        self._hidden = {}
+        super().before_forward(model, arguments)
+
+    def attention_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The attention input of layer `layer_idx` in the current forward: the context's are scored now (while it
+        is collected); after it is placed, the placed layer's scorer reads them (`_hidden`)."""
+        if layer_idx not in self._scoring_layers or self._reconstructing:
+            return
+        if self._compressed:
+            self._hidden[layer_idx] = hidden
+        else:
+            self._predicted.setdefault(layer_idx, []).append(self.surrogate.predict(layer_idx, hidden))
+
+    def _requests_for(self, model) -> dict[str, list[int]]:
+        return {}  # (no reconstruction request)
+
+    # -- scoring and placement --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score_context(self, model) -> list[torch.Tensor]:
+        """The context's predicted log scores per scoring layer [B, Hkv, context], as KVzip's `score_context` gives
+        the measured ones (no forwards: predicted as the context was prefilled)."""
+        if self._compressed:
+            raise RuntimeError("KVzapCache.score_context: the context is already placed; score before compressing.")
+        scores = []
+        for index, layer in self._scoring_layers.items():
+            parts = self._predicted.get(index)
+            if not parts or sum(p.shape[-1] for p in parts) != layer.seen:
+                raise RuntimeError(
+                    f"KVzapCache: layer {index} holds {layer.seen} context tokens but the surrogate scored "
+                    f"{sum(p.shape[-1] for p in parts or [])}: its attention inputs were not all seen (a forward "
+                    "ran without the model's hooks?)."
+                )
+            layer.policy.context_scores = torch.cat(parts, -1).to(layer.store.keys.device)
+            scores.append(layer.policy.context_scores)
+        self._predicted = {}
+        return scores
+
+    def _placement_scorer(self, layer_idx: int) -> KVzap:
+        return KVzap(
+            hidden=lambda: self._hidden[layer_idx],
+            predict=lambda hidden: self.surrogate.predict(layer_idx, hidden),
+        )
+
+    def reset(self):
+        super().reset()
+        self._predicted, self._hidden = {}, {}
+
+    def _map_context(self, fn) -> None:
+        super()._map_context(fn)
+        self._predicted = {index: [fn(p) for p in parts] for index, parts in self._predicted.items()}
