@@ -11,7 +11,8 @@ What happens (hf_kvcache.policies.kvzip for the scores):
    model's base model on the reconstruction request followed by the context, `chunk_size` context tokens per
    forward, against the stored context: each context token scores the largest attention it gets. The request's
    tokens are then removed again (the other layers of the model - sliding windows, layers of other caches - are
-   restored as they were).
+   restored as they were). `cache.score_context(model)` does this step alone and returns the scores, leaving the
+   context unplaced (KVzap, hf_kvcache.evaluation.kvzap_training, learns to predict them).
 3. Each layer places the context at its budget by those scores (uniform per KV head, or `head_budget="adaptive"`:
    `budget x kv_heads` per layer in one slot pool, allotted by score as AdaKV and KVzip's non-uniform heads do) and
    frees the full-precision copy; later tokens are appended uncompressed (`compress="prompt"`).
@@ -222,19 +223,28 @@ class KVzipCache(KVCache):
         return self._requests
 
     # -- compression ------------------------------------------------------------------------------------------
+    @property
+    def scoring_layer_indices(self) -> list[int]:
+        """The indices of the layers KVzip scores and places (full attention, not kept by `layers`), in order: the
+        layers of `score_context`'s list."""
+        return list(self._scoring_layers)
+
     @torch.no_grad()
-    def compress_context(self, model) -> None:
-        """Score the recorded context by reconstructing it with `model` and place every layer at its budget now."""
+    def score_context(self, model) -> list[torch.Tensor]:
+        """Score the recorded context by reconstructing it with `model`, without placing it: per scoring layer
+        (`scoring_layer_indices`, in layer order), the largest attention each context token gets, [B, Hkv, context]
+        float32 (0 for padding). The layers keep holding the whole context uncompressed (the reconstruction's tokens
+        are cropped again), so `compress_context` can place it afterwards; KVzap trains on these scores."""
         if self._compressed:
-            return
+            raise RuntimeError("KVzipCache.score_context: the context is already placed; score before compressing.")
         if not self._ids:
-            raise RuntimeError("KVzipCache.compress_context: no context yet; run the prompt through the model first.")
-        ids, real, positions = (torch.cat(parts, 1) for parts in (self._ids, self._real, self._positions))
+            raise RuntimeError("KVzipCache.score_context: no context yet; run the prompt through the model first.")
+        ids, real, positions = self._context()
         context = ids.shape[1]
         scoring = list(self._scoring_layers.values())
         if any(layer.seen != context for layer in scoring):
             raise RuntimeError(
-                f"KVzipCache.compress_context: the layers hold {scoring[0].seen} tokens but {context} "
+                f"KVzipCache.score_context: the layers hold {scoring[0].seen} tokens but {context} "
                 "context tokens were recorded; a forward bypassed the cache's announcement."
             )
         requests = self._requests_for(model)
@@ -260,6 +270,19 @@ class KVzipCache(KVCache):
                     self._restore_others(others)
         finally:
             self._reconstructing = False
+        return [layer.policy.context_scores for layer in scoring]
+
+    @torch.no_grad()
+    def compress_context(self, model) -> None:
+        """Score the recorded context by reconstructing it with `model` and place every layer at its budget now."""
+        if self._compressed:
+            return
+        if not self._ids:
+            raise RuntimeError("KVzipCache.compress_context: no context yet; run the prompt through the model first.")
+        self.score_context(model)
+        ids, real, positions = self._context()
+        context = ids.shape[1]
+        scoring = list(self._scoring_layers.values())
         totals = self._layer_totals(scoring, real, positions) if self.layer_budget == "adaptive" else {}
         # the context is written into the placed layers as one announced forward (each layer reads its validity and
         # positions from it, on its own device)
@@ -268,6 +291,10 @@ class KVzipCache(KVCache):
             self._place(layer, totals.get(layer.layer_idx))
         self._compressed = True
         self._ids, self._real, self._positions = [], [], []
+
+    def _context(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The recorded context: (token ids, validity, position ids), each [B, context]."""
+        return tuple(torch.cat(parts, 1) for parts in (self._ids, self._real, self._positions))
 
     def _chunks(self, ids, real, positions, requests):
         """Per chunk: (request + suffix + chunk ids [B, r] left-padded, their validity, position ids, the chunk's

@@ -24,6 +24,7 @@ Modules (what each wraps):
 - `generation`: `generate(cache_implementation=NAME)` (the names tuple, cache preparation, continuous-batching
   start, auto-compilation).
 - `attention`: the attention functions and masks the bridge wraps, the attention switch, forward arguments.
+- `attention_inputs`: the decoder's self-attention modules and hooks on their input hidden states (KVzap).
 - `cache_layers`: transformers' cache layer classes and layer types, what of them is state.
 - `continuous_batching`: the paged cache, its allocators, who updates it, the scheduler's state.
 - `models`: model facts read from private attributes (tensor-parallel plan and mesh, RoPE init functions).
@@ -31,7 +32,16 @@ Modules (what each wraps):
   its handlers and FastAPI app), for `hf-kvcache serve`.
 """
 
-from . import attention, cache_argument, cache_layers, continuous_batching, generation, models, serving  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    attention_inputs,
+    cache_argument,
+    cache_layers,
+    continuous_batching,
+    generation,
+    models,
+    serving,
+)
 from .cache_argument import CACHE_ARG, cache_kwargs, returned_cache
 from .contracts import CONTRACTS, require
 from .versions import SUPPORTED_RANGE_TEXT, TESTED_MINORS, UnsupportedTransformersError
