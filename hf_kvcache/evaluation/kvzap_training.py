@@ -214,7 +214,7 @@ def train_kvzap(
     ridge: float = 1e-3,
     width: int = 64,
     epochs: int = 20,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     request_ids: dict | None = None,
     model_name: str | None = None,
     text_kwargs: dict | None = None,
