@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export_hub)
     from ..paged.serve_bench import add_serve_bench_command
     from .eval_commands import add_eval_commands
+    from .kvzap_command import add_train_kvzap_command
     from .ruler_command import add_ruler_command
     from .serve_command import add_serve_command
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ruler_command(sub)
     add_serve_bench_command(sub)
     add_serve_command(sub)
+    add_train_kvzap_command(sub)
     return parser
 
 
@@ -156,6 +158,7 @@ _EPILOG = """commands:
   serve-bench continuous batching under a KV memory budget: model-dtype vs FP8 / INT8 pages (concurrency,
               tokens/s, TTFT, KL)
   serve       transformers' OpenAI-compatible server with FP8 / INT8 / INT4 KV pages in a given KV memory
+  train-kvzap fit a KVzap surrogate (per-layer predictor of KVzip scores from attention inputs), print its fit
 
 Run `hf-kvcache COMMAND --help` for the options of each."""
 

@@ -1,7 +1,8 @@
 """What ranks tokens: one `Scorer` dataclass per method (one module each, the contract in base.py), by name in
 registry.py. Scorers say what a token is worth; the policies that host them (heavy hitters, the composite's heavy
-region) decide what is kept. May import: hf_kvcache.common (RoPE, validation, static sizes) and torch, never the
-policies, layers or caches that use them.
+region) decide what is kept. `kvzap_surrogate`: KVzap's trained per-layer predictors of KVzip scores and their files.
+May import: hf_kvcache.common (RoPE, validation, static sizes), hf_kvcache.integration and torch (kvzap_surrogate
+also safetensors and huggingface_hub), never the policies, layers or caches that use them.
 """
 
 from .base import Scorer
