@@ -151,7 +151,7 @@ def test_check_model_refuses_other_shapes():
     random_surrogate("linear", d=64, heads=2).check_model(config)  # the tiny model's shapes: fits
     with pytest.raises(ValueError, match="`config`: .*hidden_size 64 \\(surrogate: 32\\)"):
         random_surrogate("linear", d=32).check_model(config)
-    with pytest.raises(ValueError, match="`config`: .*num_key_value_heads 2 \\(surrogate: 4\\)"):
+    with pytest.raises(ValueError, match="`config`: .*cached KV heads 2 \\(surrogate: 4\\)"):
         random_surrogate("mlp", heads=4).check_model(config)
     with pytest.raises(ValueError, match="`config`: .*num_hidden_layers 2"):
         random_surrogate("linear", layers=(0, 1, 2)).check_model(config)

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from hf_kvcache import KVzipCache, cache_kwargs
 from hf_kvcache.attention.scored import scored_attention
-from hf_kvcache.caches.kvzip import FIRST_REQUEST, NEXT_REQUEST, PREVIOUS_TAIL, request_ids_from_tokenizer
+from hf_kvcache.caches.kvzip_request import FIRST_REQUEST, NEXT_REQUEST, PREVIOUS_TAIL, request_ids_from_tokenizer
 from hf_kvcache.policies.kvzip import layer_budgets
 
 # the reconstruction runs nested forwards of the base model with the cache argument transformers names (`cache` /

@@ -33,6 +33,7 @@ PUBLIC = {
     "KIVICache",
     "KVCache",
     "KVCacheConfig",
+    "KVzapCache",
     "KVzipCache",
     "KeyDiffCache",
     "KnormCache",

@@ -22,9 +22,8 @@ import hf_kvcache
 from hf_kvcache import CACHE_IMPLEMENTATIONS, cache_kwargs
 from hf_kvcache.caches.registry import DEFAULT_CACHE_CONFIGS
 from hf_kvcache.scorers import HEAVY_SCORERS, SCORERS, make_scorer
-from hf_kvcache.scorers.registry import CACHE_DRIVEN
 from hf_kvcache.scorers.base import STATE
-from hf_kvcache.scorers.registry import options_of
+from hf_kvcache.scorers.registry import CACHE_DRIVEN, options_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scorers.md"
 # scorers only their cache drives: KVzip's reconstruction forwards (tests/test_kvzip.py), KVzap's attention-input

@@ -94,6 +94,7 @@ class Spec:
 
 
 KVZIP_REQUEST = {"first": [5, 6, 7], "next": [8, 9], "suffix": [10]}
+PLANTED = "planted surrogate"  # replaced by `planted_surrogate(model)` when the cache is built
 _SINKS_WINDOW = [{"role": "sinks", "tokens": 4}, {"role": "window", "start": 0, "end": 32}]
 SPECS: dict[str, Spec] = {
     "sink": Spec(
@@ -178,6 +179,15 @@ SPECS: dict[str, Spec] = {
         "prompt",
         4,
         f"budget 64 / {BUDGET} of the prompt, then appended (request as ids)",
+    ),
+    # a linear surrogate with random weights shaped for each model (`planted`): these random models have none trained
+    "kvzap": Spec(
+        {"budget": 64, "surrogate": PLANTED},
+        {"budget": BUDGET, "surrogate": PLANTED},
+        "exact",
+        "prompt",
+        4,
+        f"budget 64 / {BUDGET} of the prompt, then appended (a planted surrogate)",
     ),
 }
 
@@ -343,9 +353,26 @@ def dtype_unsupported(arch: str, dtype_name: str) -> str | None:
 
 
 # -- the checks -------------------------------------------------------------------------------------------------
+def planted_surrogate(model):
+    """A KVzap surrogate with random linear predictors shaped for `model` (its layers, KV heads, hidden size)."""
+    from hf_kvcache.scorers.kvzap_surrogate import Surrogate
+
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        i: {"weight": torch.randn(heads, config.hidden_size, generator=g), "bias": torch.zeros(heads)}
+        for i in range(config.num_hidden_layers)
+    }
+    return Surrogate("linear", weights, {"num_layers": config.num_hidden_layers})
+
+
 def build_cache(model, name: str, config: dict):
+    config = copy.deepcopy(config)
+    if config.get("surrogate") == PLANTED:
+        config["surrogate"] = planted_surrogate(model)
     try:
-        return hf_kvcache.build_cache(name, model, copy.deepcopy(config))
+        return hf_kvcache.build_cache(name, model, config)
     except (ValueError, NotImplementedError) as error:
         raise Refused(first_line(error)) from error
     except Exception as error:

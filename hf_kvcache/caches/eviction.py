@@ -152,7 +152,7 @@ class H2OCache(KVCache):
                 rotators["rotator"] = KeyRotator(cfg)
             policy = HeavyHitterPolicy(heavy, recent, make_scorer(), rotators.get("rotator"))
             policy.average = self.attention_score == "average"
-            return with_head_budget(policy, self.head_budget, self.safeguard)
+            return with_head_budget(policy, self.head_budget, self.safeguard, config=cfg)
 
         super().__init__(config_or_model, layer_parts, layers)
         KeyRotator.check_cache(self, config_or_model)  # built with a model: its own RoPE must agree

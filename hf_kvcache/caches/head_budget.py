@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..common.architecture import regroups_values
 from ..common.validation import require_choice
 from ..stores import FullPrecisionStore
 from ..stores.head_pool import HeadPooledQuantizedStore, HeadPooledStore
@@ -27,9 +28,7 @@ def check_precision(precision: Any, where: str = "precision") -> tuple[QuantSpec
     """None for the model's dtype ("full"), else the per-token (key, value) QuantSpecs: one format name or spec dict
     for both, or {"keys": ..., "values": ...} (e.g. FP8 keys, INT4 values). The error names `where`."""
     if isinstance(precision, dict) and set(precision) == {"keys", "values"}:
-        specs = tuple(
-            QuantSpec.from_value(precision[part], f"`{where}['{part}']`") for part in ("keys", "values")
-        )
+        specs = tuple(QuantSpec.from_value(precision[part], f"`{where}['{part}']`") for part in ("keys", "values"))
         names = tuple(f"{where}['{part}']" for part in ("keys", "values"))
     else:
         specs = (QuantSpec.from_value(precision, f"`{where}`"),) * 2
@@ -45,12 +44,27 @@ def check_precision(precision: Any, where: str = "precision") -> tuple[QuantSpec
     return specs
 
 
+def check_pool_fits(head_budget: str, config) -> None:
+    """Refuse a head-adaptive pool for a model whose attention mixes the values of two heads at each slot."""
+    if head_budget == "adaptive" and config is not None and regroups_values(config):
+        raise ValueError(
+            f"`head_budget`='adaptive' keeps each head's own tokens in one pool, but {type(config).__name__}'s "
+            "attention mixes the values of two heads at each slot (DiffLlama); use `head_budget`='uniform'."
+        )
+
+
 def with_head_budget(
-    policy, head_budget: str, safeguard: float, precision: tuple[QuantSpec, QuantSpec] | None = None, workspace=None
+    policy,
+    head_budget: str,
+    safeguard: float,
+    precision: tuple[QuantSpec, QuantSpec] | None = None,
+    workspace=None,
+    config=None,
 ):
     """(policy, store) for a heavy-hitter policy: a pool shared by the heads when the budget is adaptive, its tokens
     in the model's dtype or quantized per token at `precision` (`workspace`: the cache's shared dequantization
-    scratch)."""
+    scratch). `config`: the model's, to refuse a pool where the attention mixes heads' values."""
+    check_pool_fits(head_budget, config)
     policy.adaptive, policy.safeguard = head_budget == "adaptive", safeguard
     if precision is None:
         return policy, HeadPooledStore() if policy.adaptive else FullPrecisionStore()
@@ -58,3 +72,14 @@ def with_head_budget(
 
     kind = HeadPooledQuantizedStore if policy.adaptive else QuantizedStore
     return policy, kind(*precision, append_only=False, workspace=workspace, name="precision")
+
+
+def quantized_key_rotation(config, head_dim: int | None):
+    """The rotation of quantized keys in an evicting cache: Hadamard (outliers spread over the channels, as
+    QuantizedFP8Cache's default), none for latent attention or a head_dim Hadamard cannot take."""
+    from ..common.architecture import is_latent_attention
+    from ..common.rotation import rotation_matrix
+
+    if head_dim is None or head_dim % 2 or is_latent_attention(config):
+        return None
+    return rotation_matrix("hadamard", head_dim)

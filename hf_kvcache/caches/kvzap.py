@@ -56,11 +56,6 @@ def _resolve_surrogate(surrogate, config) -> Surrogate:
             )
         surrogate = "smollm2"
     if not isinstance(surrogate, Surrogate):
-        if not isinstance(surrogate, str):
-            raise ValueError(
-                f"`surrogate` must be a Surrogate, a directory, a Hub repo id or a builtin name "
-                f"({', '.join(BUILTIN)}), got {type(surrogate).__name__}."
-            )
         surrogate = Surrogate.load(surrogate)
     surrogate.check_model(config)
     return surrogate
@@ -91,8 +86,14 @@ class KVzapCache(KVzipCache):
         if recent is None:
             recent = ALWAYS_RECENT if mode == "always" else 0
         recent = require_int("recent", recent, 0)
-        config = getattr(config_or_model, "config", config_or_model)
-        self.surrogate = _resolve_surrogate(surrogate, config.get_text_config())
+        if surrogate is not None and not isinstance(surrogate, (str, Surrogate)):
+            raise ValueError(
+                f"`surrogate` must be a Surrogate, a directory, a Hub repo id or a builtin name "
+                f"({', '.join(BUILTIN)}), got {type(surrogate).__name__}."
+            )
+        self.surrogate_spec, self.surrogate = surrogate, None
+        if hasattr(config_or_model, "config"):  # a model: load and check the surrogate now (else at the first forward)
+            self.surrogate = _resolve_surrogate(surrogate, config_or_model.config.get_text_config())
         self._predicted: dict[int, list[torch.Tensor]] = {}
         self._hidden: dict[int, torch.Tensor] = {}
         super().__init__(
@@ -118,6 +119,8 @@ class KVzapCache(KVzipCache):
             capture_attention_inputs(model, _to_active_cache)  # the hooks hand inputs to whichever cache is active
             for module in modules:
                 setattr(module, _HOOKED, True)
+        if self.surrogate is None:  # (built from a config: load and check it before any token is generated)
+            self.surrogate = _resolve_surrogate(self.surrogate_spec, model.config.get_text_config())
         self._hidden = {}
         super().before_forward(model, arguments)
 

@@ -50,52 +50,16 @@ from ..scorers.kvzip import Reconstruction
 from ..stores import FullPrecisionStore
 from ..stores.workspace import DequantWorkspace
 from .base import KVCache
-from .head_budget import check_head_budget, check_precision, with_head_budget
+from .head_budget import check_head_budget, check_pool_fits, check_precision, quantized_key_rotation, with_head_budget
+from .kvzip_request import (
+    PREVIOUS_TAIL,
+    _check_request_ids,
+    check_request_vocabulary,
+    request_ids_for_model,
+)
 from .scorers import _budget, _recent
 
-FIRST_REQUEST = "\n\nRepeat the previous context exactly."
-NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
-PREVIOUS_TAIL = 8  # tokens of the previous chunk that start a later chunk's request
-REQUEST_KEYS = ("first", "next", "suffix")
 LAYER_BUDGETS = ("uniform", "adaptive")
-
-
-def request_ids_from_tokenizer(tokenizer) -> dict[str, list[int]]:
-    """The reconstruction request as token ids: the two requests, and the suffix that opens the model's answer (the
-    chat template's assistant prefix, found as kvpress does with a dummy user turn; a newline without a template)."""
-    suffix = "\n"
-    if getattr(tokenizer, "chat_template", None):
-        dummy = "dummy context"
-        separator = "\n" + "#" * len(dummy)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
-        )
-        suffix = text.split(separator)[1]
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    return {"first": encode(FIRST_REQUEST), "next": encode(NEXT_REQUEST), "suffix": encode(suffix)}
-
-
-def _check_request_ids(request_ids) -> dict[str, list[int]] | None:
-    if request_ids is None:
-        return None
-    if not isinstance(request_ids, dict) or set(request_ids) != set(REQUEST_KEYS):
-        raise ValueError(
-            f"`request_ids` must be a dict with the keys {REQUEST_KEYS} (lists of token ids), got {request_ids!r}."
-        )
-    checked = {}
-    for key in REQUEST_KEYS:
-        ids = request_ids[key]
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
-            raise ValueError(f"`request_ids[{key!r}]` must be a list of token ids (ints >= 0), got {ids!r}.")
-        checked[key] = list(ids)
-    if not checked["first"]:
-        raise ValueError("`request_ids['first']` must not be empty: it asks the model to repeat the context.")
-    return checked
 
 
 class KVzipCache(KVCache):
@@ -149,6 +113,7 @@ class KVzipCache(KVCache):
             for layer in self.compressed_layers
             if isinstance(layer.policy, ReconstructionScoringPolicy)
         }
+        check_pool_fits(self.head_budget, self.config)  # (now, not when the context is placed)
         self._forget_context()
         self._requests: dict[str, list[int]] | None = self.request_ids
 
@@ -203,33 +168,8 @@ class KVzipCache(KVCache):
 
     def _requests_for(self, model) -> dict[str, list[int]]:
         if self._requests is None:
-            tokenizer = self.tokenizer
-            if tokenizer is None:  # the model's own (a model built from a config has no name_or_path)
-                tokenizer = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None) or None
-            if isinstance(tokenizer, str):
-                from transformers import AutoTokenizer
-
-                try:
-                    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-                except Exception as error:
-                    raise ValueError(
-                        f"KVzipCache needs a tokenizer for its reconstruction request and could not load one from "
-                        f"{tokenizer!r} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-                        "Give `tokenizer` (a name, a path or a tokenizer) or `request_ids`."
-                    ) from None
-            if tokenizer is None:
-                raise ValueError(
-                    "KVzipCache needs a tokenizer for its reconstruction request and the model has no "
-                    "`name_or_path` to load one from: give `tokenizer` (a name, a path or a tokenizer) "
-                    "or `request_ids`."
-                )
-            self._requests = request_ids_from_tokenizer(tokenizer)
-        vocab = getattr(self.config, "vocab_size", None)
-        too_large = [i for ids in self._requests.values() for i in ids if vocab is not None and i >= vocab]
-        if too_large:
-            raise ValueError(
-                f"`request_ids`: token ids {too_large[:5]} are outside the model's vocabulary ({vocab} tokens)."
-            )
+            self._requests = request_ids_for_model(self.tokenizer, model)
+        check_request_vocabulary(self._requests, getattr(self.config, "vocab_size", None))
         return self._requests
 
     # -- compression ------------------------------------------------------------------------------------------
@@ -401,11 +341,15 @@ class KVzipCache(KVCache):
             safeguard,
             check_precision(settings["precision"]),
             self.workspace,
+            self.config,
         )
         if self.compress == "prompt":  # later tokens appended after the placed context
             policy = PromptCompressionPolicy(policy)
         placed = CompressedLayer(policy, store, self.forward_info, layer.layer_idx)
         placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
+        if store is not None and hasattr(store, "key_spec") and store.key_spec.format != "none":
+            # quantized keys are stored Hadamard-rotated, as QuantizedFP8Cache's (the bridge rotates the queries)
+            placed.key_rotation = quantized_key_rotation(self.config, layer.head_dim)
         return placed
 
     def _placement_scorer(self, layer_idx: int):

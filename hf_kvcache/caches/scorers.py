@@ -97,7 +97,7 @@ class _ScorerCache(KVCache):
             policy = ScoredPolicy(
                 self.budget, recent, make_scorer(cfg), sinks=sinks, recent_share=share, rescore_every=rescore_every
             )
-            return with_head_budget(policy, self.head_budget, self.safeguard)
+            return with_head_budget(policy, self.head_budget, self.safeguard, config=cfg)
 
         super().__init__(config_or_model, build, layers)
 
@@ -274,7 +274,17 @@ class ExpectedAttentionCache(_ScorerCache):
 
 
 #: scorers whose cache is written elsewhere (H2OCache, RandomEvictionCache, KVzipCache) or above
-WRITTEN_CACHES = ("h2o", "random_eviction", "kvzip", "kvzap", "knorm", "keydiff", "tova", "snapkv", "expected_attention")
+WRITTEN_CACHES = (
+    "h2o",
+    "random_eviction",
+    "kvzip",
+    "kvzap",
+    "knorm",
+    "keydiff",
+    "tova",
+    "snapkv",
+    "expected_attention",
+)
 
 
 def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:

@@ -47,6 +47,13 @@ def layer_plan(config) -> tuple[list[str], list[dict]]:
     return layer_types, kwargs
 
 
+def regroups_values(config) -> bool:
+    """Attention reads each head's values mixed with another head's (DiffLlama splits the cached values into two
+    halves of heads and repeats them, after the cache update): a head's slot must then hold the same token in every
+    head, which a head-adaptive pool (one head per slot) does not."""
+    return getattr(config, "model_type", None) == "diffllama"
+
+
 def is_latent_attention(config) -> bool:
     """True for MLA models whose cache holds a compressed latent instead of attention keys (DeepSeek-V2/V3)."""
     return getattr(config, "kv_lora_rank", None) is not None and hasattr(config, "qk_rope_head_dim")

@@ -34,7 +34,10 @@ _PARTS = {"linear": ("weight", "bias"), "mlp": ("fc1.weight", "fc1.bias", "fc2.w
 
 
 def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    """The KV heads our caches hold per compressed layer (1 for latent attention: the latent is one head)."""
+    from ..common.architecture import layer_kv_shape
+
+    return layer_kv_shape(config, 0)[0]
 
 
 class Surrogate:
@@ -121,7 +124,7 @@ class Surrogate:
         if config.hidden_size != self.hidden_size:
             problems.append(f"hidden_size {config.hidden_size} (surrogate: {self.hidden_size})")
         if _kv_heads(config) != self.kv_heads:
-            problems.append(f"num_key_value_heads {_kv_heads(config)} (surrogate: {self.kv_heads})")
+            problems.append(f"cached KV heads {_kv_heads(config)} (surrogate: {self.kv_heads})")
         layers = config.num_hidden_layers
         if max(self.layers) >= layers or self.info.get("num_layers", layers) != layers:
             problems.append(f"num_hidden_layers {layers} (surrogate: {self.info.get('num_layers')}, {self.layers})")
