@@ -8,7 +8,8 @@ Per round, in rotated order, on the same `--prompt` tokens of the pydoc corpus (
 - `dynamic`: one forward of the prompt into a DynamicCache (`logits_to_keep=1`), what `generate`'s prefill does;
 - `h2o`: the same into H2OCache (attention scores from the bridge's one-pass scored attention), for scale;
 - `kvzip`: the same into KVzipCache, then `compress_context` (the reconstruction forwards, chunk `--chunk`, and the
-  placement at the budget), i.e. everything KVzip does before the first decode step; also the reconstruction alone.
+  placement at the budget), i.e. everything KVzip does before the first decode step; also the reconstruction alone;
+- `kvzap`: the same into KVzapCache (the surrogate scores the prompt as it is prefilled), then its placement.
 Reported: the median over rounds of each configuration's time over `dynamic`'s in the same round (paired ratios),
 with the quartiles of the per-round ratios. KVzip's reconstruction processes the context again (plus the request),
 attending to the stored context as well (kvpress's KVzipPress warns "2-3 times"; 4.0x measured here on CPU,
@@ -68,6 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kvzap-surrogate", default=None, help="KVzap's surrogate for --model (smollm2: shipped)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -81,7 +83,19 @@ def main(argv=None) -> None:
         "dynamic": (lambda: DynamicCache(config=model.config), False),
         "h2o": (lambda: hf_kvcache.H2OCache(model, heavy=args.budget / 2, recent=args.budget / 2), False),
         "kvzip": (lambda: hf_kvcache.KVzipCache(model, budget=args.budget, chunk_size=args.chunk), True),
+        # KVzap (issue 48): the prompt scored by the shipped surrogate as it is prefilled, then placed (no
+        # reconstruction); only where a surrogate fits the model
+        **(
+            {"kvzap": (lambda: hf_kvcache.KVzapCache(model, budget=args.budget), True)}
+            if args.model == "smollm2" or args.kvzap_surrogate
+            else {}
+        ),
     }
+    if "kvzap" in configs and args.kvzap_surrogate:
+        configs["kvzap"] = (
+            lambda: hf_kvcache.KVzapCache(model, budget=args.budget, surrogate=args.kvzap_surrogate),
+            True,
+        )
     timed(model, ids, configs["kvzip"][0], args.device, True)  # warm-up (tokenizer load, allocator)
     times = {name: [] for name in configs}
     reconstruction = []
@@ -101,7 +115,8 @@ def main(argv=None) -> None:
         return [round(q, 3) for q in statistics.quantiles(values, n=4)] if len(values) > 1 else values
 
     report = {
-        "what": "KVzip prefill + context reconstruction vs a plain prefill (DynamicCache), paired per round",
+        "what": "KVzip prefill + context reconstruction (and KVzap's prefill + placement) vs a plain prefill "
+        "(DynamicCache), paired per round",
         "model": args.model,
         "device": args.device,
         "dtype": str(dtype).replace("torch.", ""),

@@ -274,6 +274,94 @@ def kvzip() -> str:
     )
 
 
+EQUAL_BYTES_TARGETS = (0.1, 0.2, 0.5)
+
+
+def equal_bytes() -> str:
+    """Our quantized KVzip / KVzap placements at 10 / 20 / 50% of a bfloat16 cache's bytes for the prompt, against
+    kvpress's presses at their token ratios (what they hold: a pruning press its kept tokens in bfloat16, KVzipPress
+    the whole prompt, masked)."""
+    path = RESULTS / "equal_bytes" / "results.csv"
+    if not path.exists():
+        return ""
+    peers = _peer_records()
+    kvzip_press = {round(float(r["budget"]), 2): r for r in peers if r["label"] == "KVzipPress"}
+    body = []
+    for target in EQUAL_BYTES_TARGETS:
+        rows = []
+        for r in _rows(path):
+            held = float(r["prompt_bytes_vs_bf16"])
+            if held <= target and not any(held <= lower for lower in EQUAL_BYTES_TARGETS if lower < target):
+                rows.append((float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0], "hf-kvcache", held, r))
+        for record in peers:
+            held = record.get("prompt_tokens_held_layer0", 0) / record["context_len"]
+            if held <= target + 0.005 and round(float(record["budget"]), 2) == target:
+                rows.append((record["kl_mean"], record["label"], "kvpress 0.5.5", held, record))
+        reference = kvzip_press.get(target)
+        for kl, label, by, held, r in sorted(rows, key=lambda item: item[0]):
+            tokens = r.get("budget_tokens") or r.get("prompt_tokens_held_layer0")
+            body.append(
+                [
+                    f"{target:.0%}",
+                    label,
+                    by,
+                    _num(held),
+                    str(tokens),
+                    _num(kl),
+                    _num(r["top1_agreement"]),
+                    _num(kl / reference["kl_mean"], 2) if reference else "",
+                ]
+            )
+    return (
+        "## Equal bytes: eviction and quantization together
+
+"
+        "KL and top-1 on the scorer table's positions with the cache holding at most 10 / 20 / 50% of a bfloat16 "
+        "cache's bytes for the 2K prompt (*bytes*: what `nbytes()` reports once the prompt is compressed, "
+        "metadata included, over a bfloat16 cache of the prompt). Ours: KVzip's model-wide placement (and KVzap's "
+        "predicted one) with the kept tokens quantized per token, keys Hadamard-rotated. kvpress's presses at the "
+        "same share of the tokens, where they hold only those (KVzipPress masks and holds the whole prompt: it "
+        "is listed at each share of tokens for reference, and is the *vs KVzipPress* column's denominator at "
+        "that share).\n\n"
+        + _table(
+            ["bytes target", "method", "by", "bytes vs bf16", "tokens kept", "KL mean", "top-1", "vs KVzipPress"],
+            body,
+        )
+        + "\n\n"
+        + _source(path)
+    )
+
+
+def kvzap_cost() -> str:
+    """KVzap against KVzip: quality at 20% in both modes, and the prefill cost."""
+    path = RESULTS / "kvzap" / "results.csv"
+    if not path.exists():
+        return ""
+    rows = _rows(path)
+    body = [
+        [r["label"].rsplit(" ", 1)[0], f"{float(r['budget']):.0%}", _num(r["kl_mean"]), _num(r["top1_agreement"])]
+        for r in sorted(rows, key=lambda r: (float(r["budget"]), float(r["kl_mean"])))
+    ]
+    cost = RESULTS / "kvzip" / "prefill_cost.json"
+    cost_text = ""
+    if cost.exists():
+        ratios = json.loads(cost.read_text(encoding="utf-8"))["ratio_to_dynamic_prefill"]
+        if "kvzap" in ratios:
+            cost_text = (
+                f" Prefill and placement: KVzap {ratios['kvzap']:.2f}x a plain prefill, KVzip {ratios['kvzip']:.2f}x "
+                "(interleaved). " + _source(cost)
+            )
+    return (
+        "## KVzap: KVzip's scores predicted\n\nThe shipped linear surrogate for SmolLM2 (docs/scorers.md) on the "
+        "scorer table's positions, which it never trained on."
+        + cost_text
+        + "\n\n"
+        + _table(["configuration", "budget", "KL mean", "top-1"], body)
+        + "\n\n"
+        + _source(path)
+    )
+
+
 def ruler_tasks() -> str:
     """Which generated tasks the full cache can do (eval/ruler_full_cache.py): kept where it scores well above
     chance."""
@@ -550,6 +638,8 @@ def render() -> str:
         budget_sweep(),
         scorer_modes(),
         kvzip(),
+        equal_bytes(),
+        kvzap_cost(),
         ruler_tasks(),
         ruler_board(),
         quantized(),

@@ -12,7 +12,7 @@ from hf_kvcache import KVzapCache, cache_kwargs
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
-UNIFORM = {"head_budget": "uniform", "layer_budget": "uniform"}
+UNIFORM = {"head_budget": "uniform", "layer_budget": "uniform", "recent": 0}
 
 
 def planted(model, seed: int = 0) -> Surrogate:
@@ -62,8 +62,10 @@ def test_uniform_budget_keeps_each_heads_top_predicted_tokens():
 def test_default_allots_the_models_budget_by_prediction_and_runs_no_extra_forward():
     model = build_model("llama")
     surrogate = planted(model, seed=1)
-    cache = KVzapCache(model, budget=8, surrogate=surrogate)
-    assert (cache.head_budget, cache.layer_budget, cache.compress) == ("adaptive", "adaptive", "prompt")
+    defaults = KVzapCache(model, budget=8, surrogate=surrogate)
+    assert (defaults.head_budget, defaults.layer_budget, defaults.compress) == ("adaptive", "adaptive", "prompt")
+    assert defaults.recent == 2  # a quarter of a token budget below 256
+    cache = KVzapCache(model, budget=8, surrogate=surrogate, recent=0)
     calls = []
     handle = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
     with torch.no_grad():
@@ -117,6 +119,23 @@ def test_always_mode_scores_decode_tokens_and_holds_the_placed_share():
         for _ in range(12):
             model(ids[:, -1:], **cache_kwargs(prompt_mode))
     assert sum(int(layer.slot_valid.sum()) for layer in prompt_mode.layers) > sum(after)  # prompt mode appends
+
+
+def test_the_recent_window_is_part_of_the_budget():
+    model = build_model("llama")
+    cache = KVzapCache(model, budget=8, surrogate=planted(model, seed=5), recent=3)
+    with torch.no_grad():
+        model(random_ids(1, 30, seed=7), **cache_kwargs(cache))
+        cache.compress_context(model)
+    heads = model.config.num_key_value_heads
+    assert sum(int(layer.slot_valid[..., : layer.used].sum()) for layer in cache.layers) == 8 * heads * len(
+        cache.layers
+    )
+    for layer in cache.layers:
+        for head in kept_positions(layer)[0]:
+            assert {27, 28, 29} <= set(head)  # every head keeps the window
+    with pytest.raises(ValueError, match="recent"):
+        KVzapCache(model, budget=8, surrogate=planted(model), recent=9)
 
 
 def test_left_padded_rows_keep_what_they_keep_alone():

@@ -15,9 +15,10 @@ What happens:
 2. At the end of the prompt (the first one-token forward, `end_prompt()`, or `compress_context(model)`), the context
    is placed as KVzip's is: allotted over the model (`layer_budget="adaptive"`) and the layer's heads
    (`head_budget="adaptive"`) by the predicted scores, at `precision`.
-3. `compress="prompt"` (default): later tokens are appended. `compress="always"`: the placed layers keep their
-   share; each new token is scored by the surrogate when it arrives, and the lowest-scoring token of the layer's
-   pool is evicted (the `recent` newest protected).
+   A window of the `recent` newest tokens per head (64) is kept in every layer, part of the budget: the allotment
+   shares what it leaves.
+3. `compress="prompt"` (default): later tokens are appended. `compress="always"`: each new token is scored by the
+   surrogate when it arrives, and the lowest-scoring token outside the window is evicted from the layer's share.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 from ..attention.bridge import active_cache
 from ..common.validation import require_choice, require_int
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
+from ..policies.heavy_hitter import resolve_size
 from ..scorers.kvzap import KVzap
 from ..scorers.kvzap_surrogate import BUILTIN, Surrogate
 from .kvzip import KVzipCache
 
-#: the protected window of `compress="always"` when `recent` is not given (tokens per head)
-ALWAYS_RECENT = 64
+#: the newest tokens per head always kept, part of the budget (the next token needs its neighbours, which a
+#: query-agnostic score does not rank: KVzap keeps such a window)
+RECENT = 64
 _HOOKED = "_hf_kvcache_attention_inputs"
 
 
@@ -83,8 +86,9 @@ class KVzapCache(KVzipCache):
         layers: dict | list | None = None,
     ):
         mode = require_choice("compress", compress, ("prompt", "always"))
-        if recent is None:
-            recent = ALWAYS_RECENT if mode == "always" else 0
+        if recent is None:  # (a token budget: at most a quarter of it)
+            token_budget = isinstance(budget, int) and not isinstance(budget, bool)
+            recent = min(RECENT, budget // 4) if token_budget else RECENT
         recent = require_int("recent", recent, 0)
         if surrogate is not None and not isinstance(surrogate, (str, Surrogate)):
             raise ValueError(
@@ -109,8 +113,6 @@ class KVzapCache(KVzipCache):
             layers=layers,
         )
         self.compress = mode
-        if mode == "always" and self.recent > 0 and isinstance(self.budget, int) and self.recent > self.budget:
-            raise ValueError(f"`recent` ({self.recent}) must not exceed `budget` ({self.budget}).")
 
     # -- the attention inputs -------------------------------------------------------------------------------------
     def before_forward(self, model, arguments: dict) -> None:
@@ -157,6 +159,24 @@ class KVzapCache(KVzipCache):
             scores.append(layer.policy.context_scores)
         self._predicted = {}
         return scores
+
+    def _scored_budget(self, settings: dict, context: int) -> int:
+        """The budget less the `recent` window: the model-wide allotment shares what the window leaves."""
+        budget = resolve_size("budget", settings["budget"], context)
+        if settings["recent"] >= budget:
+            raise ValueError(
+                f"`budget` ({budget} tokens of a {context}-token prompt) must be larger than `recent` "
+                f"({settings['recent']}): the window is part of the budget."
+            )
+        return budget - settings["recent"]
+
+    def _placed_layer(self, layer, scores, budget, total):
+        """A layer's allotment plus its `recent` window (part of the budget: the allotment shared what it left)."""
+        window = self._settings(layer)["recent"] if total is not None and scores is not None else 0
+        if window:
+            budget += window
+            total += window * layer.policy.heads
+        return super()._placed_layer(layer, scores, budget, total)
 
     def _placement_scorer(self, layer_idx: int) -> KVzap:
         return KVzap(

@@ -302,7 +302,7 @@ class KVzipCache(KVCache):
         scores, budgets = [], []
         for layer in scoring:
             settings = self._settings(layer)
-            budgets.append(resolve_size("budget", settings["budget"], real.shape[1]))
+            budgets.append(self._scored_budget(settings, real.shape[1]))
             sink = real & (positions < settings["sinks"])
             ranked = layer.policy.context_scores.masked_fill(~real[:, None, :], float("-inf"))
             scores.append(ranked.masked_fill(sink[:, None, :], float("inf")))
@@ -351,6 +351,10 @@ class KVzipCache(KVCache):
             # quantized keys are stored Hadamard-rotated, as QuantizedFP8Cache's (the bridge rotates the queries)
             placed.key_rotation = quantized_key_rotation(self.config, layer.head_dim)
         return placed
+
+    def _scored_budget(self, settings: dict, context: int) -> int:
+        """The tokens per head a layer's scores allot (the model-wide allotment shares them): the budget."""
+        return resolve_size("budget", settings["budget"], context)
 
     def _placement_scorer(self, layer_idx: int):
         """The scorer of a placed layer (handed the context's scores): KVzip's reconstruction scores."""
