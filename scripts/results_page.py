@@ -313,16 +313,14 @@ def equal_bytes() -> str:
                 ]
             )
     return (
-        "## Equal bytes: eviction and quantization together
-
-"
+        "## Equal bytes: eviction and quantization together\n\n"
         "KL and top-1 on the scorer table's positions with the cache holding at most 10 / 20 / 50% of a bfloat16 "
         "cache's bytes for the 2K prompt (*bytes*: what `nbytes()` reports once the prompt is compressed, "
         "metadata included, over a bfloat16 cache of the prompt). Ours: KVzip's model-wide placement (and KVzap's "
         "predicted one) with the kept tokens quantized per token, keys Hadamard-rotated. kvpress's presses at the "
-        "same share of the tokens, where they hold only those (KVzipPress masks and holds the whole prompt: it "
-        "is listed at each share of tokens for reference, and is the *vs KVzipPress* column's denominator at "
-        "that share).\n\n"
+        "same share of the tokens, which they hold in bfloat16. KVzipPress masks and holds the whole prompt (all "
+        "its bytes), so it has no row here; *vs KVzipPress*: the KL over KVzipPress's at that share of the "
+        "tokens.\n\n"
         + _table(
             ["bytes target", "method", "by", "bytes vs bf16", "tokens kept", "KL mean", "top-1", "vs KVzipPress"],
             body,

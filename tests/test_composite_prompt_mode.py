@@ -35,7 +35,7 @@ def _kept(cache, layer=0):
 STANDALONE = {  # composite regions, and the standalone cache with the same budget that keeps the same tokens
     "h2o": (
         [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5}],
-        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=3, compress="prompt"),
+        lambda m: hf_kvcache.H2OCache(m, heavy=5, recent=3, compress="prompt", attention_score="accumulated"),
     ),
     "tova": (
         [{**W, "start": 0, "end": 3}, {"role": "heavy", "tokens": 5, "scorer": "tova"}],

@@ -70,7 +70,7 @@ def sliding_pair(draw):
 
 def h2o_pair(draw, position_mode):
     heavy, recent = draw(st.integers(0, 3)), draw(st.integers(1, 3))
-    cache = H2OCache(CONFIG, heavy=heavy, recent=recent, position_mode=position_mode)
+    cache = H2OCache(CONFIG, heavy=heavy, recent=recent, position_mode=position_mode, attention_score="accumulated")
     return cache, HeavyHitterRule(heavy, recent, compact=position_mode == "compact")
 
 

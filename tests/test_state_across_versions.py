@@ -22,7 +22,7 @@ pytestmark = pytest.mark.upstream
 
 HERE = pathlib.Path(__file__).parent / "data" / "state_across_versions"
 CASES = {
-    "h2o": lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4),
+    "h2o": lambda m: hf_kvcache.H2OCache(m, heavy=4, recent=4, attention_score="accumulated"),  # (as written)
     "composite": lambda m: hf_kvcache.CompositeCache(m, preset="sinks_heavy_recent", budget=12),
     "sink": lambda m: hf_kvcache.SinkCache(m, sinks=2, window=6),
 }

@@ -354,11 +354,12 @@ def dtype_unsupported(arch: str, dtype_name: str) -> str | None:
 
 # -- the checks -------------------------------------------------------------------------------------------------
 def planted_surrogate(model):
-    """A KVzap surrogate with random linear predictors shaped for `model` (its layers, KV heads, hidden size)."""
+    """A KVzap surrogate with random linear predictors shaped for `model` (its layers, cached KV heads, hidden size)."""
+    from hf_kvcache.common.architecture import layer_kv_shape
     from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
     config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = layer_kv_shape(config, 0)[0]  # the KV heads the cache holds (1 for latent attention)
     g = torch.Generator().manual_seed(0)
     weights = {
         i: {"weight": torch.randn(heads, config.hidden_size, generator=g), "bias": torch.zeros(heads)}

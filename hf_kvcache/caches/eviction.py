@@ -178,4 +178,12 @@ class RandomEvictionCache(H2OCache):
         self.seed = seed
         # draws keyed by global KV head under tensor parallelism
         self._scorer_factory = lambda: RandomKeys(seed, self.tensor_parallel)
-        super().__init__(config_or_model, heavy=heavy, recent=recent, budget=budget, compress=compress, layers=layers)
+        super().__init__(  # (random scores ranked as drawn: no averaging over the queries that saw a token)
+            config_or_model,
+            heavy=heavy,
+            recent=recent,
+            budget=budget,
+            compress=compress,
+            attention_score="accumulated",
+            layers=layers,
+        )

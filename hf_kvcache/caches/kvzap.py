@@ -28,7 +28,6 @@ import torch
 from ..attention.bridge import active_cache
 from ..common.validation import require_choice, require_int
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
-from ..policies.heavy_hitter import resolve_size
 from ..scorers.kvzap import KVzap
 from ..scorers.kvzap_surrogate import BUILTIN, Surrogate
 from .kvzip import KVzipCache
@@ -159,24 +158,6 @@ class KVzapCache(KVzipCache):
             scores.append(layer.policy.context_scores)
         self._predicted = {}
         return scores
-
-    def _scored_budget(self, settings: dict, context: int) -> int:
-        """The budget less the `recent` window: the model-wide allotment shares what the window leaves."""
-        budget = resolve_size("budget", settings["budget"], context)
-        if settings["recent"] >= budget:
-            raise ValueError(
-                f"`budget` ({budget} tokens of a {context}-token prompt) must be larger than `recent` "
-                f"({settings['recent']}): the window is part of the budget."
-            )
-        return budget - settings["recent"]
-
-    def _placed_layer(self, layer, scores, budget, total):
-        """A layer's allotment plus its `recent` window (part of the budget: the allotment shared what it left)."""
-        window = self._settings(layer)["recent"] if total is not None and scores is not None else 0
-        if window:
-            budget += window
-            total += window * layer.policy.heads
-        return super()._placed_layer(layer, scores, budget, total)
 
     def _placement_scorer(self, layer_idx: int) -> KVzap:
         return KVzap(

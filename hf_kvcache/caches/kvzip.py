@@ -313,7 +313,11 @@ class KVzipCache(KVCache):
         """Replace `layer` (every context token in full precision) by the layer that keeps the context at its
         budget by the reconstruction scores (or at `total` tokens over its heads: layer-adaptive budgets); the
         full-precision copy is freed with the old layer."""
-        budget = None if total is None else max(1, total // layer.policy.heads)  # a uniform layer: the average
+        if total is not None:  # the layer's allotment, plus its window (part of the model's budget)
+            window, heads = self._settings(layer)["recent"], layer.policy.heads
+            budget, total = max(1, total // heads) + window, total + window * heads  # (uniform heads: the average)
+        else:
+            budget = None
         placed = self._placed_layer(layer, layer.policy.context_scores, budget, total)
         keys, values = layer.store.read(layer.seen)
         placed.update(keys, values)
@@ -353,8 +357,15 @@ class KVzipCache(KVCache):
         return placed
 
     def _scored_budget(self, settings: dict, context: int) -> int:
-        """The tokens per head a layer's scores allot (the model-wide allotment shares them): the budget."""
-        return resolve_size("budget", settings["budget"], context)
+        """The tokens per head a layer's scores allot: the budget less the `recent` window (the model-wide allotment
+        shares what the windows leave)."""
+        budget = resolve_size("budget", settings["budget"], context)
+        if settings["recent"] >= budget:
+            raise ValueError(
+                f"`budget` ({budget} tokens of a {context}-token prompt) must be larger than `recent` "
+                f"({settings['recent']}): the window is part of the budget."
+            )
+        return budget - settings["recent"]
 
     def _placement_scorer(self, layer_idx: int):
         """The scorer of a placed layer (handed the context's scores): KVzip's reconstruction scores."""

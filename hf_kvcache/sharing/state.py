@@ -298,6 +298,29 @@ def _model_shape(config) -> dict[str, Any]:
     }
 
 
+#: the revision of the caches' defaults a file's settings assume (its `defaults` field; absent: 1). Settings are the
+#: arguments as given, so a file of an older revision gets the defaults it was written under back for the arguments
+#: it did not give.
+DEFAULTS_REVISION = 2
+#: revision -> {cache name: the defaults that revision had and the next one changed}
+DEFAULTS_BEFORE = {
+    # issue 48: the best measured settings became the defaults (docs/defaults.md)
+    1: {
+        "h2o": {"attention_score": "accumulated"},
+        "kvzip": {"head_budget": "uniform", "layer_budget": "uniform"},
+    },
+}
+
+
+def _settings_as_written(name: str, settings: dict, revision: int) -> dict:
+    """`settings` with the defaults of the revision the file was written under, for the arguments it did not give."""
+    settings = dict(settings)
+    for old in range(revision, DEFAULTS_REVISION):
+        for key, value in DEFAULTS_BEFORE.get(old, {}).get(name, {}).items():
+            settings.setdefault(key, value)
+    return settings
+
+
 def save_cache_state(cache: KVCache, path: str | os.PathLike) -> None:
     """Write `cache`'s settings and state to the safetensors file `path` (see the module docstring)."""
     if not isinstance(cache, KVCache):
@@ -312,6 +335,7 @@ def save_cache_state(cache: KVCache, path: str | os.PathLike) -> None:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "hf_kvcache_version": _version(),
+        "defaults": DEFAULTS_REVISION,
         "cache": type(cache).cache_name,
         "class": type(cache).__name__,
         "settings": given,
@@ -430,6 +454,10 @@ def load_cache_state(
     layers_setting = decoder.value(header["layers_setting"], None, "layers_setting")
     if not isinstance(settings, dict):
         raise ValueError(f"{where}: field `settings` must be a mapping of constructor arguments.")
+    revision = header.get("defaults", 1)
+    if not isinstance(revision, int) or not 1 <= revision <= DEFAULTS_REVISION:
+        raise ValueError(f"{where}: field `defaults` must be a revision in [1, {DEFAULTS_REVISION}], got {revision!r}.")
+    settings = _settings_as_written(name, settings, revision)
     restored = CACHE_IMPLEMENTATIONS[name](config_or_model, **settings, layers=layers_setting)
     state = header["state"]
     if not isinstance(state, dict) or "layers" not in state:
