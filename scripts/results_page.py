@@ -349,6 +349,21 @@ def kvzap_cost() -> str:
                 f" Prefill and placement: KVzap {ratios['kvzap']:.2f}x a plain prefill, KVzip {ratios['kvzip']:.2f}x "
                 "(interleaved). " + _source(cost)
             )
+    ruler = RESULTS / "ruler" / "kvzap_cpu" / "cells.csv"
+    ruler_text = ""
+    if ruler.exists():
+        cells = [
+            [r["method"], r["task"], r["context_len"], f"{float(r['compression']):.0%}", _num(r["score"], 2)]
+            + [" - ".join(_num(x, 2) for x in json.loads(r["ci95"])), r["n"]]
+            for r in _rows(ruler)
+        ]
+        ruler_text = (
+            "\n\nNeedle retrieval with a natural-text haystack (SmolLM2, float32, CPU; question after the compressed "
+            "context):\n\n"
+            + _table(["method", "task", "tokens", "compression", "score", "95% interval", "n"], cells)
+            + "\n\n"
+            + _source(ruler)
+        )
     return (
         "## KVzap: KVzip's scores predicted\n\nThe shipped linear surrogate for SmolLM2 (docs/scorers.md) on the "
         "scorer table's positions, which it never trained on."
@@ -357,6 +372,7 @@ def kvzap_cost() -> str:
         + _table(["configuration", "budget", "KL mean", "top-1"], body)
         + "\n\n"
         + _source(path)
+        + ruler_text
     )
 
 
