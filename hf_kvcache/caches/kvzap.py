@@ -15,8 +15,8 @@ What happens:
 2. At the end of the prompt (the first one-token forward, `end_prompt()`, or `compress_context(model)`), the context
    is placed as KVzip's is: allotted over the model (`layer_budget="adaptive"`) and the layer's heads
    (`head_budget="adaptive"`) by the predicted scores, at `precision`.
-   A window of the `recent` newest tokens per head (64) is kept in every layer, part of the budget: the allotment
-   shares what it leaves.
+   A window of the `recent` newest tokens per head (64, at most a quarter of the budget) is kept in every layer,
+   part of the budget: the allotment shares what it leaves.
 3. `compress="prompt"` (default): later tokens are appended. `compress="always"`: each new token is scored by the
    surrogate when it arrives, and the lowest-scoring token outside the window is evicted from the layer's share.
 """
@@ -28,6 +28,7 @@ import torch
 from ..attention.bridge import active_cache
 from ..common.validation import require_choice, require_int
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
+from ..policies.heavy_hitter import resolve_size
 from ..scorers.kvzap import KVzap
 from ..scorers.kvzap_surrogate import BUILTIN, Surrogate
 from .kvzip import KVzipCache
@@ -85,7 +86,8 @@ class KVzapCache(KVzipCache):
         layers: dict | list | None = None,
     ):
         mode = require_choice("compress", compress, ("prompt", "always"))
-        if recent is None:  # (a token budget: at most a quarter of it)
+        self._default_window = recent is None  # 64, at most a quarter of the budget (a ratio's: once resolved)
+        if recent is None:
             token_budget = isinstance(budget, int) and not isinstance(budget, bool)
             recent = min(RECENT, budget // 4) if token_budget else RECENT
         recent = require_int("recent", recent, 0)
@@ -145,6 +147,9 @@ class KVzapCache(KVzipCache):
         the measured ones (no forwards: predicted as the context was prefilled)."""
         if self._compressed:
             raise RuntimeError("KVzapCache.score_context: the context is already placed; score before compressing.")
+        if self._default_window and isinstance(self.budget, float):  # the budget of this prompt is known now
+            context = next(iter(self._scoring_layers.values())).seen
+            self.recent = min(RECENT, resolve_size("budget", self.budget, context) // 4)
         scores = []
         for index, layer in self._scoring_layers.items():
             parts = self._predicted.get(index)
