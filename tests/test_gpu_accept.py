@@ -72,6 +72,7 @@ CONFIGS = {
     "snapkv": {"budget": 24, "window": 8},
     "expected_attention": {"budget": 24},
     "kvzip": {"budget": 24, "head_budget": "adaptive", "request_ids": REQUEST_IDS},
+    "kvzap": {"budget": 24},  # (and a surrogate planted for the model: `_logprobs`)
     # the caches of scorers added to hf_kvcache.scorers.registry, with the scorer's settings for a few tokens
     **{cls.cache_name: {"budget": 24, **cls.scorer_class.small} for cls in GENERATED_CACHES},
 }
@@ -90,6 +91,10 @@ def _ids(total: int = PROMPT + STEPS) -> torch.Tensor:
 
 
 def _logprobs(model, name, config) -> torch.Tensor:
+    if name == "kvzap":  # a surrogate shaped for this random model (the same weights on both devices)
+        from test_kvzap import planted
+
+        config = {**config, "surrogate": planted(model)}
     cache = make_cache(model, name, dict(config), context_len=PROMPT, total_len=PROMPT + STEPS)
     return cache_logprobs(model, _ids(), cache, PROMPT).float().cpu()
 

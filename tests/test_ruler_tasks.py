@@ -77,7 +77,7 @@ def test_a_sample_runs_through_a_compressing_cache():
     generated and scored; the cache held the budget plus the question and answer."""
     model = build_model("llama", vocab_size=TOKENIZER.vocab_size)
     sample = make_sample("qa_records_code", 600, seed=0, tokenizer=TOKENIZER)
-    cache = KVzipCache(model, budget=0.25, tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=0.25, tokenizer=TOKENIZER, head_budget="uniform", layer_budget="uniform")
     result = run_sample(model, TOKENIZER, sample, cache)
     assert 0.0 <= result["score"] <= 1.0 and result["answers"] == sample.answers
     context = len(TOKENIZER(sample.context, add_special_tokens=False).input_ids)
@@ -193,7 +193,7 @@ def _same_tail(task, length, seeds, count):
         ("snapkv", {"compress": "prompt", "budget": 150, "window": 4}),
         ("h2o", {"compress": "always", "budget": 150}),
         ("sink", {"sinks": 2, "window": 150}),
-        ("kvzip", {"budget": 150, "head_budget": "adaptive"}),
+        ("kvzip", {"budget": 150, "head_budget": "adaptive", "layer_budget": "uniform"}),
         ("fp8", {}),
     ],
 )

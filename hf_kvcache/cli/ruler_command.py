@@ -27,7 +27,9 @@ def _method(text: str):
     label, _, spec = text.partition("=") if "=" in text.split(":", 1)[0] else ("", "", text)
     _, name, config = parse_cache(spec)
     key = "window" if name in ("sink", "sliding") else "budget"
-    return Method(label or spec, name, config, budget_key=key)
+    # model-wide layer shares (kvzip / kvzap by default) are averaged over a batch's rows: those run alone
+    model_wide = name in ("kvzip", "kvzap") and config.get("layer_budget", "adaptive") == "adaptive"
+    return Method(label or spec, name, config, budget_key=key, batchable=not model_wide)
 
 
 def _shard(text: str) -> tuple[int, int]:
