@@ -90,11 +90,25 @@ def _ids(total: int = PROMPT + STEPS) -> torch.Tensor:
     return torch.randint(3, 49152, (total,), generator=torch.Generator().manual_seed(1))
 
 
-def _logprobs(model, name, config) -> torch.Tensor:
-    if name == "kvzap":  # a surrogate shaped for this random model (the same weights on both devices)
-        from test_kvzap import planted
+def _config(model, name) -> dict:
+    """CONFIGS[name], with a KVzap surrogate planted for this random model (random weights, seeded: the same on both
+    devices)."""
+    config = dict(CONFIGS[name])
+    if name == "kvzap":
+        from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
-        config = {**config, "surrogate": planted(model)}
+        text = model.config.get_text_config()
+        g = torch.Generator().manual_seed(0)
+        heads, d = text.num_key_value_heads, text.hidden_size
+        weights = {
+            i: {"weight": torch.randn(heads, d, generator=g), "bias": torch.zeros(heads)}
+            for i in range(text.num_hidden_layers)
+        }
+        config["surrogate"] = Surrogate("linear", weights, {"num_layers": text.num_hidden_layers})
+    return config
+
+
+def _logprobs(model, name, config) -> torch.Tensor:
     cache = make_cache(model, name, dict(config), context_len=PROMPT, total_len=PROMPT + STEPS)
     return cache_logprobs(model, _ids(), cache, PROMPT).float().cpu()
 
@@ -115,13 +129,13 @@ def test_cache_generates_on_the_device_and_matches_the_cpu(name):
         max_new_tokens=STEPS,
         do_sample=False,
         cache_implementation=name,
-        cache_config=dict(CONFIGS[name]),
+        cache_config=_config(model, name),
         pad_token_id=2,
         disable_compile=True,
     )
     assert out.shape == (1, PROMPT + STEPS) and out.device.type == torch.device(DEVICE).type
-    got = _logprobs(model, name, CONFIGS[name])
-    ref = _logprobs(cpu, name, CONFIGS[name])
+    got = _logprobs(model, name, _config(model, name))
+    ref = _logprobs(cpu, name, _config(cpu, name))
     assert torch.isfinite(got).all()
     kl = divergence_metrics(ref, got)["kl_mean"]
     assert kl < KL_TOL, (name, kl)
