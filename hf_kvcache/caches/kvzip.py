@@ -352,8 +352,11 @@ class KVzipCache(KVCache):
         placed = CompressedLayer(policy, store, self.forward_info, layer.layer_idx)
         placed.size_parameters = getattr(layer, "size_parameters", self.size_keys)
         if store is not None and hasattr(store, "key_spec") and store.key_spec.format != "none":
-            # quantized keys are stored Hadamard-rotated, as QuantizedFP8Cache's (the bridge rotates the queries)
-            placed.key_rotation = quantized_key_rotation(self.config, layer.head_dim)
+            # quantized keys are stored Hadamard-rotated, as QuantizedFP8Cache's (the bridge rotates the queries);
+            # one matrix shared by the layers, as there
+            if not hasattr(self, "_key_rotation"):
+                self._key_rotation = quantized_key_rotation(self.config, layer.head_dim)
+            placed.key_rotation = self._key_rotation
         return placed
 
     def _scored_budget(self, settings: dict, context: int) -> int:
