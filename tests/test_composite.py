@@ -272,7 +272,7 @@ def test_per_head_composite_places_each_heads_sinks_before_that_heads_oldest_tok
                 assert layer.slot_valid.shape[1] == layer.heads == 2  # per-head metadata
                 stored = layer.store.read(layer.used)[0][:, :, :sinks]  # [B, H, sinks, D]
                 valid = layer.slot_valid[:, :, sinks : layer.used]
-                positions = layer.slot_pos[:, :, sinks : layer.used].long()
+                positions = layer.head_positions()[:, :, sinks : layer.used].long()
                 oldest = torch.where(valid, positions, 10**9).amin(-1)  # [B, H]
                 heads_differed += int((oldest[:, 0] != oldest[:, 1]).sum())
                 for row in range(ids.shape[0]):
@@ -426,7 +426,7 @@ def _kept_positions(cache) -> list[list[list[list[int]]]]:
     return [
         [
             [
-                sorted(layer.slot_pos[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
+                sorted(layer.head_positions()[b, h, :-1][layer.slot_valid[b, h, :-1]].tolist())
                 for h in range(layer.slot_valid.shape[1])
             ]
             for b in range(layer.slot_valid.shape[0])

@@ -28,7 +28,7 @@ W = {"role": "window"}
 def _kept(cache, layer=0):
     """Per (row, meta head): the sorted position ids of the valid slots (trash slot excluded)."""
     layer = cache.layers[layer]
-    valid, pos = layer.slot_valid[..., :-1], layer.slot_pos[..., :-1]
+    valid, pos = layer.slot_valid[..., :-1], layer.head_positions()[..., :-1]
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
 
 

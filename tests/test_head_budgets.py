@@ -29,7 +29,7 @@ def _logits(model, cache, ids, prompt):
 
 def _kept(cache):
     layer = cache.layers[0]
-    valid, pos = layer.slot_valid[..., :-1], layer.slot_pos[..., :-1]
+    valid, pos = layer.slot_valid[..., :-1], layer.head_positions()[..., :-1]
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
 
 
@@ -46,6 +46,7 @@ def test_a_safeguard_of_the_whole_budget_is_the_uniform_budget(name, compress):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert _kept(pooled) == _kept(uniform)
     assert pooled.layers[0].store.keys.shape[1] == 1  # one pool, not a buffer per head
+    assert pooled.layers[0].slot_pos.shape[1] == 1  # one position per pool slot (each slot is one head's)
 
 
 @pytest.mark.parametrize("compress", ["prompt", "always"])
@@ -65,6 +66,7 @@ def test_the_layer_holds_its_budget_ragged_over_heads(name, compress):
         itemsize = layer.store.keys.element_size()
         assert layer.store.nbytes() == 2 * (BUDGET * heads + 1) * 2 * head_dim * itemsize
         assert layer.store.nbytes() == cache.layers[0].store.keys.nbytes * 2
+        assert layer.slot_pos.nbytes == 2 * (BUDGET * heads + 1) * 4  # int32 per slot, not per head per slot
 
 
 def test_adaptive_budgets_do_differ_across_heads():

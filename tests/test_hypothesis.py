@@ -32,7 +32,7 @@ def expected_positions(n_real: int, sinks: int, window: int) -> set[int]:
 
 def stored_positions(layer, row: int) -> set[int]:
     valid = layer.slot_valid[row, 0, :-1]  # the last slot is the trash slot
-    return set(layer.slot_pos[row, 0, :-1][valid].tolist())
+    return set(layer.head_positions()[row, 0, :-1][valid].tolist())
 
 
 @st.composite
@@ -141,7 +141,7 @@ def one_layer_models():
 
 def held_streams(layer, stream_of) -> list[list[set[int]]]:
     """Per row and KV head, the stream indices of the tokens the layer holds (from its slot positions)."""
-    valid, pos = layer.slot_valid[..., :-1], layer.slot_pos[..., :-1]
+    valid, pos = layer.slot_valid[..., :-1], layer.head_positions()[..., :-1]
     heads = layer.heads
     return [
         [

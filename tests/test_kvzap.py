@@ -37,7 +37,7 @@ def predicted(model, surrogate: Surrogate, ids: torch.Tensor) -> dict[int, torch
 
 def kept_positions(layer) -> list:
     used = layer.used
-    valid, positions = layer.slot_valid[..., :used], layer.slot_pos[..., :used]
+    valid, positions = layer.slot_valid[..., :used], layer.head_positions()[..., :used]
     return [
         [sorted(positions[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])
     ]
@@ -109,7 +109,7 @@ def test_always_mode_scores_decode_tokens_and_holds_the_placed_share():
     after = [int(layer.slot_valid[..., : layer.used].sum()) for layer in cache.layers]
     assert after == held  # evicting: each layer keeps its share of the model's budget
     newest = [
-        int(layer.slot_pos[..., : layer.used].masked_fill(~layer.slot_valid[..., : layer.used], -1).max())
+        int(layer.head_positions()[..., : layer.used].masked_fill(~layer.slot_valid[..., : layer.used], -1).max())
         for layer in cache.layers
     ]
     assert newest == [24 + 11] * len(cache.layers)  # the newest token is kept (recent window)

@@ -92,7 +92,7 @@ def test_score_context_returns_the_reference_scores_and_keeps_the_context():
         model(ids, **cache_kwargs(fresh))
         fresh.compress_context(model)
     for ours, theirs in zip(cache.layers, fresh.layers):
-        assert torch.equal(ours.slot_pos[..., : ours.used], theirs.slot_pos[..., : theirs.used])
+        assert torch.equal(ours.head_positions()[..., : ours.used], theirs.head_positions()[..., : theirs.used])
     with pytest.raises(RuntimeError, match="already placed"):
         cache.score_context(model)
 

@@ -52,7 +52,7 @@ def kept_positions(cache, row: int = 0, first: int | None = None) -> list[list[l
     """Per layer and head, the sorted position ids kept among the first `first` slots (the placed context)."""
     out = []
     for layer in cache.layers:
-        valid, positions = layer.slot_valid[row, :, :first], layer.slot_pos[row, :, :first]
+        valid, positions = layer.slot_valid[row, :, :first], layer.head_positions()[row, :, :first]
         out.append([sorted(positions[h][valid[h]].tolist()) for h in range(valid.shape[0])])
     return out
 
@@ -170,7 +170,7 @@ def test_end_prompt_appends_the_question_uncompressed():
     layer = cache.layers[0]
     assert cache.get_seq_length() == 29
     assert layer.slot_valid[0, :, : layer.used].sum(-1).tolist() == [11] * model.config.num_key_value_heads
-    assert sorted(layer.slot_pos[0, 0, 6:11].tolist()) == list(range(24, 29))
+    assert sorted(layer.head_positions()[0, 0, 6:11].tolist()) == list(range(24, 29))
 
 
 def test_reset_collects_a_new_context():

@@ -113,7 +113,7 @@ def test_hundred_thousand_token_stream(name):
         torch.testing.assert_close(logits[:, -1], fresh_logits[:, -1], atol=atol, rtol=1e-5)
     if name in RECENT:
         valid = layer.slot_valid[0]  # [Hm, slots + 1]
-        slot_pos = layer.slot_pos[0].long()
+        slot_pos = layer.head_positions()[0].long()
         kept = sorted(set(slot_pos[valid].tolist()))
         assert set(range(end - RECENT[name], end)) <= set(kept)
         _, fresh_keys = _fresh(model, ids, kept)

@@ -48,7 +48,7 @@ PROMPT_WINDOWS = {
 def _kept(cache, layer=0):
     """Per (row, meta head): the set of position ids held in valid slots."""
     layer = cache.layers[layer]
-    valid, pos = layer.slot_valid[..., : layer.used], layer.slot_pos[..., : layer.used]
+    valid, pos = layer.slot_valid[..., : layer.used], layer.head_positions()[..., : layer.used]
     return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(valid.shape[1])] for b in range(valid.shape[0])]
 
 

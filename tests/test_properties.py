@@ -150,12 +150,12 @@ def column_scores(layer, table, positions, real) -> torch.Tensor:
 
     if layer._pending is not None:  # a multi-token forward: stored slots, then the new tokens
         used = layer.used
-        past = lookup(layer.slot_pos[..., :used]) * layer.slot_valid[..., :used]
+        past = lookup(layer.head_positions()[..., :used]) * layer.slot_valid[..., :used]
         new_pos = positions[:, None, :].expand(-1, HEADS, -1)
         new = lookup(new_pos) * real[:, None, :]
         return torch.cat((past, new), -1)
     width = layer._attention_columns.shape[-1]
-    return lookup(layer.slot_pos[..., :width]) * layer._attention_columns
+    return lookup(layer.head_positions()[..., :width]) * layer._attention_columns
 
 
 def attend(q, keys, values):
@@ -302,7 +302,7 @@ class CacheMachine(RuleBasedStateMachine):
                 if layer.slot_pos is None:  # keep-all: slot i holds stream index i
                     got = [by_stream[int(c)].position for c in cols]
                 else:
-                    got = layer.slot_pos[b, hm, cols].tolist()
+                    got = layer.head_positions()[b, hm, cols].tolist()
                 kept, pos, want_k, want_v, key_tol, value_tol = self.ref.expected(b, h, layer.key_rotation)
                 want = [t.position for t in kept]
                 assert sorted(got) == want, f"row {b} head {h}: kept positions {sorted(got)}, reference {want}"

@@ -24,7 +24,7 @@ from ..policies.base import Policy
 from ..policies.view import Chunk, Incoming
 from .codes_read import codes_now, dequantizes, read_codes, resolve_attention, watch_first_prefill
 from .forward_info import ForwardInfo
-from .slot_view import LayerSlotView
+from .slot_view import LayerSlotView, pooled_index
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -82,8 +82,9 @@ class CompressedLayer(CacheLayerMixin):
         if self.policy.capacity is not None:  # a budget: refuse one larger than the device before allocating it
             self._check_budget_fits(batch, heads, meta_heads, slots + 1, key_states.dtype, key_states.device)
         self.store.allocate(batch, heads, head_dim, slots + 1, key_states.dtype, key_states.device, self.value_dim)
-        if self.policy.needs_positions:
-            self.slot_pos = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.int32, device=self.device)
+        if self.policy.needs_positions:  # a head-pooled store: one position per slot (each slot is one head's)
+            pos_heads = 1 if getattr(self.store, "pool_heads", 0) else meta_heads
+            self.slot_pos = torch.zeros(batch, pos_heads, slots + 1, dtype=torch.int32, device=self.device)
         self.slot_valid = torch.zeros(batch, meta_heads, slots + 1, dtype=torch.bool, device=self.device)
         fixed_shape(self.slot_valid, getattr(self, "slot_pos", None))
         self.policy.allocate(batch, heads, self.device)
@@ -236,7 +237,8 @@ class CompressedLayer(CacheLayerMixin):
         batch, meta_heads = self.slot_valid.shape[:2]
         self.slot_valid.index_copy_(2, index, real[:, None, :1].expand(batch, meta_heads, 1))
         if self.slot_pos is not None:
-            self.slot_pos.index_copy_(2, index, positions[:, None, :1].to(torch.int32).expand(batch, meta_heads, 1))
+            pos_heads = self.slot_pos.shape[1]
+            self.slot_pos.index_copy_(2, index, positions[:, None, :1].to(torch.int32).expand(batch, pos_heads, 1))
         self.policy.after_decode_write(self.view, slot, key_states, positions)
         self.seen += 1
         self.used = self.policy.used_after(self.seen)
@@ -272,7 +274,8 @@ class CompressedLayer(CacheLayerMixin):
         self.store.write(dest, keys, values, start=placement.start, regions=placement.regions)
         self.slot_valid.scatter_(2, dest, placement.valid)
         if self.slot_pos is not None:
-            self.slot_pos.scatter_(2, dest, token_pos.to(torch.int32).unsqueeze(1).expand_as(dest))
+            pos = token_pos.to(torch.int32).unsqueeze(1).expand_as(dest)
+            self.slot_pos.scatter_(2, *pooled_index(self.slot_pos, dest, pos))
         self.policy.after_write(self.view, placement, keys, dest, positions, seen_before)
 
     # -- what attention needs -----------------------------------------------------------------------------------
@@ -301,6 +304,13 @@ class CompressedLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    def head_positions(self) -> torch.Tensor | None:
+        """Each slot's position id per head [B, Hm, slots + 1]: `slot_pos` itself, or, for a head-pooled store
+        (one position per slot, [B, 1, slots + 1]), a stride-0 view of it per head (no copy)."""
+        if self.slot_pos is None or self.slot_pos.shape[1] == self.slot_valid.shape[1]:
+            return self.slot_pos
+        return self.slot_pos.expand_as(self.slot_valid)
 
     def get_max_length(self) -> int:
         return -1 if self.policy.capacity is None else self.policy.capacity

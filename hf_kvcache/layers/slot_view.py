@@ -16,7 +16,7 @@ class LayerSlotView:
 
     # -- reads ----------------------------------------------------------------------------------------------------
     valid = property(lambda self: self._layer.slot_valid)
-    positions = property(lambda self: self._layer.slot_pos)
+    positions = property(lambda self: self._layer.head_positions())
     seen = property(lambda self: self._layer.seen)
     used = property(lambda self: self._layer.used)
     trash_slot = property(lambda self: self._layer.slot_valid.shape[-1] - 1)
@@ -47,7 +47,8 @@ class LayerSlotView:
 
     def move(self, src: torch.Tensor, dest: torch.Tensor, src_regions=None, dest_regions=None) -> torch.Tensor:
         layer = self._layer
-        valid, pos = layer.slot_valid.gather(2, src), layer.slot_pos.gather(2, src)
+        valid = layer.slot_valid.gather(2, src)
+        pos = layer.slot_pos.gather(2, *pooled_index(layer.slot_pos, src)).view(src.shape)
         layer.slot_valid.scatter_(2, src, False)
         trash = layer.slot_valid.shape[-1] - 1
         dest = torch.where(dest >= 0, dest, trash)
@@ -58,7 +59,7 @@ class LayerSlotView:
             keys, values = layer.store.read_slots(src)
             layer.store.write(dest, keys, values)
         layer.slot_valid.scatter_(2, dest, valid)
-        layer.slot_pos.scatter_(2, dest, pos)
+        layer.slot_pos.scatter_(2, *pooled_index(layer.slot_pos, dest, pos))
         return dest
 
     def write_keys(self, start: int, keys: torch.Tensor) -> None:
@@ -72,3 +73,12 @@ class LayerSlotView:
         check = getattr(self._layer.store, "check_crop", None)
         if check is not None:
             check(tokens)
+
+
+def pooled_index(slot_pos: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None):
+    """(index, values) for `slot_pos` [B, 1 or H, S]: per-head [B, H, n] slots flattened to [B, 1, H x n] when the
+    positions are one per slot (a head-pooled store: the heads' slots are distinct)."""
+    if slot_pos.shape[1] == index.shape[1]:
+        return (index,) if values is None else (index, values)
+    flat = index.reshape(index.shape[0], 1, -1)
+    return (flat,) if values is None else (flat, values.reshape(values.shape[0], 1, -1))
