@@ -115,6 +115,22 @@ def skip_unless_locked_versions(doc: str) -> None:
             pytest.skip(f"{doc} is generated with the locked {package} {locked}; this is {installed}")
 
 
+def planted_surrogate(model, seed: int = 0):
+    """A KVzap surrogate with random linear predictors shaped for `model` (its layers, the KV heads the cache holds,
+    its hidden size): its predictions are what a KVzap cache must rank by."""
+    from hf_kvcache.common.architecture import layer_kv_shape
+    from hf_kvcache.scorers.kvzap_surrogate import Surrogate
+
+    config = model.config.get_text_config()
+    heads = layer_kv_shape(config, 0)[0]  # (1 for latent attention: the latent is one head)
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        i: {"weight": torch.randn(heads, config.hidden_size, generator=g), "bias": torch.zeros(heads)}
+        for i in range(config.num_hidden_layers)
+    }
+    return Surrogate("linear", weights, {"num_layers": config.num_hidden_layers, "model": "tiny"})
+
+
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     """Token ids avoiding the pad (0) and bos (1) ids."""
     g = torch.Generator().manual_seed(seed)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import planted_surrogate
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
@@ -95,16 +96,7 @@ def _config(model, name) -> dict:
     devices)."""
     config = dict(CONFIGS[name])
     if name == "kvzap":
-        from hf_kvcache.scorers.kvzap_surrogate import Surrogate
-
-        text = model.config.get_text_config()
-        g = torch.Generator().manual_seed(0)
-        heads, d = text.num_key_value_heads, text.hidden_size
-        weights = {
-            i: {"weight": torch.randn(heads, d, generator=g), "bias": torch.zeros(heads)}
-            for i in range(text.num_hidden_layers)
-        }
-        config["surrogate"] = Surrogate("linear", weights, {"num_layers": text.num_hidden_layers})
+        config["surrogate"] = planted_surrogate(model)
     return config
 
 

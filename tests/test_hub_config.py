@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import build_model, random_ids
+from conftest import build_model, planted_surrogate, random_ids
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
@@ -431,6 +431,57 @@ def test_from_pretrained_repo_id_falls_back_to_generation_config(tmp_path):
     with mock.patch("huggingface_hub.hf_hub_download", nothing):
         with pytest.raises(FileNotFoundError, match=r"Hub repo 'someone/tiny-model' at revision 'main'"):
             KVCacheConfig.from_pretrained("someone/tiny-model", revision="main")
+
+
+def test_publish_carries_a_kvzap_surrogate_in_the_model_folder(tmp_path):
+    """A trained surrogate given to publish is copied into the model folder and referred to relative to the model:
+    the folder alone (or its Hub repo) generates with it."""
+    model = saved_model(tmp_path / "model")
+    surrogate = planted_surrogate(model, seed=3)
+    surrogate.save(tmp_path / "trained")
+    hf_kvcache.publish(tmp_path / "model", "kvzap", {"budget": 8, "surrogate": str(tmp_path / "trained")})
+    published = json.loads((tmp_path / "model" / "kvcache_config.json").read_text())
+    assert published["config"]["surrogate"] == "model:kvzap_surrogate"
+    assert sorted(os.listdir(tmp_path / "model" / "kvzap_surrogate")) == ["config.json", "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = random_ids(1, 30, seed=14)
+    out = loaded.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    cache = returned_cache(out)
+    assert type(cache) is hf_kvcache.KVzapCache
+    assert torch.equal(cache.surrogate.weights[1]["weight"], surrogate.weights[1]["weight"])
+    direct = loaded.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        cache_implementation="kvzap",
+        cache_config={"budget": 8, "surrogate": surrogate},
+    )
+    assert torch.equal(out.sequences, direct)
+    # a Surrogate object is saved the same way
+    hf_kvcache.publish(tmp_path / "model", "kvzap", {"budget": 8, "surrogate": planted_surrogate(model, seed=4)})
+    assert hf_kvcache.KVCacheConfig.from_pretrained(tmp_path / "model").config["surrogate"] == "model:kvzap_surrogate"
+
+
+def test_a_surrogate_beside_a_hub_model_is_fetched_from_its_folder(tmp_path):
+    model = build_model("llama")
+    planted_surrogate(model, seed=5).save(tmp_path / "snapshot" / "kvzap_surrogate")
+    calls = []
+
+    def fake_snapshot(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tmp_path / "snapshot")
+
+    model.config._name_or_path, model.config._commit_hash = "someone/tiny-model", "abc123"
+    with mock.patch("huggingface_hub.snapshot_download", fake_snapshot):
+        cache = hf_kvcache.KVzapCache(model, budget=8, surrogate="model:kvzap_surrogate")
+    assert calls[0][0] == "someone/tiny-model" and calls[0][1]["revision"] == "abc123"  # the model's own commit
+    assert calls[0][1]["allow_patterns"] == ["kvzap_surrogate/config.json", "kvzap_surrogate/model.safetensors"]
+    assert torch.equal(cache.surrogate.weights[0]["bias"], torch.zeros(model.config.num_key_value_heads))
+    model.config._name_or_path = ""
+    with pytest.raises(ValueError, match=r"`surrogate` 'model:kvzap_surrogate' is a folder of the model"):
+        hf_kvcache.KVzapCache(model, budget=8, surrogate="model:kvzap_surrogate")
+    with pytest.raises(ValueError, match=r"`subfolder` must be a relative folder"):
+        hf_kvcache.scorers.kvzap_surrogate.Surrogate.load(tmp_path / "snapshot", subfolder="../x")
 
 
 class _Repo:

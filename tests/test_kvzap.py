@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import build_model, left_pad, random_ids
+from conftest import planted_surrogate as planted
 
 import hf_kvcache
 from hf_kvcache import KVzapCache, cache_kwargs
@@ -13,18 +14,6 @@ from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
 UNIFORM = {"head_budget": "uniform", "layer_budget": "uniform", "recent": 0}
-
-
-def planted(model, seed: int = 0) -> Surrogate:
-    """A linear surrogate with random weights shaped for `model` (its predictions are what the cache must rank by)."""
-    config = model.config
-    g = torch.Generator().manual_seed(seed)
-    heads, d = config.num_key_value_heads, config.hidden_size
-    weights = {
-        i: {"weight": torch.randn(heads, d, generator=g), "bias": torch.zeros(heads)}
-        for i in range(config.num_hidden_layers)
-    }
-    return Surrogate("linear", weights, {"num_layers": config.num_hidden_layers, "model": "tiny"})
 
 
 def predicted(model, surrogate: Surrogate, ids: torch.Tensor) -> dict[int, torch.Tensor]:

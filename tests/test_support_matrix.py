@@ -48,7 +48,7 @@ import model_zoo
 import pytest
 import torch
 import transformers
-from conftest import skip_unless_locked_versions
+from conftest import planted_surrogate, skip_unless_locked_versions
 from transformers import DynamicCache
 
 import hf_kvcache
@@ -353,21 +353,6 @@ def dtype_unsupported(arch: str, dtype_name: str) -> str | None:
 
 
 # -- the checks -------------------------------------------------------------------------------------------------
-def planted_surrogate(model):
-    """A KVzap surrogate with random linear predictors shaped for `model` (its layers, cached KV heads, hidden size)."""
-    from hf_kvcache.common.architecture import layer_kv_shape
-    from hf_kvcache.scorers.kvzap_surrogate import Surrogate
-
-    config = model.config.get_text_config()
-    heads = layer_kv_shape(config, 0)[0]  # the KV heads the cache holds (1 for latent attention)
-    g = torch.Generator().manual_seed(0)
-    weights = {
-        i: {"weight": torch.randn(heads, config.hidden_size, generator=g), "bias": torch.zeros(heads)}
-        for i in range(config.num_hidden_layers)
-    }
-    return Surrogate("linear", weights, {"num_layers": config.num_hidden_layers})
-
-
 def build_cache(model, name: str, config: dict):
     config = copy.deepcopy(config)
     if config.get("surrogate") == PLANTED:

@@ -279,6 +279,13 @@ class KVCache(Cache, ForwardAnnounced):
         return [name for name in params if name not in ("self", "config_or_model")]
 
     @classmethod
+    def bundle(cls, cache_config: dict[str, Any], model_dir: str) -> dict[str, Any]:
+        """The settings as published with the saved model in `model_dir` (hf_kvcache.publish). A cache whose
+        settings name files of its own (KVzap's trained surrogate) copies them into the folder and refers to them
+        relative to the model, so the folder, or the Hub repo it is uploaded to, carries them. Default: unchanged."""
+        return cache_config
+
+    @classmethod
     def from_cache_config(cls, config_or_model, cache_config: dict[str, Any] | None) -> KVCache:
         """Build from a `generate(cache_config=...)` dict; unknown keys raise with the list of valid ones."""
         cache_config = dict(cache_config or {})

@@ -2,6 +2,7 @@
 
     cache = KVzapCache(model, budget=0.2)                     # the surrogate shipped for the offline SmolLM2
     cache = KVzapCache(model, budget=0.2, surrogate="DIR")    # one trained by `hf-kvcache train-kvzap`, or a Hub repo
+    hf_kvcache.publish(model_dir, "kvzap", {"budget": 0.2, "surrogate": "DIR"})  # copied in: "model:kvzap_surrogate"
     out = model.generate(**inputs, cache=cache)               # or cache_implementation="kvzap"
 
 KVzip scores each context token by the attention it gets while the model reconstructs the context: extra forwards
@@ -23,6 +24,8 @@ What happens:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..attention.bridge import active_cache
@@ -37,6 +40,9 @@ from .kvzip import KVzipCache
 #: query-agnostic score does not rank: KVzap keeps such a window)
 RECENT = 64
 _HOOKED = "_hf_kvcache_attention_inputs"
+#: a `surrogate` inside the model's own folder or Hub repo ("model:kvzap_surrogate"), as hf_kvcache.publish writes it
+BESIDE_MODEL = "model:"
+PUBLISHED_FOLDER = "kvzap_surrogate"
 
 
 def _to_active_cache(layer_idx: int, hidden: torch.Tensor) -> None:
@@ -49,8 +55,18 @@ def _to_active_cache(layer_idx: int, hidden: torch.Tensor) -> None:
 
 
 def _resolve_surrogate(surrogate, config) -> Surrogate:
-    """A Surrogate from an object, a directory, a Hub repo id or a builtin name; None: the builtin one trained for
-    this model, if any."""
+    """A Surrogate from an object, a directory, a Hub repo id, a builtin name, or "model:FOLDER" (a folder of the
+    model's own directory or Hub repo, as hf_kvcache.publish writes it); None: the builtin one trained for this
+    model, if any."""
+    if isinstance(surrogate, str) and surrogate.startswith(BESIDE_MODEL):
+        model_path = str(getattr(config, "_name_or_path", "") or "")
+        if not model_path:
+            raise ValueError(
+                f"`surrogate` {surrogate!r} is a folder of the model's directory or Hub repo, but this model was not "
+                "loaded from one (its config has no `_name_or_path`); give the surrogate's directory or repo id."
+            )
+        revision = getattr(config, "_commit_hash", None)  # (a Hub model: the commit it was loaded from)
+        surrogate = Surrogate.load(model_path, revision=revision, subfolder=surrogate[len(BESIDE_MODEL) :])
     if surrogate is None:
         if "smollm2-135m" not in str(getattr(config, "_name_or_path", "") or "").lower():
             raise ValueError(
@@ -91,10 +107,12 @@ class KVzapCache(KVzipCache):
             token_budget = isinstance(budget, int) and not isinstance(budget, bool)
             recent = min(RECENT, budget // 4) if token_budget else RECENT
         recent = require_int("recent", recent, 0)
+        if isinstance(surrogate, os.PathLike):
+            surrogate = os.fspath(surrogate)
         if surrogate is not None and not isinstance(surrogate, (str, Surrogate)):
             raise ValueError(
-                f"`surrogate` must be a Surrogate, a directory, a Hub repo id or a builtin name "
-                f"({', '.join(BUILTIN)}), got {type(surrogate).__name__}."
+                f"`surrogate` must be a Surrogate, a directory, a Hub repo id, '{BESIDE_MODEL}FOLDER' (inside the "
+                f"model's own) or a builtin name ({', '.join(BUILTIN)}), got {type(surrogate).__name__}."
             )
         self.surrogate_spec, self.surrogate = surrogate, None
         if hasattr(config_or_model, "config"):  # a model: load and check the surrogate now (else at the first forward)
@@ -114,6 +132,19 @@ class KVzapCache(KVzipCache):
             layers=layers,
         )
         self.compress = mode
+
+    @classmethod
+    def bundle(cls, cache_config: dict, model_dir: str) -> dict:
+        """A `surrogate` given as an object or a local directory is saved into `model_dir/kvzap_surrogate` and
+        published as "model:kvzap_surrogate" (a builtin name, a Hub repo id or None is published as given)."""
+        surrogate = cache_config.get("surrogate")
+        local = isinstance(surrogate, (str, os.PathLike)) and os.path.isdir(surrogate) and surrogate not in BUILTIN
+        if not isinstance(surrogate, Surrogate) and not local:
+            return cache_config
+        if local:
+            surrogate = Surrogate.load(surrogate)
+        surrogate.save(os.path.join(model_dir, PUBLISHED_FOLDER))
+        return {**cache_config, "surrogate": BESIDE_MODEL + PUBLISHED_FOLDER}
 
     # -- the attention inputs -------------------------------------------------------------------------------------
     def before_forward(self, model, arguments: dict) -> None:

@@ -165,28 +165,35 @@ class Surrogate:
         return directory
 
     @classmethod
-    def load(cls, path_or_repo_id, revision: str | None = None, **download_kwargs) -> Surrogate:
+    def load(cls, path_or_repo_id, revision: str | None = None, subfolder: str = "", **download_kwargs) -> Surrogate:
         """A surrogate from a local directory, a built-in name (`BUILTIN`: "smollm2"), else a Hub repo id
         (huggingface_hub.snapshot_download of its config.json and model.safetensors; `revision` and
-        `download_kwargs` passed on)."""
+        `download_kwargs` passed on). `subfolder`: the surrogate's folder inside the directory or repo (a model
+        published with its surrogate: hf_kvcache.publish)."""
         if not isinstance(path_or_repo_id, (str, os.PathLike)):
             kind = type(path_or_repo_id).__name__
             raise ValueError(f"`path_or_repo_id` must be a path or a Hub repo id, got {kind}.")
+        if not isinstance(subfolder, str) or subfolder.startswith("/") or ".." in Path(subfolder).parts:
+            raise ValueError(f"`subfolder` must be a relative folder inside the directory or repo, got {subfolder!r}.")
         name = os.fspath(path_or_repo_id)
         directory = BUILTIN.get(name) or Path(name)
         if not directory.is_dir():
-            directory = cls._download(name, revision, download_kwargs)
-        return cls._from_directory(directory)
+            directory = cls._download(name, revision, subfolder, download_kwargs)
+        return cls._from_directory(directory / subfolder)
 
     @staticmethod
-    def _download(name: str, revision, download_kwargs) -> Path:
+    def _download(name: str, revision, subfolder: str, download_kwargs) -> Path:
         if not _REPO_ID.fullmatch(name):
             raise ValueError(f"`path_or_repo_id` {name!r} is not a directory (nor a Hub repo id 'owner/name').")
         from huggingface_hub import snapshot_download
 
+        prefix = f"{subfolder.strip('/')}/" if subfolder else ""
         try:
             found = snapshot_download(
-                name, revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME], **download_kwargs
+                name,
+                revision=revision,
+                allow_patterns=[prefix + CONFIG_NAME, prefix + WEIGHTS_NAME],
+                **download_kwargs,
             )
         except Exception as error:
             raise ValueError(

@@ -396,6 +396,10 @@ def publish(
     `generation_config.json` (created from config.json's generation parameters if missing; an existing one keeps
     all its other settings). Settings are validated against the model's config. Returns {file name: path}.
 
+    Files the settings name are copied into the folder and referred to relative to the model (a KVzap `surrogate`
+    given as a `Surrogate` or a local directory becomes `model_dir/kvzap_surrogate`, `"surrogate":
+    "model:kvzap_surrogate"`): upload the whole folder and the Hub repo carries them.
+
     A `cache_implementation` naming one of our caches in the existing generation_config.json is removed (with a
     warning): it would make the model unloadable without hf_kvcache. A transformers cache name there (e.g.
     "static") is refused, since it would take precedence over the published cache."""
@@ -406,6 +410,8 @@ def publish(
         raise FileNotFoundError(f"publish: {model_dir!r} is not a folder (save the model with save_pretrained first).")
     if model_config is None:
         model_config = _model_config_in(model_dir)
+    if name in registry.CACHE_IMPLEMENTATIONS and isinstance(cache_config, dict):  # files the settings name: copied in
+        cache_config = registry.CACHE_IMPLEMENTATIONS[name].bundle(dict(cache_config), model_dir)
     config = KVCacheConfig(name, cache_config, model_config=model_config, source=f"publish({name!r})")
     generation_path = os.path.join(model_dir, GENERATION_CONFIG_NAME)
     if os.path.isfile(generation_path):
