@@ -54,6 +54,8 @@ def test_default_allots_the_models_budget_by_prediction_and_runs_no_extra_forwar
     defaults = KVzapCache(model, budget=8, surrogate=surrogate)
     assert (defaults.head_budget, defaults.layer_budget, defaults.compress) == ("adaptive", "adaptive", "prompt")
     assert defaults.recent == 2  # a quarter of a token budget below 256
+    assert KVzapCache(model, budget=1000, surrogate=surrogate).recent == 64
+    assert KVzapCache(model, budget=12, surrogate=surrogate, compress="always").recent == 4  # a third in "always"
     cache = KVzapCache(model, budget=8, surrogate=surrogate, recent=0)
     calls = []
     handle = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
@@ -108,6 +110,11 @@ def test_always_mode_scores_decode_tokens_and_holds_the_placed_share():
         for _ in range(12):
             model(ids[:, -1:], **cache_kwargs(prompt_mode))
     assert sum(int(layer.slot_valid.sum()) for layer in prompt_mode.layers) > sum(after)  # prompt mode appends
+    by_ratio = KVzapCache(model, budget=0.5, surrogate=surrogate, compress="always")
+    with torch.no_grad():
+        model(ids, **cache_kwargs(by_ratio))
+        by_ratio.compress_context(model)
+    assert by_ratio.recent == 4  # the default window once the prompt is known: a third of 12 tokens
 
 
 def test_the_recent_window_is_part_of_the_budget():

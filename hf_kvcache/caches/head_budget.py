@@ -11,6 +11,7 @@ from ..common.validation import require_choice
 from ..stores import FullPrecisionStore
 from ..stores.head_pool import HeadPooledQuantizedStore, HeadPooledStore
 from ..stores.quantization import QuantSpec
+from ..stores.regions import slot_specs, store_for_precisions
 
 HEAD_BUDGETS = ("uniform", "adaptive")
 
@@ -28,20 +29,13 @@ def check_precision(precision: Any, where: str = "precision") -> tuple[QuantSpec
     """None for the model's dtype ("full"), else the per-token (key, value) QuantSpecs: one format name or spec dict
     for both, or {"keys": ..., "values": ...} (e.g. FP8 keys, INT4 values). The error names `where`."""
     if isinstance(precision, dict) and set(precision) == {"keys", "values"}:
-        specs = tuple(QuantSpec.from_value(precision[part], f"`{where}['{part}']`") for part in ("keys", "values"))
-        names = tuple(f"{where}['{part}']" for part in ("keys", "values"))
+        keys, values = precision["keys"], precision["values"]
+        names = (f"`{where}['keys']`", f"`{where}['values']`")
     else:
-        specs = (QuantSpec.from_value(precision, f"`{where}`"),) * 2
-        names = (where, where)
-    if all(spec.format == "none" for spec in specs):
-        return None
-    for spec, name in zip(specs, names):
-        if spec.append_only:
-            raise ValueError(
-                f"`{name}`: granularity 'channel' quantizes blocks of tokens once they are complete (the append-only "
-                "keep-all layout); an evicting cache needs granularity 'token'."
-            )
-    return specs
+        keys = values = precision
+        names = (f"`{where}`", f"`{where}`")
+    specs = slot_specs(keys, values, names)
+    return None if all(spec.format == "none" for spec in specs) else specs
 
 
 def check_pool_fits(head_budget: str, config) -> None:
@@ -68,10 +62,9 @@ def with_head_budget(
     policy.adaptive, policy.safeguard = head_budget == "adaptive", safeguard
     if precision is None:
         return policy, HeadPooledStore() if policy.adaptive else FullPrecisionStore()
-    from ..stores.quantized import QuantizedStore
-
-    kind = HeadPooledQuantizedStore if policy.adaptive else QuantizedStore
-    return policy, kind(*precision, append_only=False, workspace=workspace, name="precision")
+    if not policy.adaptive:
+        return policy, store_for_precisions(*precision, "precision", workspace)
+    return policy, HeadPooledQuantizedStore(*precision, append_only=False, workspace=workspace, name="precision")
 
 
 def quantized_key_rotation(config, head_dim: int | None):

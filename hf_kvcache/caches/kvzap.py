@@ -16,8 +16,8 @@ What happens:
 2. At the end of the prompt (the first one-token forward, `end_prompt()`, or `compress_context(model)`), the context
    is placed as KVzip's is: allotted over the model (`layer_budget="adaptive"`) and the layer's heads
    (`head_budget="adaptive"`) by the predicted scores, at `precision`.
-   A window of the `recent` newest tokens per head (64, at most a quarter of the budget) is kept in every layer,
-   part of the budget: the allotment shares what it leaves.
+   A window of the `recent` newest tokens per head (64, at most a quarter of the budget; a third of the budget with
+   `compress="always"`) is kept in every layer, part of the budget: the allotment shares what it leaves.
 3. `compress="prompt"` (default): later tokens are appended. `compress="always"`: each new token is scored by the
    surrogate when it arrives, and the lowest-scoring token outside the window is evicted from the layer's share.
 """
@@ -36,9 +36,22 @@ from ..scorers.kvzap import KVzap
 from ..scorers.kvzap_surrogate import BUILTIN, Surrogate
 from .kvzip import KVzipCache
 
-#: the newest tokens per head always kept, part of the budget (the next token needs its neighbours, which a
-#: query-agnostic score does not rank: KVzap keeps such a window)
+#: the newest tokens per head always kept in prompt mode, part of the budget (the next token needs its neighbours,
+#: which a query-agnostic score does not rank: KVzap keeps such a window), at most a quarter of the budget
 RECENT = 64
+#: the share of the budget kept as that window in "always" mode: decode-time eviction by a query-agnostic score
+#: would otherwise drop the generated text's own recent context (docs/caches.md gives the measured sweep)
+ALWAYS_RECENT_SHARE = 1 / 3
+
+
+def default_window(compress: str, budget_tokens: int) -> int:
+    """The `recent` window when none is given: 64 tokens (at most a quarter of the budget) in prompt mode, a third
+    of the budget in "always" mode."""
+    if compress == "always":
+        return int(budget_tokens * ALWAYS_RECENT_SHARE)
+    return min(RECENT, budget_tokens // 4)
+
+
 _HOOKED = "_hf_kvcache_attention_inputs"
 #: a `surrogate` inside the model's own folder or Hub repo ("model:kvzap_surrogate"), as hf_kvcache.publish writes it
 BESIDE_MODEL = "model:"
@@ -102,10 +115,10 @@ class KVzapCache(KVzipCache):
         layers: dict | list | None = None,
     ):
         mode = require_choice("compress", compress, ("prompt", "always"))
-        self._default_window = recent is None  # 64, at most a quarter of the budget (a ratio's: once resolved)
+        self._default_window = recent is None  # `default_window` (a ratio budget's: once the prompt is known)
         if recent is None:
             token_budget = isinstance(budget, int) and not isinstance(budget, bool)
-            recent = min(RECENT, budget // 4) if token_budget else RECENT
+            recent = default_window(mode, budget) if token_budget else RECENT
         recent = require_int("recent", recent, 0)
         if isinstance(surrogate, os.PathLike):
             surrogate = os.fspath(surrogate)
@@ -180,7 +193,7 @@ class KVzapCache(KVzipCache):
             raise RuntimeError("KVzapCache.score_context: the context is already placed; score before compressing.")
         if self._default_window and isinstance(self.budget, float):  # the budget of this prompt is known now
             context = next(iter(self._scoring_layers.values())).seen
-            self.recent = min(RECENT, resolve_size("budget", self.budget, context) // 4)
+            self.recent = default_window(self.compress, resolve_size("budget", self.budget, context))
         scores = []
         for index, layer in self._scoring_layers.items():
             parts = self._predicted.get(index)

@@ -222,16 +222,22 @@ def _same_codes(a, b) -> bool:
     )
 
 
-def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):
-    """A slot store for a region of a CompositeCache (arbitrary slot writes): key and value precisions as format
-    names ("full", "fp8_e4m3", "int4" ...) or spec dicts. Per-token granularity; 'channel' needs the append-only
-    layout and is rejected here."""
-    key_spec = QuantSpec.from_value(keys, f"{where}.keys")
-    value_spec = QuantSpec.from_value(values, f"{where}.values")
-    for name, spec in (("keys", key_spec), ("values", value_spec)):
+def slot_specs(keys: Any, values: Any, names: tuple[str, str]) -> tuple[QuantSpec, QuantSpec]:
+    """(key spec, value spec) for a store written slot by slot (an evicting cache's): per-token granularity, since
+    'channel' quantizes blocks of tokens once they are complete (the append-only keep-all layout). `names`: how the
+    errors name the two fields."""
+    specs = (QuantSpec.from_value(keys, names[0]), QuantSpec.from_value(values, names[1]))
+    for name, spec in zip(names, specs):
         if spec.append_only:
             raise ValueError(
-                f"{where}.{name}: granularity 'channel' needs the append-only keep-all layout (QuantizedFP8Cache / "
-                "KIVICache); use 'token' in a region store."
+                f"{name}: granularity 'channel' needs the append-only keep-all layout (QuantizedFP8Cache / "
+                "KIVICache); a store written slot by slot (an evicting cache's) needs granularity 'token'."
             )
+    return specs
+
+
+def store_for_precisions(keys: Any, values: Any, where: str = "store", workspace=None):
+    """A slot store for a region of a CompositeCache (arbitrary slot writes): key and value precisions as format
+    names ("full", "fp8_e4m3", "int4" ...), spec dicts or QuantSpecs, per-token (`slot_specs`)."""
+    key_spec, value_spec = slot_specs(keys, values, (f"{where}.keys", f"{where}.values"))
     return QuantizedStore(key_spec, value_spec, append_only=False, workspace=workspace, name=where)
