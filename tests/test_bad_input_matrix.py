@@ -573,6 +573,13 @@ CASES: list[Case] = [
     ),
     ctor(
         "CompositeCache",
+        match=r"`scorer` 'kvzap' is driven by its own cache .*cache_implementation='kvzap' with `precision`",
+        preset="sinks_heavy_recent",
+        budget=64,
+        scorer="kvzap",
+    ),
+    ctor(
+        "CompositeCache",
         match=r"scorer 'snapkv' needs `budget` >= 132 .*got 64",
         preset="sinks_heavy_recent",
         budget=64,
@@ -653,6 +660,10 @@ CASES: list[Case] = [
     region_case(
         [{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "scorer": "pyramidkv"}],
         r"`regions\[1\]\.scorer` must be one of " + re.escape(str(HEAVY_SCORERS)) + ", got 'pyramidkv'",
+    ),
+    region_case(
+        [{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "scorer": "kvzip"}],
+        r"`regions\[1\]\.scorer` 'kvzip' is driven by its own cache .*cache_implementation='kvzip' with `precision`",
     ),
     region_case(
         [{"role": "window", "start": 0, "end": 8}, {"role": "heavy", "tokens": 4, "scorer": "snapkv"}],

@@ -61,7 +61,7 @@ from ..layers.codes_read import ATTENTION_MODES, attention_option
 from ..policies.composite import CompositePolicy
 from ..policies.prompt_mode import COMPRESS_MODES
 from ..scorers.h2o import AGGREGATIONS
-from ..scorers.registry import HEAVY_SCORERS, make_scorer, options_of
+from ..scorers.registry import CACHE_DRIVEN, HEAVY_SCORERS, make_scorer, options_of
 from ..scorers.snapkv import WINDOW as SNAPKV_WINDOW
 from ..stores import FullPrecisionStore
 from ..stores.quantization import QuantSpec
@@ -102,7 +102,7 @@ def parse_regions(regions: Any) -> dict:
         role = require_choice(f"{where}.role", region.get("role"), ROLES)
         scorer = None
         if role == "heavy":
-            scorer = require_choice(f"{where}.scorer", region.get("scorer", "h2o"), HEAVY_SCORERS)
+            scorer = heavy_scorer_name(f"{where}.scorer", region.get("scorer", "h2o"))
         check_keys(
             f"{where} ({role})", region, ROLE_KEYS[role] + (_scorer_keys(where, scorer, region) if scorer else ())
         )
@@ -155,6 +155,17 @@ def parse_regions(regions: Any) -> dict:
     return {"sinks": sinks, "windows": windows, "final": final}
 
 
+def heavy_scorer_name(where: str, scorer: Any) -> str:
+    """The heavy region's scorer name; KVzip and KVzap are refused with where their quantized placement is."""
+    if scorer in CACHE_DRIVEN:
+        raise ValueError(
+            f"`{where}` {scorer!r} is driven by its own cache (reconstruction forwards or attention-input hooks), "
+            f"which a composite region cannot run; for {scorer}-placed tokens in a quantized format use "
+            f"cache_implementation={scorer!r} with `precision` (e.g. {{'keys': 'fp8_e4m3', 'values': 'int4'}})."
+        )
+    return require_choice(where, scorer, HEAVY_SCORERS)
+
+
 def _scorer_keys(where: str, scorer: str, region: dict) -> tuple[str, ...]:
     """The keys a heavy region ranked by `scorer` may hold besides its own: the scorer's parameters. A parameter of
     another scorer is refused by name."""
@@ -196,7 +207,7 @@ def preset_regions(preset: str, budget: int, precision: Any, scorer: str = "h2o"
     preset = require_choice("preset", preset, PRESETS)
     budget = require_int("budget", budget, PRESET_SINKS + 2)
     make_store(precision, precision, "`precision`")  # the error names the argument, not the region it fills
-    scorer = require_choice("scorer", scorer, HEAVY_SCORERS)
+    scorer = heavy_scorer_name("scorer", scorer)
     recent = (budget - PRESET_SINKS) // 2
     if scorer == "snapkv" and recent < SNAPKV_WINDOW:  # SnapKV's observation window lies in the recent window
         raise ValueError(
