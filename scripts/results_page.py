@@ -317,7 +317,8 @@ def equal_bytes() -> str:
         "KL and top-1 on the scorer table's positions with the cache holding at most 10 / 20 / 50% of a bfloat16 "
         "cache's bytes for the 2K prompt (*bytes*: what `nbytes()` reports once the prompt is compressed, "
         "metadata included, over a bfloat16 cache of the prompt). Ours: KVzip's model-wide placement (and KVzap's "
-        "predicted one) with the kept tokens quantized per token, keys Hadamard-rotated. kvpress's presses at the "
+        "predicted one) with the kept tokens quantized per token, keys Hadamard-rotated, and a window of the newest "
+        "64 tokens per head kept (part of the budget). kvpress's presses at the "
         "same share of the tokens, which they hold in bfloat16. KVzipPress masks and holds the whole prompt (all "
         "its bytes), so it has no row here; *vs KVzipPress*: the KL over KVzipPress's at that share of the "
         "tokens.\n\n"
@@ -366,7 +367,9 @@ def kvzap_cost() -> str:
         )
     return (
         "## KVzap: KVzip's scores predicted\n\nThe shipped linear surrogate for SmolLM2 (docs/scorers.md) on the "
-        "scorer table's positions, which it never trained on."
+        "scorer table's positions, which it never trained on. *always*: decode-time eviction, with its default "
+        "window of the newest tokens (a third of the budget, 136 tokens here); the *window-N* rows are the "
+        "alternatives it was chosen from."
         + cost_text
         + "\n\n"
         + _table(["configuration", "budget", "KL mean", "top-1"], body)
