@@ -492,6 +492,36 @@ def test_native_build_is_named_for_its_torch_and_python(monkeypatch):
     assert cpu_blockwise.module_name(["-O0"]) != cpu_blockwise.module_name()
 
 
+@pytest.mark.skipif(cpu_blockwise.unavailable() is not None, reason="the native CPU kernel does not build here")
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's extension loader takes a lock file in the build folder on every load; a process killed while holding
+    it left every later process waiting forever, silently. An existing build now loads without that lock."""
+    from torch.utils import cpp_extension
+
+    name = cpu_blockwise.module_name()
+    lock = Path(cpp_extension.get_default_build_root()) / name / "lock"
+    lock.touch()
+    try:
+        code = "from hf_kvcache.kernels import cpu_blockwise; print(cpu_blockwise.unavailable())"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "None"
+
+
+def test_only_a_stale_build_lock_is_cleared(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    assert not cpu_blockwise.clear_stale_lock(tmp_path)  # none there
+    lock.touch()
+    mtime = lock.stat().st_mtime
+    assert not cpu_blockwise.clear_stale_lock(tmp_path, now=mtime + 60)  # a build in progress elsewhere: kept
+    assert lock.exists()
+    with caplog.at_level("WARNING"):
+        assert cpu_blockwise.clear_stale_lock(tmp_path, now=mtime + cpu_blockwise.STALE_LOCK_S + 1)
+    assert not lock.exists() and "stale build lock" in caplog.text
+
+
 AVX512_NODE = (
     "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2 avx512f "
     "avx512dq avx512cd avx512bw avx512vl avx512_vnni"

@@ -117,6 +117,46 @@ def module_name(flags: list[str] = FLAGS) -> str:
     return f"hf_kvcache_cpu_decode_{digest}"
 
 
+#: a build lock older than this is left by a process killed while it held it (a build takes about a minute)
+STALE_LOCK_S = 600
+
+
+def _load_built(name: str, directory: Path):
+    """The module from the build already in `directory`, loaded directly, or None when there is none (or it is
+    incomplete). The folder's name is a digest of the sources, flags, torch and Python (`module_name`), so a build
+    there is of exactly these; loading it does not go through torch's build lock, which a process killed while
+    holding it (an interrupted first load, a killed test run) leaves behind for every later load to wait on."""
+    import importlib.util
+
+    path = directory / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):  # (being written by a concurrent build: build or wait through torch)
+        return None
+    return module
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove `directory`'s build lock if it is older than `STALE_LOCK_S` (its process is gone: torch would wait on it
+    forever, silently); True if removed."""
+    import time
+
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    logger.warning("hf_kvcache: removing a stale build lock (%.0f s old) left by a killed process: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build(flags: list[str] = FLAGS):
     """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source,
     the flags and the torch and Python it is built for (`build_key`), so an edited source or an upgraded torch never
@@ -126,9 +166,13 @@ def _build(flags: list[str] = FLAGS):
 
     name = module_name(flags)
     directory = Path(cpp_extension.get_default_build_root()) / name
+    built = _load_built(name, directory)
+    if built is not None:
+        return built
     if not any(directory.glob(f"{name}*.so")):
         logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)", directory)
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
     return cpp_extension.load(
         name=name,
         sources=[str(s) for s in SOURCES],
