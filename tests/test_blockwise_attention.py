@@ -496,10 +496,7 @@ def test_native_build_is_named_for_its_torch_and_python(monkeypatch):
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     """torch's extension loader takes a lock file in the build folder on every load; a process killed while holding
     it left every later process waiting forever, silently. An existing build now loads without that lock."""
-    from torch.utils import cpp_extension
-
-    name = cpu_blockwise.module_name()
-    lock = Path(cpp_extension.get_default_build_root()) / name / "lock"
+    lock = cpu_blockwise.build_root() / cpu_blockwise.module_name() / "lock"
     lock.touch()
     try:
         code = "from hf_kvcache.kernels import cpu_blockwise; print(cpu_blockwise.unavailable())"

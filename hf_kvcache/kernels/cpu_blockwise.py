@@ -157,6 +157,14 @@ def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
     return True
 
 
+def build_root() -> Path:
+    """Where builds go: `TORCH_EXTENSIONS_DIR` when set (as torch's own loader honours it), else torch's default
+    extension folder (~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
 def _build(flags: list[str] = FLAGS):
     """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source,
     the flags and the torch and Python it is built for (`build_key`), so an edited source or an upgraded torch never
@@ -165,7 +173,7 @@ def _build(flags: list[str] = FLAGS):
     from torch.utils import cpp_extension
 
     name = module_name(flags)
-    directory = Path(cpp_extension.get_default_build_root()) / name
+    directory = build_root() / name
     built = _load_built(name, directory)
     if built is not None:
         return built
