@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from hf_kvcache.paged.serve_bench import parse_range
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,14 +83,6 @@ def installed(timers: Timers):
         for cls, update in saved.items():
             cls.update = update
         _QuantizedPagesMixin._write, _QuantizedPagesMixin._read = write, read
-
-
-def _range(text: str, flag: str) -> tuple[int, int]:
-    try:
-        low, high = (int(x) for x in text.split("-"))
-    except ValueError:
-        raise SystemExit(f"{flag} must be MIN-MAX (two integers), got {text!r}") from None
-    return low, high
 
 
 def profile(
@@ -200,12 +194,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(ROOT / "eval" / "results" / "serve_profile.json"))
     args = parser.parse_args(argv)
+    try:
+        prompt_lengths = parse_range(args.prompt_lengths, "prompt-lengths")
+    except ValueError as error:
+        parser.error(str(error))
     result = profile(
         args.formats.split(","),
         args.requests,
         args.budget_tokens,
         args.threads,
-        _range(args.prompt_lengths, "--prompt-lengths"),
+        prompt_lengths,
         args.new_tokens,
     )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
