@@ -117,7 +117,8 @@ def test_quantized_pages_match_quantized_fp8_cache_one_by_one(llama_reference, k
 
 def test_first_forward_attends_unquantized_then_reads_codes():
     config = build_config("llama")
-    cb = _cb("fp8_e4m3", {"key_rotation": "none"}, num_blocks=8, page_size=4)  # compared with the codec alone
+    # compared with the codec alone; the dequantize path returns the keys attention reads
+    cb = _cb("fp8_e4m3", {"key_rotation": "none", "attention": "dequantize"}, num_blocks=8, page_size=4)
     cache = QuantizedPagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), torch.float32)
     allocator = cache.cache_allocators["full_attention"]
     heads, dim = 2, 16

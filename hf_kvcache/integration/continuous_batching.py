@@ -16,7 +16,11 @@ hf_kvcache.paged uses it. It has no public extension point for the page format, 
 4. Something calls `cache.update(key_states, value_states, layer_idx, kwargs=...)` on the paged cache with the
    batch's `read_index` / `write_index` / `cu_seq_lens_*` in `kwargs`: the attention functions
    (`integrations.sdpa_attention` & co.) up to 5.23, each model's attention forward from 5.24.
-5. The scheduler as the serving benchmark reads it (hf_kvcache.paged.agreement): the manager's `batch_processor`
+5. Attention from the pages' codes (hf_kvcache.paged.codes_attention): the model's attention forward calls
+   `cache.update(..., kwargs=kwargs)` and then the `AttentionInterface` function of `config._attn_implementation`
+   ("sdpa" or "paged|eager" in continuous batching) with the same `**kwargs`, so what update puts in `kwargs` reaches
+   the attention function (`wrap_batch_attention` wraps those two names; an unmarked call goes to transformers').
+6. The scheduler as the serving benchmark reads it (hf_kvcache.paged.agreement): the manager's `batch_processor`
    with `inputs_and_outputs.requests_in_batch` (`.state.request_id`, `.has_new_token`, `.query_length`,
    `state.initial_tokens`, `state._true_initial_tokens`, `state.generated_len()`), `scheduler.waiting_requests`,
    `scheduler.max_requests_per_batch`, `max_batch_tokens`, and the allocators' `block_table`.
@@ -46,6 +50,9 @@ CACHE_INIT = "PagedAttentionCache.__init__ / ATTN_TYPE_TO_ALLOCATOR"
 ALLOCATORS = "cache_allocators.FullAttentionCacheAllocator / SlidingAttentionCacheAllocator"
 UPDATE = "paged cache.update(..., kwargs=...) caller"
 SCHEDULER = "ContinuousBatchingManager.batch_processor (scheduler state)"
+CODES_ATTENTION = "attention forward: cache.update(kwargs=kwargs), then attention_interface(**kwargs)"
+#: the attention implementations continuous batching runs with on the index path (flash ones read a block table)
+BATCH_ATTENTION = ("sdpa", "paged|eager")
 QUANTIZED_PAGES = (BUILD, CACHE_INIT, ALLOCATORS, UPDATE)
 
 PagedAttentionCache = cb_cache.PagedAttentionCache
@@ -206,6 +213,41 @@ def _check_scheduler() -> str | None:
     return None
 
 
+@contract(
+    CODES_ATTENTION,
+    "each model's attention forward calls cache.update(..., kwargs=kwargs), then the AttentionInterface function "
+    "with **kwargs (the dict update filled); AttentionInterface has 'sdpa' and 'paged|eager'",
+    "quantized pages' attention from the codes (hf_kvcache.paged.codes_attention)",
+)
+def _check_codes_attention() -> str | None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    if update_caller() != "model attention":
+        return "the paged cache's update is not called by the model's attention forward (transformers <= 5.23)"
+    text = source(LlamaAttention.forward)
+    if "attention_interface(" not in text or "**kwargs" not in text.split("attention_interface(", 1)[1]:
+        return "LlamaAttention.forward no longer passes **kwargs to the attention interface"
+    missing = [name for name in BATCH_ATTENTION if name not in ALL_ATTENTION_FUNCTIONS]
+    return f"AttentionInterface lacks {missing}" if missing else None
+
+
+def wrap_batch_attention(make_wrapper) -> None:
+    """Register `make_wrapper(transformers' function)` under each of BATCH_ATTENTION (idempotent: a wrapper is
+    marked `_hf_kvcache_batch_attention` and never wrapped again). The wrapper must call transformers' function for
+    every call it does not handle."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    require(CODES_ATTENTION)
+    for name in BATCH_ATTENTION:
+        original = ALL_ATTENTION_FUNCTIONS[name]
+        if getattr(original, "_hf_kvcache_batch_attention", False):
+            continue
+        wrapper = make_wrapper(original)
+        wrapper._hf_kvcache_batch_attention = True
+        AttentionInterface.register(name, wrapper)
+
+
 # -- what hf_kvcache.paged builds on ------------------------------------------------------------------------------
 
 _BUILD_LOCK = threading.Lock()
@@ -316,6 +358,8 @@ __all__ = [
     "ContinuousBatchingConfig",
     "FullAttentionCacheAllocator",
     "PagedAttentionCache",
+    "BATCH_ATTENTION",
+    "CODES_ATTENTION",
     "QUANTIZED_PAGES",
     "SlidingAttentionCacheAllocator",
     "allocator_factories",
@@ -328,6 +372,7 @@ __all__ = [
     "pages_in_use",
     "request_counts",
     "request_step",
+    "wrap_batch_attention",
     "requests_in_batch",
     "scheduler_state",
     "update_caller",

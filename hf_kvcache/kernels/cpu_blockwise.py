@@ -361,11 +361,56 @@ def attend_flat(
     return (out, scores) if column_scores else out
 
 
+def paged_attention(
+    query,
+    pages,
+    fresh,
+    value_dim,
+    heads,
+    cu_seq_lens_q,
+    cu_seq_lens_k,
+    read_index,
+    scaling,
+    softcap=None,
+    sinks=None,
+    split_columns: int = 0,
+    query_rotation=None,
+):
+    """Continuous batching's packed batch attended request by request straight from paged codes (cpu_decode.cpp's
+    `paged_attention`; call `unavailable()` first).
+
+    query [Hq, N, Dk] (the batch's queries, packed); `pages`: (keys, values) flattened segments (`flatten_views` of
+    the pages' codec views, one segment each, reading all their rows); `fresh`: (keys, values) flattened segments of
+    the batch's new tokens [1, Hkv, N, D] in full precision (what a request in its first forward attends to);
+    `cu_seq_lens_q` / `cu_seq_lens_k` [R + 1]: each request's queries and keys (the read rows
+    `read_index[cu_k[r]:cu_k[r+1]]`, its new tokens last). Returns [Hq, N, Dv] float32 (zero for padding queries)."""
+    keys = (pages[0][0] + fresh[0][0], pages[0][1] + fresh[0][1])
+    values = (pages[1][0] + fresh[1][0], pages[1][1] + fresh[1][1])
+    return _module.paged_attention(
+        query.float().contiguous(),
+        keys[0],
+        keys[1],
+        values[0],
+        values[1],
+        value_dim,
+        cu_seq_lens_q.long().contiguous(),
+        cu_seq_lens_k.long().contiguous(),
+        read_index.long().contiguous(),
+        float(scaling),
+        float(softcap or 0.0),
+        None if sinks is None else sinks.float().contiguous(),
+        heads,
+        int(split_columns),
+        None if query_rotation is None else query_rotation.float().contiguous(),
+    )
+
+
 __all__ = [
     "attend_flat",
     "cpu_blockwise_attention",
     "flatten_views",
     "module_name",
+    "paged_attention",
     "unavailable",
     "unsupported",
     "unusable",

@@ -1309,6 +1309,196 @@ std::vector<at::Tensor> decode_attention(
   return {out, scores};
 }
 
+namespace {
+
+// Tokens [t0, t0 + len) of a segment with one scale (and zero point) row per token and no token packing (a paged
+// record): the same segment, its codes and per-token fields moved on by t0 rows.
+Segment shifted(const Segment& s, int64_t t0, int64_t len) {
+  Segment out = s;
+  out.len = len;
+  out.codes = s.codes + t0 * s.c_n * code_bytes(s);
+  for (Strided* f : {&out.scale, &out.zero}) {
+    if (f->p) f->p += t0 * f->n;
+    else if (f->q) f->q += t0 * f->n;
+  }
+  return out;
+}
+
+// One job of paged_attention: (request, KV head, tile of query rows, range of columns)
+struct PagedJob {
+  int64_t request, h, r0, range, nranges, span, first;  // span: columns per range; first: the unit's range 0
+};
+
+}  // namespace
+
+// Continuous batching's packed batch, attended request by request straight from the pages (no dequantized copy):
+// request r has queries [cu_q[r], cu_q[r+1]) of the packed query and keys at the physical rows
+// read_index[cu_k[r] : cu_k[r+1]] of the pages, its new tokens last (causal among themselves). A request whose query
+// is its whole key range (its first forward: a prompt, or the first chunk of one) attends to its own new tokens
+// unquantized, the rows [cu_q[r], cu_q[r+1]) of `fresh` (segment 1 of the key / value tensors; segment 0 is the
+// pages). Each run of consecutive physical rows (a page, or pages that happen to follow each other) is one segment,
+// so the register routes read 16 tokens at a time within a page. Work is split as decode_attention's: (request, KV
+// head, tile of query rows), columns in ranges for long requests when the batch has few such units.
+at::Tensor paged_attention(
+    const at::Tensor& query,                                   // float32 [Hq, N, Dk], contiguous
+    const std::vector<std::optional<at::Tensor>>& k_tensors,   // two segments: the pages' codes, the new tokens
+    const std::vector<int64_t>& k_meta,
+    const std::vector<std::optional<at::Tensor>>& v_tensors,
+    const std::vector<int64_t>& v_meta,
+    int64_t dv,
+    const at::Tensor& cu_q, const at::Tensor& cu_k,           // int64 [R + 1]
+    const at::Tensor& read_index,                              // int64 [cu_k[R]] (empty when all are first)
+    double scaling, double softcap,                            // softcap <= 0: none
+    const std::optional<at::Tensor>& sinks,                    // float32 [Hq]
+    int64_t kv_heads,
+    int64_t split_columns,                                     // columns per range; 0: chosen by size
+    const std::optional<at::Tensor>& query_rotation) {         // float32 [Dk, Dk]: attend with query @ it
+  TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous() && query.dim() == 3,
+              "hf_kvcache paged_attention: query must be contiguous float32 [Hq, N, Dk]");
+  for (const at::Tensor* t : {&cu_q, &cu_k, &read_index})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                "hf_kvcache paged_attention: cu_q, cu_k and read_index must be contiguous int64 vectors");
+  TORCH_CHECK(cu_q.size(0) == cu_k.size(0) && cu_q.size(0) >= 1,
+              "hf_kvcache paged_attention: cu_q and cu_k must have one entry per request plus one");
+  const int64_t Hq = query.size(0), N = query.size(1), Dk = query.size(2);
+  const int64_t groups = Hq / kv_heads;
+  std::vector<at::Tensor> keep;
+  const std::vector<Segment> kt = segments(k_tensors, k_meta, Dk, keep), vt = segments(v_tensors, v_meta, dv, keep);
+  TORCH_CHECK(kt.size() == 2 && vt.size() == 2, "hf_kvcache paged_attention: two key and two value segments");
+  for (const auto* segs : {&kt, &vt})
+    for (const Segment& s : *segs)
+      TORCH_CHECK(s.s_tok == 1 && !(s.per_byte > 1 && s.pack == PACK_TOKEN),
+                  "hf_kvcache paged_attention: pages need one scale row per token and no token packing");
+  const int64_t R = cu_q.size(0) - 1;
+  const int64_t* qc = cu_q.data_ptr<int64_t>();
+  const int64_t* kc = cu_k.data_ptr<int64_t>();
+  const int64_t* idx = read_index.data_ptr<int64_t>();
+  const int64_t pages_rows = kt[0].len, total_k = read_index.size(0);
+
+  // each request's segments: runs of consecutive rows of the pages, or its new tokens
+  std::vector<std::vector<Segment>> ks(R), vs(R);
+  std::vector<int64_t> n_of(R, 0), q_of(R, 0);
+  int64_t units = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q0 = qc[r], q = qc[r + 1] - q0, k0 = kc[r], n = kc[r + 1] - k0;
+    TORCH_CHECK(q >= 0 && n >= q && q0 + q <= N && k0 >= 0 && (q == n || k0 + n <= total_k),
+                "hf_kvcache paged_attention: request ", r, " has ", q, " queries from ", q0, " and ", n,
+                " keys from ", k0, " (queries ", N, ", read rows ", total_k, ")");
+    q_of[r] = q;
+    n_of[r] = n;
+    if (q == 0) continue;
+    if (q == n) {  // first forward: its own tokens, unquantized
+      ks[r].push_back(shifted(kt[1], q0, q));
+      vs[r].push_back(shifted(vt[1], q0, q));
+    } else {
+      for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && idx[k0 + j] == idx[k0 + j - 1] + 1) ++j;
+        const int64_t row = idx[k0 + i];
+        TORCH_CHECK(row >= 0 && row + (j - i) <= pages_rows, "hf_kvcache paged_attention: read index ", row,
+                    " outside the pages' ", pages_rows, " rows");
+        ks[r].push_back(shifted(kt[0], row, j - i));
+        vs[r].push_back(shifted(vt[0], row, j - i));
+        i = j;
+      }
+    }
+    units += kv_heads * ((groups * q + TILE - 1) / TILE);
+  }
+  std::vector<PagedJob> jobs;
+  int64_t span_max = 1;
+  for (int64_t r = 0; r < R; ++r) {
+    if (q_of[r] == 0) continue;
+    const int64_t rows = groups * q_of[r], n = n_of[r];
+    const int64_t span = range_columns(n, units, split_columns, ks[r], vs[r]);
+    const int64_t nranges = std::max<int64_t>(1, (n + span - 1) / span);
+    span_max = std::max(span_max, std::min(span, n));
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+        const int64_t first = static_cast<int64_t>(jobs.size());
+        for (int64_t i = 0; i < nranges; ++i) jobs.push_back({r, h, r0, i, nranges, span, first});
+      }
+  }
+  auto out = at::zeros({Hq, N, dv}, query.options());
+  const float* qp = query.data_ptr<float>();
+  std::vector<float> rotated;
+  if (query_rotation) {  // pages store keys rotated (key_rotation): q . k is (q R) . (k R)
+    TORCH_CHECK(query_rotation->dtype() == at::kFloat && query_rotation->is_contiguous() &&
+                    query_rotation->dim() == 2 && query_rotation->size(0) == Dk && query_rotation->size(1) == Dk,
+                "hf_kvcache paged_attention: query_rotation must be contiguous float32 [Dk, Dk]");
+    const float* Rm = query_rotation->data_ptr<float>();
+    rotated.assign(Hq * N * Dk, 0.0f);
+    at::parallel_for(0, Hq * N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        for (int64_t i = 0; i < Dk; ++i) {
+          const float qi = qp[row * Dk + i];
+          for (int64_t j = 0; j < Dk; ++j) rotated[row * Dk + j] += qi * Rm[i * Dk + j];
+        }
+    });
+    qp = rotated.data();
+  }
+  float* op = out.data_ptr<float>();
+  const float* sinkp = sinks ? sinks->data_ptr<float>() : nullptr;
+  const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  std::vector<float> M(J * TILE), L(J * TILE), ACC(J * TILE * dv);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // out = sum_i e^(m_i - m) acc_i / (sum_i e^(m_i - m) l_i + e^(sink - m)) over the unit's ranges
+  auto merge = [&](const PagedJob& u, float* factor) {
+    const int64_t Q = q_of[u.request], rows = groups * Q, nr = std::min(TILE, rows - u.r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t head = u.h * groups + (u.r0 + r) / Q, qi = (u.r0 + r) % Q;
+      float m = neg_inf;
+      for (int64_t i = 0; i < u.nranges; ++i) m = std::max(m, M[(u.first + i) * TILE + r]);
+      if (m == neg_inf) continue;
+      float denom = sinkp ? exp_nonpositive(sinkp[head] - m) : 0.0f;
+      for (int64_t i = 0; i < u.nranges; ++i) {
+        const int64_t at = (u.first + i) * TILE + r;
+        factor[i] = M[at] == neg_inf ? 0.0f : exp_nonpositive(M[at] - m);
+        denom += factor[i] * L[at];
+      }
+      const float inv = 1.0f / denom;
+      float* o = op + (head * N + qc[u.request] + qi) * dv;
+      for (int64_t i = 0; i < u.nranges; ++i) {
+        const float k = factor[i] * inv;
+        const float* a = &ACC[((u.first + i) * TILE + r) * dv];
+        if (k != 0.0f)
+          for (int64_t d = 0; d < dv; ++d) o[d] += k * a[d];
+      }
+    }
+  };
+
+  at::parallel_for(0, J, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(TILE, Dk, std::max(Dk, dv));
+    std::vector<float> probs(TILE * span_max), factor(1);
+    for (int64_t j = begin; j < end; ++j) {
+      const PagedJob& u = jobs[j];
+      const int64_t Q = q_of[u.request], n = n_of[u.request], rows = groups * Q;
+      const int64_t nr = std::min(TILE, rows - u.r0);
+      const int64_t c0 = u.range * u.span, c1 = std::min(n, c0 + u.span);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t head = u.h * groups + (u.r0 + r) / Q, qi = (u.r0 + r) % Q;
+        std::memcpy(&sc.qrows[r * Dk], qp + (head * N + qc[u.request] + qi) * Dk, Dk * sizeof(float));
+      }
+      const Range g{ks[u.request], vs[u.request], Dk, dv, n - Q, Q, groups, nullptr, sinkp, scale, cap};
+      attend_range(g, 0, u.h, u.r0, nr, c0, c1, probs.data(), &M[j * TILE], &L[j * TILE], &ACC[j * TILE * dv], sc);
+      if (u.nranges == 1) merge(u, factor.data());
+    }
+  });
+  std::vector<int64_t> split_units;
+  for (int64_t j = 0; j < J; ++j)
+    if (jobs[j].nranges > 1 && jobs[j].range == 0) split_units.push_back(j);
+  if (!split_units.empty())
+    at::parallel_for(0, static_cast<int64_t>(split_units.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const PagedJob& u = jobs[split_units[i]];
+        std::vector<float> factor(u.nranges);
+        merge(u, factor.data());
+      }
+    });
+  return out;
+}
+
 // (cpu_encode.cpp, compiled into the same extension)
 bool fp8_write_tokens(torch::Tensor keys, c10::optional<torch::Tensor> values, torch::Tensor data,
                       torch::Tensor scale, int64_t slot, int64_t fmt, int64_t group, double fmax, double up);
@@ -1321,6 +1511,7 @@ void rotate_sinks(torch::Tensor keys, torch::Tensor target, torch::Tensor oldest
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Softmax attention over quantized key/value segments (CPU)");
+  m.def("paged_attention", &paged_attention, "Attention of a continuous-batching batch straight from paged codes (CPU)");
   m.def("fp8_write_tokens", &fp8_write_tokens, "A decode step's tokens quantized into FP8 slot buffers (CPU)");
   m.def("tensors_finite", &tensors_finite, "Whether every element of keys (and values) is finite (CPU)");
   m.def("rotate_sinks", &rotate_sinks, "Attention sinks re-rotated into a store's sink slots (CPU)");

@@ -9,6 +9,8 @@ indices); we inherit all of it and change three things:
 - `update` (index-based path, used on CPU and by every non-flash implementation): new tokens are quantized and
   written at their physical indices; the tokens attention reads (the `read_index` of the batch's requests) are
   gathered and dequantized, and only those (a request's pages, never the whole cache, and never a copy kept);
+- with attention from the codes (hf_kvcache.paged.codes_attention, `codes_attention` set by the cache) the
+  full-attention allocator's `update` only writes, and the attention function reads the pages' codes where they lie;
 - the block-table path (flash_attn_with_kvcache's paged decode) is declared unsupported
   (`supports_block_table = False`): transformers then disables its decode fast path for the cache
   (`PagedAttentionCache._infer_max_decode_fast_path_length` returns 0) and every batch takes the index path.
@@ -26,6 +28,7 @@ from ..common.rotation import rotation_matrix
 from ..integration.continuous_batching import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator, find_head_dim
 from ..stores.quantization import check_finite
 from ..stores.workspace import DequantWorkspace
+from .codes_attention import page_views
 from .records import TokenRecord, decode_rows, encode_rows
 from .spec import PagedKVSpec
 
@@ -103,14 +106,21 @@ class _QuantizedPagesMixin:
             "set continuous_batching_config.max_blocks_per_request=0 if you called this directly."
         )
 
+    def page_views(self, layer_idx: int):
+        """The attention kernel's views of a layer's key and value pages (codes_attention.page_views), or None."""
+        return page_views(*self._codecs[layer_idx])
+
     # -- quantized write / read -------------------------------------------------------------------------------
-    def _write(self, layer_idx: int, key_states, value_states, write_index) -> None:
+    def _write(self, layer_idx: int, key_states, value_states, write_index) -> torch.Tensor:
+        """Quantize the new tokens [n, heads, head_dim] into their pages; returns the keys as written (rotated by
+        `key_rotation`, before rounding)."""
         check_finite(key_states, value_states, f"quantized paged cache, layer {layer_idx}")
         k_codec, v_codec = self._codecs[layer_idx]
         if self.key_rotation is not None:
             key_states = (key_states.float() @ self.key_rotation).to(key_states.dtype)
         k_codec.put(encode_rows(k_codec, key_states), index=write_index)
         v_codec.put(encode_rows(v_codec, value_states), index=write_index)
+        return key_states
 
     def _read(self, layer_idx: int, read_index, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k_codec, v_codec = self._codecs[layer_idx]
@@ -127,12 +137,21 @@ class QuantizedFullAttentionCacheAllocator(_QuantizedPagesMixin, FullAttentionCa
     #: set by QuantizedPagedAttentionCache.update before each layer's update: (read positions, new-token
     #: positions) of the requests whose first forward this is (boolean masks), or None
     first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: set by QuantizedPagedAttentionCache: attention reads the codes (update writes only)
+    codes_attention: bool = False
+    #: after a write-only update: the new tokens as the kernel reads them ([1, heads, n, D] keys as written, values)
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """Write the new tokens (quantized), then read the batch's requests back (dequantized), as transformers'
         full-attention allocator does in the model's dtype. A request's first forward (a prompt, or the first chunk
         of one) attends to its own tokens unquantized, as our QuantizedFP8Cache does with its first prefill (and
-        as transformers' allocator does for a batch of whole prefills)."""
+        as transformers' allocator does for a batch of whole prefills). With `codes_attention`: write only, keep
+        the new tokens in `fresh` and return no rows (the attention function reads the pages)."""
+        if self.codes_attention:
+            keys = self._write(layer_idx, key_states, value_states, write_index)
+            self.fresh = tuple(x.transpose(0, 1).unsqueeze(0) for x in (keys, value_states))
+            return key_states[:0], value_states[:0]
         self._write(layer_idx, key_states, value_states, write_index)
         if read_index.numel() == 0:
             return key_states, value_states

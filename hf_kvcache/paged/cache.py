@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import torch
 
@@ -39,8 +40,11 @@ from ..integration.continuous_batching import (
     install_cache_class,
 )
 from ..integration.contracts import holds, require
-from .allocators import ALLOCATORS
+from . import codes_attention
+from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
+
+logger = logging.getLogger(__name__)
 
 UPSTREAM_CACHE = PagedAttentionCache
 
@@ -80,11 +84,58 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         layers = config.num_hidden_layers
         page_bytes = next(iter(self.cache_allocators.values())).bytes_per_page
         self.num_blocks = (self.num_sectors * self.bytes_per_sector) // (layers * page_bytes)
+        self._choose_attention_path(torch.device(device))
+
+    #: "codes" (full-attention layers attend straight from the pages: hf_kvcache.paged.codes_attention) or
+    #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"
+    attention_path = "model"
+
+    def _choose_attention_path(self, device: torch.device) -> None:
+        """`kv_cache_quantization.attention`: "dequantize", or the codes where the kernel runs ("auto" falls back to
+        "dequantize" with the reason logged; "codes" raises it)."""
+        self._page_views: dict[int, tuple] = {}
+        self.attention_path = "dequantize"
+        if self.kv_spec.attention == "dequantize" or device.type == "meta":
+            return
+        reason = codes_attention.unavailable(device)
+        full = [a for a in self.cache_allocators.values() if isinstance(a, QuantizedFullAttentionCacheAllocator)]
+        if reason is None:
+            for allocator in full:
+                for layer_idx in allocator.layer_indices:
+                    views = allocator.page_views(layer_idx)
+                    if views is None:
+                        reason = f"{self.kv_spec.scale_dtype} scales (the kernel would read float32 copies of them)"
+                        break
+                    self._page_views[layer_idx] = views
+        if reason is not None:
+            self._page_views = {}
+            if self.kv_spec.attention == "codes":
+                raise ValueError(
+                    f"`{OPTIONS_FIELD}.attention` = 'codes' cannot run here: {reason}. Use 'auto' or 'dequantize'."
+                )
+            logger.info("quantized pages: attention gathers and dequantizes (%s)", reason)
+            return
+        codes_attention.install()
+        for allocator in full:
+            allocator.codes_attention = True
+        self.attention_path = "codes"
 
     def update(self, key_states, value_states, layer_idx, kwargs):
         """transformers' update; for quantized full-attention layers on the index path, first tells the allocator
         which read positions belong to requests in their first forward (see first_forward_masks)."""
         allocator = self.layer_to_allocator[layer_idx]
+        if getattr(allocator, "codes_attention", False):  # write only; the attention function reads the pages
+            keys, values = super().update(key_states, value_states, layer_idx, kwargs)
+            kwargs[codes_attention.KWARG] = codes_attention.PagedCodes(
+                self._page_views[layer_idx],
+                *allocator.fresh,
+                kwargs["read_index"][allocator.index],
+                kwargs["cu_seq_lens_q"],
+                kwargs["cu_seq_lens_k"],
+                allocator.key_rotation,
+            )
+            allocator.fresh = None
+            return keys, values
         if self.kv_spec is not None and kwargs.get("block_table") is None and hasattr(allocator, "first_forward"):
             cu_k = kwargs["cu_seq_lens_k"]
             cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k

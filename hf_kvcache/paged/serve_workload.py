@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 
 from ..common.rotation import ROTATIONS
-from .spec import KV_DTYPES, PagedKVSpec
+from .spec import ATTENTION_PATHS, KV_DTYPES, PagedKVSpec
 
 SCALE_DTYPE_NAMES = ("bfloat16", "float16", "float32", "e8m0")
 
@@ -89,7 +89,7 @@ class ServeBenchSettings:
 
 def parse_format(name: str) -> tuple[str, dict]:
     """ "model", "fp8_e4m3", "int8", "fp8_e4m3:hadamard" (key rotation), "fp8_e4m3:e8m0" (scale dtype),
-    "fp8_e4m3:hadamard:e8m0" ... -> (kv_dtype, options)."""
+    "fp8_e4m3:dequantize" (attention path), "fp8_e4m3:hadamard:e8m0" ... -> (kv_dtype, options)."""
     kv_dtype, *extras = name.split(":")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"format {name!r}: the page dtype must be one of {KV_DTYPES}.")
@@ -99,10 +99,12 @@ def parse_format(name: str) -> tuple[str, dict]:
             options["key_rotation"] = extra
         elif extra in SCALE_DTYPE_NAMES:
             options["scale_dtype"] = extra
+        elif extra in ATTENTION_PATHS:
+            options["attention"] = extra
         else:
             raise ValueError(
-                f"format {name!r}: {extra!r} is neither a key rotation {ROTATIONS} nor a scale dtype "
-                f"{SCALE_DTYPE_NAMES}."
+                f"format {name!r}: {extra!r} is neither a key rotation {ROTATIONS}, a scale dtype "
+                f"{SCALE_DTYPE_NAMES} nor an attention path {ATTENTION_PATHS}."
             )
     if kv_dtype == "model":
         if options:

@@ -18,6 +18,10 @@
   are quantized and rotated back when read (hf_kvcache.common.rotation): q . k is unchanged up to float rounding and
   outlier channels are spread over the head before rounding. DEFAULT_KEY_ROTATION_MEASURED says how the
   defaults were chosen.
+- attention: how attention reads the pages. "auto" (default): straight from the codes where the native kernel runs
+  (CPU; hf_kvcache.paged.codes_attention), else the gather-and-dequantize path; "codes": straight from the codes,
+  or an error saying why not; "dequantize": gather the batch's rows and dequantize them before transformers'
+  attention (the path before the kernel; kept for comparison and for what the kernel does not cover).
 
 Errors name the field (`kv_cache_dtype`, `kv_cache_quantization.group_size`, ...) and the allowed values.
 """
@@ -33,7 +37,8 @@ from ..stores.quantization import QuantSpec
 DTYPE_FIELD = "kv_cache_dtype"
 OPTIONS_FIELD = "kv_cache_quantization"
 KV_DTYPES = ("model", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-OPTION_KEYS = ("granularity", "group_size", "scale_dtype", "key_rotation")
+OPTION_KEYS = ("granularity", "group_size", "scale_dtype", "key_rotation", "attention")
+ATTENTION_PATHS = ("auto", "codes", "dequantize")
 GRANULARITIES = ("token",)
 #: integer formats: channels per scale when no group_size is given
 DEFAULT_INT_GROUP = 32
@@ -58,6 +63,7 @@ class PagedKVSpec:
     group_size: int | None = None
     scale_dtype: str = "bfloat16"
     key_rotation: str | None = None  # None: DEFAULT_KEY_ROTATION[kv_dtype]
+    attention: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES[1:]:
@@ -71,6 +77,8 @@ class PagedKVSpec:
             )
         if self.key_rotation not in ROTATIONS:
             raise ValueError(f"`{OPTIONS_FIELD}.key_rotation` must be one of {ROTATIONS}, got {self.key_rotation!r}.")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"`{OPTIONS_FIELD}.attention` must be one of {ATTENTION_PATHS}, got {self.attention!r}.")
         group = self.group_size
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
             raise ValueError(f"`{OPTIONS_FIELD}.group_size` must be a positive integer or None, got {group!r}.")
