@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from hf_kvcache.paged.serve_bench import parse_range  # noqa: E402
 from hf_kvcache.paged.serve_process import ServerProcess  # noqa: E402
+from hf_kvcache.paged.serve_workload import parse_format  # noqa: E402
 
 
 def token_range(text: str, flag: str) -> tuple[int, int]:
@@ -178,7 +179,11 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (key, label) in zip(axes, panels):
         values = [summary[f][key] for f in formats]
-        bars = ax.bar(formats, values, color=["0.6", "tab:blue", "tab:orange", "tab:green"][: len(formats)])
+        bars = ax.bar(
+            formats,
+            values,
+            color=["0.6", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"][: len(formats)],
+        )
         for bar, f in zip(bars, formats):
             ax.annotate(
                 f"{summary[f][key + '_ratio']:.2f}x",
@@ -198,7 +203,11 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="smollm2", help="Hub id, local path or smollm2 (offline; default)")
     p.add_argument("--dtype", default="bfloat16", help="model dtype, and so model-dtype pages (default bfloat16)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--formats", default="model,fp8_e4m3,int8", help="page formats, model first (default %(default)s)")
+    p.add_argument(
+        "--formats",
+        default="model,fp8_e4m3,int8",
+        help="page formats, model first, as serve-bench's (fp8_e4m3:dequantize: the gather path; default %(default)s)",
+    )
     p.add_argument("--kv-memory", default="64MiB", help="KV memory of every server (default %(default)s)")
     p.add_argument("--page-size", type=int, default=32, help="tokens per page (--cb-block-size; default 32)")
     p.add_argument("--max-batch-tokens", type=int, default=1024, help="tokens per forward (default 1024)")
@@ -249,9 +258,11 @@ def main(argv=None) -> dict:
     servers = {}
     try:
         for fmt in formats:
-            servers[fmt] = ServerProcess(
-                path, "--kv-cache-dtype", fmt, *common, start_timeout=600, request_timeout=1800
-            )
+            kv_dtype, options = parse_format(fmt)  # e.g. fp8_e4m3:dequantize: the gather-and-dequantize path
+            page_format = ["--kv-cache-dtype", kv_dtype]
+            if options:
+                page_format += ["--kv-cache-quantization", json.dumps(options)]
+            servers[fmt] = ServerProcess(path, *page_format, *common, start_timeout=600, request_timeout=1800)
         warm = [{"prompt": "Hello", "max_tokens": 4}]
         for fmt in formats:
             run_workload(servers[fmt], path, warm, 1, args.sample_ms / 1000)  # builds the continuous batcher

@@ -1,15 +1,19 @@
-"""Where a continuous-batching run's time goes, model-dtype pages against quantized pages (issue 49's "before").
+"""Where a continuous-batching run's time goes, model-dtype pages against quantized pages (issue 49).
 
 Runs `serve-bench`'s workload (hf_kvcache.paged.serve_workload: the same requests, the same KV memory for every
 format) through `model.generate_batch` once per format, with timers around three parts of every forward:
 - *attention*: transformers' attention function of the run (SDPA with continuous batching's packed mask: each
   forward attends [all queries of the batch] x [all keys read for the batch], masked block-diagonally, so its cost
-  grows with the product of the two and not with each request's own length);
+  grows with the product of the two and not with each request's own length); for quantized pages that attend from
+  their codes (the default on CPU: hf_kvcache.paged.codes_attention) the paged kernel, request by request;
 - *cache update*: the pages' `update` (write the new tokens; read the batch's keys and values back: a gather, and
-  for quantized pages the dequantization);
+  for quantized pages the dequantization; with attention from the codes, the write alone);
   (quantized pages: split into quantize + write and gather + dequantize);
 - *rest*: everything else of the forward and the scheduler (linear layers, norms, sampling, bookkeeping).
-It also records each forward's attention shape (queries, keys), whose product is the packed mask's size.
+It also records each forward's attention shape (queries, keys read), whose product is the packed mask's size on
+transformers' path.
+
+Formats as serve-bench's: `fp8_e4m3:dequantize` is FP8 pages on the gather-and-dequantize path (the "before").
 
     OMP_NUM_THREADS=2 python eval/profile_paged_step.py [--requests 96] [--formats model,fp8_e4m3]
         [--prompt-lengths 8-32] [--new-tokens 24] [--budget-tokens 1024] [--out PATH]
@@ -22,6 +26,7 @@ Shares are from one process, run after run, on a shared machine: compare them wi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from hf_kvcache.paged.codes_attention import KWARG
 from hf_kvcache.paged.serve_bench import parse_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +52,7 @@ class Timers:
         self.attention_shapes: list[tuple[int, int]] = []
 
     def wrap(self, part: str, fn, shapes: bool = False):
+        @functools.wraps(fn)  # (keeps the marker of hf_kvcache's attention wrapper: the codes path stays on)
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
@@ -54,7 +61,9 @@ class Timers:
                 self.seconds[part] += time.perf_counter() - start
                 self.calls[part] += 1
                 if shapes:  # (module, query [B, H, q, D], key [B, H, k, D], ...)
-                    self.attention_shapes.append((int(args[1].shape[-2]), int(args[2].shape[-2])))
+                    codes = kwargs.get(KWARG)  # attention from the codes: the keys it read
+                    keys = int(codes.cu_seq_lens_k[-1]) if codes is not None else int(args[2].shape[-2])
+                    self.attention_shapes.append((int(args[1].shape[-2]), keys))
 
         return timed
 
@@ -65,8 +74,10 @@ def installed(timers: Timers):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from hf_kvcache.integration.continuous_batching import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
+    from hf_kvcache.paged import codes_attention
     from hf_kvcache.paged.allocators import ALLOCATORS, _QuantizedPagesMixin
 
+    codes_attention.install()  # the attention function timed is the one quantized pages' runs call
     attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
     classes = {FullAttentionCacheAllocator, SlidingAttentionCacheAllocator, *ALLOCATORS.values()}
     saved = {cls: cls.__dict__["update"] for cls in classes if "update" in cls.__dict__}

@@ -9,6 +9,11 @@ calls still go to transformers' functions; what cannot run from the codes says w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import model_zoo
 import pytest
 import torch
 from conftest import build_config
@@ -17,6 +22,7 @@ from transformers.generation.continuous_batching.distributed import DistributedH
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hf_kvcache.integration.continuous_batching import attention_takes_cache_rows
 from hf_kvcache.kernels import cpu_blockwise
 from hf_kvcache.paged import QuantizedPagedAttentionCache
 from hf_kvcache.paged import codes_attention as ca
@@ -118,11 +124,11 @@ def test_codes_attention_equals_the_dequantize_path_on_ragged_paged_batches(kv_d
         n = sum(new for _, new in batch)
         keys, values = (torch.randn(1, KV_HEADS, n, DIM, generator=gen) for _ in range(2))
         query = torch.randn(1, HEADS, n, DIM, generator=gen)
-        kw_codes, k_codes, _ = codes.forward(batch, keys, values)
+        kw_codes, k_codes, v_codes = codes.forward(batch, keys, values)
         kw_ref, k_ref, v_ref = reference.forward(batch, keys, values)
         assert k_codes.shape[2] == 0  # the codes path returns no rows: nothing was gathered
         paged = kw_codes[ca.KWARG]
-        got = ALL_ATTENTION_FUNCTIONS["sdpa"](None, query, k_codes, k_codes, None, scaling=DIM**-0.5, **kw_codes)[0]
+        got = ALL_ATTENTION_FUNCTIONS["sdpa"](None, query, k_codes, v_codes, None, scaling=DIM**-0.5, **kw_codes)[0]
         assert torch.equal(got, paged.attend(query, DIM**-0.5))
         expected = _reference(query, k_ref, v_ref, kw_ref["cu_seq_lens_q"], kw_ref["cu_seq_lens_k"])
         worst = max(worst, float((got - expected).abs().max()))
@@ -167,3 +173,99 @@ def test_default_path_and_what_cannot_read_the_codes():
         _cache("fp8_e4m3", {"scale_dtype": "e8m0"}, "codes")
     with pytest.raises(ValueError, match=r"kv_cache_quantization\.attention.*\('auto', 'codes', 'dequantize'\)"):
         _cache("fp8_e4m3", None, "fast")
+
+
+# transformers' paged attention functions drop what the kernel applies: sdpa ignores GPT-OSS's sinks (`s_aux`), and
+# neither sdpa (which raises) nor paged|eager applies Gemma 2's logit softcap; compared under paged|eager without it
+EAGER = {"gpt_oss", "gemma2"}
+DIFFERENT = {"gemma2": "transformers' paged|eager ignores attn_logit_softcapping; the kernel applies it"}
+
+
+def _generate(model, prompts, attention, force=None):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from hf_kvcache.paged.agreement import record_logits
+
+    cb = ContinuousBatchingConfig(
+        num_blocks=32, page_size=8, max_batch_tokens=64, allow_block_sharing=False, max_memory_percent=0.9
+    )
+    cb.kv_cache_dtype, cb.kv_cache_quantization = "fp8_e4m3", {"attention": attention}
+    greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    try:
+        with record_logits(model, force) as rec:
+            out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=cb, warmup=False)
+    except ValueError as error:  # a layer type continuous batching has no pages for
+        return {}, None, [error]
+    errors = [o.error for o in out.values() if o.error]
+    return {rid: o.generated_tokens for rid, o in out.items()}, rec, errors
+
+
+@pytest.mark.parametrize("arch", sorted(model_zoo.ZOO))
+def test_every_architecture_attends_from_the_codes_as_the_dequantize_path(arch):
+    """generate_batch with FP8 pages, teacher-forced: the codes path's log-probabilities equal the dequantize path's
+    (float32 tiny models); models whose attention uses the cache's rows otherwise take the dequantize path."""
+    model = model_zoo.ZOO[arch]()
+    model.config._attn_implementation = "paged|eager" if arch in EAGER else "sdpa"
+    prompts = [[3 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate((5, 17, 30, 9))]
+    tokens, ref, errors = _generate(model, prompts, "dequantize")
+    if errors:
+        pytest.skip(f"transformers' continuous batching does not run {arch}: {str(errors[0]).splitlines()[0][:120]}")
+    reason = attention_takes_cache_rows(model.config)
+    force = {rid: dict(enumerate(t)) for rid, t in tokens.items()}
+    got, rec, errors = _generate(model, prompts, "auto", force)
+    assert not errors and got == tokens
+    assert rec.cache_facts["cache_class"] == "QuantizedPagedAttentionCache"
+    if reason is not None:  # auto took the dequantize path: the same computation
+        assert all(torch.equal(rec.logprobs()[r], ref.logprobs()[r]) for r in tokens)
+        return
+    worst = max(float((rec.logprobs()[r] - ref.logprobs()[r]).abs().max()) for r in tokens)
+    if arch in DIFFERENT:
+        assert worst > 1e-3, DIFFERENT[arch]
+    else:
+        assert worst < 1e-4, worst
+
+
+# -- the Triton kernel (CUDA's), under Triton's CPU interpreter -------------------------------------------------------
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_triton_paged_kernel_under_the_interpreter")
+@pytest.mark.parametrize("kv_dtype, options", FORMATS)
+def test_triton_paged_kernel_equals_the_dequantize_path(kv_dtype, options):
+    codes, reference = Driver(_cache(kv_dtype, options, "codes")), Driver(_cache(kv_dtype, options, "dequantize"))
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for batch in SCHEDULE:
+        n = sum(new for _, new in batch)
+        keys, values = (torch.randn(1, KV_HEADS, n, DIM, generator=gen) for _ in range(2))
+        query = torch.randn(1, HEADS, n, DIM, generator=gen)
+        kw_codes, _, _ = codes.forward(batch, keys, values)
+        kw_ref, k_ref, v_ref = reference.forward(batch, keys, values)
+        paged = kw_codes[ca.KWARG]
+        sinks = torch.randn(HEADS, generator=gen)
+        got = paged.attend(query, DIM**-0.5, backend="triton")
+        expected = _reference(query, k_ref, v_ref, kw_ref["cu_seq_lens_q"], kw_ref["cu_seq_lens_k"])
+        worst = max(worst, float((got - expected).abs().max()))
+        # sinks and softcap: as the native kernel applies them
+        native = paged.attend(query, DIM**-0.5, softcap=2.0, sinks=sinks, backend="native")
+        triton_out = paged.attend(query, DIM**-0.5, softcap=2.0, sinks=sinks, backend="triton")
+        worst = max(worst, float((native - triton_out).abs().max()))
+    assert worst < 2e-5, worst
+
+
+def test_triton_paged_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("already under the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", __file__, "-k", "triton_paged_kernel_equals"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(FORMATS)} passed" in proc.stdout, proc.stdout[-2000:]

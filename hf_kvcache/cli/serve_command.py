@@ -91,7 +91,7 @@ def add_serve_command(sub) -> None:
         type=json_object,
         default=None,
         metavar="JSON",
-        help="page format details: group_size, scale_dtype, key_rotation (docs/serving.md)",
+        help="page format details: group_size, scale_dtype, key_rotation, attention (docs/serving.md)",
     )
     p.add_argument(
         "--typical-request-tokens",

@@ -232,6 +232,45 @@ def _check_codes_attention() -> str | None:
     return f"AttentionInterface lacks {missing}" if missing else None
 
 
+def attention_takes_cache_rows(config) -> str | None:
+    """Why the attention of the model of `config` may do more with the cache's keys and values than hand them to the
+    attention function (None: every attention forward of its modeling file that calls `cache.update` passes the
+    returned `key_states, value_states` straight on, e.g. Llama's). Read from the source: a forward that transforms
+    them (DiffLlama splits the values), keeps them for other layers (Gemma 3n shares them) or attends by other means
+    cannot take attention from the codes, which never materialises those rows."""
+    import importlib
+    import re
+
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return f"no modeling file {name} to check"
+    update = f"{CACHE_ARG}.update("
+    call = re.compile(r"attention_interface\(\s*self,\s*query_states,\s*key_states,\s*value_states,")
+    found = False
+    for cls in vars(module).values():
+        text = source(getattr(cls, "forward", None)) if isinstance(cls, type) else ""
+        if update not in text:
+            continue
+        found = True
+        after = text.split(update, 1)[1].split("\n", 1)[1]
+        between = after.split("attention_interface(", 1)[0]
+        if re.search(r"\b(key|value)_states\b", between) or not call.search(after):
+            return f"{cls.__name__}.forward does more with the cache's keys and values than pass them to attention"
+    return None if found else f"no attention forward of {module.__name__} calls {update}...)"
+
+
+def batch_attention_wrapped(attn_implementation: str) -> bool:
+    """Whether the AttentionInterface function registered as `attn_implementation` is a `wrap_batch_attention`
+    wrapper (not, e.g., a function someone registered over it since)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    return getattr(ALL_ATTENTION_FUNCTIONS[attn_implementation], "_hf_kvcache_batch_attention", False)
+
+
 def wrap_batch_attention(make_wrapper) -> None:
     """Register `make_wrapper(transformers' function)` under each of BATCH_ATTENTION (idempotent: a wrapper is
     marked `_hf_kvcache_batch_attention` and never wrapped again). The wrapper must call transformers' function for
@@ -363,6 +402,8 @@ __all__ = [
     "QUANTIZED_PAGES",
     "SlidingAttentionCacheAllocator",
     "allocator_factories",
+    "attention_takes_cache_rows",
+    "batch_attention_wrapped",
     "batch_processor",
     "cache_on_meta",
     "cb_config_of",

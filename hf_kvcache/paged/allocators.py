@@ -137,8 +137,10 @@ class QuantizedFullAttentionCacheAllocator(_QuantizedPagesMixin, FullAttentionCa
     #: set by QuantizedPagedAttentionCache.update before each layer's update: (read positions, new-token
     #: positions) of the requests whose first forward this is (boolean masks), or None
     first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: set by QuantizedPagedAttentionCache: attention reads the codes (update writes only)
+    #: set by QuantizedPagedAttentionCache: attention can read this allocator's codes
     codes_attention: bool = False
+    #: set by QuantizedPagedAttentionCache around an update whose attention reads the codes: write only
+    write_only: bool = False
     #: after a write-only update: the new tokens as the kernel reads them ([1, heads, n, D] keys as written, values)
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -146,9 +148,9 @@ class QuantizedFullAttentionCacheAllocator(_QuantizedPagesMixin, FullAttentionCa
         """Write the new tokens (quantized), then read the batch's requests back (dequantized), as transformers'
         full-attention allocator does in the model's dtype. A request's first forward (a prompt, or the first chunk
         of one) attends to its own tokens unquantized, as our QuantizedFP8Cache does with its first prefill (and
-        as transformers' allocator does for a batch of whole prefills). With `codes_attention`: write only, keep
-        the new tokens in `fresh` and return no rows (the attention function reads the pages)."""
-        if self.codes_attention:
+        as transformers' allocator does for a batch of whole prefills). With `write_only`: write only, keep the new
+        tokens in `fresh` and return no rows (the attention function reads the pages)."""
+        if self.write_only:
             keys = self._write(layer_idx, key_states, value_states, write_index)
             self.fresh = tuple(x.transpose(0, 1).unsqueeze(0) for x in (keys, value_states))
             return key_states[:0], value_states[:0]

@@ -36,6 +36,7 @@ from ..integration.continuous_batching import (
     QUANTIZED_PAGES,
     PagedAttentionCache,
     allocator_factories,
+    attention_takes_cache_rows,
     cb_config_of,
     install_cache_class,
 )
@@ -84,29 +85,31 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         layers = config.num_hidden_layers
         page_bytes = next(iter(self.cache_allocators.values())).bytes_per_page
         self.num_blocks = (self.num_sectors * self.bytes_per_sector) // (layers * page_bytes)
-        self._choose_attention_path(torch.device(device))
+        self._choose_attention_path(config, torch.device(device))
 
     #: "codes" (full-attention layers attend straight from the pages: hf_kvcache.paged.codes_attention) or
     #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"
     attention_path = "model"
 
-    def _choose_attention_path(self, device: torch.device) -> None:
+    def _choose_attention_path(self, config, device: torch.device) -> None:
         """`kv_cache_quantization.attention`: "dequantize", or the codes where the kernel runs ("auto" falls back to
         "dequantize" with the reason logged; "codes" raises it)."""
         self._page_views: dict[int, tuple] = {}
         self.attention_path = "dequantize"
         if self.kv_spec.attention == "dequantize" or device.type == "meta":
             return
-        reason = codes_attention.unavailable(device)
+        explicit = self.kv_spec.attention == "codes"
+        reason = codes_attention.unavailable(device, explicit) or attention_takes_cache_rows(config)
         full = [a for a in self.cache_allocators.values() if isinstance(a, QuantizedFullAttentionCacheAllocator)]
         if reason is None:
             for allocator in full:
                 for layer_idx in allocator.layer_indices:
-                    views = allocator.page_views(layer_idx)
-                    if views is None:
+                    pages = allocator.page_views(layer_idx)
+                    flat = codes_attention.native_views(pages) if device.type == "cpu" else None
+                    if device.type == "cpu" and flat is None:
                         reason = f"{self.kv_spec.scale_dtype} scales (the kernel would read float32 copies of them)"
                         break
-                    self._page_views[layer_idx] = views
+                    self._page_views[layer_idx] = (pages, flat)
         if reason is not None:
             self._page_views = {}
             if self.kv_spec.attention == "codes":
@@ -124,15 +127,22 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         """transformers' update; for quantized full-attention layers on the index path, first tells the allocator
         which read positions belong to requests in their first forward (see first_forward_masks)."""
         allocator = self.layer_to_allocator[layer_idx]
-        if getattr(allocator, "codes_attention", False):  # write only; the attention function reads the pages
-            keys, values = super().update(key_states, value_states, layer_idx, kwargs)
+        codes = getattr(allocator, "codes_attention", False) and codes_attention.active(self.config)
+        if codes:  # write only; the attention function reads the pages
+            allocator.write_only = True
+            try:
+                keys, values = super().update(key_states, value_states, layer_idx, kwargs)
+            finally:
+                allocator.write_only = False
             kwargs[codes_attention.KWARG] = codes_attention.PagedCodes(
-                self._page_views[layer_idx],
+                (keys, values),
+                *self._page_views[layer_idx],
                 *allocator.fresh,
                 kwargs["read_index"][allocator.index],
                 kwargs["cu_seq_lens_q"],
                 kwargs["cu_seq_lens_k"],
                 allocator.key_rotation,
+                kwargs.get("max_length_q"),
             )
             allocator.fresh = None
             return keys, values
