@@ -13,6 +13,7 @@ cannot rot between lent GPUs.
   dequantize path;
 - FP8 conversion and integer (quanto) packing on the device produce the CPU's codes;
 - FP8 pages in `generate_batch` equal QuantizedFP8Cache run one request at a time (teacher-forced);
+- FP8 / INT8 pages attending straight from their codes (the Triton paged kernel) equal the dequantize path;
 - compiled decode (`reduce-overhead`: CUDA graphs; on CPU dynamo's eager backend) of the fixed-budget caches compiles
   no graph after its warm-up.
 """
@@ -222,6 +223,35 @@ def test_fp8_pages_in_generate_batch_equal_quantized_fp8_cache():
         cache = hf_kvcache.QuantizedFP8Cache(twin, attention="dequantize", format="fp8_e4m3", key_rotation="none")
         one_by_one = cache_logprobs(twin, ids, cache, len(prompts[i]))[:NEW_TOKENS].float().cpu()
         worst = max(worst, divergence_metrics(one_by_one, paged[rid].float())["kl_mean"])
+    assert worst < KL_TOL, worst
+
+
+@pytest.mark.parametrize("kv_dtype, options", [("fp8_e4m3", {}), ("int8", {"group_size": 32})])
+def test_paged_attention_from_codes_equals_the_dequantize_path(kv_dtype, options, monkeypatch):
+    """Quantized pages in generate_batch attending straight from the codes (the Triton paged kernel: on CUDA
+    through attention="codes", on CPU forced under the interpreter) give the dequantize path's log-probabilities."""
+    pytest.importorskip("triton")
+    if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("on CPU the Triton kernel runs under TRITON_INTERPRET=1 (set before triton is imported)")
+    from test_paged import NEW_TOKENS, _cb, _prompts, _run
+
+    from hf_kvcache.kernels import triton_paged
+    from hf_kvcache.paged import codes_attention
+
+    model, _ = _models()
+    prompts = _prompts()
+    ref_tokens, ref = _run(model, prompts, _cb(kv_dtype, {**options, "attention": "dequantize"}))
+    force = {rid: dict(enumerate(t)) for rid, t in ref_tokens.items()}
+    if not ON_CUDA:  # the CPU would take the native kernel
+        attend = codes_attention.PagedCodes.attend
+        monkeypatch.setattr(
+            codes_attention.PagedCodes, "attend", lambda self, *a, **k: attend(self, *a, **k, backend="triton")
+        )
+    calls = _count_calls(monkeypatch, triton_paged, "triton_paged_attention")
+    tokens, rec = _run(model, prompts, _cb(kv_dtype, {**options, "attention": "codes"}), force)
+    assert tokens == ref_tokens
+    assert len(calls) >= (NEW_TOKENS - 1) * model.config.num_hidden_layers  # every decode step, every layer
+    worst = max(divergence_metrics(ref.logprobs()[r].float(), rec.logprobs()[r].float())["kl_mean"] for r in tokens)
     assert worst < KL_TOL, worst
 
 

@@ -16,8 +16,8 @@
 #   speed        eval/gpu/speed.py: decode ms/token and ratios to DynamicCache at 8K-64K, batch 1 and 8, prefill,
 #                peak memory, the kernel's bytes/s against a plain read (random weights in Llama-3.1-8B / Qwen3-8B
 #                shapes)
-#   serve        hf-kvcache serve-bench: model-dtype vs FP8 pages at equal KV memory (SmolLM2's real weights: needs
-#                every GGUF part)
+#   serve        hf-kvcache serve-bench: model-dtype vs FP8 pages (gather + dequantize, and attention from the codes
+#                through the Triton paged kernel) at equal KV memory (SmolLM2's real weights: needs every GGUF part)
 #   ruler        eval/ruler_offline_gpu.sh run on the committed board, 2K tasks then 4K, until the deadline (needs
 #                every GGUF part)
 # MINUTES: the call's deadline; each stage gets what is left (correctness at most CORRECTNESS_MINUTES, 3; serve at
@@ -97,7 +97,8 @@ stage_speed() {
 stage_serve() {
   local dir="$1/serve"
   mkdir -p "$dir"
-  local args=(--device "$DEVICE" --formats model,fp8_e4m3 --out "$dir/serve_bench")
+  # fp8_e4m3 takes the default path (on CUDA: gather + dequantize), fp8_e4m3:codes the Triton paged kernel
+  local args=(--device "$DEVICE" --formats model,fp8_e4m3,fp8_e4m3:codes --out "$dir/serve_bench")
   if [ "$DEVICE" = cpu ]; then  # a random 2-layer SmolLM2 with its tokenizer: the same command in seconds
     "$PYTHON" eval/gpu/random_models.py "$dir/tiny_model" > /dev/null
     args+=(--model "$dir/tiny_model")
