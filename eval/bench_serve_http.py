@@ -299,8 +299,12 @@ def main(argv=None) -> dict:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    with out.with_suffix(".csv").open("w", newline="") as f:
+
+    def path(suffix: str) -> Path:  # OUT + suffix: a stem may hold dots (serve_http.decode_heavy)
+        return out.with_name(out.name + suffix)
+
+    path(".json").write_text(json.dumps(result, indent=1))
+    with path(".csv").open("w", newline="") as f:
         keys = [
             "round",
             "format",
@@ -316,7 +320,7 @@ def main(argv=None) -> dict:
         writer.writerows(runs)
     plot(
         summary,
-        out.with_suffix(".png"),
+        path(".png"),
         f"hf-kvcache serve, {args.model} {args.dtype} on {args.device}, "
         f"KV memory {args.kv_memory}: {args.requests} requests from {args.clients} clients (ratios to model pages)",
     )

@@ -516,7 +516,12 @@ def serving() -> str:
         "throughput and TTFT ratios move by tens of percent between runs on this shared CPU; the request counts "
         "and KL do not)."
     ]
-    for name in ("serve_bench.json", "serve_bench_transformers_5.23.json", "serve_bench_transformers_5.24.json"):
+    serve_bench = (
+        "serve_bench.json",
+        "serve_bench_transformers_5.23.json",
+        "serve_bench_transformers_5.24.json",
+    )
+    for name in serve_bench:
         path = RESULTS / name
         if not path.exists():
             continue
@@ -534,6 +539,37 @@ def serving() -> str:
         ]
         parts.append(
             _table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
+            + "\n\n"
+            + _source(path)
+        )
+    parts.append(
+        "`hf-kvcache serve` through HTTP (`eval/bench_serve_http.py`): the same streamed chat requests from concurrent "
+        "clients to one server per page format at one KV memory; concurrency is the mean of the requests holding "
+        "pages where requests waited; ratios to model-dtype pages (`:dequantize`: FP8 pages on the gather-and-"
+        "dequantize path, attention otherwise reads the codes)."
+    )
+    for name in ("serve_http.json", "serve_http.decode_heavy.json"):
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text(encoding="utf-8"))
+        settings = data["settings"]
+        body = [
+            [
+                key,
+                _num(v["concurrency_mean_memory_bound_ratio"]),
+                _num(v["tokens_capacity_ratio"]),
+                _num(v["tokens_per_s_ratio"]),
+                _num(v["ttft_median_s_ratio"]),
+                _num(v["itl_median_s_ratio"]),
+            ]
+            for key, v in data["summary"].items()
+        ]
+        parts.append(
+            f"{settings['requests']} requests from {settings['clients']} clients, prompts of "
+            f"{settings['prompt_tokens']} tokens, max_tokens {settings['new_tokens']}, KV memory "
+            f"{settings['kv_memory']}, {settings['rounds']} round(s).\n\n"
+            + _table(["pages", "concurrent requests", "tokens held", "tokens/s", "TTFT", "inter-token latency"], body)
             + "\n\n"
             + _source(path)
         )

@@ -1193,6 +1193,10 @@ CASES: list[Case] = [
         r"be a positive integer or None, got 0",
     ),
     cli_case(
+        ["serve", "--kv-cache-quantization", '{"attention": "fast"}'],
+        r"`kv_cache_quantization\.attention` must be one of \('auto', 'codes', 'dequantize'\), got 'fast'",
+    ),
+    cli_case(
         ["serve", "--kv-cache-dtype", "auto", "--kv-cache-quantization", '{"group_size": 32}'],
         r"`kv_cache_quantization` .* was given but `kv_cache_dtype` is 'model'",
     ),

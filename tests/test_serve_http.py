@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from hf_kvcache.kernels import cpu_blockwise
 from hf_kvcache.paged.serve_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -194,6 +195,8 @@ def test_load_64_requests_16_clients_no_page_leak(fp8_pages):
     after = fp8_pages.kv_cache()
     assert after["pages_in_use"] == 0 and after["requests_active"] == 0 and after["requests_waiting"] == 0, after
     assert after["pages_total"] * after["page_size"] == after["tokens_capacity"]
+    # on CPU (where the native kernel builds) FP8 pages attend straight from their codes
+    assert after["attention_path"] == ("codes" if cpu_blockwise.unavailable() is None else "dequantize"), after
 
 
 def test_prompt_longer_than_memory_is_refused_and_server_keeps_serving(fp8_pages):

@@ -215,16 +215,20 @@ def _check_scheduler() -> str | None:
 
 @contract(
     CODES_ATTENTION,
-    "each model's attention forward calls cache.update(..., kwargs=kwargs), then the AttentionInterface function "
-    "with **kwargs (the dict update filled); AttentionInterface has 'sdpa' and 'paged|eager'",
+    "from 5.24, each model's attention forward calls cache.update(..., kwargs=kwargs), then the AttentionInterface "
+    "function with **kwargs (the dict update filled); AttentionInterface has 'sdpa' and 'paged|eager' (up to 5.23 "
+    "the attention functions update the cache themselves, and quantized pages take the gather path)",
     "quantized pages' attention from the codes (hf_kvcache.paged.codes_attention)",
 )
 def _check_codes_attention() -> str | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    if update_caller() != "model attention":
-        return "the paged cache's update is not called by the model's attention forward (transformers <= 5.23)"
+    caller = update_caller()
+    if caller == "attention functions":  # (<= 5.23: quantized pages take the gather path there; nothing relied on)
+        return None
+    if caller != "model attention":
+        return "the paged cache's update is not called by the model's attention forward"
     text = source(LlamaAttention.forward)
     if "attention_interface(" not in text or "**kwargs" not in text.split("attention_interface(", 1)[1]:
         return "LlamaAttention.forward no longer passes **kwargs to the attention interface"

@@ -3,7 +3,7 @@
 transformers (generation/continuous_batching/cache_allocators) has one allocator per attention type: full
 attention (`FullAttentionCacheAllocator`) and sliding window (`SlidingAttentionCacheAllocator`, a ring buffer of
 `sliding_window` tokens). They own the bookkeeping (block tables, the free pool, prefix sharing, read / write
-indices); we inherit all of it and change three things:
+indices); we inherit all of it and change what a page holds and how it is written and read:
 - the page size in bytes: a token row is a `TokenRecord` (codes + scales) instead of `heads x head_dim` values in
   the model's dtype, so the same memory holds ~2x (FP8) / ~1.8x (INT8 g32) / ~3.2x (INT4 g32) the tokens;
 - `update` (index-based path, used on CPU and by every non-flash implementation): new tokens are quantized and
@@ -107,7 +107,7 @@ class _QuantizedPagesMixin:
         )
 
     def page_views(self, layer_idx: int):
-        """The attention kernel's views of a layer's key and value pages (codes_attention.page_views), or None."""
+        """The attention kernels' views of a layer's key and value pages (codes_attention.page_views)."""
         return page_views(*self._codecs[layer_idx])
 
     # -- quantized write / read -------------------------------------------------------------------------------

@@ -124,8 +124,10 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         self.attention_path = "codes"
 
     def update(self, key_states, value_states, layer_idx, kwargs):
-        """transformers' update; for quantized full-attention layers on the index path, first tells the allocator
-        which read positions belong to requests in their first forward (see first_forward_masks)."""
+        """transformers' update. Quantized full-attention layers whose attention reads the codes: the allocator only
+        writes, and the layer's kwargs get the `PagedCodes` the attention function reads (codes_attention). Else, on
+        the index path, first tells the allocator which read positions belong to requests in their first forward
+        (see first_forward_masks)."""
         allocator = self.layer_to_allocator[layer_idx]
         codes = getattr(allocator, "codes_attention", False) and codes_attention.active(self.config)
         if codes:  # write only; the attention function reads the pages
@@ -134,15 +136,19 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
                 keys, values = super().update(key_states, value_states, layer_idx, kwargs)
             finally:
                 allocator.write_only = False
+            pages, flat = self._page_views[layer_idx]
+            fresh_keys, fresh_values = allocator.fresh
             kwargs[codes_attention.KWARG] = codes_attention.PagedCodes(
-                (keys, values),
-                *self._page_views[layer_idx],
-                *allocator.fresh,
-                kwargs["read_index"][allocator.index],
-                kwargs["cu_seq_lens_q"],
-                kwargs["cu_seq_lens_k"],
-                allocator.key_rotation,
-                kwargs.get("max_length_q"),
+                returned=(keys, values),
+                pages=pages,
+                flat=flat,
+                fresh_keys=fresh_keys,
+                fresh_values=fresh_values,
+                read_index=kwargs["read_index"][allocator.index],
+                cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+                cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+                key_rotation=allocator.key_rotation,
+                max_length_q=kwargs.get("max_length_q"),
             )
             allocator.fresh = None
             return keys, values

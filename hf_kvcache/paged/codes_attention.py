@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..integration.continuous_batching import CODES_ATTENTION, wrap_batch_attention
+from ..integration.continuous_batching import (
+    CODES_ATTENTION,
+    batch_attention_wrapped,
+    update_caller,
+    wrap_batch_attention,
+)
 from ..integration.contracts import holds
 from ..kernels import cpu_blockwise, triton_paged
 from ..kernels.codes import QuantizedKV
@@ -54,6 +59,8 @@ def unavailable(device: torch.device, explicit: bool = False) -> str | None:
     only when asked for (`explicit`: attention="codes") until a GPU run has checked it (see docs/serving.md)."""
     if not holds(CODES_ATTENTION):
         return f"this transformers breaks the contract {CODES_ATTENTION!r}"
+    if update_caller() != "model attention":
+        return "transformers <= 5.23 updates paged caches inside its attention functions"
     if device.type == "cuda":
         if not triton_paged.triton:
             return "Triton is not installed (the CUDA kernel is a Triton kernel)"
@@ -144,12 +151,7 @@ class PagedCodes:
 def active(config) -> bool:
     """Whether the attention function the model will call is our wrapper (a forward whose attention function
     someone replaced after `install`, e.g. a profiler's timer around transformers' sdpa, takes the dequantize path)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = config._attn_implementation
-    return name in ALL_ATTENTION_FUNCTIONS and getattr(
-        ALL_ATTENTION_FUNCTIONS[name], "_hf_kvcache_batch_attention", False
-    )
+    return batch_attention_wrapped(config._attn_implementation)
 
 
 def _with_paged_codes(original):

@@ -108,7 +108,8 @@ def plan_memory(
 
 def kv_cache_state(serve, plan: MemoryPlan) -> dict:
     """GET /v1/kv_cache: the plan, and (once the first request started continuous batching) the pages held by
-    requests and in all, and the requests holding pages and waiting."""
+    requests and in all, the requests holding pages and waiting, and how attention reads the pages ("codes",
+    "dequantize" or "model": QuantizedPagedAttentionCache.attention_path)."""
     state = {
         "kv_cache_dtype": plan.kv_dtype,
         "page_size": plan.page_size,
@@ -119,6 +120,7 @@ def kv_cache_state(serve, plan: MemoryPlan) -> dict:
         "pages_in_use": None,
         "requests_active": 0,
         "requests_waiting": 0,
+        "attention_path": None,
     }
     manager = serving.running_manager(serve)
     processor = None if manager is None else batch_processor(manager)
@@ -126,7 +128,12 @@ def kv_cache_state(serve, plan: MemoryPlan) -> dict:
         held, total = pages_in_use(processor)
         active, waiting = request_counts(processor)
         state.update(
-            started=True, pages_total=total, pages_in_use=held, requests_active=active, requests_waiting=waiting
+            started=True,
+            pages_total=total,
+            pages_in_use=held,
+            requests_active=active,
+            requests_waiting=waiting,
+            attention_path=getattr(processor.cache, "attention_path", "model"),
         )
     return state
 
