@@ -50,7 +50,7 @@ def test_accept_command_runs_every_stage_on_cpu(tmp_path):
     assert [c["status"] for c in cells] == ["ok"] * len(cells) and len(cells) == 2
     assert (run / "speed" / "kernel.json").exists()
     serve = json.loads((run / "serve" / "serve_bench.json").read_text())
-    assert [r["format"] for r in serve["runs"]] == ["model", "fp8_e4m3"]
+    assert [r["format"] for r in serve["runs"]] == ["model", "fp8_e4m3", "fp8_e4m3:codes"]
     assert all(r["itl_mean_s"] is None or r["itl_mean_s"] > 0 for r in serve["runs"])
     assert (run / "ruler" / "results.new.jsonl.xz").exists()
 
