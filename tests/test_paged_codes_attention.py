@@ -209,6 +209,8 @@ def test_every_architecture_attends_from_the_codes_as_the_dequantize_path(arch):
     model.config._attn_implementation = "paged|eager" if arch in EAGER else "sdpa"
     prompts = [[3 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate((5, 17, 30, 9))]
     tokens, ref, errors = _generate(model, prompts, "dequantize")
+    if not errors and not (tokens and all(tokens.values())):  # (a processor that failed to start: empty outputs)
+        errors = ["no tokens generated"]
     if errors:
         pytest.skip(f"transformers' continuous batching does not run {arch}: {str(errors[0]).splitlines()[0][:120]}")
     reason = attention_takes_cache_rows(model.config)
