@@ -114,23 +114,31 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("kv_dtype, options", FORMATS)
-def test_codes_attention_equals_the_dequantize_path_on_ragged_paged_batches(kv_dtype, options):
+def _forwards(kv_dtype, options):
+    """The SCHEDULE through a codes-path cache and a gather-path cache of the same pages: per forward, (random
+    generator, query, the codes path's kwargs and returned keys / values, per-request attention over the gather
+    path's rows)."""
     codes, reference = Driver(_cache(kv_dtype, options, "codes")), Driver(_cache(kv_dtype, options, "dequantize"))
     assert codes.cache.attention_path == "codes" and reference.cache.attention_path == "dequantize"
     gen = torch.Generator().manual_seed(0)
-    worst = 0.0
     for batch in SCHEDULE:
         n = sum(new for _, new in batch)
         keys, values = (torch.randn(1, KV_HEADS, n, DIM, generator=gen) for _ in range(2))
         query = torch.randn(1, HEADS, n, DIM, generator=gen)
         kw_codes, k_codes, v_codes = codes.forward(batch, keys, values)
         kw_ref, k_ref, v_ref = reference.forward(batch, keys, values)
+        expected = _reference(query, k_ref, v_ref, kw_ref["cu_seq_lens_q"], kw_ref["cu_seq_lens_k"])
+        yield gen, query, kw_codes, k_codes, v_codes, expected
+
+
+@pytest.mark.parametrize("kv_dtype, options", FORMATS)
+def test_codes_attention_equals_the_dequantize_path_on_ragged_paged_batches(kv_dtype, options):
+    worst = 0.0
+    for _, query, kw_codes, k_codes, v_codes, expected in _forwards(kv_dtype, options):
         assert k_codes.shape[2] == 0  # the codes path returns no rows: nothing was gathered
         paged = kw_codes[ca.KWARG]
         got = ALL_ATTENTION_FUNCTIONS["sdpa"](None, query, k_codes, v_codes, None, scaling=DIM**-0.5, **kw_codes)[0]
         assert torch.equal(got, paged.attend(query, DIM**-0.5))
-        expected = _reference(query, k_ref, v_ref, kw_ref["cu_seq_lens_q"], kw_ref["cu_seq_lens_k"])
         worst = max(worst, float((got - expected).abs().max()))
     assert worst < 2e-5, worst
 
@@ -235,19 +243,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_triton_paged_kernel_under_the_interpreter")
 @pytest.mark.parametrize("kv_dtype, options", FORMATS)
 def test_triton_paged_kernel_equals_the_dequantize_path(kv_dtype, options):
-    codes, reference = Driver(_cache(kv_dtype, options, "codes")), Driver(_cache(kv_dtype, options, "dequantize"))
-    gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for batch in SCHEDULE:
-        n = sum(new for _, new in batch)
-        keys, values = (torch.randn(1, KV_HEADS, n, DIM, generator=gen) for _ in range(2))
-        query = torch.randn(1, HEADS, n, DIM, generator=gen)
-        kw_codes, _, _ = codes.forward(batch, keys, values)
-        kw_ref, k_ref, v_ref = reference.forward(batch, keys, values)
+    for gen, query, kw_codes, _, _, expected in _forwards(kv_dtype, options):
         paged = kw_codes[ca.KWARG]
         sinks = torch.randn(HEADS, generator=gen)
         got = paged.attend(query, DIM**-0.5, backend="triton")
-        expected = _reference(query, k_ref, v_ref, kw_ref["cu_seq_lens_q"], kw_ref["cu_seq_lens_k"])
         worst = max(worst, float((got - expected).abs().max()))
         # sinks and softcap: as the native kernel applies them
         native = paged.attend(query, DIM**-0.5, softcap=2.0, sinks=sinks, backend="native")
