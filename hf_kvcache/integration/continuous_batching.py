@@ -24,6 +24,12 @@ hf_kvcache.paged uses it. It has no public extension point for the page format, 
    with `inputs_and_outputs.requests_in_batch` (`.state.request_id`, `.has_new_token`, `.query_length`,
    `state.initial_tokens`, `state._true_initial_tokens`, `state.generated_len()`), `scheduler.waiting_requests`,
    `scheduler.max_requests_per_batch`, `max_batch_tokens`, and the allocators' `block_table`.
+7. Prompt eviction (hf_kvcache.paged.eviction): `ContinuousBatchProcessor._generation_step(model)` runs one forward
+   between `prepare_next_batch` (which fills `inputs_and_outputs.position_ids` from each request's
+   `state.position_offset` and lists `requests_in_batch`) and `update_batch`; `position_offset` is the request's
+   length in the cache (allocation via `current_len()`, read / write indices, `seqlen_k`) as well as the position of
+   its next token; an allocator's `get_read_indices(request_id, 0, n)` gives its first n rows, its `block_table`,
+   `ledger.release` and `pool.free_blocks` give pages back; `_kv_token_views` are transformers' rows per layer.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ ALLOCATORS = "cache_allocators.FullAttentionCacheAllocator / SlidingAttentionCac
 UPDATE = "paged cache.update(..., kwargs=...) caller"
 SCHEDULER = "ContinuousBatchingManager.batch_processor (scheduler state)"
 CODES_ATTENTION = "attention forward: cache.update(kwargs=kwargs), then attention_interface(**kwargs)"
+EVICTION = "ContinuousBatchProcessor._generation_step / position_offset as the cache length"
 #: the attention implementations continuous batching runs with on the index path (flash ones read a block table)
 BATCH_ATTENTION = ("sdpa", "paged|eager")
 QUANTIZED_PAGES = (BUILD, CACHE_INIT, ALLOCATORS, UPDATE)
@@ -236,6 +243,59 @@ def _check_codes_attention() -> str | None:
     return f"AttentionInterface lacks {missing}" if missing else None
 
 
+@contract(
+    EVICTION,
+    "ContinuousBatchProcessor._generation_step(model) runs the forward after prepare_next_batch filled "
+    "inputs_and_outputs.position_ids from state.position_offset (also the request's cache length: current_len(), "
+    "read / write indices, allocation); allocators have get_read_indices, block_table, ledger.release, "
+    "pool.free_blocks and _kv_token_views",
+    "prompt eviction in continuous batching (kv_compress)",
+)
+def _check_eviction() -> str | None:
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    step = parameters(continuous_api.ContinuousBatchProcessor._generation_step)
+    if step != ["self", "model"]:
+        return f"ContinuousBatchProcessor._generation_step takes {step}, expected (model)"
+    prepare = source(ContinuousBatchingIOs.prepare_batch_tensors)
+    for needle in (
+        "past_length = state.position_offset",
+        "position_ids.extend(range(past_length, past_length + query_length))",
+        "self.requests_in_batch.append(future_state)",
+        "extend_read_and_write_indices(",
+    ):
+        if needle not in prepare:
+            return f"ContinuousBatchingIOs.prepare_batch_tensors no longer contains `{needle}`"
+    if "position_ids=self.position_ids[" not in source(ContinuousBatchingIOs.get_model_kwargs):
+        return "ContinuousBatchingIOs.get_model_kwargs no longer reads the static position_ids"
+    if "return self.position_offset" not in source(RequestState.current_len):
+        return "RequestState.current_len() is no longer position_offset"
+    if "state.current_len()" not in source(cb_cache.PagedAttentionCache.can_store_request_tokens):
+        return "PagedAttentionCache.can_store_request_tokens no longer allocates from state.current_len()"
+    if "self.block_table" not in source(FullAttentionCacheAllocator.get_read_indices):
+        return "FullAttentionCacheAllocator.get_read_indices no longer reads block_table"
+    ledger = getattr(cache_allocator, "BlockLedger", None)
+    if not hasattr(ledger, "release") or "self.ledger.release(" not in source(CacheAllocator.free_blocks):
+        return "CacheAllocator.free_blocks no longer releases blocks through ledger.release"
+    if "self._kv_token_views" not in source(FullAttentionCacheAllocator.register_cache_tensor):
+        return "FullAttentionCacheAllocator no longer keeps _kv_token_views"
+    return None
+
+
+def wrap_generation_step(make_wrapper) -> None:
+    """Replace ContinuousBatchProcessor._generation_step by `make_wrapper(transformers' method)` (idempotent: the
+    wrapper is marked and never wrapped again)."""
+    require(EVICTION)
+    cls = continuous_api.ContinuousBatchProcessor
+    if getattr(cls._generation_step, "_hf_kvcache_generation_step", False):
+        return
+    wrapper = make_wrapper(cls._generation_step)
+    wrapper._hf_kvcache_generation_step = True
+    cls._generation_step = wrapper
+
+
 def attention_takes_cache_rows(config) -> str | None:
     """Why the attention of the model of `config` may do more with the cache's keys and values than hand them to the
     attention function (None: every attention forward of its modeling file that calls `cache.update` passes the
@@ -403,6 +463,7 @@ __all__ = [
     "PagedAttentionCache",
     "BATCH_ATTENTION",
     "CODES_ATTENTION",
+    "EVICTION",
     "QUANTIZED_PAGES",
     "SlidingAttentionCacheAllocator",
     "allocator_factories",
@@ -418,6 +479,7 @@ __all__ = [
     "request_counts",
     "request_step",
     "wrap_batch_attention",
+    "wrap_generation_step",
     "requests_in_batch",
     "scheduler_state",
     "update_caller",

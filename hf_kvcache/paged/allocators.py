@@ -84,6 +84,7 @@ class _QuantizedPagesMixin:
         total_bytes = non_trash_bytes + 2 * bytes_per_sector
         total_tokens = (total_bytes // self.bytes_per_page) * self.tokens_per_page
         rows = cache_tensor[: total_tokens * 2 * self.record.record_bytes].view(total_tokens * 2, -1)
+        self._rows = rows
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, rows, pool)
         device = cache_tensor.device
         self._codecs: dict[int, tuple] = {}
@@ -109,6 +110,20 @@ class _QuantizedPagesMixin:
     def page_views(self, layer_idx: int):
         """The attention kernels' views of a layer's key and value pages (codes_attention.page_views)."""
         return page_views(*self._codecs[layer_idx])
+
+    def token_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value rows (bytes: codes and scales), indexed by physical token index (prompt
+        eviction moves them as they are)."""
+        i = self.layer_indices.index(layer_idx)
+        return self._rows[2 * i * self.tokens_per_page :], self._rows[(2 * i + 1) * self.tokens_per_page :]
+
+    def read_keys(self, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
+        """The layer's keys [n, heads, head_dim] at physical `rows`, dequantized and unrotated (prompt eviction's
+        scores read them)."""
+        keys = decode_rows(self._codecs[layer_idx][0], rows, self.model_dtype, self.workspace)
+        if self.key_rotation is not None:
+            keys = (keys.float() @ self.key_rotation.T).to(self.model_dtype)
+        return keys
 
     # -- quantized write / read -------------------------------------------------------------------------------
     def _write(self, layer_idx: int, key_states, value_states, write_index) -> torch.Tensor:

@@ -41,7 +41,7 @@ from ..integration.continuous_batching import (
     install_cache_class,
 )
 from ..integration.contracts import holds, require
-from . import codes_attention
+from . import codes_attention, compress_spec, eviction
 from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
@@ -73,10 +73,18 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         )
         if dtype is not None:
             kwargs["dtype"] = dtype
+        compress = compress_spec.from_cb_config(continuous_batching_config)  # (validated before the pages are built)
         if self.kv_spec is None:
             super().__init__(**kwargs)
-            return
-        spec = self.kv_spec
+        else:
+            self._build_quantized(config, kwargs)
+        self.eviction = None
+        if getattr(continuous_batching_config, compress_spec.FIELD, None) is not None:  # ("none": per request)
+            eviction.install()
+            self.eviction = eviction.PagedEviction(self, compress, config, continuous_batching_config)
+
+    def _build_quantized(self, config, kwargs) -> None:
+        spec, device = self.kv_spec, kwargs["device"]
         factories = {name: functools.partial(cls, kv_spec=spec) for name, cls in ALLOCATORS.items()}
         require(*QUANTIZED_PAGES)
         with allocator_factories(factories):  # ours stand in for transformers' while this cache is built
@@ -86,6 +94,9 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         page_bytes = next(iter(self.cache_allocators.values())).bytes_per_page
         self.num_blocks = (self.num_sectors * self.bytes_per_sector) // (layers * page_bytes)
         self._choose_attention_path(config, torch.device(device))
+
+    #: prompt eviction (hf_kvcache.paged.eviction) when the continuous-batching config has `kv_compress`, else None
+    eviction = None
 
     #: "codes" (full-attention layers attend straight from the pages: hf_kvcache.paged.codes_attention) or
     #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"
@@ -129,6 +140,8 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         the index path, first tells the allocator which read positions belong to requests in their first forward
         (see first_forward_masks)."""
         allocator = self.layer_to_allocator[layer_idx]
+        if self.eviction is not None:
+            self.eviction.layer_kwargs(layer_idx, kwargs)
         codes = getattr(allocator, "codes_attention", False) and codes_attention.active(self.config)
         if codes:  # write only; the attention function reads the pages
             allocator.write_only = True
@@ -208,9 +221,16 @@ def requested_spec(model, generation_config=None, continuous_batching_config=Non
 
 def check_requested(model, generation_config=None, continuous_batching_config=None) -> None:
     """Before transformers starts a continuous-batching run: a run that asks for quantized pages on a transformers
-    whose internals changed raises `UnsupportedTransformersError` instead of silently using model-dtype pages."""
+    whose internals changed raises `UnsupportedTransformersError` instead of silently using model-dtype pages; one
+    that asks for prompt eviction the model cannot run raises ValueError naming `kv_compress` (in the caller's
+    thread, before any request is queued)."""
     if requested_spec(model, generation_config, continuous_batching_config) is not None:
         install(strict=True)
+    cb_config = cb_config_of(
+        generation_config if generation_config is not None else model.generation_config, continuous_batching_config
+    )
+    if getattr(cb_config, compress_spec.FIELD, None) is not None:
+        eviction.check_model(compress_spec.from_cb_config(cb_config), model.config.get_text_config())
 
 
 def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:

@@ -18,6 +18,9 @@ kwargs on: `CODES_ATTENTION`, or a model whose attention does more with the cach
 them: `attention_takes_cache_rows`, e.g. DiffLlama, Gemma 3n, DeepSeek-V3's MLA), the allocator gathers and
 dequantizes as before; `kv_cache_quantization.attention = "dequantize"` asks for that path explicitly (the
 benchmarks' comparison row). `QuantizedPagedAttentionCache.attention_path` says which path a cache takes.
+
+The same wrapper hands a layer's queries to prompt eviction when the cache's update asked for them (`OBSERVE_KWARG`:
+SnapKV scores the prompt by its last queries), on any page format.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from ..stores.code_views import from_codec
 
 #: the kwargs key under which a layer's PagedCodes travels from the cache's update to the attention function
 KWARG = "hf_kvcache_paged_codes"
+#: the kwargs key under which prompt eviction (hf_kvcache.paged.eviction) asks a layer's attention function for its
+#: queries: a callable (query [1, Hq, total_q, D], scaling) the wrapper calls, then drops from the kwargs
+OBSERVE_KWARG = "hf_kvcache_observe_queries"
 
 
 def page_views(k_codec, v_codec) -> tuple[QuantizedKV, QuantizedKV]:
@@ -156,6 +162,9 @@ def active(config) -> bool:
 
 def _with_paged_codes(original):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        observe = kwargs.pop(OBSERVE_KWARG, None)
+        if observe is not None:  # prompt eviction reads this layer's queries (hf_kvcache.paged.eviction)
+            observe(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
         codes = kwargs.get(KWARG)
         if codes is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -1,0 +1,149 @@
+"""Which prompt tokens a continuous-batching request keeps: a validated spec read from the continuous-batching config,
+`hf-kvcache serve --kv-compress` or a request's `kv_compress` field.
+
+    cb = ContinuousBatchingConfig(num_blocks=64)
+    cb.kv_compress = "keydiff:0.75"                         # METHOD:RATIO
+    cb.kv_compress = 0.75                                   # the default method (kvzap) at that ratio
+    cb.kv_compress = {"method": "snapkv", "ratio": 0.75, "window": 32}
+    cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
+
+`ratio` is the share of the prompt evicted, in [0, 1): a P-token prompt keeps ceil(P x (1 - ratio)) tokens in every
+layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods:
+- "kvzap" (default): KVzap's surrogate of KVzip's scores, from each layer's attention inputs (hf_kvcache.scorers.kvzap;
+  `surrogate`: a directory, a Hub repo id or a builtin name; None: the one shipped for the model, if any). Default
+  because task accuracy chooses it: on the board's natural-text needle (niah_single_2, 2K, 75%) KVzip keeps 0.91 of
+  the answers and every cheap scorer 0.28 or less (docs/results.md), and KVzap predicts KVzip's scores without its
+  reconstruction forwards;
+- "snapkv": the attention of the prompt's last `observation` queries (hf_kvcache.scorers.snapkv), pooled;
+- "keydiff", "knorm": the keys alone (hf_kvcache.scorers.keydiff / knorm);
+- "sink_window": the first `sinks` tokens and the newest ones (StreamingLLM).
+Every method keeps the first `sinks` tokens and the newest `window` ones (None: 64, at most a quarter of what is kept,
+as KVzapCache's window), part of what is kept.
+
+Errors name the field (`kv_compress`, `kv_compress.ratio`, ...) and the allowed values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+FIELD = "kv_compress"
+METHODS = ("kvzap", "snapkv", "keydiff", "knorm", "sink_window")
+DEFAULT_METHOD = "kvzap"
+NONE = "none"
+#: the newest prompt tokens always kept when `window` is None: this many, at most a quarter of what is kept
+RECENT = 64
+#: SnapKV's observation window and pooling kernel (kvpress SnapKVPress's defaults)
+OBSERVATION, KERNEL = 64, 5
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    """What a request keeps of its prompt (see the module docstring)."""
+
+    method: str = DEFAULT_METHOD
+    ratio: float = 0.75
+    sinks: int = 4
+    window: int | None = None
+    surrogate: str | None = None  # kvzap only
+    observation: int = OBSERVATION  # snapkv only
+    kernel: int = KERNEL  # snapkv only
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            hint = (
+                " (KVzip's reconstruction runs model forwards of its own, which continuous batching does not schedule: "
+                "'kvzap' predicts its scores)"
+                if self.method == "kvzip"
+                else ""
+            )
+            raise ValueError(f"`{FIELD}.method` must be one of {METHODS}, got {self.method!r}{hint}.")
+        ratio = self.ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
+            raise ValueError(
+                f"`{FIELD}.ratio` (the share of the prompt evicted) must be a number in [0, 1), got {ratio!r}."
+            )
+        for name in ("sinks", "observation", "kernel") + (("window",) if self.window is not None else ()):
+            value = getattr(self, name)
+            low = 1 if name in ("observation", "kernel") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}, got {value!r}.")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"`{FIELD}.kernel` must be odd (pooling keeps the prompt's length), got {self.kernel}.")
+        if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
+            raise ValueError(
+                f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
+                f"{self.surrogate!r} with method {self.method!r}."
+            )
+
+    def kept(self, prompt: int) -> int:
+        """Tokens a `prompt`-token prompt keeps: ceil(prompt x (1 - ratio)), at least 1."""
+        return max(1, min(prompt, math.ceil(prompt * (1 - self.ratio) - 1e-9)))
+
+    def protected(self, kept: int) -> tuple[int, int]:
+        """(first, newest) tokens always kept when `kept` are: `sinks` and `window` (None: RECENT, at most a quarter
+        of `kept`; "sink_window": all the rest), within `kept`."""
+        sinks = min(self.sinks, kept)
+        if self.method == "sink_window":
+            return sinks, kept - sinks
+        window = min(RECENT, kept // 4) if self.window is None else self.window
+        return sinks, min(window, kept - sinks)
+
+    def label(self) -> str:
+        """METHOD:RATIO, as the benchmarks' rows and GET /v1/kv_cache name it."""
+        return f"{self.method}:{self.ratio:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
+    """The spec for a `kv_compress` value (see the module docstring); None for no compression ("none", None, ratio 0).
+    `field` is what errors name (e.g. the request field or the --kv-compress flag)."""
+    if value is None or value == NONE:
+        return None
+    try:
+        if isinstance(value, CompressSpec):
+            spec = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            spec = CompressSpec(ratio=value)
+        elif isinstance(value, str):
+            method, sep, ratio = value.partition(":")
+            if not sep:
+                try:
+                    return parse(float(value), field)
+                except ValueError:
+                    method, ratio = value, ""
+            if not ratio:
+                raise ValueError(
+                    f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO' or a dict, with METHOD one of {METHODS}; "
+                    f"got {value!r}."
+                )
+            try:
+                number = float(ratio)
+            except ValueError:
+                raise ValueError(f"`{FIELD}.ratio` must be a number in [0, 1), got {ratio!r} in {value!r}.") from None
+            spec = CompressSpec(method=method, ratio=number)
+        elif isinstance(value, dict):
+            allowed = tuple(f.name for f in fields(CompressSpec))
+            unknown = sorted(set(value) - set(allowed))
+            if unknown:
+                raise ValueError(f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}.")
+            spec = CompressSpec(**value)
+        else:
+            raise ValueError(
+                f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO' or a dict, got {type(value).__name__}."
+            )
+    except ValueError as error:
+        message = str(error)
+        if field != FIELD:
+            message = message.replace(f"`{FIELD}", f"`{field}")
+        raise ValueError(message) from None
+    return None if spec.ratio == 0 else spec
+
+
+def from_cb_config(cb_config) -> CompressSpec | None:
+    """The `kv_compress` field of a ContinuousBatchingConfig (absent: None)."""
+    return parse(getattr(cb_config, FIELD, None))

@@ -1,0 +1,394 @@
+"""Prompt eviction inside transformers' continuous batching: when a request's last prompt chunk has been written, each
+layer keeps the prompt tokens its method ranks best (hf_kvcache.paged.prompt_scores), they are moved to the front of
+the request's pages, and the pages past them go back to the pool at once, for other requests.
+
+Set by `kv_compress` on the continuous-batching config (hf_kvcache.paged.compress_spec), for every request, or per
+request (`request_specs`, which `hf-kvcache serve` fills from a request's `kv_compress` field). Works on model-dtype
+and quantized pages alike (the rows move as they are: codes and scales, or values).
+
+How a request continues after its prompt was compressed from P to K tokens: transformers uses a request's
+`position_offset` both as its length in the cache (where the next token is written, how many rows attention reads,
+how many pages it needs) and as the position of its next token. The first becomes K; the positions of its later
+tokens are shifted back up by P - K before each forward (`PagedEviction.before_forward`), so decoding continues at the
+original positions (the kept keys carry their RoPE rotation already). Everything transformers derives from the length
+(the pages allocated, admission, CPU offloading and restoring) follows the compressed length.
+
+What the scores read, captured during the forwards of the prompt (and nothing after it):
+- kvzap: each layer's attention input hidden states (forward pre-hooks on the attention modules,
+  hf_kvcache.integration.attention_inputs), turned into predicted scores chunk by chunk;
+- snapkv: the queries of the prompt's last `observation` tokens, over its chunks (the batch attention wrapper,
+  hf_kvcache.paged.codes_attention, hands them over), scored against the stored keys;
+- keydiff / knorm: the stored keys, read when the prompt ends.
+
+Limits (each an error at start, never a silent fallback): models with sliding-window layers (their ring buffer would
+need its own compaction), prefix sharing (a compacted page no longer holds the tokens its hash names: it is turned
+off), async batching and CUDA graphs (the step is turned synchronous and graph-free, with the reason logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..integration.attention_inputs import attention_modules, capture_attention_inputs
+from ..integration.continuous_batching import (
+    BATCH_ATTENTION,
+    EVICTION,
+    FullAttentionCacheAllocator,
+    update_caller,
+    wrap_generation_step,
+)
+from ..integration.contracts import require
+from . import codes_attention
+from .codes_attention import OBSERVE_KWARG
+from .compress_spec import FIELD, CompressSpec
+from .prompt_scores import kept_positions, token_scores
+
+logger = logging.getLogger(__name__)
+
+#: the RequestState attribute that carries a request's compression (it follows the state through CPU offloading;
+#: a soft reset builds a new state, whose prompt is prefilled and compressed again)
+STATE_ATTR = "_hf_kvcache_compression"
+
+
+@dataclass
+class RequestCompression:
+    """One request's compression: its spec, what was captured for its scores, and what it kept."""
+
+    spec: CompressSpec
+    predicted: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # kvzap: [Hkv, q] per chunk and layer
+    queries: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # snapkv: ([Hq, w, D], scaling)
+    prompt: int | None = None  # tokens prefilled, once compressed
+    kept: int | None = None
+    shift: int = 0  # position of a later token minus its index in the cache (prompt - kept)
+
+
+@dataclass
+class EvictionStats:
+    """Totals over the requests whose prompt ended (GET /v1/kv_cache)."""
+
+    requests: int = 0  # prompts ended
+    requests_compressed: int = 0
+    tokens_prefilled: int = 0
+    tokens_kept: int = 0
+    pages_freed: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def unavailable(spec: CompressSpec, config) -> str | None:
+    """Why `spec` cannot run for a model of `config` in continuous batching (None: it can)."""
+    if spec.method == "snapkv":
+        if update_caller() != "model attention":
+            return (
+                "snapkv reads the queries the attention function gets after the cache's update (transformers >= 5.24)"
+            )
+        implementation = getattr(config, "_attn_implementation", None) or ""
+        if "flash" in implementation:
+            return f"snapkv reads the queries through the {BATCH_ATTENTION} attention functions, not {implementation!r}"
+    if spec.method == "kvzap":
+        try:
+            surrogate_for(spec, config)
+        except (ValueError, OSError) as error:
+            return str(error)
+    return None
+
+
+_SURROGATES: dict[tuple, object] = {}
+
+
+def surrogate_for(spec: CompressSpec, config):
+    """KVzap's surrogate for `spec` and the model of `config` (loaded once per name and model; raises ValueError when
+    none fits, e.g. no surrogate was given for a model without a shipped one)."""
+    from ..caches.kvzap import _resolve_surrogate
+
+    key = (spec.surrogate, getattr(config, "_name_or_path", None), config.num_hidden_layers)
+    if key not in _SURROGATES:
+        surrogate = _resolve_surrogate(spec.surrogate, config)
+        missing = sorted(set(range(config.num_hidden_layers)) - set(surrogate.layers))
+        if missing:
+            raise ValueError(f"`{FIELD}.surrogate` has no predictor for layers {missing}; every layer is compressed.")
+        _SURROGATES[key] = surrogate
+    return _SURROGATES[key]
+
+
+def _refuse_layer_types(others) -> None:
+    if others:
+        raise ValueError(
+            f"`{FIELD}`: this model has {sorted(set(others))} layers, whose pages eviction does not compact yet; only "
+            "models whose layers all use full attention can compress their prompts in continuous batching."
+        )
+
+
+def check_model(spec: CompressSpec | None, config) -> None:
+    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` (before a run starts)."""
+    require(EVICTION)
+    _refuse_layer_types([t for t in getattr(config, "layer_types", None) or () if t != "full_attention"])
+    if spec is not None and (reason := unavailable(spec, config)) is not None:
+        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
+
+
+def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
+    """Raise ValueError naming `kv_compress` when `spec` cannot run on this cache (see the module docstring)."""
+    _refuse_layer_types(
+        [name for name, a in cache_allocators.items() if not isinstance(a, FullAttentionCacheAllocator)]
+    )
+    if spec is None:
+        return
+    reason = unavailable(spec, config)
+    if reason is not None:
+        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
+
+
+class _Current(threading.local):
+    eviction: PagedEviction | None = None
+
+
+_current = _Current()
+_HOOKED = "_hf_kvcache_paged_eviction_hooks"
+
+
+def _route_attention_input(layer_idx: int, hidden: torch.Tensor) -> None:
+    eviction = _current.eviction
+    if eviction is not None:
+        eviction.attention_input(layer_idx, hidden)
+
+
+@dataclass
+class _Capture:
+    """A request of the current forward whose scores need what the forward computes."""
+
+    info: RequestCompression
+    start: int  # its first query in the packed batch
+    length: int  # its queries
+    last: bool  # the last chunk of its prompt
+
+
+class PagedEviction:
+    """The prompt eviction of one paged cache (see the module docstring). `cache` is the PagedAttentionCache,
+    `default` the spec of requests that name none (None: only those that ask are compressed)."""
+
+    def __init__(self, cache, default: CompressSpec | None, config, cb_config):
+        check(default, config, cache.cache_allocators)
+        self.cache, self.default, self.config = cache, default, config
+        #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
+        self.request_specs: dict[str, CompressSpec | None] = {}
+        self.stats = EvictionStats()
+        self._captures: list[_Capture] = []
+        self._lock = threading.Lock()
+        # a compacted page no longer holds the tokens its hash names
+        cache.allow_block_sharing = cache.use_prefix_sharing = False
+        if getattr(cb_config, "use_async_batching", None):
+            logger.info("%s: async batching turned off (pages move between two forwards)", FIELD)
+        cb_config.use_async_batching = False
+        if cache.device.type != "cpu" and getattr(cb_config, "use_cuda_graph", None) is not False:
+            logger.info("%s: CUDA graphs turned off (scores are captured during the prompt's forwards)", FIELD)
+            cb_config.use_cuda_graph = False
+        codes_attention.install()  # snapkv's queries come through the batch attention wrapper
+
+    # -- which requests -------------------------------------------------------------------------------------------
+    def set_request_spec(self, request_id: str, spec: CompressSpec | None) -> None:
+        """Request `request_id` keeps its prompt by `spec` (None: not compressed) instead of the default; raises
+        ValueError when `spec` cannot run here."""
+        check(spec, self.config, self.cache.cache_allocators)
+        with self._lock:
+            self.request_specs[request_id] = spec
+
+    def forget_request(self, request_id: str) -> None:
+        with self._lock:
+            self.request_specs.pop(request_id, None)
+
+    def _start(self, state) -> RequestCompression | None:
+        with self._lock:
+            spec = self.request_specs.pop(state.request_id, self.default)
+        info = None if spec is None or getattr(state, "num_children", 0) else RequestCompression(spec)
+        if spec is not None and info is None:
+            logger.warning("%s: request %s is forked (parallel sampling) and keeps its prompt", FIELD, state.request_id)
+        setattr(state, STATE_ATTR, info)
+        return info
+
+    # -- around a forward ------------------------------------------------------------------------------------------
+    def before_forward(self, processor, model) -> None:
+        """Shift the positions of compressed requests' tokens; note what this forward must capture for scores."""
+        _current.eviction = self
+        self._captures = []
+        batch = processor.inputs_and_outputs.requests_in_batch
+        shifts, lengths, start = [], [], 0
+        for future in batch:
+            state, length = future.state, future.query_length
+            info = getattr(state, STATE_ATTR, None)
+            if state.position_offset == length:  # its first forward (or again after a soft reset)
+                info = self._start(state)
+            if info is not None and info.kept is None and self._captures_for(info.spec, future.has_new_token):
+                self._captures.append(_Capture(info, start, length, future.has_new_token))
+            shifts.append(0 if info is None else info.shift)
+            lengths.append(length)
+            start += length
+        if any(shifts):
+            per_token = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(lengths))
+            positions = processor.inputs_and_outputs.position_ids
+            positions[:start] += per_token.to(positions.device, positions.dtype, non_blocking=True)
+        if any(c.info.spec.method == "kvzap" for c in self._captures):
+            self._hook(model)
+
+    @staticmethod
+    def _captures_for(spec: CompressSpec, last: bool) -> bool:
+        return spec.method in ("kvzap", "snapkv")
+
+    def _hook(self, model) -> None:
+        modules = [module for _, module in attention_modules(model)]
+        if not all(getattr(module, _HOOKED, False) for module in modules):
+            capture_attention_inputs(model, _route_attention_input)  # once per model, for every paged cache
+            for module in modules:
+                setattr(module, _HOOKED, True)
+
+    def attention_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """(the attention-input hooks) KVzap: predict the scores of the prompt tokens of this forward."""
+        for capture in self._captures:
+            if capture.info.spec.method == "kvzap":
+                surrogate = surrogate_for(capture.info.spec, self.config)
+                chunk = hidden[:, capture.start : capture.start + capture.length]
+                capture.info.predicted.setdefault(layer_idx, []).append(surrogate.predict(layer_idx, chunk)[0])
+
+    def layer_kwargs(self, layer_idx: int, kwargs: dict) -> None:
+        """(the cache's update) SnapKV: ask the layer's attention function for its queries."""
+        if any(c.info.spec.method == "snapkv" for c in self._captures):
+            kwargs[OBSERVE_KWARG] = lambda query, scaling: self._observe(layer_idx, query, scaling)
+
+    def _observe(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+        """query [1, Hq, total_q, D]: keep the last `observation` queries of each prompt so far (a chunk shorter
+        than the window adds to the previous chunks' queries: the window is the prompt's, however it was chunked)."""
+        for capture in self._captures:
+            info = capture.info
+            if info.spec.method != "snapkv":
+                continue
+            end = capture.start + capture.length
+            w = info.spec.observation
+            tail = query[0, :, max(capture.start, end - w) : end]
+            if layer_idx in info.queries and tail.shape[1] < w:
+                tail = torch.cat((info.queries[layer_idx][0], tail), 1)[:, -w:]
+            info.queries[layer_idx] = (tail.clone(), scaling)
+
+    def after_forward(self, processor) -> None:
+        """Compress the requests whose prompt this forward ended (before transformers reads the new tokens)."""
+        _current.eviction = None
+        self._captures = []
+        for future in processor.inputs_and_outputs.requests_in_batch:
+            state = future.state
+            if not future.has_new_token or state.generated_len() != 0:
+                continue
+            info = getattr(state, STATE_ATTR, None)
+            if info is not None and info.kept is not None:
+                continue
+            prompt = state.position_offset
+            self.stats.requests += 1
+            self.stats.tokens_prefilled += prompt
+            if info is None:
+                self.stats.tokens_kept += prompt
+                continue
+            self._compress(state, info, prompt)
+
+    def abandon(self) -> None:
+        _current.eviction = None
+        self._captures = []
+
+    # -- the compaction ---------------------------------------------------------------------------------------------
+    def _compress(self, state, info: RequestCompression, prompt: int) -> None:
+        spec, request_id = info.spec, state.request_id
+        kept = spec.kept(prompt)
+        info.prompt, info.kept = prompt, kept
+        self.stats.tokens_kept += kept
+        if kept >= prompt:
+            return
+        freed = 0
+        for allocator in self.cache.cache_allocators.values():
+            rows = torch.tensor(allocator.get_read_indices(request_id, 0, prompt), device=self.cache.device)
+            for layer_idx in allocator.layer_indices:
+                scores = token_scores(spec, **self._inputs(info, allocator, layer_idx, rows))
+                positions = kept_positions(spec, prompt, scores, device=rows.device)
+                src, dest = rows[positions], rows[:kept]
+                for view in token_rows(allocator, layer_idx):
+                    view.index_copy_(0, dest, view.index_select(0, src))  # read all before writing
+            freed += free_tail(allocator, request_id, kept)
+        state.position_offset = kept
+        info.shift = prompt - kept
+        info.predicted, info.queries = {}, {}
+        self.stats.requests_compressed += 1
+        self.stats.pages_freed += freed
+
+    def _inputs(self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor) -> dict:
+        method = info.spec.method
+        if method == "sink_window":
+            return {}
+        if method == "kvzap":
+            chunks = info.predicted.get(layer_idx)
+            if not chunks or sum(c.shape[-1] for c in chunks) != rows.numel():
+                raise RuntimeError(
+                    f"{FIELD}: kvzap saw {sum(c.shape[-1] for c in chunks or [])} of the prompt's "
+                    f"{rows.numel()} tokens at layer {layer_idx}"
+                )
+            return {"predicted": torch.cat(chunks, -1)}
+        keys = read_keys(allocator, layer_idx, rows).transpose(0, 1)  # [Hkv, P, D]
+        if method != "snapkv":
+            return {"keys": keys}
+        if layer_idx not in info.queries:
+            raise RuntimeError(
+                f"{FIELD}: snapkv saw no queries at layer {layer_idx} (the attention function was not "
+                "the batch attention wrapper)"
+            )
+        queries, scaling = info.queries[layer_idx]
+        return {"keys": keys, "queries": queries, "scaling": scaling}
+
+
+def token_rows(allocator, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value rows of a layer, indexed by physical token index (what moves when tokens move)."""
+    own = getattr(allocator, "token_rows", None)
+    return own(layer_idx) if own is not None else allocator._kv_token_views[layer_idx]
+
+
+def read_keys(allocator, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
+    """A layer's keys [n, Hkv, D] at physical rows `rows`, as attention reads them (dequantized, unrotated)."""
+    own = getattr(allocator, "read_keys", None)
+    return own(layer_idx, rows) if own is not None else allocator._kv_token_views[layer_idx][0].index_select(0, rows)
+
+
+def free_tail(allocator, request_id: str, kept: int) -> int:
+    """Give back the pages of `request_id` past its first `kept` tokens; returns how many."""
+    table = allocator.block_table[request_id]
+    keep = -(-kept // allocator.tokens_per_page)
+    tail = table[keep:]
+    del table[keep:]
+    freed = [block for block in tail if allocator.ledger.release(block, no_cache=True)]
+    allocator.pool.free_blocks(allocator.index, freed)
+    return len(tail)
+
+
+def _with_eviction(original):
+    def _generation_step(self, model):
+        eviction = getattr(self.cache, "eviction", None)
+        if eviction is None:
+            return original(self, model)
+        eviction.before_forward(self, model)
+        try:
+            original(self, model)
+        except BaseException:
+            eviction.abandon()
+            raise
+        eviction.after_forward(self)
+
+    _generation_step.__doc__ = (
+        "transformers' generation step, with prompt eviction around it (hf_kvcache.paged.eviction)."
+    )
+    return _generation_step
+
+
+def install() -> None:
+    """Wrap continuous batching's generation step (idempotent)."""
+    wrap_generation_step(_with_eviction)
+
+
+__all__ = ["OBSERVE_KWARG", "EvictionStats", "PagedEviction", "RequestCompression", "check", "install", "unavailable"]

@@ -1,0 +1,244 @@
+"""Prompt eviction inside continuous batching (hf_kvcache.paged.eviction, issue 50).
+
+- generate_batch with `kv_compress` equals, request by request, a reference that keeps the same prompt tokens per
+  layer in a DynamicCache and decodes at the original positions (float32 tiny Llama, greedy): for every method
+  (KVzap with a surrogate saved for the tiny model, SnapKV with queries recomputed from the attention inputs), on
+  model-dtype pages, with prompts prefilled in several chunks beside other requests;
+- pages: a compressed request gives its pages past the kept tokens back at once (the pool counts them), every page is
+  free after the batch, and the stats say what was prefilled, kept and freed; FP8 pages compose;
+- per-request specs (a request may ask for none), the spec's parsing and errors (each names its field), and the
+  limits that are errors at start (sliding-window layers, KVzip's reconstruction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, random_ids
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import hf_kvcache  # noqa: F401  (installs the paged cache)
+from hf_kvcache.integration.attention_inputs import capture_attention_inputs
+from hf_kvcache.integration.continuous_batching import EVICTION
+from hf_kvcache.integration.contracts import problem
+from hf_kvcache.paged import compress_spec
+from hf_kvcache.paged.compress_spec import CompressSpec, parse
+from hf_kvcache.paged.prompt_scores import kept_positions, token_scores
+from hf_kvcache.scorers.kvzap_surrogate import Surrogate
+
+PROMPT_LENGTHS = (40, 67, 23, 90)
+NEW_TOKENS = 8
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
+
+
+def _prompts():
+    return [random_ids(1, n, seed=n)[0].tolist() for n in PROMPT_LENGTHS]
+
+
+def _cb(compress=None, kv_dtype=None, **kwargs):
+    settings = dict(num_blocks=48, page_size=8, max_batch_tokens=32, allow_block_sharing=False, max_memory_percent=0.9)
+    settings.update(kwargs)
+    cb = ContinuousBatchingConfig(**settings)
+    if compress is not None:
+        cb.kv_compress = compress
+    if kv_dtype is not None:
+        cb.kv_cache_dtype = kv_dtype
+    return cb
+
+
+def _generate(model, prompts, cb):
+    out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb, warmup=False)
+    assert all(o.error is None for o in out.values()), [o.error for o in out.values()]
+    return [o.generated_tokens for _, o in sorted(out.items(), key=lambda item: int(item[0].split("_")[-1]))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def surrogate_dir(tmp_path_factory, model):
+    """A random linear KVzap surrogate for the tiny Llama (the method's plumbing, not its quality)."""
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    heads = config.num_key_value_heads
+    weights = {
+        i: {"weight": torch.randn(heads, config.hidden_size, generator=generator), "bias": torch.zeros(heads)}
+        for i in range(config.num_hidden_layers)
+    }
+    directory = tmp_path_factory.mktemp("surrogate")
+    Surrogate("linear", weights, {"model": "tiny llama"}).save(directory)
+    return str(directory)
+
+
+def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogate | None) -> list[int]:
+    """Greedy tokens of `prompt` when each layer keeps the tokens `spec` chooses from a DynamicCache prefill, decoding
+    at the original positions."""
+    ids = torch.tensor([prompt])
+    hidden = {}
+    cache = DynamicCache()
+    with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
+        logits = model(ids, cache=cache).logits
+    length = len(prompt)
+    positions = torch.arange(length)[None]
+    cos, sin = model.model.rotary_emb(hidden[0], positions)
+    for i, layer in enumerate(cache.layers):
+        attention = model.model.layers[i].self_attn
+        keys = layer.keys[0]
+        inputs = {"keys": keys}
+        if spec.method == "kvzap":
+            inputs = {"predicted": surrogate.predict(i, hidden[i])[0]}
+        if spec.method == "snapkv":
+            query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
+            query, _ = apply_rotary_pos_emb(query, query, cos, sin)
+            w = min(spec.observation, length)
+            inputs.update(queries=query[0, :, -w:], scaling=attention.scaling)
+        kept = kept_positions(spec, length, token_scores(spec, **inputs), device=keys.device)
+        layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
+    token = int(logits[0, -1].argmax())
+    tokens = [token]
+    kept_count = spec.kept(length)
+    with torch.no_grad():
+        for step in range(NEW_TOKENS - 1):
+            out = model(
+                torch.tensor([[token]]),
+                cache=cache,
+                position_ids=torch.tensor([[length + step]]),
+                cache_position=torch.tensor([kept_count + step]),
+            )
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+    return tokens
+
+
+@pytest.mark.parametrize("method", ["keydiff", "knorm", "sink_window", "snapkv", "kvzap"])
+def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_dir, method):
+    spec = CompressSpec(method=method, ratio=0.6, surrogate=surrogate_dir if method == "kvzap" else None)
+    if method == "snapkv":
+        spec = CompressSpec(method=method, ratio=0.6, observation=8)
+    prompts = _prompts()
+    got = _generate(model, prompts, _cb(spec.to_dict()))
+    surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
+    expected = [_reference(model, prompt, spec, surrogate) for prompt in prompts]
+    assert got == expected
+
+
+def test_compression_changes_what_is_generated(model):
+    """(The reference test above would pass if nothing were evicted and the reference kept everything: it does not.)"""
+    prompts = _prompts()
+    full = _generate(model, prompts, _cb())
+    compressed = _generate(model, prompts, _cb("knorm:0.75"))
+    assert [t[0] for t in full] == [t[0] for t in compressed]  # the first token is predicted before eviction
+    assert full != compressed
+
+
+def _manager_run(model, prompts, cb, specs=None):
+    """Run `prompts` through a manager we can inspect: (outputs by request id, the cache, free blocks seen right after
+    each request's prompt ended)."""
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=cb)
+    manager.start()
+    try:
+        ids = []
+        for i, prompt in enumerate(prompts):
+            rid = f"req_{i}"
+            if specs is not None:
+                while manager.batch_processor is None:
+                    pass
+                manager.batch_processor.cache.eviction.set_request_spec(rid, specs[i])
+            ids.append(manager.add_request(prompt, request_id=rid, max_new_tokens=NEW_TOKENS))
+        results = {rid: manager.get_result(rid, timeout=60) for rid in ids}
+        cache = manager.batch_processor.cache
+        held = sum(len(t) for a in cache.cache_allocators.values() for t in a.block_table.values())
+    finally:
+        manager.stop(block=True)
+    return results, cache, held
+
+
+def test_pages_past_the_kept_tokens_go_back_and_stats_say_so(model):
+    prompts = _prompts()
+    results, cache, held = _manager_run(model, prompts, _cb("keydiff:0.75"))
+    assert all(r.error is None for r in results.values())
+    assert held == 0
+    stats = cache.eviction.stats
+    assert stats.requests == stats.requests_compressed == len(prompts)
+    assert stats.tokens_prefilled == sum(PROMPT_LENGTHS)
+    spec = parse("keydiff:0.75")
+    assert stats.tokens_kept == sum(spec.kept(n) for n in PROMPT_LENGTHS)
+    page = 8
+    # pages a prompt held at its end minus the pages of what it kept (the next token's page is allocated later)
+    assert stats.pages_freed == sum(-(-n // page) - -(-spec.kept(n) // page) for n in PROMPT_LENGTHS)
+
+
+def test_per_request_specs_and_none(model):
+    prompts = _prompts()
+    specs = [parse("none"), parse("sink_window:0.5"), None, parse("knorm:0.5")]
+    results, cache, _ = _manager_run(model, prompts, _cb("none"), specs=specs)
+    stats = cache.eviction.stats
+    assert stats.requests == 4 and stats.requests_compressed == 2
+    assert stats.tokens_kept == PROMPT_LENGTHS[0] + 34 + PROMPT_LENGTHS[2] + 45
+    # a request asking for none generates what an uncompressed run does
+    alone = _generate(model, [prompts[0]], _cb())[0]
+    assert results["req_0"].generated_tokens == alone
+
+
+def test_fp8_pages_and_eviction_compose(model):
+    prompts = _prompts()
+    results, cache, held = _manager_run(model, prompts, _cb("knorm:0.75", kv_dtype="fp8_e4m3"))
+    assert all(r.error is None for r in results.values()) and held == 0
+    assert cache.kv_spec is not None and cache.eviction.stats.requests_compressed == len(prompts)
+    # the kept keys are the fp8 ones moved as codes: a reference FP8 run keeping everything predicts the same first
+    # token, and compression changes the rest
+    full = _generate(model, prompts, _cb(kv_dtype="fp8_e4m3"))
+    got = [results[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert [t[0] for t in got] == [t[0] for t in full] and got != full
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("keydiff", r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO'"),
+        ("magic:0.5", r"`kv_compress.method` must be one of"),
+        ("kvzip:0.5", r"KVzip's reconstruction runs model forwards"),
+        ("keydiff:1.0", r"`kv_compress.ratio` .* must be a number in \[0, 1\), got 1.0"),
+        (-0.1, r"`kv_compress.ratio`"),
+        ("keydiff:abc", r"`kv_compress.ratio` must be a number in \[0, 1\), got 'abc'"),
+        ({"method": "snapkv", "ratio": 0.5, "kernel": 4}, r"`kv_compress.kernel` must be odd"),
+        ({"method": "knorm", "ratio": 0.5, "surrogate": "x"}, r"`kv_compress.surrogate`"),
+        ({"ratio": 0.5, "speed": 3}, r"`kv_compress` has unknown keys \['speed'\]"),
+        ([0.5], r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO' or a dict, got list"),
+    ],
+)
+def test_bad_specs_name_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        parse(value)
+
+
+def test_spec_forms_and_budget():
+    assert parse(None) is None and parse("none") is None and parse(0) is None and parse("knorm:0") is None
+    assert parse(0.75) == CompressSpec(method=compress_spec.DEFAULT_METHOD, ratio=0.75)
+    assert parse("0.5").ratio == 0.5 and parse("snapkv:0.5").method == "snapkv"
+    assert parse({"method": "knorm", "ratio": 0.5}).label() == "knorm:0.5"
+    spec = parse("keydiff:0.75")
+    assert spec.kept(100) == 25 and spec.kept(1) == 1 and spec.kept(2) == 1
+    assert spec.protected(25) == (4, 6)  # 4 sinks, 64 newest at most a quarter of what is kept
+    assert parse("sink_window:0.5").protected(50) == (4, 46)
+    with pytest.raises(ValueError, match="`extra_body.kv_compress.ratio`"):
+        parse("knorm:2", field="extra_body.kv_compress")
+    positions = kept_positions(spec, 100, torch.arange(100.0).flip(0))
+    assert positions.tolist() == [*range(19), *range(94, 100)]  # sinks + best (the earliest) + window
+
+
+def test_start_up_errors_name_the_field():
+    hybrid = build_model("llama", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(ValueError, match=r"`kv_compress`: this model has \['sliding_attention'\] layers"):
+        hybrid.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm:0.5"))
+    tiny = build_model("llama")
+    with pytest.raises(ValueError, match=r"`kv_compress.method` 'kvzap' cannot run here: .*surrogate"):
+        tiny.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("kvzap:0.5"))
+
+
+def test_the_transformers_internals_eviction_relies_on_hold():
+    assert problem(EVICTION) is None
