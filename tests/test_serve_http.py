@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import pytest
@@ -265,3 +266,137 @@ def test_unknown_field_and_bad_prompt(fp8_pages):
     assert status == 422 and "max_tokenz" in json.dumps(answer)
     status, answer = fp8_pages.post("/v1/completions", {"model": "smollm2", "prompt": "", "max_tokens": 4})
     assert status == 400 and answer["error"]["param"] == "prompt"
+
+
+# -- prompt eviction (--kv-compress, the request's kv_compress field) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compressed_pages(smollm2):
+    """FP8 pages in 24 MiB (pages of 32 tokens) evicting 75% of each prompt by KeyDiff; requests may ask otherwise."""
+    server = Server(
+        "--kv-cache-dtype", "fp8_e4m3", "--kv-memory", "24MiB", "--cb-block-size", "32", "--kv-compress", "keydiff:0.75"
+    )
+    yield server
+    server.stop()
+
+
+def _words(n: int) -> str:
+    return " ".join(["alpha", "beta", "gamma", "delta", "omega"][j % 5] for j in range(n))
+
+
+def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(compressed_pages, smollm2):
+    from hf_kvcache import QuantizedFP8Cache
+
+    server = compressed_pages
+    before = server.kv_cache()
+    assert before["kv_compress"] == "keydiff:0.75"
+    prompt = f"Count the words: {_words(300)}"
+    assert chat(server, prompt)
+    state = server.kv_cache()["eviction"]
+    assert state["requests_compressed"] == 1 and state["pages_freed"] >= 6, state
+    assert state["tokens_kept"] == -(-state["tokens_prefilled"] // 4), state  # ceil(25%) of the prompt
+    # a request asking for none is not compressed: it answers as QuantizedFP8Cache with the pages' format does
+    model, tokenizer = smollm2
+    cache = QuantizedFP8Cache(
+        model,
+        format="fp8_e4m3",
+        granularity="token",
+        key_rotation="hadamard",
+        key={"scale_dtype": "bfloat16"},
+        value={"scale_dtype": "bfloat16"},
+    )
+    expected, steps = reference(model, tokenizer, PROMPTS[2], cache)
+    assert steps >= 4
+    assert chat(server, PROMPTS[2], extra_body={"kv_compress": "none"}).startswith(expected)
+    after = server.kv_cache()["eviction"]
+    assert after["requests"] == state["requests"] + 1 and after["requests_compressed"] == 1, after
+    # and one asking for another method is compressed by it
+    assert chat(server, prompt, extra_body={"kv_compress": {"method": "sink_window", "ratio": 0.5}})
+    last = server.kv_cache()["eviction"]
+    assert last["requests_compressed"] == 2
+    assert last["tokens_kept"] - after["tokens_kept"] == -(-(last["tokens_prefilled"] - after["tokens_prefilled"]) // 2)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("magic:0.5", "`kv_compress.method` must be one of"),
+        ("keydiff:1.5", r"`kv_compress.ratio`"),
+        ({"method": "knorm", "ratio": 0.5, "speed": 2}, "unknown keys"),
+        ("kvzap:0.5", None),  # the default method: SmolLM2 has a shipped surrogate, so this one is accepted
+    ],
+)
+def test_bad_kv_compress_gets_400_naming_the_field(compressed_pages, value, match):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "kv_compress": value}
+    status, answer = compressed_pages.post("/v1/chat/completions", body)
+    if match is None:
+        assert status == 200, answer
+        return
+    assert status == 400 and answer["error"]["param"] == "kv_compress", answer
+    assert re.search(match, answer["error"]["message"]), answer
+
+
+def test_a_server_without_kv_compress_refuses_the_field(fp8_pages):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "kv_compress": 0.5}
+    status, answer = fp8_pages.post("/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == "kv_compress" and "--kv-compress" in answer["error"]["message"]
+
+
+def test_admission_counts_the_peak_then_the_compressed_size(compressed_pages):
+    """A request whose prompt + max_tokens exceed the memory is admitted when its prompt fits and what it keeps +
+    max_tokens fits; a prompt larger than the memory is still refused."""
+    server = compressed_pages
+    limit = server.kv_cache()["tokens_capacity"]
+    prompt = f"Count: {_words(limit // 2)}"
+    response = server.client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=limit * 2 // 3,
+        temperature=0,
+        stop=None,
+    )
+    assert response.usage.prompt_tokens + limit * 2 // 3 > limit  # uncompressed, it would have been refused
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": _words(limit + 50)}], max_tokens=4
+        )
+    assert (
+        error.value.body["code"] == "context_length_exceeded"
+        and "kept after kv_compress" in error.value.body["message"]
+    )
+    assert server.kv_cache()["pages_in_use"] == 0
+
+
+def _abandon(server, prompt: str, after_chunks: int) -> None:
+    """Stream `prompt` and leave after `after_chunks` chunks (0: as soon as the response starts, mid-prefill of a
+    long prompt)."""
+    stream = server.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0, stream=True
+    )
+    for received, _chunk in enumerate(stream):
+        if received >= after_chunks:
+            break
+    stream.close()
+
+
+def test_mixed_load_with_disconnects_leaves_no_page_held(compressed_pages):
+    server = compressed_pages
+
+    def one(i: int):
+        if i % 4 == 0:
+            return _abandon(server, f"Summarise: {_words(600 + 40 * i)}", after_chunks=0)
+        if i % 4 == 1:
+            return _abandon(server, f"Continue: {_words(100 + 10 * i)}", after_chunks=3)
+        spec = "none" if i % 8 == 2 else None
+        extra = {"kv_compress": spec} if spec else {}
+        return chat(server, f"Repeat the last word of: {_words(50 + 37 * i)}", extra_body=extra)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        list(pool.map(one, range(32)))
+    deadline = time.monotonic() + 60
+    while (state := server.kv_cache())["pages_in_use"] or state["requests_active"] or state["requests_waiting"]:
+        assert time.monotonic() < deadline, f"pages still held 60 s after the load: {state}"
+        time.sleep(0.2)
+    assert state["eviction"]["requests_compressed"] >= 12, state
+    assert chat(server, PROMPTS[0])

@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+from ..paged.compress_spec import parse as parse_compression
 from ..paged.spec import KV_DTYPES, PagedKVSpec
 from .args import positive_int
 
@@ -94,6 +95,14 @@ def add_serve_command(sub) -> None:
         help="page format details: group_size, scale_dtype, key_rotation, attention (docs/serving.md)",
     )
     p.add_argument(
+        "--kv-compress",
+        default=None,
+        metavar="SPEC",
+        help="prompt eviction at the end of each prefill: 'none' (requests may ask through their kv_compress "
+        "field), a ratio evicted (the default method, kvzap), METHOD:RATIO (kvzap, snapkv, keydiff, knorm, "
+        "sink_window) or a JSON object (docs/serving.md); default: no eviction",
+    )
+    p.add_argument(
         "--typical-request-tokens",
         type=positive_int,
         default=1024,
@@ -128,6 +137,13 @@ def _serve(args) -> int:
 
     kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads
+    kv_compress = args.kv_compress
+    if kv_compress is not None and kv_compress.lstrip().startswith("{"):
+        try:
+            kv_compress = json_object(kv_compress)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--kv-compress: {error}") from None
+    parse_compression(kv_compress, "--kv-compress")
     missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         print(
@@ -140,7 +156,14 @@ def _serve(args) -> int:
     page_size = options.pop("cb_block_size", None) or DEFAULT_PAGE_SIZE
     model = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
     serve, plan = build_server(
-        model, kv_dtype, args.kv_memory, args.kv_cache_quantization, page_size, options, alias=args.model
+        model,
+        kv_dtype,
+        args.kv_memory,
+        args.kv_cache_quantization,
+        page_size,
+        options,
+        alias=args.model,
+        kv_compress=kv_compress,
     )
     for line in plan.lines(args.typical_request_tokens):
         print(line)

@@ -149,6 +149,7 @@ class _Current(threading.local):
 
 
 _current = _Current()
+_LOCK = threading.Lock()  # guards the request specs (the server's threads write, the generation thread reads)
 _HOOKED = "_hf_kvcache_paged_eviction_hooks"
 
 
@@ -168,6 +169,22 @@ class _Capture:
     last: bool  # the last chunk of its prompt
 
 
+#: the continuous-batching config attribute naming the registry of specs requests asked for (request id -> spec or
+#: None), filled by a server before the request is queued and read by the eviction of every cache built from that
+#: config. A name, not the dict itself: transformers copies the config when it starts a manager.
+REQUEST_SPECS_ATTR = "_hf_kvcache_request_specs"
+_REGISTRIES: dict[str, dict] = {}
+
+
+def request_specs(cb_config) -> dict:
+    """The per-request specs of `cb_config` (an empty registry on first use)."""
+    key = getattr(cb_config, REQUEST_SPECS_ATTR, None)
+    if key is None:
+        key = f"specs-{len(_REGISTRIES)}-{id(cb_config)}"
+        setattr(cb_config, REQUEST_SPECS_ATTR, key)
+    return _REGISTRIES.setdefault(key, {})
+
+
 class PagedEviction:
     """The prompt eviction of one paged cache (see the module docstring). `cache` is the PagedAttentionCache,
     `default` the spec of requests that name none (None: only those that ask are compressed)."""
@@ -176,10 +193,10 @@ class PagedEviction:
         check(default, config, cache.cache_allocators)
         self.cache, self.default, self.config = cache, default, config
         #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
-        self.request_specs: dict[str, CompressSpec | None] = {}
+        self.request_specs: dict[str, CompressSpec | None] = request_specs(cb_config)
         self.stats = EvictionStats()
         self._captures: list[_Capture] = []
-        self._lock = threading.Lock()
+        self._lock = _LOCK
         # a compacted page no longer holds the tokens its hash names
         cache.allow_block_sharing = cache.use_prefix_sharing = False
         if getattr(cb_config, "use_async_batching", None):
@@ -197,10 +214,6 @@ class PagedEviction:
         check(spec, self.config, self.cache.cache_allocators)
         with self._lock:
             self.request_specs[request_id] = spec
-
-    def forget_request(self, request_id: str) -> None:
-        with self._lock:
-            self.request_specs.pop(request_id, None)
 
     def _start(self, state) -> RequestCompression | None:
         with self._lock:
@@ -342,6 +355,19 @@ class PagedEviction:
             )
         queries, scaling = info.queries[layer_idx]
         return {"keys": keys, "queries": queries, "scaling": scaling}
+
+
+def set_request_spec(cb_config, request_id: str, spec: CompressSpec | None) -> None:
+    """Before request `request_id` is queued on a manager built from `cb_config`: it keeps its prompt by `spec`
+    (None: it is not compressed) instead of the config's `kv_compress`."""
+    with _LOCK:
+        request_specs(cb_config)[request_id] = spec
+
+
+def forget_request_spec(cb_config, request_id: str) -> None:
+    """A request that was refused or cancelled before it started."""
+    with _LOCK:
+        request_specs(cb_config).pop(request_id, None)
 
 
 def token_rows(allocator, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

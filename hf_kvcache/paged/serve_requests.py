@@ -87,9 +87,10 @@ def check_body(body, endpoint: str) -> None:
             raise RequestRejected(f"`prompt` must be a non-empty string, got {prompt!r}", "prompt")
 
 
-def checked_handler(aliases: dict[str, str] | None = None):
-    """A wrapper for `handle_request(body, request_id)` of transformers' handlers: check_body first, and a
-    `model` named by one of `aliases` (e.g. 'smollm2') renamed to the model the server holds."""
+def checked_handler(aliases: dict[str, str] | None = None, compression=None):
+    """A wrapper for `handle_request(body, request_id)` of transformers' handlers: check_body first, a `model` named
+    by one of `aliases` (e.g. 'smollm2') renamed to the model the server holds, and the request's `kv_compress` field
+    taken by `compression` (hf_kvcache.paged.serve_compression.ServerCompression; None: the field is refused)."""
     aliases = aliases or {}
 
     def wrap(handle_request, endpoint: str):
@@ -97,42 +98,65 @@ def checked_handler(aliases: dict[str, str] | None = None):
             check_body(body, endpoint)
             if body.get("model") in aliases:
                 body["model"] = aliases[body["model"]]
-            return await handle_request(body, request_id)
+            if compression is not None:
+                compression.take(body, request_id)
+            elif "kv_compress" in body:
+                raise RequestRejected("`kv_compress`: this server does not evict (no --kv-compress)", "kv_compress")
+            try:
+                return await handle_request(body, request_id)
+            except BaseException:
+                if compression is not None:
+                    compression.forget(request_id)
+                raise
 
         return handle
 
     return wrap
 
 
-def admit(manager, limit: int, label: str) -> None:
+def admit(manager, limit: int, label: str, compression=None) -> None:
     """Refuse (RequestRejected, code 'context_length_exceeded') requests needing more than `limit` tokens of pages;
-    `label` says what holds them (e.g. '64 MiB of fp8_e4m3 pages')."""
+    `label` says what holds them (e.g. '64 MiB of fp8_e4m3 pages'). With prompt eviction (`compression`, a
+    ServerCompression) a request needs its peak: its prompt while it prefills, then what it keeps + max_tokens."""
     add_request = manager.add_request
+    cancel_request = manager.cancel_request
 
     def checked_add_request(input_ids, *args, max_new_tokens=None, **kwargs):
+        request_id = kwargs.get("request_id", args[0] if args else None)
         new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        need = len(input_ids) + (new or 0)
+        prompt = len(input_ids)
+        kept = prompt if compression is None else compression.kept(request_id, prompt)
+        need = max(prompt, kept + (new or 0))
         if need > limit:
-            forget_result_handler(manager, kwargs.get("request_id", args[0] if args else None))
+            forget_result_handler(manager, request_id)
+            if compression is not None:
+                compression.forget(request_id)
+            after = f", {kept} kept after kv_compress," if kept < prompt else ""
             raise RequestRejected(
-                f"this request needs {need} tokens of KV cache (a {len(input_ids)}-token prompt + max_tokens {new}), "
+                f"this request needs {need} tokens of KV cache (a {prompt}-token prompt{after} + max_tokens {new}), "
                 f"but the server's KV memory ({label}) holds at most {limit} tokens for one request: shorten the "
                 f"prompt or lower `max_tokens`",
-                "max_tokens" if len(input_ids) < limit else "messages",
+                "max_tokens" if prompt < limit else "messages",
                 "context_length_exceeded",
             )
         return add_request(input_ids, *args, max_new_tokens=max_new_tokens, **kwargs)
 
+    def checked_cancel_request(request_id, *args, **kwargs):
+        if compression is not None:
+            compression.forget(request_id)  # (a request cancelled before its first forward)
+        return cancel_request(request_id, *args, **kwargs)
+
     manager.add_request = checked_add_request
+    manager.cancel_request = checked_cancel_request
 
 
-def admitting(model, limit: int, label: str) -> None:
+def admitting(model, limit: int, label: str, compression=None) -> None:
     """Every continuous-batching manager `model` starts from now on refuses requests too long for `limit` (admit)."""
     start = model.init_continuous_batching
 
     def init_continuous_batching(*args, **kwargs):
         manager = start(*args, **kwargs)
-        admit(manager, limit, label)
+        admit(manager, limit, label, compression)
         return manager
 
     model.init_continuous_batching = init_continuous_batching

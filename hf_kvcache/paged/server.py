@@ -9,8 +9,9 @@ KV memory budget. Nothing here is a second HTTP server: hf_kvcache.integration.s
   gets);
 - **admission and checks** (hf_kvcache.paged.serve_requests): HTTP 400 naming the field for bad values, and for a
   request that needs more pages than the memory holds;
-- **GET /v1/kv_cache**: the format, the pages held by requests and in all, requests holding pages and waiting
-  (what the load tests and `eval/bench_serve_http.py` read).
+- **prompt eviction** (`--kv-compress`, a request's `kv_compress` field: hf_kvcache.paged.serve_compression);
+- **GET /v1/kv_cache**: the format, the pages held by requests and in all, requests holding pages and waiting, and
+  what eviction did (what the load tests and `eval/bench_serve_http.py` read).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from ..integration.continuous_batching import (
     pages_in_use,
     request_counts,
 )
+from . import compress_spec, eviction
 from .cache import QuantizedPagedAttentionCache, install
+from .serve_compression import ServerCompression
 from .serve_requests import RequestRejected, admitting, checked_handler
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
@@ -106,10 +109,12 @@ def plan_memory(
     )
 
 
-def kv_cache_state(serve, plan: MemoryPlan) -> dict:
+def kv_cache_state(serve, plan: MemoryPlan, compression: ServerCompression | None = None) -> dict:
     """GET /v1/kv_cache: the plan, and (once the first request started continuous batching) the pages held by
     requests and in all, the requests holding pages and waiting, and how attention reads the pages ("codes",
-    "dequantize" or "model": QuantizedPagedAttentionCache.attention_path)."""
+    "dequantize" or "model": QuantizedPagedAttentionCache.attention_path). With --kv-compress: the server's default
+    (`kv_compress`) and what eviction did so far (`eviction`: requests whose prompt ended, of them compressed, tokens
+    prefilled, tokens kept, pages freed: hf_kvcache.paged.eviction.EvictionStats)."""
     state = {
         "kv_cache_dtype": plan.kv_dtype,
         "page_size": plan.page_size,
@@ -121,6 +126,8 @@ def kv_cache_state(serve, plan: MemoryPlan) -> dict:
         "requests_active": 0,
         "requests_waiting": 0,
         "attention_path": None,
+        "kv_compress": None if compression is None else compression.label(),
+        "eviction": None,
     }
     manager = serving.running_manager(serve)
     processor = None if manager is None else batch_processor(manager)
@@ -135,10 +142,13 @@ def kv_cache_state(serve, plan: MemoryPlan) -> dict:
             requests_waiting=waiting,
             attention_path=getattr(processor.cache, "attention_path", "model"),
         )
+        evicting = getattr(processor.cache, "eviction", None)
+        if evicting is not None:
+            state["eviction"] = evicting.stats.to_dict()
     return state
 
 
-def add_routes(serve, plan: MemoryPlan) -> None:
+def add_routes(serve, plan: MemoryPlan, compression: ServerCompression | None = None) -> None:
     """Our error shape for RequestRejected and GET /v1/kv_cache on the server's FastAPI app."""
     from fastapi.responses import JSONResponse
 
@@ -148,7 +158,8 @@ def add_routes(serve, plan: MemoryPlan) -> None:
         return JSONResponse(error.payload(), status_code=400)
 
     app.add_exception_handler(RequestRejected, rejected)
-    app.add_api_route("/v1/kv_cache", lambda: JSONResponse(kv_cache_state(serve, plan)), methods=["GET"])
+    state = lambda: JSONResponse(kv_cache_state(serve, plan, compression))  # noqa: E731
+    app.add_api_route("/v1/kv_cache", state, methods=["GET"])
 
 
 def build_server(
@@ -159,18 +170,30 @@ def build_server(
     page_size: int = DEFAULT_PAGE_SIZE,
     serve_options: dict | None = None,
     alias: str | None = None,
+    kv_compress=None,
 ):
     """transformers' server for `model_path` with `kv_dtype` pages in `kv_memory` bytes, wired and not started:
     (serve, plan). `serving.run(serve)` serves. Requests may name the model `alias` (e.g. 'smollm2') as well as
-    `model_path`."""
+    `model_path`. `kv_compress` (hf_kvcache.paged.compress_spec; "none": only requests that ask; None: no eviction)
+    evicts prompt tokens at the end of each prefill (hf_kvcache.paged.serve_compression)."""
     PagedKVSpec.from_fields(kv_dtype, options)  # bad settings fail before the model loads
+    default = compress_spec.parse(kv_compress, "--kv-compress")
     install()
     serve = serving.build_serve(force_model=model_path, cb_num_blocks=1, **(serve_options or {}))
     model = serving.served_model(serve)
     plan = plan_memory(model, kv_memory, kv_dtype, options, page_size)
-    page_config(kv_dtype, options, page_size, plan.num_blocks, base=serving.continuous_batching_config(serve))
+    cb_config = serving.continuous_batching_config(serve)
+    page_config(kv_dtype, options, page_size, plan.num_blocks, base=cb_config)
+    compression = None
+    if kv_compress is not None:
+        try:
+            eviction.check_model(default, model.config.get_text_config())
+        except ValueError as error:
+            raise ValueError(f"--kv-compress: {error}") from None
+        setattr(cb_config, compress_spec.FIELD, compress_spec.NONE if default is None else default.to_dict())
+        compression = ServerCompression(cb_config, default, model.config.get_text_config())
     label = f"{kv_memory / 2**20:,.1f} MiB of {kv_dtype if kv_dtype != 'model' else plan.model_dtype} pages"
-    admitting(model, plan.tokens, label)
-    serving.wrap_handlers(serve, checked_handler({alias: model_path} if alias else None))
-    add_routes(serve, plan)
+    admitting(model, plan.tokens, label, compression)
+    serving.wrap_handlers(serve, checked_handler({alias: model_path} if alias else None, compression))
+    add_routes(serve, plan, compression)
     return serve, plan
