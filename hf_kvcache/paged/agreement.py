@@ -42,6 +42,7 @@ class LogitsRecorder:
         self.bytes_in_use: list[int] = []
         self.steps: list[ForwardRecord] = []
         self.cache_facts: dict = {}
+        self.eviction_stats = None  # the cache's prompt eviction totals (hf_kvcache.paged.eviction), if it evicts
 
     def _note_cache(self, cache) -> None:
         allocator = next(iter(cache.cache_allocators.values()))
@@ -49,6 +50,8 @@ class LogitsRecorder:
         total = cache.num_sectors * cache.bytes_per_sector
         self.bytes_in_use.append(int(total - cache.compute_free_capacity(relative=False)))
         if not self.cache_facts:
+            evicting = getattr(cache, "eviction", None)
+            self.eviction_stats = None if evicting is None else evicting.stats
             self.cache_facts = {
                 "cache_class": type(cache).__name__,
                 "kv_bytes": int(total),

@@ -78,6 +78,12 @@ def add_serve_bench_command(sub) -> None:
         help="page formats, 'model' first (default %(default)s); FORMAT:hadamard / FORMAT:none sets the "
         "key rotation (default: hadamard for FP8 and INT4, none for INT8)",
     )
+    p.add_argument(
+        "--kv-compress",
+        default=",".join(d.kv_compress),
+        help="prompt eviction settings each format runs with, 'none' first (e.g. none,keydiff:0.75,0.75: "
+        "hf_kvcache.paged.compress_spec; default %(default)s)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per page (default {d.page_size})")
     p.add_argument(
         "--max-batch-tokens",
@@ -128,6 +134,7 @@ def _serve_bench_cli(args) -> int:
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
         formats=tuple(f.strip() for f in args.formats.split(",")),
+        kv_compress=tuple(c.strip() for c in args.kv_compress.split(",")),
         kl_requests=args.kl_requests,
         rounds=args.rounds,
         seed=args.seed,

@@ -1,8 +1,9 @@
 """What `hf-kvcache serve-bench` reports from its runs: the one-line text of a run, the summary (ratios to
 model-dtype pages), the files, and the summary's text.
 
-`summarize(runs, settings)`: per quantized format and budget scale, ratios to the model-dtype run at the same budget
-and round, medians over rounds (keys `FORMAT@xSCALE`: memory_bound, concurrency_ratio, steady_peak_ratio,
+`summarize(runs, settings)`: per run configuration (format, and prompt eviction unless none: `RUN` = "fp8_e4m3" or
+"fp8_e4m3+keydiff:0.75") and budget scale, ratios to the model-dtype run without eviction at the same budget and
+round, medians over rounds (keys `RUN@xSCALE`: memory_bound, concurrency_ratio, steady_peak_ratio,
 whole_run_peak_ratio, pages_ratio, tokens_per_s_ratio, ttft_mean_ratio, kl_mean). Runs are the rows of
 hf_kvcache.paged.serve_runner.run_serve_bench (one per round, budget and format).
 
@@ -16,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .serve_workload import ServeBenchSettings
+from .serve_workload import ServeBenchSettings, configurations, run_label
 
 
 def steady_text(row: dict) -> str:
@@ -33,7 +34,8 @@ def steady_text(row: dict) -> str:
 def run_line(row: dict, kl_requests: int) -> str:
     """The progress line of one run."""
     return (
-        f"round {row['round']} budget x{row['budget_scale']} {row['format']}: {steady_text(row)}; whole-run "
+        f"round {row['round']} budget x{row['budget_scale']} {row.get('run', row['format'])}: {steady_text(row)}; "
+        f"whole-run "
         f"peak {row['peak_concurrent_requests']} ({row['peak_admission_limit']} at the peak)"
         f", {row['tokens_per_s']:.1f} tok/s, ttft {row['ttft_mean_s']:.2f}s"
         + (f", KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}" if "kl_mean" in row else "")
@@ -45,11 +47,12 @@ def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
     """Ratios to model-dtype pages at the same budget and round, then medians over rounds. The concurrency ratio is
     that of the mean requests resident at the memory-bound forwards of the steady state (None unless both runs
     reached one in every round: `memory_bound`); the steady state's peak and the whole run's peak are given too."""
-    by_key = {(r["round"], r["budget_scale"], r["format"]): r for r in runs}
+    by_key = {(r["round"], r["budget_scale"], r.get("run", r["format"])): r for r in runs}
     summary = {}
-    for fmt in settings.formats[1:]:
+    for fmt, compress in configurations(settings)[1:]:
+        label = run_label(fmt, compress)
         for scale in settings.budget_scales:
-            pairs = [(by_key[(i, scale, "model")], by_key[(i, scale, fmt)]) for i in range(settings.rounds)]
+            pairs = [(by_key[(i, scale, "model")], by_key[(i, scale, label)]) for i in range(settings.rounds)]
             memory_bound = all(base["steady_measured"] and run["steady_measured"] for base, run in pairs)
 
             def ratio(key, require_steady=False, pairs=pairs, memory_bound=memory_bound):
@@ -57,7 +60,7 @@ def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
                     return None
                 return statistics.median(run[key] / base[key] for base, run in pairs)
 
-            summary[f"{fmt}@x{scale}"] = {
+            summary[f"{label}@x{scale}"] = {
                 "memory_bound": memory_bound,
                 "concurrency_ratio": ratio("steady_mean_concurrent_requests", True),
                 "steady_peak_ratio": ratio("steady_peak_concurrent_requests", True),
@@ -65,9 +68,19 @@ def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
                 "pages_ratio": ratio("num_blocks"),
                 "tokens_per_s_ratio": ratio("tokens_per_s"),
                 "ttft_mean_ratio": ratio("ttft_mean_s"),
+                "itl_mean_ratio": ratio("itl_mean_s") if all(r["itl_mean_s"] for p in pairs for r in p) else None,
                 "kl_mean": statistics.median(run["kl_mean"] for _, run in pairs),
+                "tokens_kept_share": _kept_share(pairs),
             }
     return summary
+
+
+def _kept_share(pairs) -> float | None:
+    """Prompt tokens kept / prefilled by eviction over the runs (None without eviction)."""
+    runs = [run for _, run in pairs if run.get("eviction_tokens_prefilled")]
+    if not runs:
+        return None
+    return sum(r["eviction_tokens_kept"] for r in runs) / sum(r["eviction_tokens_prefilled"] for r in runs)
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -83,7 +96,10 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(
             f"{key}: {concurrency}, whole-run peak x{row['whole_run_peak_ratio']:.2f}, pages "
             f"x{row['pages_ratio']:.2f}, tokens/s x{row['tokens_per_s_ratio']:.2f}, "
-            f"TTFT x{row['ttft_mean_ratio']:.2f}, KL {row['kl_mean']:.2e}"
+            f"TTFT x{row['ttft_mean_ratio']:.2f}"
+            + (f", ITL x{row['itl_mean_ratio']:.2f}" if row.get("itl_mean_ratio") else "")
+            + f", KL {row['kl_mean']:.2e}"
+            + (f", prompt kept {row['tokens_kept_share']:.0%}" if row.get("tokens_kept_share") else "")
         )
     for name, row in (result["quantized_fp8_cache_kl_same_text"] or {}).items():
         lines.append(f"{name}, same text: KL {row['kl_mean']:.2e}, top-1 {row['top1_agreement']:.3f}")
@@ -112,8 +128,11 @@ def write_results(result: dict, out: str) -> list[str]:
         writer.writerows(runs)
     settings = result["settings"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for fmt in settings["formats"]:
-        rows = sorted((r for r in runs if r["format"] == fmt and r["round"] == 0), key=lambda r: r["kv_bytes"])
+    labels = dict.fromkeys(r.get("run", r["format"]) for r in runs)
+    for fmt in labels:
+        rows = sorted(
+            (r for r in runs if r.get("run", r["format"]) == fmt and r["round"] == 0), key=lambda r: r["kv_bytes"]
+        )
         mib = [r["kv_bytes"] / 2**20 for r in rows]
         (line,) = ax.plot(
             mib,

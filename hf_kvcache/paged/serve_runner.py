@@ -1,8 +1,9 @@
 """The runs of `hf-kvcache serve-bench`: continuous batching (`model.generate_batch`) per page format and KV memory
 budget, in one interleaved sweep, and what each run measured.
 
-Protocol (`run_serve_bench`): for every budget, the formats run one after the other (model-dtype first: it is the
-reference), and the budgets follow each other (`rounds` repeats the whole sweep). The reference run is greedy with
+Protocol (`run_serve_bench`): for every budget, the formats (each with every `kv_compress` setting: prompt eviction,
+hf_kvcache.paged.eviction) run one after the other (model-dtype pages without eviction first: it is the reference),
+and the budgets follow each other (`rounds` repeats the whole sweep). The reference run is greedy with
 an end-of-sequence token forced at each request's generation length; the quantized runs are teacher-forced to the
 reference tokens (hf_kvcache.paged.agreement), so every format processes the same tokens and KL / top-1 compare
 the same positions (hf_kvcache.paged.serve_kl). A run that does not follow the reference tokens, or a request that
@@ -44,7 +45,14 @@ from .agreement import record_logits
 from .concurrency import steady_state
 from .serve_kl import agreement_metrics, quantized_cache_kl
 from .serve_report import run_line, summarize
-from .serve_workload import ServeBenchSettings, continuous_batching_config, make_workload, parse_format
+from .serve_workload import (
+    ServeBenchSettings,
+    configurations,
+    continuous_batching_config,
+    make_workload,
+    parse_format,
+    run_label,
+)
 
 
 def run_once(model, prompts, generation_config, cb_config, force) -> dict:
@@ -103,7 +111,14 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
         "itl_mean_s": statistics.fmean(itl) if itl else None,
         "itl_p50_s": statistics.median(itl) if itl else None,
         **rec.cache_facts,
+        **_eviction_facts(rec),
     }
+
+
+def _eviction_facts(rec) -> dict:
+    """What prompt eviction did in the run (hf_kvcache.paged.eviction.EvictionStats), empty without it."""
+    stats = rec.eviction_stats
+    return {} if stats is None else {f"eviction_{k}": v for k, v in stats.to_dict().items()}
 
 
 def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
@@ -128,9 +143,10 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
     for round_index in range(settings.rounds):
         for scale in settings.budget_scales:
             budget = int(settings.budget_tokens * scale)
-            for fmt in settings.formats:
+            for fmt, compress in configurations(settings):
                 kv_dtype, options = parse_format(fmt)
-                cb = continuous_batching_config(settings, budget, kv_dtype, options)
+                label = run_label(fmt, compress)
+                cb = continuous_batching_config(settings, budget, kv_dtype, options, compress)
                 if reference_tokens is None:
                     force = end_forcing
                 else:
@@ -140,8 +156,15 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
                 if first:
                     reference_tokens, reference_logprobs = result["tokens"], result["logprobs"]
                 elif result["tokens"] != reference_tokens:
-                    raise RuntimeError(f"format {fmt}: the teacher-forced run did not follow the reference tokens")
-                row = {"round": round_index, "budget_scale": scale, "budget_tokens_model_dtype": budget, "format": fmt}
+                    raise RuntimeError(f"run {label}: the teacher-forced run did not follow the reference tokens")
+                row = {
+                    "round": round_index,
+                    "budget_scale": scale,
+                    "budget_tokens_model_dtype": budget,
+                    "format": fmt,
+                    "kv_compress": compress,
+                    "run": label,
+                }
                 row.update({k: v for k, v in result.items() if k not in ("tokens", "logprobs")})
                 if not first:  # model-dtype runs at other budgets batch differently: their KL is the noise floor
                     row.update(agreement_metrics(reference_logprobs, result["logprobs"], settings.kl_requests))

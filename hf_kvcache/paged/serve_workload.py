@@ -1,7 +1,8 @@
 """What `hf-kvcache serve-bench` runs: its settings (validated), the page formats, the requests, and the
 continuous-batching config of one run.
 
-Workload: `requests` prompts cut from the offline corpus (pydoc topics) at distinct offsets, with prompt lengths
+Workload: `requests` prompts cut from the offline corpus (pydoc topics) at distinct offsets (overlapping windows
+when the corpus is shorter than requests x the longest prompt), with prompt lengths
 and generation lengths drawn (seeded) from [prompt_min, prompt_max] and [new_min, new_max]. All requests are
 submitted at once; the KV memory budget is `budget_tokens` tokens of the whole model in the model's dtype
 (`num_blocks = budget_tokens / page_size`, so every format gets the same bytes: quantized pages hold more tokens).
@@ -17,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from ..common.rotation import ROTATIONS
+from .compress_spec import parse as parse_compression
 from .spec import ATTENTION_PATHS, KV_DTYPES, PagedKVSpec
 
 SCALE_DTYPE_NAMES = ("bfloat16", "float16", "float32", "e8m0")
@@ -41,6 +43,8 @@ class ServeBenchSettings:
     page_size: int = 16
     max_batch_tokens: int = 1024
     formats: tuple[str, ...] = DEFAULT_FORMATS
+    # prompt eviction of each format's runs (hf_kvcache.paged.compress_spec): "none" first (the reference)
+    kv_compress: tuple[str, ...] = ("none",)
     kl_requests: int = 8
     rounds: int = 1
     seed: int = 0
@@ -74,6 +78,10 @@ class ServeBenchSettings:
             raise ValueError(f"`formats` must start with 'model' (the reference run), got {self.formats!r}.")
         for fmt in self.formats:
             parse_format(fmt)
+        if not self.kv_compress or self.kv_compress[0] != "none":
+            raise ValueError(f"`kv_compress` must start with 'none' (the reference run), got {self.kv_compress!r}.")
+        for value in self.kv_compress:
+            parse_compression(value, "--kv-compress")
         if not self.budget_scales or any(not s > 0 for s in self.budget_scales) or 1.0 not in self.budget_scales:
             raise ValueError(f"`budget_scales` must be positive and include 1.0, got {self.budget_scales!r}.")
         for scale in self.budget_scales:  # whole pages only: a budget is never rounded to fit
@@ -119,8 +127,14 @@ def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[in
     from ..evaluation.corpus import load_tokens
 
     rng = random.Random(settings.seed)
-    stride = settings.prompt_max + 64
-    ids = load_tokens(tokenizer, max_tokens=stride * settings.requests)[0].tolist()
+    ids = load_tokens(tokenizer)[0].tolist()
+    # apart by the longest prompt and a margin where the corpus is long enough; otherwise spread evenly over it
+    # (long prompts then overlap: each request still starts at its own offset)
+    stride = min(settings.prompt_max + 64, (len(ids) - settings.prompt_max) // settings.requests)
+    if stride < 1:
+        raise ValueError(
+            f"`prompt_max` ({settings.prompt_max}) x `requests` ({settings.requests}): the corpus has {len(ids)} tokens"
+        )
     prompts, lengths = [], []
     for i in range(settings.requests):
         n = rng.randint(settings.prompt_min, settings.prompt_max)
@@ -129,9 +143,22 @@ def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[in
     return prompts, lengths
 
 
-def continuous_batching_config(settings: ServeBenchSettings, budget_tokens: int, kv_dtype: str, options: dict):
+def run_label(fmt: str, compress: str) -> str:
+    """A run's name: its page format, and its prompt eviction unless "none" (e.g. "fp8_e4m3+keydiff:0.75")."""
+    return fmt if compress == "none" else f"{fmt}+{compress}"
+
+
+def configurations(settings: ServeBenchSettings) -> list[tuple[str, str]]:
+    """(format, kv_compress) of every run at a budget, the reference ("model", "none") first."""
+    return [(fmt, compress) for fmt in settings.formats for compress in settings.kv_compress]
+
+
+def continuous_batching_config(
+    settings: ServeBenchSettings, budget_tokens: int, kv_dtype: str, options: dict, compress: str = "none"
+):
     """transformers' ContinuousBatchingConfig of one run: `budget_tokens` model-dtype tokens of pages (the same
-    bytes for every format), `kv_dtype` pages with `options` (parse_format), no block sharing, no async batching."""
+    bytes for every format), `kv_dtype` pages with `options` (parse_format), prompt eviction `compress`, no block
+    sharing, no async batching."""
     from ..integration.continuous_batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(
@@ -144,4 +171,6 @@ def continuous_batching_config(settings: ServeBenchSettings, budget_tokens: int,
     )
     cb.kv_cache_dtype = kv_dtype
     cb.kv_cache_quantization = options or None
+    if compress != "none":
+        cb.kv_compress = compress
     return cb
