@@ -143,3 +143,33 @@ def test_serve_without_the_serving_extra_says_what_to_install(monkeypatch, capsy
     monkeypatch.setattr(serve_command, "SERVING_PACKAGES", ("fastapi", "no_such_serving_package"))
     assert main(["serve", "--kv-memory", "1MiB"]) == 2
     assert "needs ['no_such_serving_package']: pip install 'hf-kvcache[serving]'" in capsys.readouterr().err
+
+
+def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
+    """With prompt eviction a request needs max(prompt, kept + max_tokens): a 80-token prompt keeping 20 fits 70 new
+    tokens in 100, uncompressed it would not; a request asking for none needs its whole length; a prompt over the
+    limit is refused whatever it keeps."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from hf_kvcache.paged.compress_spec import parse
+    from hf_kvcache.paged.serve_compression import ServerCompression
+
+    cb = ContinuousBatchingConfig()
+    compression = ServerCompression(cb, parse("knorm:0.75"), model_config=None)
+    manager = FakeManager()
+    manager.cancel_request = lambda request_id: None
+    admit(manager, limit=100, label="1 MiB of int8 pages", compression=compression)
+    assert manager.add_request(list(range(80)), request_id="a", max_new_tokens=70) == "a"
+    from hf_kvcache.paged import eviction
+
+    eviction.set_request_spec(cb, "b", None)
+    with pytest.raises(RequestRejected, match=r"needs 150 tokens of KV cache \(a 80-token prompt \+ max_tokens 70\)"):
+        manager.add_request(list(range(80)), request_id="b", max_new_tokens=70)
+    assert "b" not in eviction.request_specs(cb)  # a refused request's spec is forgotten
+    with pytest.raises(
+        RequestRejected, match=r"needs 120 tokens of KV cache \(a 120-token prompt, 30 kept after kv_compress,"
+    ):
+        manager.add_request(list(range(120)), request_id="c", max_new_tokens=4)
+    eviction.set_request_spec(cb, "d", parse("knorm:0.5"))
+    manager.cancel_request("d")
+    assert "d" not in eviction.request_specs(cb)

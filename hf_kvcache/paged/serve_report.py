@@ -68,7 +68,7 @@ def summarize(runs: list[dict], settings: ServeBenchSettings) -> dict:
                 "pages_ratio": ratio("num_blocks"),
                 "tokens_per_s_ratio": ratio("tokens_per_s"),
                 "ttft_mean_ratio": ratio("ttft_mean_s"),
-                "itl_mean_ratio": ratio("itl_mean_s") if all(r["itl_mean_s"] for p in pairs for r in p) else None,
+                "itl_mean_ratio": ratio("itl_mean_s") if all(r.get("itl_mean_s") for p in pairs for r in p) else None,
                 "kl_mean": statistics.median(run["kl_mean"] for _, run in pairs),
                 "tokens_kept_share": _kept_share(pairs),
             }

@@ -119,7 +119,6 @@ def admit(manager, limit: int, label: str, compression=None) -> None:
     `label` says what holds them (e.g. '64 MiB of fp8_e4m3 pages'). With prompt eviction (`compression`, a
     ServerCompression) a request needs its peak: its prompt while it prefills, then what it keeps + max_tokens."""
     add_request = manager.add_request
-    cancel_request = manager.cancel_request
 
     def checked_add_request(input_ids, *args, max_new_tokens=None, **kwargs):
         request_id = kwargs.get("request_id", args[0] if args else None)
@@ -141,13 +140,15 @@ def admit(manager, limit: int, label: str, compression=None) -> None:
             )
         return add_request(input_ids, *args, max_new_tokens=max_new_tokens, **kwargs)
 
-    def checked_cancel_request(request_id, *args, **kwargs):
-        if compression is not None:
-            compression.forget(request_id)  # (a request cancelled before its first forward)
-        return cancel_request(request_id, *args, **kwargs)
-
     manager.add_request = checked_add_request
-    manager.cancel_request = checked_cancel_request
+    if compression is not None:
+        cancel_request = manager.cancel_request
+
+        def checked_cancel_request(request_id, *args, **kwargs):
+            compression.forget(request_id)  # (a request cancelled before its first forward)
+            return cancel_request(request_id, *args, **kwargs)
+
+        manager.cancel_request = checked_cancel_request
 
 
 def admitting(model, limit: int, label: str, compression=None) -> None:
