@@ -1201,6 +1201,22 @@ CASES: list[Case] = [
         r"`kv_cache_quantization` .* was given but `kv_cache_dtype` is 'model'",
     ),
     cli_case(
+        ["serve", "--kv-compress", "magic:0.5"],
+        r"`--kv-compress\.method` must be one of \('kvzap', 'snapkv', 'keydiff', 'knorm', 'sink_window'\), got 'magic'",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", "keydiff:1"],
+        r"`--kv-compress\.ratio` \(the share of the prompt evicted\) must be a number in \[0, 1\), got 1\.0",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", '{"ratio": 0.5, "speed": 2}'],
+        r"`--kv-compress` has unknown keys \['speed'\]; allowed keys are \('method', 'ratio'",
+    ),
+    cli_case(
+        ["serve-bench", "--kv-compress", "keydiff:0.5"],
+        r"`kv_compress` must start with 'none' \(the reference run\), got \('keydiff:0\.5',\)",
+    ),
+    cli_case(
         ["serve", "--typical-request-tokens", "0"],
         r"argument --typical-request-tokens: expected a positive "
         r"integer, got 0",
