@@ -15,6 +15,8 @@ Measured per run:
 Ratios are to model-dtype pages of the same round, then the median over rounds.
 
     python eval/bench_serve_http.py                                  # the committed run (SmolLM2 bf16, CPU)
+    python eval/bench_serve_http.py --formats model,model+keydiff:0.75,fp8_e4m3,fp8_e4m3+keydiff:0.75 \
+        --prompt-tokens 1000-2000 --new-tokens 8-32 --out eval/results/serve_http.compress   # prompt eviction
     python eval/bench_serve_http.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --kv-memory 2GiB \
         --requests 512 --clients 128 --prompt-tokens 500-3000 --new-tokens 64-256      # a GPU run
 
@@ -206,7 +208,8 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--formats",
         default="model,fp8_e4m3,int8",
-        help="page formats, model first, as serve-bench's (fp8_e4m3:dequantize: the gather path; default %(default)s)",
+        help="page formats, model first, as serve-bench's (fp8_e4m3:dequantize: the gather path), each with "
+        "+KV_COMPRESS for prompt eviction (fp8_e4m3+keydiff:0.75: --kv-compress; default %(default)s)",
     )
     p.add_argument("--kv-memory", default="64MiB", help="KV memory of every server (default %(default)s)")
     p.add_argument("--page-size", type=int, default=32, help="tokens per page (--cb-block-size; default 32)")
@@ -258,10 +261,13 @@ def main(argv=None) -> dict:
     servers = {}
     try:
         for fmt in formats:
-            kv_dtype, options = parse_format(fmt)  # e.g. fp8_e4m3:dequantize: the gather-and-dequantize path
+            pages, _, compress = fmt.partition("+")  # e.g. fp8_e4m3+keydiff:0.75: prompt eviction too
+            kv_dtype, options = parse_format(pages)  # e.g. fp8_e4m3:dequantize: the gather-and-dequantize path
             page_format = ["--kv-cache-dtype", kv_dtype]
             if options:
                 page_format += ["--kv-cache-quantization", json.dumps(options)]
+            if compress:
+                page_format += ["--kv-compress", compress]
             servers[fmt] = ServerProcess(path, *page_format, *common, start_timeout=600, request_timeout=1800)
         warm = [{"prompt": "Hello", "max_tokens": 4}]
         for fmt in formats:
