@@ -542,13 +542,69 @@ def serving() -> str:
             + "\n\n"
             + _source(path)
         )
+    path = RESULTS / "serve_bench.compress.json"
+    if path.exists():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        settings = data["settings"]
+        body = [
+            [
+                key,
+                _num(v["concurrency_ratio"]),
+                _num(v["steady_peak_ratio"]),
+                _num(v["pages_ratio"]),
+                _num(v.get("tokens_kept_share")),
+                _num(v["tokens_per_s_ratio"]),
+                _num(v["ttft_mean_ratio"]),
+                _num(v.get("itl_mean_ratio")),
+                _num(v["kl_mean"], 4),
+            ]
+            for key, v in data["summary"].items()
+        ]
+        parts.append(
+            "Prompt eviction in continuous batching (`kv_compress`, `hf-kvcache serve-bench --kv-compress`): "
+            f"{settings['requests']} requests with prompts of {settings['prompt_min']}-{settings['prompt_max']} "
+            f"tokens and {settings['new_min']}-{settings['new_max']} new tokens, {settings['budget_tokens']} tokens of "
+            f"model-dtype pages (page {settings['page_size']}); ratios to model-dtype pages without eviction in the "
+            "same run; `kept` is the share of the prompts' tokens kept.\n\n"
+            + _table(
+                [
+                    "run @ budget",
+                    "mean concurrent requests",
+                    "its peak",
+                    "pages",
+                    "kept",
+                    "tokens/s",
+                    "TTFT",
+                    "inter-token latency",
+                    "KL",
+                ],
+                body,
+            )
+            + "\n\n"
+            + _source(path)
+        )
+    path = RESULTS / "ruler_http" / "cells.json"
+    if path.exists():
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        body = [
+            [c["kv_compress"], c["task"], str(c["context_len"]), str(c["n"]), _num(c["score"]), _ci(c["ci95"])]
+            for c in cells
+        ]
+        parts.append(
+            "Needle tasks through `hf-kvcache serve`'s HTTP API (`eval/ruler_http.py`: the board's samples as "
+            "completion prompts, each request naming its `kv_compress`; the whole prompt is compressed at the end of "
+            "its prefill).\n\n"
+            + _table(["kv_compress", "task", "length", "n", "score", "95% interval"], body)
+            + "\n\n"
+            + _source(path)
+        )
     parts.append(
         "`hf-kvcache serve` through HTTP (`eval/bench_serve_http.py`): the same streamed chat requests from concurrent "
         "clients to one server per page format at one KV memory; concurrency is the mean of the requests holding "
         "pages where requests waited; ratios to model-dtype pages (`:dequantize`: FP8 pages on the gather-and-"
         "dequantize path, attention otherwise reads the codes)."
     )
-    for name in ("serve_http.json", "serve_http.decode_heavy.json"):
+    for name in ("serve_http.json", "serve_http.decode_heavy.json", "serve_http.compress.json"):
         path = RESULTS / name
         if not path.exists():
             continue
@@ -574,6 +630,10 @@ def serving() -> str:
             + _source(path)
         )
     return "\n\n".join(parts)
+
+
+def _ci(interval) -> str:
+    return f"[{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def demo() -> str:

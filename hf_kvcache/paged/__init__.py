@@ -10,7 +10,9 @@ steady state), `serve_bench` (`hf-kvcache serve-bench`: the command) with `serve
 requests), `serve_runner` (the interleaved runs), `serve_kl` (KL of quantized pages) and `serve_report` (summary,
 files); `server` (`hf-kvcache serve`: transformers' HTTP server with these pages, sized from a KV memory) with
 `serve_requests` (what it refuses with HTTP 400) and `serve_process` (the server in a subprocess, for tests and
-eval/bench_serve_http.py).
+eval/bench_serve_http.py). Prompt eviction (`kv_compress`): `compress_spec` (what a request keeps), `prompt_scores`
+(the scorers' per-token scores on a prompt as the pages hold it), `eviction` (the compaction inside continuous
+batching) and `serve_compression` (the server's default and a request's own setting).
 """
 
 from ..integration.versions import UnsupportedTransformersError
