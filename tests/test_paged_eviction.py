@@ -242,3 +242,19 @@ def test_start_up_errors_name_the_field():
 
 def test_the_transformers_internals_eviction_relies_on_hold():
     assert problem(EVICTION) is None
+
+
+def test_requests_preempted_after_eviction_restart_and_finish(model):
+    """In a memory too small for every request's decode, transformers soft-resets some (their prompt + generated
+    tokens prefilled again as a new request): they are compressed again and finish with every token asked."""
+    from hf_kvcache.paged.agreement import record_logits
+
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 67, 23, 90, 55, 31)]
+    generation = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=-1)
+    cb = _cb("knorm:0.75", num_blocks=14, max_batch_tokens=64)
+    with record_logits(model) as rec:
+        out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=cb, warmup=False)
+    assert all(o.error is None and len(o.generated_tokens) == 48 for o in out.values())
+    stats = rec.eviction_stats
+    assert stats.requests > len(prompts) and stats.requests == stats.requests_compressed  # restarts, compressed again
+    assert stats.tokens_prefilled > sum(len(p) for p in prompts)

@@ -151,6 +151,8 @@ class _Current(threading.local):
 _current = _Current()
 _LOCK = threading.Lock()  # guards the request specs (the server's threads write, the generation thread reads)
 _HOOKED = "_hf_kvcache_paged_eviction_hooks"
+#: the methods whose scores need what the prompt's forwards compute (the attention inputs, the queries)
+CAPTURING = ("kvzap", "snapkv")
 
 
 def _route_attention_input(layer_idx: int, hidden: torch.Tensor) -> None:
@@ -166,7 +168,6 @@ class _Capture:
     info: RequestCompression
     start: int  # its first query in the packed batch
     length: int  # its queries
-    last: bool  # the last chunk of its prompt
 
 
 #: the continuous-batching config attribute naming the registry of specs requests asked for (request id -> spec or
@@ -197,12 +198,16 @@ class PagedEviction:
         self.stats = EvictionStats()
         self._captures: list[_Capture] = []
         self._lock = _LOCK
+        # the specs requests named, for a request restarted by a soft reset (a new state prefilled again); pruned
+        # of requests the scheduler no longer holds
+        self._named: dict[str, CompressSpec | None] = {}
+        self._forwards = 0
         # a compacted page no longer holds the tokens its hash names
         cache.allow_block_sharing = cache.use_prefix_sharing = False
         if getattr(cb_config, "use_async_batching", None):
             logger.info("%s: async batching turned off (pages move between two forwards)", FIELD)
         cb_config.use_async_batching = False
-        if cache.device.type != "cpu" and getattr(cb_config, "use_cuda_graph", None) is not False:
+        if torch.device(cache.device).type != "cpu" and getattr(cb_config, "use_cuda_graph", None) is not False:
             logger.info("%s: CUDA graphs turned off (scores are captured during the prompt's forwards)", FIELD)
             cb_config.use_cuda_graph = False
         codes_attention.install()  # snapkv's queries come through the batch attention wrapper
@@ -216,8 +221,11 @@ class PagedEviction:
             self.request_specs[request_id] = spec
 
     def _start(self, state) -> RequestCompression | None:
+        request_id = state.request_id
         with self._lock:
-            spec = self.request_specs.pop(state.request_id, self.default)
+            if request_id in self.request_specs:
+                self._named[request_id] = self.request_specs.pop(request_id)
+        spec = self._named.get(request_id, self.default)
         info = None if spec is None or getattr(state, "num_children", 0) else RequestCompression(spec)
         if spec is not None and info is None:
             logger.warning("%s: request %s is forked (parallel sampling) and keeps its prompt", FIELD, state.request_id)
@@ -236,8 +244,8 @@ class PagedEviction:
             info = getattr(state, STATE_ATTR, None)
             if state.position_offset == length:  # its first forward (or again after a soft reset)
                 info = self._start(state)
-            if info is not None and info.kept is None and self._captures_for(info.spec, future.has_new_token):
-                self._captures.append(_Capture(info, start, length, future.has_new_token))
+            if info is not None and info.kept is None and info.spec.method in CAPTURING:
+                self._captures.append(_Capture(info, start, length))
             shifts.append(0 if info is None else info.shift)
             lengths.append(length)
             start += length
@@ -247,10 +255,6 @@ class PagedEviction:
             positions[:start] += per_token.to(positions.device, positions.dtype, non_blocking=True)
         if any(c.info.spec.method == "kvzap" for c in self._captures):
             self._hook(model)
-
-    @staticmethod
-    def _captures_for(spec: CompressSpec, last: bool) -> bool:
-        return spec.method in ("kvzap", "snapkv")
 
     def _hook(self, model) -> None:
         modules = [module for _, module in attention_modules(model)]
@@ -290,6 +294,11 @@ class PagedEviction:
         """Compress the requests whose prompt this forward ended (before transformers reads the new tokens)."""
         _current.eviction = None
         self._captures = []
+        self._forwards += 1
+        if self._named and self._forwards % 256 == 0:
+            scheduler = processor.scheduler
+            held = set(scheduler.active_requests) | set(scheduler.waiting_requests)
+            self._named = {rid: spec for rid, spec in self._named.items() if rid in held}
         for future in processor.inputs_and_outputs.requests_in_batch:
             state = future.state
             if not future.has_new_token or state.generated_len() != 0:
