@@ -14,6 +14,7 @@ cannot rot between lent GPUs.
 - FP8 conversion and integer (quanto) packing on the device produce the CPU's codes;
 - FP8 pages in `generate_batch` equal QuantizedFP8Cache run one request at a time (teacher-forced);
 - FP8 / INT8 pages attending straight from their codes (the Triton paged kernel) equal the dequantize path;
+- prompt eviction in `generate_batch` (model-dtype and FP8 pages) compresses every request and gives its pages back;
 - compiled decode (`reduce-overhead`: CUDA graphs; on CPU dynamo's eager backend) of the fixed-budget caches compiles
   no graph after its warm-up.
 """
@@ -253,6 +254,25 @@ def test_paged_attention_from_codes_equals_the_dequantize_path(kv_dtype, options
     assert len(calls) >= (NEW_TOKENS - 1) * model.config.num_hidden_layers  # every decode step, every layer
     worst = max(divergence_metrics(ref.logprobs()[r].float(), rec.logprobs()[r].float())["kl_mean"] for r in tokens)
     assert worst < KL_TOL, worst
+
+
+@pytest.mark.parametrize("compress, kv_dtype", [("knorm:0.75", None), ("snapkv:0.75", "fp8_e4m3")])
+def test_prompt_eviction_in_generate_batch_on_the_device(compress, kv_dtype):
+    """Prompt eviction in continuous batching on the device (positions shifted on its tensors, rows moved there,
+    CUDA graphs and async batching turned off): every request is compressed and finishes, its first token (predicted
+    before eviction) is the uncompressed run's, and its pages past the kept tokens went back (every page is free
+    after the run)."""
+    from test_paged import _prompts, _run
+    from test_paged_eviction import _cb as eviction_cb
+
+    model, _ = _models()
+    prompts = [p * 3 for p in _prompts()]  # 15-90 tokens: several pages of 8 each
+    full, _ = _run(model, prompts, eviction_cb(kv_dtype=kv_dtype))
+    tokens, rec = _run(model, prompts, eviction_cb(compress, kv_dtype=kv_dtype))
+    stats = rec.eviction_stats
+    assert stats.requests_compressed == len(prompts) and stats.pages_freed > 0, stats
+    assert stats.tokens_kept == sum(-(-len(p) // 4) for p in prompts)
+    assert {r: t[0] for r, t in tokens.items()} == {r: t[0] for r, t in full.items()}
 
 
 @pytest.mark.parametrize(
