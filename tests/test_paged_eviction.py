@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_kvcache  # noqa: F401  (installs the paged cache)
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
-from hf_kvcache.integration.continuous_batching import EVICTION
+from hf_kvcache.integration.continuous_batching import EVICTION, update_caller
 from hf_kvcache.integration.contracts import problem
 from hf_kvcache.paged import compress_spec
 from hf_kvcache.paged.compress_spec import CompressSpec, parse
@@ -114,8 +114,11 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
     return tokens
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("method", ["keydiff", "knorm", "sink_window", "snapkv", "kvzap"])
 def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_dir, method):
+    if method == "snapkv" and update_caller() != "model attention":
+        pytest.skip("snapkv's queries come through the attention function after the cache's update (>= 5.24)")
     spec = CompressSpec(method=method, ratio=0.6, surrogate=surrogate_dir if method == "kvzap" else None)
     if method == "snapkv":
         spec = CompressSpec(method=method, ratio=0.6, observation=8)
@@ -240,6 +243,7 @@ def test_start_up_errors_name_the_field():
         tiny.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("kvzap:0.5"))
 
 
+@pytest.mark.upstream
 def test_the_transformers_internals_eviction_relies_on_hold():
     assert problem(EVICTION) is None
 
