@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32", help="the server's model dtype (the CPU board's: float32)")
+    p.add_argument("--dtype", default="bfloat16", help="the server's model dtype (default bfloat16)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_single_2"])
     p.add_argument("--length", type=int, default=2048)
