@@ -160,16 +160,16 @@ def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
     manager.cancel_request = lambda request_id: None
     admit(manager, limit=100, label="1 MiB of int8 pages", compression=compression)
     assert manager.add_request(list(range(80)), request_id="a", max_new_tokens=70) == "a"
-    from hf_kvcache.paged import eviction
+    from hf_kvcache.paged import request_specs
 
-    eviction.set_request_spec(cb, "b", None)
+    request_specs.set_request_spec(cb, "b", None)
     with pytest.raises(RequestRejected, match=r"needs 150 tokens of KV cache \(a 80-token prompt \+ max_tokens 70\)"):
         manager.add_request(list(range(80)), request_id="b", max_new_tokens=70)
-    assert "b" not in eviction.request_specs(cb)  # a refused request's spec is forgotten
+    assert "b" not in request_specs.request_specs(cb)  # a refused request's spec is forgotten
     with pytest.raises(
         RequestRejected, match=r"needs 120 tokens of KV cache \(a 120-token prompt, 30 kept after kv_compress,"
     ):
         manager.add_request(list(range(120)), request_id="c", max_new_tokens=4)
-    eviction.set_request_spec(cb, "d", parse("knorm:0.5"))
+    request_specs.set_request_spec(cb, "d", parse("knorm:0.5"))
     manager.cancel_request("d")
-    assert "d" not in eviction.request_specs(cb)
+    assert "d" not in request_specs.request_specs(cb)

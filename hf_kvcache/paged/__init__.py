@@ -12,7 +12,8 @@ files); `server` (`hf-kvcache serve`: transformers' HTTP server with these pages
 `serve_requests` (what it refuses with HTTP 400) and `serve_process` (the server in a subprocess, for tests and
 eval/bench_serve_http.py). Prompt eviction (`kv_compress`): `compress_spec` (what a request keeps), `prompt_scores`
 (the scorers' per-token scores on a prompt as the pages hold it), `eviction` (the compaction inside continuous
-batching) and `serve_compression` (the server's default and a request's own setting).
+batching) with `eviction_checks` (what can run, before a run), `page_rows` (a request's rows and pages) and
+`request_specs` (the settings requests named), and `serve_compression` (the server's default and a request's own).
 """
 
 from ..integration.versions import UnsupportedTransformersError

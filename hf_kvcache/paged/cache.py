@@ -41,7 +41,7 @@ from ..integration.continuous_batching import (
     install_cache_class,
 )
 from ..integration.contracts import holds, require
-from . import codes_attention, compress_spec, eviction
+from . import codes_attention, compress_spec, eviction, eviction_checks
 from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
@@ -230,7 +230,7 @@ def check_requested(model, generation_config=None, continuous_batching_config=No
         generation_config if generation_config is not None else model.generation_config, continuous_batching_config
     )
     if getattr(cb_config, compress_spec.FIELD, None) is not None:
-        eviction.check_model(compress_spec.from_cb_config(cb_config), model.config.get_text_config())
+        eviction_checks.check_model(compress_spec.from_cb_config(cb_config), model.config.get_text_config())
 
 
 def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:

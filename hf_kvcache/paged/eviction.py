@@ -34,18 +34,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
-from ..integration.continuous_batching import (
-    BATCH_ATTENTION,
-    EVICTION,
-    FullAttentionCacheAllocator,
-    update_caller,
-    wrap_generation_step,
-)
-from ..integration.contracts import require
+from ..integration.continuous_batching import wrap_generation_step
 from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
+from .eviction_checks import check, surrogate_for
+from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, token_scores
+from .request_specs import LOCK, request_specs
 
 logger = logging.getLogger(__name__)
 
@@ -80,76 +76,11 @@ class EvictionStats:
         return dict(vars(self))
 
 
-def unavailable(spec: CompressSpec, config) -> str | None:
-    """Why `spec` cannot run for a model of `config` in continuous batching (None: it can)."""
-    if spec.method == "snapkv":
-        if update_caller() != "model attention":
-            return (
-                "snapkv reads the queries the attention function gets after the cache's update (transformers >= 5.24)"
-            )
-        implementation = getattr(config, "_attn_implementation", None) or ""
-        if "flash" in implementation:
-            return f"snapkv reads the queries through the {BATCH_ATTENTION} attention functions, not {implementation!r}"
-    if spec.method == "kvzap":
-        try:
-            surrogate_for(spec, config)
-        except (ValueError, OSError) as error:
-            return str(error)
-    return None
-
-
-_SURROGATES: dict[tuple, object] = {}
-
-
-def surrogate_for(spec: CompressSpec, config):
-    """KVzap's surrogate for `spec` and the model of `config` (loaded once per name and model; raises ValueError when
-    none fits, e.g. no surrogate was given for a model without a shipped one)."""
-    from ..caches.kvzap import _resolve_surrogate
-
-    key = (spec.surrogate, getattr(config, "_name_or_path", None), config.num_hidden_layers)
-    if key not in _SURROGATES:
-        surrogate = _resolve_surrogate(spec.surrogate, config)
-        missing = sorted(set(range(config.num_hidden_layers)) - set(surrogate.layers))
-        if missing:
-            raise ValueError(f"`{FIELD}.surrogate` has no predictor for layers {missing}; every layer is compressed.")
-        _SURROGATES[key] = surrogate
-    return _SURROGATES[key]
-
-
-def _refuse_layer_types(others) -> None:
-    if others:
-        raise ValueError(
-            f"`{FIELD}`: this model has {sorted(set(others))} layers, whose pages eviction does not compact yet; only "
-            "models whose layers all use full attention can compress their prompts in continuous batching."
-        )
-
-
-def check_model(spec: CompressSpec | None, config) -> None:
-    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` (before a run starts)."""
-    require(EVICTION)
-    _refuse_layer_types([t for t in getattr(config, "layer_types", None) or () if t != "full_attention"])
-    if spec is not None and (reason := unavailable(spec, config)) is not None:
-        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
-
-
-def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
-    """Raise ValueError naming `kv_compress` when `spec` cannot run on this cache (see the module docstring)."""
-    _refuse_layer_types(
-        [name for name, a in cache_allocators.items() if not isinstance(a, FullAttentionCacheAllocator)]
-    )
-    if spec is None:
-        return
-    reason = unavailable(spec, config)
-    if reason is not None:
-        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
-
-
 class _Current(threading.local):
     eviction: PagedEviction | None = None
 
 
 _current = _Current()
-_LOCK = threading.Lock()  # guards the request specs (the server's threads write, the generation thread reads)
 _HOOKED = "_hf_kvcache_paged_eviction_hooks"
 #: the methods whose scores need what the prompt's forwards compute (the attention inputs, the queries)
 CAPTURING = ("kvzap", "snapkv")
@@ -170,22 +101,6 @@ class _Capture:
     length: int  # its queries
 
 
-#: the continuous-batching config attribute naming the registry of specs requests asked for (request id -> spec or
-#: None), filled by a server before the request is queued and read by the eviction of every cache built from that
-#: config. A name, not the dict itself: transformers copies the config when it starts a manager.
-REQUEST_SPECS_ATTR = "_hf_kvcache_request_specs"
-_REGISTRIES: dict[str, dict] = {}
-
-
-def request_specs(cb_config) -> dict:
-    """The per-request specs of `cb_config` (an empty registry on first use)."""
-    key = getattr(cb_config, REQUEST_SPECS_ATTR, None)
-    if key is None:
-        key = f"specs-{len(_REGISTRIES)}-{id(cb_config)}"
-        setattr(cb_config, REQUEST_SPECS_ATTR, key)
-    return _REGISTRIES.setdefault(key, {})
-
-
 class PagedEviction:
     """The prompt eviction of one paged cache (see the module docstring). `cache` is the PagedAttentionCache,
     `default` the spec of requests that name none (None: only those that ask are compressed)."""
@@ -197,7 +112,7 @@ class PagedEviction:
         self.request_specs: dict[str, CompressSpec | None] = request_specs(cb_config)
         self.stats = EvictionStats()
         self._captures: list[_Capture] = []
-        self._lock = _LOCK
+        self._lock = LOCK
         # the specs requests named, for a request restarted by a soft reset (a new state prefilled again); pruned
         # of requests the scheduler no longer holds
         self._named: dict[str, CompressSpec | None] = {}
@@ -366,42 +281,6 @@ class PagedEviction:
         return {"keys": keys, "queries": queries, "scaling": scaling}
 
 
-def set_request_spec(cb_config, request_id: str, spec: CompressSpec | None) -> None:
-    """Before request `request_id` is queued on a manager built from `cb_config`: it keeps its prompt by `spec`
-    (None: it is not compressed) instead of the config's `kv_compress`."""
-    with _LOCK:
-        request_specs(cb_config)[request_id] = spec
-
-
-def forget_request_spec(cb_config, request_id: str) -> None:
-    """A request that was refused or cancelled before it started."""
-    with _LOCK:
-        request_specs(cb_config).pop(request_id, None)
-
-
-def token_rows(allocator, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key and value rows of a layer, indexed by physical token index (what moves when tokens move)."""
-    own = getattr(allocator, "token_rows", None)
-    return own(layer_idx) if own is not None else allocator._kv_token_views[layer_idx]
-
-
-def read_keys(allocator, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
-    """A layer's keys [n, Hkv, D] at physical rows `rows`, as attention reads them (dequantized, unrotated)."""
-    own = getattr(allocator, "read_keys", None)
-    return own(layer_idx, rows) if own is not None else allocator._kv_token_views[layer_idx][0].index_select(0, rows)
-
-
-def free_tail(allocator, request_id: str, kept: int) -> int:
-    """Give back the pages of `request_id` past its first `kept` tokens; returns how many."""
-    table = allocator.block_table[request_id]
-    keep = -(-kept // allocator.tokens_per_page)
-    tail = table[keep:]
-    del table[keep:]
-    freed = [block for block in tail if allocator.ledger.release(block, no_cache=True)]
-    allocator.pool.free_blocks(allocator.index, freed)
-    return len(tail)
-
-
 def _with_eviction(original):
     def _generation_step(self, model):
         eviction = getattr(self.cache, "eviction", None)
@@ -426,4 +305,4 @@ def install() -> None:
     wrap_generation_step(_with_eviction)
 
 
-__all__ = ["OBSERVE_KWARG", "EvictionStats", "PagedEviction", "RequestCompression", "check", "install", "unavailable"]
+__all__ = ["EvictionStats", "PagedEviction", "RequestCompression", "install"]

@@ -15,7 +15,7 @@ pool fills with compressed requests.
 
 from __future__ import annotations
 
-from . import eviction
+from . import eviction_checks, request_specs
 from .compress_spec import FIELD, CompressSpec, parse
 from .serve_requests import RequestRejected
 
@@ -28,7 +28,7 @@ class ServerCompression:
 
     def __init__(self, cb_config, default: CompressSpec | None, model_config, enabled: bool = True):
         self.cb_config, self.default, self.model_config, self.enabled = cb_config, default, model_config, enabled
-        eviction.request_specs(cb_config)  # named on the config now, before transformers copies it into a manager
+        request_specs.request_specs(cb_config)  # named on the config now, before transformers copies it into a manager
 
     def take(self, body: dict, request_id: str) -> None:
         """Read (and remove) a request's `kv_compress` field; register its spec for `request_id`. Raises
@@ -44,13 +44,13 @@ class ServerCompression:
             )
         try:
             spec = parse(value)
-            eviction.check_model(spec, self.model_config)
+            eviction_checks.check_model(spec, self.model_config)
         except ValueError as error:
             raise RequestRejected(str(error), FIELD) from None
-        eviction.set_request_spec(self.cb_config, request_id, spec)
+        request_specs.set_request_spec(self.cb_config, request_id, spec)
 
     def spec_of(self, request_id) -> CompressSpec | None:
-        return eviction.request_specs(self.cb_config).get(request_id, self.default)
+        return request_specs.request_specs(self.cb_config).get(request_id, self.default)
 
     def kept(self, request_id, prompt: int) -> int:
         """Prompt tokens request `request_id` keeps after its prefill."""
@@ -58,7 +58,7 @@ class ServerCompression:
         return prompt if spec is None else spec.kept(prompt)
 
     def forget(self, request_id) -> None:
-        eviction.forget_request_spec(self.cb_config, request_id)
+        request_specs.forget_request_spec(self.cb_config, request_id)
 
     def label(self) -> str:
         return "none" if self.default is None else self.default.label()

@@ -27,7 +27,7 @@ from ..integration.continuous_batching import (
     pages_in_use,
     request_counts,
 )
-from . import compress_spec, eviction
+from . import compress_spec, eviction_checks
 from .cache import QuantizedPagedAttentionCache, install
 from .serve_compression import ServerCompression
 from .serve_requests import RequestRejected, admitting, checked_handler
@@ -187,7 +187,7 @@ def build_server(
     compression = None
     if kv_compress is not None:
         try:
-            eviction.check_model(default, model.config.get_text_config())
+            eviction_checks.check_model(default, model.config.get_text_config())
         except ValueError as error:
             raise ValueError(f"--kv-compress: {error}") from None
         setattr(cb_config, compress_spec.FIELD, compress_spec.NONE if default is None else default.to_dict())

@@ -1,0 +1,73 @@
+"""What prompt eviction (hf_kvcache.paged.eviction) can run, checked before a run starts: the model's layers (full
+attention only), the method (snapkv needs the queries after the cache's update; kvzap a surrogate trained for the
+model, loaded once here). Errors are ValueErrors naming `kv_compress`."""
+
+from __future__ import annotations
+
+from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
+from ..integration.contracts import require
+from .compress_spec import FIELD, CompressSpec
+
+
+def unavailable(spec: CompressSpec, config) -> str | None:
+    """Why `spec` cannot run for a model of `config` in continuous batching (None: it can)."""
+    if spec.method == "snapkv":
+        if update_caller() != "model attention":
+            return (
+                "snapkv reads the queries the attention function gets after the cache's update (transformers >= 5.24)"
+            )
+        implementation = getattr(config, "_attn_implementation", None) or ""
+        if "flash" in implementation:
+            return f"snapkv reads the queries through the {BATCH_ATTENTION} attention functions, not {implementation!r}"
+    if spec.method == "kvzap":
+        try:
+            surrogate_for(spec, config)
+        except (ValueError, OSError) as error:
+            return str(error)
+    return None
+
+
+_SURROGATES: dict[tuple, object] = {}
+
+
+def surrogate_for(spec: CompressSpec, config):
+    """KVzap's surrogate for `spec` and the model of `config` (loaded once per name and model; raises ValueError when
+    none fits, e.g. no surrogate was given for a model without a shipped one)."""
+    from ..caches.kvzap import _resolve_surrogate
+
+    key = (spec.surrogate, getattr(config, "_name_or_path", None), config.num_hidden_layers)
+    if key not in _SURROGATES:
+        surrogate = _resolve_surrogate(spec.surrogate, config)
+        missing = sorted(set(range(config.num_hidden_layers)) - set(surrogate.layers))
+        if missing:
+            raise ValueError(f"`{FIELD}.surrogate` has no predictor for layers {missing}; every layer is compressed.")
+        _SURROGATES[key] = surrogate
+    return _SURROGATES[key]
+
+
+def _refuse_layer_types(others) -> None:
+    if others:
+        raise ValueError(
+            f"`{FIELD}`: this model has {sorted(set(others))} layers, whose pages eviction does not compact yet; only "
+            "models whose layers all use full attention can compress their prompts in continuous batching."
+        )
+
+
+def check_model(spec: CompressSpec | None, config) -> None:
+    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` (before a run starts)."""
+    require(EVICTION)
+    _refuse_layer_types([t for t in getattr(config, "layer_types", None) or () if t != "full_attention"])
+    if spec is not None and (reason := unavailable(spec, config)) is not None:
+        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
+
+
+def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
+    """Raise ValueError naming `kv_compress` when `spec` cannot run on this cache (see the module docstring)."""
+    _refuse_layer_types(
+        [name for name, a in cache_allocators.items() if not isinstance(a, FullAttentionCacheAllocator)]
+    )
+    if spec is None:
+        return
+    reason = unavailable(spec, config)
+    if reason is not None:
+        raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
