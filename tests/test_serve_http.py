@@ -324,7 +324,7 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
         ("magic:0.5", "`kv_compress.method` must be one of"),
         ("keydiff:1.5", r"`kv_compress.ratio`"),
         ({"method": "knorm", "ratio": 0.5, "speed": 2}, "unknown keys"),
-        ("kvzap:0.5", None),  # the default method: SmolLM2 has a shipped surrogate, so this one is accepted
+        ("kvzap:0.5", None),  # SmolLM2 has a shipped surrogate, so kvzap is accepted
     ],
 )
 def test_bad_kv_compress_gets_400_naming_the_field(compressed_pages, value, match):

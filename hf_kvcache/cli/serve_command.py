@@ -99,7 +99,7 @@ def add_serve_command(sub) -> None:
         default=None,
         metavar="SPEC",
         help="prompt eviction at the end of each prefill: 'none' (requests may ask through their kv_compress "
-        "field), a ratio evicted (the default method, kvzap), METHOD:RATIO (kvzap, snapkv, keydiff, knorm, "
+        "field), a ratio evicted (the default method, keydiff), METHOD:RATIO (keydiff, kvzap, snapkv, knorm, "
         "sink_window) or a JSON object (docs/serving.md); default: no eviction",
     )
     p.add_argument(

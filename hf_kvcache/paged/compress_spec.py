@@ -3,19 +3,21 @@
 
     cb = ContinuousBatchingConfig(num_blocks=64)
     cb.kv_compress = "keydiff:0.75"                         # METHOD:RATIO
-    cb.kv_compress = 0.75                                   # the default method (kvzap) at that ratio
+    cb.kv_compress = 0.75                                   # the default method (keydiff) at that ratio
     cb.kv_compress = {"method": "snapkv", "ratio": 0.75, "window": 32}
     cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
 
 `ratio` is the share of the prompt evicted, in [0, 1): a P-token prompt keeps ceil(P x (1 - ratio)) tokens in every
 layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods:
-- "kvzap" (default): KVzap's surrogate of KVzip's scores, from each layer's attention inputs (hf_kvcache.scorers.kvzap;
-  `surrogate`: a directory, a Hub repo id or a builtin name; None: the one shipped for the model, if any). Default
-  because task accuracy chooses it: on the board's natural-text needle (niah_single_2, 2K, 75%) KVzip keeps 0.91 of
-  the answers and every cheap scorer 0.28 or less (docs/results.md), and KVzap predicts KVzip's scores without its
-  reconstruction forwards;
+- "keydiff" (default): the keys' distance to their mean direction (hf_kvcache.scorers.keydiff). Default because task
+  accuracy through the server chooses it: on the needle tasks sent through `hf-kvcache serve` it keeps the most
+  answers of the methods here (docs/serving.md, eval/results/ruler_http). KVzap, the best through `generate`, where
+  KVzip's budgets differ per layer and head, falls furthest when every layer keeps the same number of tokens for all
+  its heads, as pages require;
+- "kvzap": KVzap's surrogate of KVzip's scores, from each layer's attention inputs (hf_kvcache.scorers.kvzap;
+  `surrogate`: a directory, a Hub repo id or a builtin name; None: the one shipped for the model, if any);
 - "snapkv": the attention of the prompt's last `observation` queries (hf_kvcache.scorers.snapkv), pooled;
-- "keydiff", "knorm": the keys alone (hf_kvcache.scorers.keydiff / knorm);
+- "knorm": the keys' norm (hf_kvcache.scorers.knorm);
 - "sink_window": the first `sinks` tokens and the newest ones (StreamingLLM).
 Every method keeps the first `sinks` tokens and the newest `window` ones (None: 64, at most a quarter of what is kept,
 as KVzapCache's window), part of what is kept.
@@ -30,8 +32,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 FIELD = "kv_compress"
-METHODS = ("kvzap", "snapkv", "keydiff", "knorm", "sink_window")
-DEFAULT_METHOD = "kvzap"
+METHODS = ("keydiff", "kvzap", "snapkv", "knorm", "sink_window")
+DEFAULT_METHOD = "keydiff"
 NONE = "none"
 #: the newest prompt tokens always kept when `window` is None: this many, at most a quarter of what is kept
 RECENT = 64
