@@ -26,14 +26,17 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> dict:
+    import torch
+
     from hf_kvcache.evaluation.models import load_model
     from hf_kvcache.evaluation.ruler import make_sample, score
-    from hf_kvcache.evaluation.ruler.board import interval95
     from hf_kvcache.paged.compress_spec import parse
     from hf_kvcache.paged.serve_process import ServerProcess
 
@@ -48,11 +51,18 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--clients", type=int, default=8)
+    p.add_argument(
+        "--through",
+        choices=("http", "generate"),
+        default="http",
+        help="http: the server; generate: the same method on the same prompts one request at a time in this process "
+        "(hf_kvcache.paged.eviction_reference), for the comparison (results under OUT/generate)",
+    )
     p.add_argument("--out", default=str(ROOT / "eval/results/ruler_http"))
     args = p.parse_args(argv)
     for value in args.kv_compress:
         parse(value, "--kv-compress")
-    out = Path(args.out)
+    out = Path(args.out) / "generate" if args.through == "generate" else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     done = {}
@@ -60,7 +70,7 @@ def main(argv=None) -> dict:
         for line in results_path.read_text().splitlines():
             record = json.loads(line)
             done[(record["kv_compress"], record["task"], record["seed"])] = record
-    _, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     jobs = []
     for task in args.tasks:
         for seed in range(args.samples):
@@ -68,6 +78,9 @@ def main(argv=None) -> dict:
             for setting in args.kv_compress:
                 if (setting, task, seed) not in done:
                     jobs.append((setting, task, seed, sample))
+    if args.through == "generate":
+        return _through_generate(args, model, tokenizer, jobs, done, results_path, out)
+    del model
     server = ServerProcess(
         "--device",
         args.device,
@@ -116,6 +129,13 @@ def main(argv=None) -> dict:
         eviction = server.kv_cache()["eviction"]
     finally:
         server.stop()
+    return write_cells(args, done, out, eviction)
+
+
+def write_cells(args, done: dict, out: Path, eviction) -> dict:
+    """OUT/cells.json and OUT/cells.csv from the answers `done`, printed too."""
+    from hf_kvcache.evaluation.ruler.board import interval95
+
     cells = []
     for setting in args.kv_compress:
         for task in args.tasks:
@@ -142,6 +162,38 @@ def main(argv=None) -> dict:
     for cell in cells:
         print(f"{cell['kv_compress']:>14} {cell['task']}: {cell['score']:.2f} {cell['ci95']} (n={cell['n']})")
     return summary
+
+
+@torch.inference_mode()
+def _through_generate(args, model, tokenizer, jobs, done, results_path: Path, out: Path) -> dict:
+    from hf_kvcache.evaluation.ruler import score
+    from hf_kvcache.paged.compress_spec import parse
+    from hf_kvcache.paged.eviction_reference import generate_with_eviction
+
+    with open(results_path, "a") as f:
+        for i, (setting, task, seed, sample) in enumerate(jobs):
+            text = sample.context + sample.question + sample.answer_prefix
+            prompt = tokenizer(text).input_ids  # as the server's completions endpoint tokenizes it
+            tokens = generate_with_eviction(
+                model, prompt, parse(setting), sample.max_new_tokens, eos=tokenizer.eos_token_id
+            )
+            output = tokenizer.decode(tokens, skip_special_tokens=True)
+            record = {
+                "kv_compress": setting,
+                "task": task,
+                "seed": seed,
+                "context_len": args.length,
+                "score": score(output, sample.answers, sample.metric),
+                "output": output,
+                "answers": sample.answers,
+                "prompt_tokens": len(prompt),
+            }
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            done[(setting, task, seed)] = record
+            if (i + 1) % 25 == 0:
+                print(f"{i + 1}/{len(jobs)} answers", flush=True)
+    return write_cells(args, done, out, None)
 
 
 if __name__ == "__main__":

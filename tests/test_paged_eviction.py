@@ -23,7 +23,7 @@ import hf_kvcache  # noqa: F401  (installs the paged cache)
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.integration.continuous_batching import EVICTION, update_caller
 from hf_kvcache.integration.contracts import problem
-from hf_kvcache.paged import compress_spec
+from hf_kvcache.paged import compress_spec, eviction_reference
 from hf_kvcache.paged.compress_spec import CompressSpec, parse
 from hf_kvcache.paged.prompt_scores import kept_positions, token_scores
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
@@ -127,6 +127,8 @@ def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_
     surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
     expected = [_reference(model, prompt, spec, surrogate) for prompt in prompts]
     assert got == expected
+    if method in eviction_reference.METHODS:  # the library's reference (eval/ruler_http.py --through generate)
+        assert [eviction_reference.generate_with_eviction(model, p, spec, NEW_TOKENS) for p in prompts] == expected
 
 
 def test_compression_changes_what_is_generated(model):

@@ -1,0 +1,68 @@
+"""Prompt eviction as `generate` would run it, one request alone: the reference the paged eviction
+(hf_kvcache.paged.eviction) is checked against, in the tests (token for token) and on the needle tasks (the server's
+accuracy against the same method through `generate`, eval/ruler_http.py --through generate).
+
+The prompt is prefilled into a DynamicCache; each layer then keeps the tokens `kept_positions` chooses from the same
+scores (hf_kvcache.paged.prompt_scores), and greedy decoding continues at the original positions (position ids from
+the prompt's length, the cache holding only the kept tokens). Methods that read the keys (keydiff, knorm),
+nothing (sink_window) or the attention inputs (kvzap); SnapKV's queries would need the model's own query projection
+and rotation, so snapkv is not offered here (the tests rebuild them for Llama).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..integration.attention_inputs import capture_attention_inputs
+from ..integration.cache_argument import cache_kwargs
+from .compress_spec import CompressSpec
+from .eviction_checks import surrogate_for
+from .prompt_scores import kept_positions, token_scores
+
+METHODS = ("keydiff", "knorm", "sink_window", "kvzap")
+
+
+@torch.inference_mode()
+def generate_with_eviction(
+    model, prompt: list[int], spec: CompressSpec | None, max_new_tokens: int, eos=None
+) -> list[int]:
+    """Greedy tokens of `prompt` when each layer keeps what `spec` keeps of it (None: everything; see the module
+    docstring); stops after `eos` (an id or a collection of ids) or `max_new_tokens` tokens."""
+    from transformers import DynamicCache
+
+    if spec is not None and spec.method not in METHODS:
+        raise ValueError(f"`spec.method` must be one of {METHODS} for the reference, got {spec.method!r}.")
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    stops = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    hidden: dict[int, torch.Tensor] = {}
+    cache = DynamicCache()
+    wanted = spec is not None and spec.method == "kvzap"
+    with capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h) if wanted else None):
+        logits = model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits
+    length = len(prompt)
+    config = model.config.get_text_config()
+    for i, layer in enumerate(cache.layers if spec is not None else ()):
+        if spec.method == "kvzap":
+            inputs = {"predicted": surrogate_for(spec, config).predict(i, hidden[i])[0]}
+        else:
+            inputs = {"keys": layer.keys[0]}
+        kept = kept_positions(spec, length, token_scores(spec, **inputs), device=device)
+        layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
+    hidden.clear()
+    kept_count = length if spec is None else spec.kept(length)
+    token = int(logits[0, -1].argmax())
+    tokens = [token]
+    for step in range(max_new_tokens - 1):
+        if token in stops:
+            break
+        out = model(
+            torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[length + step]], device=device),
+            cache_position=torch.tensor([kept_count + step], device=device),
+            use_cache=True,
+            **cache_kwargs(cache),
+        )
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+    return tokens
