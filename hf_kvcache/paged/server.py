@@ -158,7 +158,9 @@ def add_routes(serve, plan: MemoryPlan, compression: ServerCompression | None = 
         return JSONResponse(error.payload(), status_code=400)
 
     app.add_exception_handler(RequestRejected, rejected)
-    state = lambda: JSONResponse(kv_cache_state(serve, plan, compression))  # noqa: E731
+    def state():
+        return JSONResponse(kv_cache_state(serve, plan, compression))
+
     app.add_api_route("/v1/kv_cache", state, methods=["GET"])
 
 
