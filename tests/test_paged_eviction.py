@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_kvcache  # noqa: F401  (installs the paged cache)
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
+from hf_kvcache.integration.cache_argument import cache_kwargs
 from hf_kvcache.integration.continuous_batching import EVICTION, update_caller
 from hf_kvcache.integration.contracts import problem
 from hf_kvcache.paged import compress_spec, eviction_reference
@@ -81,7 +82,7 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
     hidden = {}
     cache = DynamicCache()
     with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
-        logits = model(ids, cache=cache).logits
+        logits = model(ids, **cache_kwargs(cache)).logits
     length = len(prompt)
     positions = torch.arange(length)[None]
     cos, sin = model.model.rotary_emb(hidden[0], positions)
@@ -105,7 +106,7 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
         for step in range(NEW_TOKENS - 1):
             out = model(
                 torch.tensor([[token]]),
-                cache=cache,
+                **cache_kwargs(cache),
                 position_ids=torch.tensor([[length + step]]),
                 cache_position=torch.tensor([kept_count + step]),
             )
