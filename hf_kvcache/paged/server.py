@@ -158,6 +158,7 @@ def add_routes(serve, plan: MemoryPlan, compression: ServerCompression | None = 
         return JSONResponse(error.payload(), status_code=400)
 
     app.add_exception_handler(RequestRejected, rejected)
+
     def state():
         return JSONResponse(kv_cache_state(serve, plan, compression))
 
