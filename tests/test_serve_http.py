@@ -118,20 +118,25 @@ def test_model_dtype_pages_equal_generate(model_pages, smollm2):
     assert compared >= 2 * NEW_TOKENS  # the comparison was not cut to nothing by near-ties
 
 
-def test_fp8_pages_equal_quantized_fp8_cache(fp8_pages, smollm2):
+def pages_twin(model):
+    """QuantizedFP8Cache with the FP8 pages' format: per-token E4M3 scales in bfloat16, Hadamard-rotated keys."""
     from hf_kvcache import QuantizedFP8Cache
 
+    return QuantizedFP8Cache(
+        model,
+        format="fp8_e4m3",
+        granularity="token",
+        key_rotation="hadamard",
+        key={"scale_dtype": "bfloat16"},
+        value={"scale_dtype": "bfloat16"},
+    )
+
+
+def test_fp8_pages_equal_quantized_fp8_cache(fp8_pages, smollm2):
     model, tokenizer = smollm2
     compared = 0
     for prompt in PROMPTS:
-        cache = QuantizedFP8Cache(
-            model,
-            format="fp8_e4m3",
-            granularity="token",
-            key_rotation="hadamard",
-            key={"scale_dtype": "bfloat16"},
-            value={"scale_dtype": "bfloat16"},
-        )
+        cache = pages_twin(model)
         expected, steps = reference(model, tokenizer, prompt, cache)
         answer = chat(fp8_pages, prompt)
         assert answer.startswith(expected), (prompt, answer, expected)
@@ -286,8 +291,6 @@ def _words(n: int) -> str:
 
 
 def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(compressed_pages, smollm2):
-    from hf_kvcache import QuantizedFP8Cache
-
     server = compressed_pages
     before = server.kv_cache()
     assert before["kv_compress"] == "keydiff:0.75"
@@ -298,14 +301,7 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
     assert state["tokens_kept"] == -(-state["tokens_prefilled"] // 4), state  # ceil(25%) of the prompt
     # a request asking for none is not compressed: it answers as QuantizedFP8Cache with the pages' format does
     model, tokenizer = smollm2
-    cache = QuantizedFP8Cache(
-        model,
-        format="fp8_e4m3",
-        granularity="token",
-        key_rotation="hadamard",
-        key={"scale_dtype": "bfloat16"},
-        value={"scale_dtype": "bfloat16"},
-    )
+    cache = pages_twin(model)
     expected, steps = reference(model, tokenizer, PROMPTS[2], cache)
     assert steps >= 4
     assert chat(server, PROMPTS[2], extra_body={"kv_compress": "none"}).startswith(expected)
