@@ -137,8 +137,10 @@ def write_cells(args, done: dict, out: Path, eviction) -> dict:
     from hf_kvcache.evaluation.ruler.board import interval95
 
     cells = []
-    for setting in args.kv_compress:
-        for task in args.tasks:
+    settings = list(dict.fromkeys([*args.kv_compress, *(s for s, _, _ in done)]))
+    tasks = list(dict.fromkeys([*args.tasks, *(t for _, t, _ in done)]))
+    for setting in settings:  # every answer on record, not only this run's settings: runs may ask for a subset
+        for task in tasks:
             scores = [r["score"] for (s, t, _), r in done.items() if s == setting and t == task]
             if not scores:
                 continue

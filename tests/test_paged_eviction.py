@@ -6,6 +6,8 @@
   model-dtype pages, with prompts prefilled in several chunks beside other requests;
 - pages: a compressed request gives its pages past the kept tokens back at once (the pool counts them), every page is
   free after the batch, and the stats say what was prefilled, kept and freed; FP8 pages compose;
+- chunk by chunk (`chunk`): generate_batch equals the library's reference compressing every `chunk` prompt tokens,
+  and a request never holds more pages than its spec's peak;
 - per-request specs (a request may ask for none), the spec's parsing and errors (each names its field), and the
   limits that are errors at start (sliding-window layers, KVzip's reconstruction).
 """
@@ -24,7 +26,8 @@ from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.integration.cache_argument import cache_kwargs
 from hf_kvcache.integration.continuous_batching import EVICTION, update_caller
 from hf_kvcache.integration.contracts import problem
-from hf_kvcache.paged import compress_spec, eviction_reference
+from hf_kvcache.integration.prefill_chunks import PREFILL_CHUNKS
+from hf_kvcache.paged import compress_spec, eviction, eviction_reference
 from hf_kvcache.paged.compress_spec import CompressSpec, parse
 from hf_kvcache.paged.prompt_scores import kept_positions, token_scores
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
@@ -132,6 +135,50 @@ def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_
         assert [eviction_reference.generate_with_eviction(model, p, spec, NEW_TOKENS) for p in prompts] == expected
 
 
+@pytest.mark.upstream
+@pytest.mark.parametrize("method", eviction_reference.METHODS)
+def test_chunk_by_chunk_equals_the_reference(model, surrogate_dir, method):
+    """Every 16 prompt tokens compressed (the scheduler's budget of 32 tokens per forward split among requests): the
+    same tokens as the reference prefilling 16 at a time and compressing after each."""
+    spec = CompressSpec(method=method, ratio=0.6, chunk=16, surrogate=surrogate_dir if method == "kvzap" else None)
+    prompts = _prompts()
+    got = _generate(model, prompts, _cb(spec.to_dict()))
+    assert got == [eviction_reference.generate_with_eviction(model, p, spec, NEW_TOKENS) for p in prompts]
+    if method == "keydiff":  # compressing early changes what is kept, so what is generated
+        assert got != _generate(model, prompts, _cb(CompressSpec(method=method, ratio=0.6).to_dict()))
+
+
+def test_chunk_bounds_the_pages_a_prompt_holds(model, monkeypatch):
+    """The most pages a request holds while it prefills: its spec's peak (kept + chunk) with `chunk`, its whole prompt
+    without; both keep the same number of tokens in the end."""
+    page, held = 8, {}
+    after_forward = eviction.PagedEviction.after_forward
+
+    def recording(self, processor):
+        for allocator in self.cache.cache_allocators.values():
+            for rid, table in allocator.block_table.items():
+                held[rid] = max(held.get(rid, 0), len(table))
+        after_forward(self, processor)
+
+    monkeypatch.setattr(eviction.PagedEviction, "after_forward", recording)
+    prompts = _prompts()
+    for value in ("knorm:0.75:chunk=16", "knorm:0.75"):
+        held.clear()
+        spec = parse(value)
+        results, cache, pages = _manager_run(model, prompts, _cb(value))
+        assert all(r.error is None for r in results.values()) and pages == 0
+        peaks = [-(-spec.peak(n) // page) for n in PROMPT_LENGTHS]
+        assert [held[f"req_{i}"] for i in range(len(prompts))] == peaks
+        assert cache.eviction.stats.tokens_kept == sum(spec.kept(n) for n in PROMPT_LENGTHS)
+        assert cache.eviction.stats.tokens_prefilled == sum(PROMPT_LENGTHS)
+    assert spec.peak(90) == 90 and parse("knorm:0.75:chunk=16").peak(90) == 32  # kept(64) = 16, + 16 written
+
+
+@pytest.mark.upstream
+def test_the_transformers_internals_chunk_by_chunk_relies_on_hold():
+    assert problem(PREFILL_CHUNKS) is None
+
+
 def test_compression_changes_what_is_generated(model):
     """(The reference test above would pass if nothing were evicted and the reference kept everything: it does not.)"""
     prompts = _prompts()
@@ -205,7 +252,7 @@ def test_fp8_pages_and_eviction_compose(model):
 @pytest.mark.parametrize(
     "value, match",
     [
-        ("keydiff", r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO'"),
+        ("keydiff", r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO\[:FIELD=VALUE...\]'"),
         ("magic:0.5", r"`kv_compress.method` must be one of"),
         ("kvzip:0.5", r"KVzip's reconstruction runs model forwards"),
         ("keydiff:1.0", r"`kv_compress.ratio` .* must be a number in \[0, 1\), got 1.0"),
@@ -214,7 +261,11 @@ def test_fp8_pages_and_eviction_compose(model):
         ({"method": "snapkv", "ratio": 0.5, "kernel": 4}, r"`kv_compress.kernel` must be odd"),
         ({"method": "knorm", "ratio": 0.5, "surrogate": "x"}, r"`kv_compress.surrogate`"),
         ({"ratio": 0.5, "speed": 3}, r"`kv_compress` has unknown keys \['speed'\]"),
-        ([0.5], r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO' or a dict, got list"),
+        ([0.5], r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO\[:FIELD=VALUE...\]' or a dict, got list"),
+        ("snapkv:0.5:chunk=64", r"`kv_compress.chunk` cannot be used with method 'snapkv'"),
+        ("keydiff:0.5:chunk=0", r"`kv_compress.chunk` must be an integer >= 1, got 0"),
+        ("keydiff:0.5:chunk", r"`kv_compress`: 'chunk' in 'keydiff:0.5:chunk' is not FIELD=VALUE"),
+        ("keydiff:0.5:size=3", r"`kv_compress` has unknown keys \['size'\]"),
     ],
 )
 def test_bad_specs_name_the_field(value, match):
@@ -227,6 +278,11 @@ def test_spec_forms_and_budget():
     assert parse(0.75) == CompressSpec(method=compress_spec.DEFAULT_METHOD, ratio=0.75)
     assert parse("0.5").ratio == 0.5 and parse("snapkv:0.5").method == "snapkv"
     assert parse({"method": "knorm", "ratio": 0.5}).label() == "knorm:0.5"
+    for value in ("keydiff:0.75:chunk=256", "kvzap:0.5:surrogate=some/repo:window=None:chunk=64"):
+        assert parse(parse(value).label()) == parse(value)  # labels read back
+    assert parse("keydiff:0.75:chunk=256:sinks=2") == CompressSpec(ratio=0.75, chunk=256, sinks=2)
+    assert parse("keydiff:0.75:chunk=256").label() == "keydiff:0.75:chunk=256"
+    assert parse("keydiff:0.75").peak(1500) == 1500 and parse("keydiff:0.75:chunk=256").peak(1500) == 540
     spec = parse("keydiff:0.75")
     assert spec.kept(100) == 25 and spec.kept(1) == 1 and spec.kept(2) == 1
     assert spec.protected(25) == (4, 6)  # 4 sinks, 64 newest at most a quarter of what is kept

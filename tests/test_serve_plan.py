@@ -148,7 +148,7 @@ def test_serve_without_the_serving_extra_says_what_to_install(monkeypatch, capsy
 def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
     """With prompt eviction a request needs max(prompt, kept + max_tokens): a 80-token prompt keeping 20 fits 70 new
     tokens in 100, uncompressed it would not; a request asking for none needs its whole length; a prompt over the
-    limit is refused whatever it keeps."""
+    limit is refused whatever it keeps, unless it is compressed chunk by chunk."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from hf_kvcache.paged.compress_spec import parse
@@ -170,6 +170,10 @@ def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
         RequestRejected, match=r"needs 120 tokens of KV cache \(a 120-token prompt, 30 kept after kv_compress,"
     ):
         manager.add_request(list(range(120)), request_id="c", max_new_tokens=4)
+    # compressed every 16 tokens, the same prompt never holds more than 40 (kept(96) = 24, + 16): admitted
+    request_specs.set_request_spec(cb, "e", parse("knorm:0.75:chunk=16"))
+    assert parse("knorm:0.75:chunk=16").peak(120) == 40
+    assert manager.add_request(list(range(120)), request_id="e", max_new_tokens=4) == "e"
     request_specs.set_request_spec(cb, "d", parse("knorm:0.5"))
     manager.cancel_request("d")
     assert "d" not in request_specs.request_specs(cb)

@@ -27,6 +27,7 @@ Modules (what each wraps):
 - `attention_inputs`: the decoder's self-attention modules and hooks on their input hidden states (KVzap).
 - `cache_layers`: transformers' cache layer classes and layer types, what of them is state.
 - `continuous_batching`: the paged cache, its allocators, who updates it, the scheduler's state.
+- `prefill_chunks`: the scheduler's split of a prompt, capped per request (prompt eviction chunk by chunk).
 - `models`: model facts read from private attributes (tensor-parallel plan and mesh, RoPE init functions).
 - `serving`: `transformers serve` (its `Serve` built but not started, the continuous-batching config it passes,
   its handlers and FastAPI app), for `hf-kvcache serve`.
@@ -40,6 +41,7 @@ from . import (  # noqa: F401
     continuous_batching,
     generation,
     models,
+    prefill_chunks,
     serving,
 )
 from .cache_argument import CACHE_ARG, cache_kwargs, returned_cache

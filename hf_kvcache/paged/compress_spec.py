@@ -5,6 +5,7 @@
     cb.kv_compress = "keydiff:0.75"                         # METHOD:RATIO
     cb.kv_compress = 0.75                                   # the default method (keydiff) at that ratio
     cb.kv_compress = {"method": "snapkv", "ratio": 0.75, "window": 32}
+    cb.kv_compress = "keydiff:0.75:chunk=256"               # METHOD:RATIO[:FIELD=VALUE...]: any field below
     cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
 
 `ratio` is the share of the prompt evicted, in [0, 1): a P-token prompt keeps ceil(P x (1 - ratio)) tokens in every
@@ -21,6 +22,13 @@ layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods:
 - "sink_window": the first `sinks` tokens and the newest ones (StreamingLLM).
 Every method keeps the first `sinks` tokens and the newest `window` ones (None: 64, at most a quarter of what is kept,
 as KVzapCache's window), part of what is kept.
+
+When eviction happens: `chunk` None (default) compresses once, when the prompt's last token has been written, so the
+request holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request
+writes at most C prompt tokens between two compressions, each keeping ceil(seen x (1 - ratio)) of the `seen` prompt
+tokens so far, so it never holds more than about kept + C tokens (`peak`), at a cost in quality: later prompt tokens
+are computed against the compressed earlier ones, and a token dropped early cannot come back (kvpress's chunked
+presses score chunks apart but prefill whole). Not for snapkv, whose window is the prompt's last queries.
 
 Errors name the field (`kv_compress`, `kv_compress.ratio`, ...) and the allowed values.
 """
@@ -52,6 +60,7 @@ class CompressSpec:
     surrogate: str | None = None  # kvzap only
     observation: int = OBSERVATION  # snapkv only
     kernel: int = KERNEL  # snapkv only
+    chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -67,13 +76,19 @@ class CompressSpec:
             raise ValueError(
                 f"`{FIELD}.ratio` (the share of the prompt evicted) must be a number in [0, 1), got {ratio!r}."
             )
-        for name in ("sinks", "observation", "kernel") + (("window",) if self.window is not None else ()):
+        optional = tuple(name for name in ("window", "chunk") if getattr(self, name) is not None)
+        for name in ("sinks", "observation", "kernel") + optional:
             value = getattr(self, name)
-            low = 1 if name in ("observation", "kernel") else 0
+            low = 1 if name in ("observation", "kernel", "chunk") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}, got {value!r}.")
         if self.kernel % 2 == 0:
             raise ValueError(f"`{FIELD}.kernel` must be odd (pooling keeps the prompt's length), got {self.kernel}.")
+        if self.chunk is not None and self.method == "snapkv":
+            raise ValueError(
+                f"`{FIELD}.chunk` cannot be used with method 'snapkv' (its window is the prompt's last queries, which "
+                f"a chunk does not have yet); use one of {tuple(m for m in METHODS if m != 'snapkv')} or chunk None."
+            )
         if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
             raise ValueError(
                 f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
@@ -83,6 +98,18 @@ class CompressSpec:
     def kept(self, prompt: int) -> int:
         """Tokens a `prompt`-token prompt keeps: ceil(prompt x (1 - ratio)), at least 1."""
         return max(1, min(prompt, math.ceil(prompt * (1 - self.ratio) - 1e-9)))
+
+    def peak(self, prompt: int) -> int:
+        """The most prompt tokens a `prompt`-token request holds at once while it prefills: the whole prompt, or with
+        `chunk`, what the last compression kept plus the chunk written after it (at most about kept + chunk)."""
+        if self.chunk is None:
+            return prompt
+        peak, held, seen = 0, 0, 0
+        while seen < prompt:
+            step = min(self.chunk, prompt - seen)
+            peak, seen = max(peak, held + step), seen + step
+            held = self.kept(seen)
+        return peak
 
     def protected(self, kept: int) -> tuple[int, int]:
         """(first, newest) tokens always kept when `kept` are: `sinks` and `window` (None: RECENT, at most a quarter
@@ -94,8 +121,15 @@ class CompressSpec:
         return sinks, min(window, kept - sinks)
 
     def label(self) -> str:
-        """METHOD:RATIO, as the benchmarks' rows and GET /v1/kv_cache name it."""
-        return f"{self.method}:{self.ratio:g}"
+        """METHOD:RATIO, then :FIELD=VALUE for each other field not at its default (what `parse` reads back), as the
+        benchmarks' rows and GET /v1/kv_cache name it."""
+        default = CompressSpec()
+        extra = "".join(
+            f":{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name not in ("method", "ratio") and getattr(self, f.name) != getattr(default, f.name)
+        )
+        return f"{self.method}:{self.ratio:g}{extra}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,31 +146,29 @@ def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             spec = CompressSpec(ratio=value)
         elif isinstance(value, str):
-            method, sep, ratio = value.partition(":")
+            method, sep, rest = value.partition(":")
             if not sep:
                 try:
                     return parse(float(value), field)
                 except ValueError:
-                    method, ratio = value, ""
+                    method, rest = value, ""
+            ratio, *extras = rest.split(":")
             if not ratio:
                 raise ValueError(
-                    f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO' or a dict, with METHOD one of {METHODS}; "
-                    f"got {value!r}."
+                    f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO[:FIELD=VALUE...]' or a dict, with METHOD one of "
+                    f"{METHODS}; got {value!r}."
                 )
             try:
                 number = float(ratio)
             except ValueError:
                 raise ValueError(f"`{FIELD}.ratio` must be a number in [0, 1), got {ratio!r} in {value!r}.") from None
-            spec = CompressSpec(method=method, ratio=number)
+            spec = _from_dict({"method": method, "ratio": number, **dict(_field_value(e, value) for e in extras)})
         elif isinstance(value, dict):
-            allowed = tuple(f.name for f in fields(CompressSpec))
-            unknown = sorted(set(value) - set(allowed))
-            if unknown:
-                raise ValueError(f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}.")
-            spec = CompressSpec(**value)
+            spec = _from_dict(value)
         else:
             raise ValueError(
-                f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO' or a dict, got {type(value).__name__}."
+                f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO[:FIELD=VALUE...]' or a dict, got "
+                f"{type(value).__name__}."
             )
     except ValueError as error:
         message = str(error)
@@ -144,6 +176,27 @@ def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
             message = message.replace(f"`{FIELD}", f"`{field}")
         raise ValueError(message) from None
     return None if spec.ratio == 0 else spec
+
+
+def _from_dict(value: dict) -> CompressSpec:
+    allowed = tuple(f.name for f in fields(CompressSpec))
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}.")
+    return CompressSpec(**value)
+
+
+def _field_value(text: str, value: str) -> tuple[str, Any]:
+    """One FIELD=VALUE of a 'METHOD:RATIO:FIELD=VALUE' string: an integer, None, or text (a surrogate's name)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"`{FIELD}`: {text!r} in {value!r} is not FIELD=VALUE (e.g. 'keydiff:0.75:chunk=256').")
+    if raw == "None":
+        return name, None
+    try:
+        return name, int(raw)
+    except ValueError:
+        return name, raw
 
 
 def from_cb_config(cb_config) -> CompressSpec | None:

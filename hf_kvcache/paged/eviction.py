@@ -35,6 +35,7 @@ import torch
 
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
 from ..integration.continuous_batching import wrap_generation_step
+from ..integration.prefill_chunks import cap_prefill_chunks
 from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
@@ -59,7 +60,8 @@ class RequestCompression:
     queries: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # snapkv: ([Hq, w, D], scaling)
     prompt: int | None = None  # tokens prefilled, once compressed
     kept: int | None = None
-    shift: int = 0  # position of a later token minus its index in the cache (prompt - kept)
+    shift: int = 0  # position of a later token minus its index in the cache (prompt tokens seen - rows held)
+    compacted: int = 0  # rows held right after the last compression (spec.chunk: those before this chunk)
 
 
 @dataclass
@@ -134,6 +136,14 @@ class PagedEviction:
         check(spec, self.config, self.cache.cache_allocators)
         with self._lock:
             self.request_specs[request_id] = spec
+
+    def prefill_cap(self, state) -> int | None:
+        """(the scheduler) The most prompt tokens `state` may write in its next forward: what is left of its `chunk`
+        since its last compression (None: no cap)."""
+        info = getattr(state, STATE_ATTR) if hasattr(state, STATE_ATTR) else self._start(state)
+        if info is None or info.spec.chunk is None or info.kept is not None:
+            return None
+        return info.spec.chunk - (state.position_offset - info.compacted)
 
     def _start(self, state) -> RequestCompression | None:
         request_id = state.request_id
@@ -216,46 +226,56 @@ class PagedEviction:
             self._named = {rid: spec for rid, spec in self._named.items() if rid in held}
         for future in processor.inputs_and_outputs.requests_in_batch:
             state = future.state
-            if not future.has_new_token or state.generated_len() != 0:
-                continue
             info = getattr(state, STATE_ATTR, None)
             if info is not None and info.kept is not None:
+                continue  # compressed already
+            if not future.has_new_token or state.generated_len() != 0:
+                chunk = None if info is None else info.spec.chunk
+                if chunk is not None and state.position_offset - info.compacted >= chunk:
+                    self._compress(state, info, final=False)
                 continue
-            prompt = state.position_offset
             self.stats.requests += 1
-            self.stats.tokens_prefilled += prompt
             if info is None:
-                self.stats.tokens_kept += prompt
+                self.stats.tokens_prefilled += state.position_offset
+                self.stats.tokens_kept += state.position_offset
                 continue
-            self._compress(state, info, prompt)
+            self._compress(state, info, final=True)
 
     def abandon(self) -> None:
         _current.eviction = None
         self._captures = []
 
     # -- the compaction ---------------------------------------------------------------------------------------------
-    def _compress(self, state, info: RequestCompression, prompt: int) -> None:
+    def _compress(self, state, info: RequestCompression, final: bool) -> None:
+        """Keep `spec.kept(seen)` of the `seen` prompt tokens so far: at the prompt's end (`final`), or every `chunk`
+        prompt tokens (spec.chunk). The rows held are the kept ones of earlier compressions, then the newer ones."""
         spec, request_id = info.spec, state.request_id
-        kept = spec.kept(prompt)
-        info.prompt, info.kept = prompt, kept
-        self.stats.tokens_kept += kept
-        if kept >= prompt:
-            return
+        held = state.position_offset
+        seen = info.shift + held
+        kept = min(spec.kept(seen), held)
         freed = 0
-        for allocator in self.cache.cache_allocators.values():
-            rows = torch.tensor(allocator.get_read_indices(request_id, 0, prompt), device=self.cache.device)
-            for layer_idx in allocator.layer_indices:
-                scores = token_scores(spec, **self._inputs(info, allocator, layer_idx, rows))
-                positions = kept_positions(spec, prompt, scores, device=rows.device)
-                src, dest = rows[positions], rows[:kept]
-                for view in token_rows(allocator, layer_idx):
-                    view.index_copy_(0, dest, view.index_select(0, src))  # read all before writing
-            freed += free_tail(allocator, request_id, kept)
-        state.position_offset = kept
-        info.shift = prompt - kept
-        info.predicted, info.queries = {}, {}
-        self.stats.requests_compressed += 1
+        if kept < held:
+            for allocator in self.cache.cache_allocators.values():
+                rows = torch.tensor(allocator.get_read_indices(request_id, 0, held), device=self.cache.device)
+                for layer_idx in allocator.layer_indices:
+                    scores = token_scores(spec, **self._inputs(info, allocator, layer_idx, rows))
+                    positions = kept_positions(spec, held, scores, device=rows.device, kept=kept)
+                    src, dest = rows[positions], rows[:kept]
+                    for view in token_rows(allocator, layer_idx):
+                        view.index_copy_(0, dest, view.index_select(0, src))  # read all before writing
+                    if layer_idx in info.predicted:  # kvzap, chunk by chunk: the kept rows' scores carry on
+                        info.predicted[layer_idx] = [torch.cat(info.predicted[layer_idx], -1)[:, positions]]
+                freed += free_tail(allocator, request_id, kept)
+            state.position_offset = kept
+        info.shift, info.compacted = seen - kept, kept
         self.stats.pages_freed += freed
+        if not final:
+            return
+        info.prompt, info.kept = seen, kept
+        info.predicted, info.queries = {}, {}
+        self.stats.tokens_prefilled += seen
+        self.stats.tokens_kept += kept
+        self.stats.requests_compressed += 1 if kept < seen else 0
 
     def _inputs(self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor) -> dict:
         method = info.spec.method
@@ -300,9 +320,15 @@ def _with_eviction(original):
     return _generation_step
 
 
+def _prefill_cap(scheduler, state) -> int | None:
+    eviction = getattr(scheduler.cache, "eviction", None)
+    return None if eviction is None else eviction.prefill_cap(state)
+
+
 def install() -> None:
-    """Wrap continuous batching's generation step (idempotent)."""
+    """Wrap continuous batching's generation step and cap its prompts' chunks (idempotent)."""
     wrap_generation_step(_with_eviction)
+    cap_prefill_chunks(_prefill_cap)
 
 
 __all__ = ["EvictionStats", "PagedEviction", "RequestCompression", "install"]

@@ -2,9 +2,10 @@
 (hf_kvcache.paged.eviction) is checked against, in the tests (token for token) and on the needle tasks (the server's
 accuracy against the same method through `generate`, eval/ruler_http.py --through generate).
 
-The prompt is prefilled into a DynamicCache; each layer then keeps the tokens `kept_positions` chooses from the same
-scores (hf_kvcache.paged.prompt_scores), and greedy decoding continues at the original positions (position ids from
-the prompt's length, the cache holding only the kept tokens). Methods that read the keys (keydiff, knorm),
+The prompt is prefilled into a DynamicCache (every `chunk` tokens, then compressed, when the spec has a chunk); each
+layer then keeps the tokens `kept_positions` chooses from the same scores (hf_kvcache.paged.prompt_scores), and greedy
+decoding continues at the original positions (position ids from the prompt's length, the cache holding only the kept
+tokens). Methods that read the keys (keydiff, knorm),
 nothing (sink_window) or the attention inputs (kvzap); SnapKV's queries would need the model's own query projection
 and rotation, so snapkv is not offered here (the tests rebuild them for Llama).
 """
@@ -33,36 +34,59 @@ def generate_with_eviction(
     if spec is not None and spec.method not in METHODS:
         raise ValueError(f"`spec.method` must be one of {METHODS} for the reference, got {spec.method!r}.")
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt], device=device)
     stops = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
-    hidden: dict[int, torch.Tensor] = {}
     cache = DynamicCache()
     wanted = spec is not None and spec.method == "kvzap"
-    with capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h) if wanted else None):
-        logits = model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits
-    length = len(prompt)
     config = model.config.get_text_config()
-    for i, layer in enumerate(cache.layers if spec is not None else ()):
-        if spec.method == "kvzap":
-            inputs = {"predicted": surrogate_for(spec, config).predict(i, hidden[i])[0]}
-        else:
-            inputs = {"keys": layer.keys[0]}
-        kept = kept_positions(spec, length, token_scores(spec, **inputs), device=device)
-        layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
-    hidden.clear()
-    kept_count = length if spec is None else spec.kept(length)
+    predicted: dict[int, torch.Tensor] = {}  # kvzap: the scores of the rows held, per layer
+    length = len(prompt)
+    step = length if spec is None or spec.chunk is None else spec.chunk
+    seen = held = 0
+    hidden: dict[int, torch.Tensor] = {}  # kvzap: each layer's attention inputs of the latest piece
+    for start in range(0, length, step):
+        piece = prompt[start : start + step]
+        with capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h) if wanted else None):
+            logits = model(
+                torch.tensor([piece], device=device),
+                position_ids=torch.arange(seen, seen + len(piece), device=device)[None],
+                cache_position=torch.arange(held, held + len(piece), device=device),
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(cache),
+            ).logits
+        seen, held = seen + len(piece), held + len(piece)
+        if spec is not None:
+            held = _compress(cache, spec, seen, held, hidden, predicted, config, device)
     token = int(logits[0, -1].argmax())
     tokens = [token]
-    for step in range(max_new_tokens - 1):
+    for index in range(max_new_tokens - 1):
         if token in stops:
             break
         out = model(
             torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[length + step]], device=device),
-            cache_position=torch.tensor([kept_count + step], device=device),
+            position_ids=torch.tensor([[length + index]], device=device),
+            cache_position=torch.tensor([held + index], device=device),
             use_cache=True,
             **cache_kwargs(cache),
         )
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
     return tokens
+
+
+def _compress(cache, spec: CompressSpec, seen: int, held: int, hidden, predicted, config, device) -> int:
+    """Each layer of `cache` keeps spec.kept(seen) of its `held` rows (the prompt's `seen` tokens so far); returns
+    the rows held after."""
+    kept = min(spec.kept(seen), held)
+    for i, layer in enumerate(cache.layers):
+        if spec.method == "kvzap":
+            new = surrogate_for(spec, config).predict(i, hidden[i])[0]
+            predicted[i] = new if i not in predicted else torch.cat((predicted[i], new), -1)
+            inputs = {"predicted": predicted[i]}
+        else:
+            inputs = {"keys": layer.keys[0]}
+        positions = kept_positions(spec, held, token_scores(spec, **inputs), device=device, kept=kept)
+        layer.keys, layer.values = layer.keys[:, :, positions], layer.values[:, :, positions]
+        if i in predicted:
+            predicted[i] = predicted[i][:, positions]
+    return kept

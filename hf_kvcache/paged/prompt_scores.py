@@ -64,10 +64,13 @@ def token_scores(
     return per_head.amax(0) if HEAD_REDUCTION[method] == "max" else per_head.mean(0)
 
 
-def kept_positions(spec: CompressSpec, prompt: int, scores: torch.Tensor | None, device=None) -> torch.Tensor:
-    """The positions [K] (ascending) a layer keeps of a `prompt`-token prompt: the first `sinks`, the newest `window`
-    and the best-scoring others (spec.kept / spec.protected)."""
-    kept = spec.kept(prompt)
+def kept_positions(
+    spec: CompressSpec, prompt: int, scores: torch.Tensor | None, device=None, kept: int | None = None
+) -> torch.Tensor:
+    """The positions [K] (ascending) a layer keeps of `prompt` tokens: the first `sinks`, the newest `window` and the
+    best-scoring others (spec.protected), K = `kept` (None: spec.kept(prompt); chunk by chunk, the tokens held are
+    fewer than the prompt tokens seen)."""
+    kept = spec.kept(prompt) if kept is None else kept
     sinks, window = spec.protected(kept)
     device = scores.device if scores is not None else device
     positions = torch.arange(prompt, device=device)

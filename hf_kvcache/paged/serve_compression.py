@@ -8,7 +8,8 @@ HTTP 400 naming `kv_compress`. A server started without `--kv-compress` refuses 
 built without eviction.
 
 Admission counts a request at its peak: its whole prompt while it prefills (eviction happens when the last prompt
-chunk has been written), then what it keeps plus `max_tokens`. A request whose peak exceeds all of the KV memory is
+chunk has been written; with a `chunk`, what it keeps plus a chunk, CompressSpec.peak), then what it keeps plus
+`max_tokens`. A request whose peak exceeds all of the KV memory is
 refused (400, hf_kvcache.paged.serve_requests.admit); the scheduler then admits requests as pages are free, so the
 pool fills with compressed requests.
 """
@@ -56,6 +57,11 @@ class ServerCompression:
         """Prompt tokens request `request_id` keeps after its prefill."""
         spec = self.spec_of(request_id)
         return prompt if spec is None else spec.kept(prompt)
+
+    def peak(self, request_id, prompt: int) -> int:
+        """Prompt tokens request `request_id` holds at most while it prefills (CompressSpec.peak)."""
+        spec = self.spec_of(request_id)
+        return prompt if spec is None else spec.peak(prompt)
 
     def forget(self, request_id) -> None:
         request_specs.forget_request_spec(self.cb_config, request_id)

@@ -117,7 +117,8 @@ def checked_handler(aliases: dict[str, str] | None = None, compression=None):
 def admit(manager, limit: int, label: str, compression=None) -> None:
     """Refuse (RequestRejected, code 'context_length_exceeded') requests needing more than `limit` tokens of pages;
     `label` says what holds them (e.g. '64 MiB of fp8_e4m3 pages'). With prompt eviction (`compression`, a
-    ServerCompression) a request needs its peak: its prompt while it prefills, then what it keeps + max_tokens."""
+    ServerCompression) a request needs its peak: its prompt while it prefills (with a chunk, what it keeps + a chunk),
+    then what it keeps + max_tokens."""
     add_request = manager.add_request
 
     def checked_add_request(input_ids, *args, max_new_tokens=None, **kwargs):
@@ -125,7 +126,8 @@ def admit(manager, limit: int, label: str, compression=None) -> None:
         new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompt = len(input_ids)
         kept = prompt if compression is None else compression.kept(request_id, prompt)
-        need = max(prompt, kept + (new or 0))
+        peak = prompt if compression is None else compression.peak(request_id, prompt)
+        need = max(peak, kept + (new or 0))
         if need > limit:
             forget_result_handler(manager, request_id)
             if compression is not None:
