@@ -1213,6 +1213,14 @@ CASES: list[Case] = [
         r"`--kv-compress` has unknown keys \['speed'\]; allowed keys are \('method', 'ratio'",
     ),
     cli_case(
+        ["serve", "--kv-compress", "snapkv:0.75:chunk=256"],
+        r"`--kv-compress\.chunk` cannot be used with method 'snapkv'",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", "keydiff:0.75:chunk=0"],
+        r"`--kv-compress\.chunk` must be an integer >= 1, got 0",
+    ),
+    cli_case(
         ["serve-bench", "--kv-compress", "keydiff:0.5"],
         r"`kv_compress` must start with 'none' \(the reference run\), got \('keydiff:0\.5',\)",
     ),

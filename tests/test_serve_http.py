@@ -312,6 +312,13 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
     last = server.kv_cache()["eviction"]
     assert last["requests_compressed"] == 2
     assert last["tokens_kept"] - after["tokens_kept"] == -(-(last["tokens_prefilled"] - after["tokens_prefilled"]) // 2)
+    # and one compressed every 64 prompt tokens keeps the same share in the end
+    assert chat(server, prompt, extra_body={"kv_compress": "keydiff:0.75:chunk=64"})
+    chunked = server.kv_cache()["eviction"]
+    assert chunked["requests_compressed"] == 3
+    assert chunked["tokens_kept"] - last["tokens_kept"] == -(
+        -(chunked["tokens_prefilled"] - last["tokens_prefilled"]) // 4
+    )
 
 
 @pytest.mark.parametrize(

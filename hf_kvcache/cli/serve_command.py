@@ -99,8 +99,9 @@ def add_serve_command(sub) -> None:
         default=None,
         metavar="SPEC",
         help="prompt eviction at the end of each prefill: 'none' (requests may ask through their kv_compress "
-        "field), a ratio evicted (the default method, keydiff), METHOD:RATIO (keydiff, kvzap, snapkv, knorm, "
-        "sink_window) or a JSON object (docs/serving.md); default: no eviction",
+        "field), a ratio evicted (the default method, keydiff), METHOD:RATIO[:FIELD=VALUE...] (keydiff, kvzap, "
+        "snapkv, knorm, sink_window; e.g. keydiff:0.75:chunk=256 also compresses every 256 prompt tokens) or a JSON "
+        "object (docs/serving.md); default: no eviction",
     )
     p.add_argument(
         "--typical-request-tokens",
