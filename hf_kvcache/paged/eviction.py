@@ -2,6 +2,10 @@
 layer keeps the prompt tokens its method ranks best (hf_kvcache.paged.prompt_scores), they are moved to the front of
 the request's pages, and the pages past them go back to the pool at once, for other requests.
 
+With a `chunk` (CompressSpec.chunk) a request is also compressed every `chunk` prompt tokens: the scheduler lets it
+write at most what is left of its chunk per forward (hf_kvcache.integration.prefill_chunks), and each compression
+keeps the share of the prompt seen so far, so the request never holds its whole prompt.
+
 Set by `kv_compress` on the continuous-batching config (hf_kvcache.paged.compress_spec), for every request, or per
 request (`request_specs`, which `hf-kvcache serve` fills from a request's `kv_compress` field). Works on model-dtype
 and quantized pages alike (the rows move as they are: codes and scales, or values).
