@@ -542,8 +542,9 @@ def serving() -> str:
             + "\n\n"
             + _source(path)
         )
-    path = RESULTS / "serve_bench.compress.json"
-    if path.exists():
+    for path in (RESULTS / "serve_bench.compress.json", RESULTS / "serve_bench.compress_chunk.json"):
+        if not path.exists():
+            continue
         data = json.loads(path.read_text(encoding="utf-8"))
         settings = data["settings"]
         body = [
@@ -583,17 +584,24 @@ def serving() -> str:
             + "\n\n"
             + _source(path)
         )
-    path = RESULTS / "ruler_http" / "cells.json"
-    if path.exists():
+    for path, through in (
+        (RESULTS / "ruler_http" / "cells.json", "through `hf-kvcache serve`'s HTTP API"),
+        (
+            RESULTS / "ruler_http" / "generate" / "cells.json",
+            "through `generate`, the same eviction one request at a time",
+        ),
+    ):
+        if not path.exists():
+            continue
         cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
         body = [
             [c["kv_compress"], c["task"], str(c["context_len"]), str(c["n"]), _num(c["score"]), _ci(c["ci95"])]
             for c in cells
         ]
         parts.append(
-            "Needle tasks through `hf-kvcache serve`'s HTTP API (`eval/ruler_http.py`: the board's samples as "
-            "completion prompts, each request naming its `kv_compress`; the whole prompt is compressed at the end of "
-            "its prefill).\n\n"
+            f"Needle tasks {through} (`eval/ruler_http.py`: the board's samples as completion prompts, each "
+            "request naming its `kv_compress`; the prompt is compressed at the end of its prefill, or every `chunk` "
+            "tokens).\n\n"
             + _table(["kv_compress", "task", "length", "n", "score", "95% interval"], body)
             + "\n\n"
             + _source(path)
