@@ -5,9 +5,9 @@ accuracy against the same method through `generate`, eval/ruler_http.py --throug
 The prompt is prefilled into a DynamicCache (every `chunk` tokens, then compressed, when the spec has a chunk); each
 layer then keeps the tokens `kept_positions` chooses from the same scores (hf_kvcache.paged.prompt_scores), and greedy
 decoding continues at the original positions (position ids from the prompt's length, the cache holding only the kept
-tokens). Methods that read the keys (keydiff, knorm),
-nothing (sink_window) or the attention inputs (kvzap); SnapKV's queries would need the model's own query projection
-and rotation, so snapkv is not offered here (the tests rebuild them for Llama).
+tokens). Methods that read the keys (keydiff, knorm), nothing (sink_window) or the attention inputs (kvzap); SnapKV's
+queries would need the model's own query projection and rotation, so snapkv is not offered here (the tests rebuild
+them for Llama).
 """
 
 from __future__ import annotations
