@@ -612,7 +612,12 @@ def serving() -> str:
         "pages where requests waited; ratios to model-dtype pages (`:dequantize`: FP8 pages on the gather-and-"
         "dequantize path, attention otherwise reads the codes)."
     )
-    for name in ("serve_http.json", "serve_http.decode_heavy.json", "serve_http.compress.json"):
+    for name in (
+        "serve_http.json",
+        "serve_http.decode_heavy.json",
+        "serve_http.compress.json",
+        "serve_http.compress_chunk.json",
+    ):
         path = RESULTS / name
         if not path.exists():
             continue
