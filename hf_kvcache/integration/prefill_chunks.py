@@ -20,6 +20,8 @@ from .contracts import contract, parameters, require, source
 
 PREFILL_CHUNKS = "Scheduler._infer_request_tokens / _schedule_request (a prompt split at the token budget)"
 _MARK = "_hf_kvcache_prefill_cap"
+#: the cap in force (cap_prefill_chunks sets it): (scheduler, state) -> the most prompt tokens per forward, or None
+_CAP: list[Callable | None] = [None]
 
 
 @contract(
@@ -81,9 +83,6 @@ def cap_prefill_chunks(cap_of: Callable) -> None:
             setattr(wrapper, _MARK, True)
         scheduler._infer_request_tokens, scheduler._schedule_request = _infer_request_tokens, _schedule_request
     _CAP[0] = cap_of
-
-
-_CAP: list[Callable | None] = [None]
 
 
 def _cap(scheduler, state) -> int | None:

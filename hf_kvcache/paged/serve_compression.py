@@ -9,9 +9,9 @@ built without eviction.
 
 Admission counts a request at its peak: its whole prompt while it prefills (eviction happens when the last prompt
 chunk has been written; with a `chunk`, what it keeps plus a chunk, CompressSpec.peak), then what it keeps plus
-`max_tokens`. A request whose peak exceeds all of the KV memory is
-refused (400, hf_kvcache.paged.serve_requests.admit); the scheduler then admits requests as pages are free, so the
-pool fills with compressed requests.
+`max_tokens`. A request whose peak exceeds all of the KV memory is refused (400,
+hf_kvcache.paged.serve_requests.admit); the scheduler then admits requests as pages are free, so the pool fills with
+compressed requests.
 """
 
 from __future__ import annotations
