@@ -22,8 +22,8 @@ import torch
 
 import hf_kvcache
 from hf_kvcache import KIVICache, QuantizedFP8Cache, cache_kwargs
-from hf_kvcache.evaluation.corpus import load_tokens
-from hf_kvcache.evaluation.models import load_model
+from hf_kvcache.sharing.corpus import load_tokens
+from hf_kvcache.sharing.models import load_model
 
 CACHES = {
     "fp8": lambda m, **a: QuantizedFP8Cache(m, **a),

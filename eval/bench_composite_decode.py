@@ -137,8 +137,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.evaluation.corpus import load_tokens
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     hf_kvcache.enable(model)

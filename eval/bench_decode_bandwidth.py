@@ -390,8 +390,8 @@ def main(argv=None) -> None:
     dtype = DTYPES[args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")]
     shape, model = {}, None
     if not args.skip_model:
-        from hf_kvcache.evaluation.corpus import load_text
-        from hf_kvcache.evaluation.models import load_model
+        from hf_kvcache.sharing.corpus import load_text
+        from hf_kvcache.sharing.models import load_model
 
         model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
         shape = attention_shape(model.config)

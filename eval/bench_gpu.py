@@ -208,8 +208,8 @@ def load(args, dtype: torch.dtype):
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(2, model.config.vocab_size, (args.batch, total), generator=g)
         return model, ids.to(args.device)
-    from hf_kvcache.evaluation.corpus import load_tokens
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     corpus = load_tokens(tokenizer, args.text, max_tokens=args.batch * total)
@@ -560,7 +560,7 @@ def parse_args(argv=None):
         help="reference caches run beside the others (default dynamic,static; compiled rows need "
         "static, eager rows dynamic)",
     )
-    parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.evaluation.corpus)")
+    parser.add_argument("--text", default="pydoc", help="prompt source for --model (hf_kvcache.sharing.corpus)")
     parser.add_argument(
         "--cache",
         action="append",

@@ -92,8 +92,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.evaluation.corpus import load_tokens
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model("smollm2")
     hf_kvcache.enable(model)

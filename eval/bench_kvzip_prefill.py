@@ -74,8 +74,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
-    from hf_kvcache.evaluation.corpus import load_tokens
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     ids = load_tokens(tokenizer, max_tokens=20000 + args.prompt)[:, 20000:].to(args.device)

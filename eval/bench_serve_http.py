@@ -41,9 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_kvcache.paged.serve_bench import parse_range  # noqa: E402
+from hf_kvcache.cli.serve_bench_command import parse_range  # noqa: E402
+from hf_kvcache.evaluation.serve_workload import parse_format  # noqa: E402
 from hf_kvcache.paged.serve_process import ServerProcess  # noqa: E402
-from hf_kvcache.paged.serve_workload import parse_format  # noqa: E402
 
 
 def token_range(text: str, flag: str) -> tuple[int, int]:
@@ -60,7 +60,7 @@ def token_range(text: str, flag: str) -> tuple[int, int]:
 def make_prompts(tokenizer, count: int, lengths: tuple[int, int], new: tuple[int, int], seed: int) -> list[dict]:
     """`count` requests: a slice of the offline corpus of a random length in `lengths` tokens, and max_tokens in
     `new` (seeded)."""
-    from hf_kvcache.evaluation.corpus import load_text
+    from hf_kvcache.sharing.corpus import load_text
 
     ids = tokenizer(load_text("pydoc")).input_ids
     rng = random.Random(seed)
@@ -233,7 +233,7 @@ def main(argv=None) -> dict:
     import transformers
     from transformers import AutoTokenizer
 
-    from hf_kvcache.evaluation.models import OFFLINE_MODEL, convert_smollm2
+    from hf_kvcache.sharing.models import OFFLINE_MODEL, convert_smollm2
 
     path = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,6 +1,6 @@
 """Where a continuous-batching run's time goes, model-dtype pages against quantized pages (issue 49).
 
-Runs `serve-bench`'s workload (hf_kvcache.paged.serve_workload: the same requests, the same KV memory for every
+Runs `serve-bench`'s workload (hf_kvcache.evaluation.serve_workload: the same requests, the same KV memory for every
 format) through `model.generate_batch` once per format, with timers around three parts of every forward:
 - *attention*: transformers' attention function of the run (SDPA with continuous batching's packed mask: each
   forward attends [all queries of the batch] x [all keys read for the batch], masked block-diagonally, so its cost
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
+from hf_kvcache.cli.serve_bench_command import parse_range
 from hf_kvcache.paged.codes_attention import KWARG
-from hf_kvcache.paged.serve_bench import parse_range
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,14 +106,14 @@ def profile(
 ) -> dict:
     from transformers import GenerationConfig
 
-    from hf_kvcache.evaluation.models import load_model
-    from hf_kvcache.paged.cache import install
-    from hf_kvcache.paged.serve_workload import (
+    from hf_kvcache.evaluation.serve_workload import (
         ServeBenchSettings,
         continuous_batching_config,
         make_workload,
         parse_format,
     )
+    from hf_kvcache.paged.cache import install
+    from hf_kvcache.sharing.models import load_model
 
     install()
     if threads:

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     board = args.board or Path(tempfile.mkdtemp(prefix="ruler_full_"))

@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 def main(argv=None) -> dict:
     import torch
 
-    from hf_kvcache.evaluation.models import load_model
     from hf_kvcache.evaluation.ruler import make_sample, score
     from hf_kvcache.paged.compress_spec import parse
     from hf_kvcache.paged.serve_process import ServerProcess
+    from hf_kvcache.sharing.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
         choices=("http", "generate"),
         default="http",
         help="http: the server; generate: the same method on the same prompts one request at a time in this process "
-        "(hf_kvcache.paged.eviction_reference), for the comparison (results under OUT/generate)",
+        "(hf_kvcache.evaluation.eviction_reference), for the comparison (results under OUT/generate)",
     )
     p.add_argument("--out", default=str(ROOT / "eval/results/ruler_http"))
     args = p.parse_args(argv)
@@ -168,9 +168,9 @@ def write_cells(args, done: dict, out: Path, eviction) -> dict:
 
 @torch.inference_mode()
 def _through_generate(args, model, tokenizer, jobs, done, results_path: Path, out: Path) -> dict:
+    from hf_kvcache.evaluation.eviction_reference import generate_with_eviction
     from hf_kvcache.evaluation.ruler import score
     from hf_kvcache.paged.compress_spec import parse
-    from hf_kvcache.paged.eviction_reference import generate_with_eviction
 
     with open(results_path, "a") as f:
         for i, (setting, task, seed, sample) in enumerate(jobs):

@@ -61,7 +61,7 @@ run() {
     export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_KVCACHE_CACHE="$STAGE/cache"
   fi
   export PYTHONUNBUFFERED=1
-  "$PYTHON" -c 'from hf_kvcache.evaluation.models import convert_smollm2; print(convert_smollm2())'
+  "$PYTHON" -c 'from hf_kvcache.sharing.models import convert_smollm2; print(convert_smollm2())'
   local common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --keep-going --quiet --out "$out")
   local pids=() start=$SECONDS logs="$STAGE/logs"
   mkdir -p "$out" "$logs"

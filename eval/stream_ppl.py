@@ -201,7 +201,7 @@ def main(argv=None) -> None:
         default=None,
         help="override every configuration's stream length (a short timing run: use --scratch)",
     )
-    parser.add_argument("--corpus", default="pydoc", help="text source for hf_kvcache.evaluation.corpus.load_tokens")
+    parser.add_argument("--corpus", default="pydoc", help="text source for hf_kvcache.sharing.corpus.load_tokens")
     parser.add_argument("--bucket", type=int, default=1024, help="bucket size for perplexities (default 1024)")
     parser.add_argument("--checkpoint-every", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 when running two)")
@@ -225,8 +225,8 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from hf_kvcache.evaluation.corpus import load_tokens
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
+    from hf_kvcache.sharing.models import load_model
 
     model, tokenizer = load_model("smollm2")
     names = args.only or list(CONFIGS)

@@ -5,12 +5,13 @@ cache_config={"sinks": 4, "window": 508})` works, as does `model.generate(cache=
 (`past_key_values=` before transformers 5.24; `hf_kvcache.cache_kwargs(cache)` gives the installed version's name).
 The transformers versions supported and every internal relied on: hf_kvcache.integration.
 
-Packages by role (docs/design.md draws them with their allowed imports, checked by import-linter in the tests):
-`caches` (the public classes and their catalog), `attention` (the bridge), `layers` (the per-layer core),
-`policies` / `stores` (which tokens stay / at what precision), `kernels` (attention from codes), `common` (RoPE,
-rotations, validation, architecture facts), `integration` (the transformers boundary), `sharing` (configs, Hub
-export, state files, calibration), `paged` (quantized pages for continuous batching), `evaluation` (the harness),
-`cli` (the `hf-kvcache` command). `install` wires them into transformers at import.
+Packages by role (docs/design.md draws them with their allowed imports, checked by import-linter in the tests): `caches`
+(the public classes and their catalog), `attention` (the bridge), `layers` (the per-layer core), `policies` / `stores`
+(which tokens stay / at what precision), `kernels` (attention from codes), `common` (RoPE, rotations, validation,
+architecture facts), `integration` (the transformers boundary), `sharing` (configs, Hub export, state files,
+calibration, the offline model and corpus), `paged` (quantized pages for continuous batching), `evaluation` (the
+harness, above all of these: nothing of the core imports it), `cli` (the `hf-kvcache` command). `install` wires them
+into transformers at import.
 """
 
 from .attention import enable

@@ -14,7 +14,7 @@ PAGES = ("README.md", "docs/index.md")
 
 PREAMBLE = """\
 import torch
-from hf_kvcache.evaluation.models import load_model
+from hf_kvcache.sharing.models import load_model
 
 torch.manual_seed(0)
 model, tokenizer = load_model("smollm2")  # the offline SmolLM2-135M-Instruct (stands for the reader's model)

@@ -248,7 +248,7 @@ def cli_case(argv: list[str], match: str, case_id: str | None = None) -> Case:
     def run():
         from hf_kvcache import cli
         from hf_kvcache.cli import eval_commands as eval_cli
-        from hf_kvcache.evaluation import models
+        from hf_kvcache.sharing import models
 
         def no_model(*args, **kwargs):
             raise AssertionError(f"{text} went on to load a model instead of refusing its arguments")

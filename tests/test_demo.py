@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import build_model, random_ids
 
-from hf_kvcache.cli.demo import DemoRow, demo_specs, run_demo
-from hf_kvcache.cli.demo_report import write_demo_report
+from hf_kvcache.evaluation.demo import DemoRow, demo_specs, run_demo
+from hf_kvcache.evaluation.demo_report import write_demo_report
 
 
 def _row(cache, family, budget, held, top1):
@@ -67,7 +67,7 @@ def test_every_family_has_three_budgets_and_the_quantized_caches_keep_all():
 
 
 def test_progress_bar_per_row_counts_its_forwards(monkeypatch):
-    import hf_kvcache.cli.demo as demo
+    import hf_kvcache.evaluation.demo as demo
 
     bars = []
 
@@ -99,8 +99,8 @@ def test_bad_new_tokens_is_refused_by_name():
 
 
 def test_a_row_whose_backend_is_missing_says_so_and_the_others_run(monkeypatch, tmp_path):
-    import hf_kvcache.cli.demo as demo
-    from hf_kvcache.cli.demo import format_table
+    import hf_kvcache.evaluation.demo as demo
+    from hf_kvcache.evaluation.demo import format_table
     from hf_kvcache.stores import quantization
 
     monkeypatch.setattr(quantization, "backend_available", lambda backend: backend == "torch")

@@ -36,12 +36,12 @@ def test_parse_cache():
 
 
 def fail_loading(monkeypatch):
-    import hf_kvcache.evaluation.models
+    import hf_kvcache.sharing.models
 
     def boom(*a, **k):
         raise AssertionError("no model may be loaded")
 
-    monkeypatch.setattr(hf_kvcache.evaluation.models, "load_model", boom)
+    monkeypatch.setattr(hf_kvcache.sharing.models, "load_model", boom)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ def test_demo_runs_every_cache_family_on_a_tiny_model():
 
     from conftest import build_model, random_ids
 
-    from hf_kvcache.cli.demo import format_table, run_demo
+    from hf_kvcache.evaluation.demo import format_table, run_demo
     from hf_kvcache.stores.quantization import backend_available
 
     model = build_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32

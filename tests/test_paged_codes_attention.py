@@ -193,7 +193,7 @@ def _generate(model, prompts, attention, force=None):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from hf_kvcache.paged.agreement import record_logits
+    from hf_kvcache.evaluation.agreement import record_logits
 
     cb = ContinuousBatchingConfig(
         num_blocks=32, page_size=8, max_batch_tokens=64, allow_block_sharing=False, max_memory_percent=0.9

@@ -22,12 +22,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_kvcache  # noqa: F401  (installs the paged cache)
+from hf_kvcache.evaluation import eviction_reference
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.integration.cache_argument import cache_kwargs
 from hf_kvcache.integration.continuous_batching import EVICTION, update_caller
 from hf_kvcache.integration.contracts import problem
 from hf_kvcache.integration.prefill_chunks import PREFILL_CHUNKS
-from hf_kvcache.paged import compress_spec, eviction, eviction_reference
+from hf_kvcache.paged import compress_spec, eviction
 from hf_kvcache.paged.compress_spec import CompressSpec, parse
 from hf_kvcache.paged.prompt_scores import kept_positions, token_scores
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
@@ -310,7 +311,7 @@ def test_the_transformers_internals_eviction_relies_on_hold():
 def test_requests_preempted_after_eviction_restart_and_finish(model):
     """In a memory too small for every request's decode, transformers soft-resets some (their prompt + generated
     tokens prefilled again as a new request): they are compressed again and finish with every token asked."""
-    from hf_kvcache.paged.agreement import record_logits
+    from hf_kvcache.evaluation.agreement import record_logits
 
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 67, 23, 90, 55, 31)]
     generation = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=-1)

@@ -25,8 +25,8 @@ NEAR_TIE = 0.1  # logits
 @pytest.fixture(scope="module")
 def smollm2():
     try:
-        from hf_kvcache.evaluation.corpus import load_tokens
-        from hf_kvcache.evaluation.models import load_model
+        from hf_kvcache.sharing.corpus import load_tokens
+        from hf_kvcache.sharing.models import load_model
 
         model, tokenizer = load_model("smollm2")
     except (FileNotFoundError, ImportError) as error:

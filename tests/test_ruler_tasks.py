@@ -144,9 +144,9 @@ def test_only_and_exclude_select_the_full_cache_by_its_label(monkeypatch):
     once; `--only full` runs it alone; a filter that leaves nothing names every label, "full" included."""
     from hf_kvcache.cli.app import main
     from hf_kvcache.cli.ruler_command import select_methods
-    from hf_kvcache.evaluation import models
     from hf_kvcache.evaluation.ruler import board
     from hf_kvcache.evaluation.ruler.board import DEFAULT_METHODS, FULL_LABEL
+    from hf_kvcache.sharing import models
 
     every = [m.label for m in DEFAULT_METHODS]
     left, full = select_methods(DEFAULT_METHODS, ["KVzip", "KIVI"], [])

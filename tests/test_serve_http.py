@@ -50,7 +50,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def smollm2():
     try:
-        from hf_kvcache.evaluation.models import load_model
+        from hf_kvcache.sharing.models import load_model
 
         return load_model("smollm2")
     except (FileNotFoundError, ImportError) as error:

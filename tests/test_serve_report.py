@@ -1,6 +1,7 @@
-"""serve-bench's report (hf_kvcache.paged.serve_report): the summary's ratios are per-round ratios to the model-dtype
-run at the same budget, then medians; the concurrency ratio exists only where every run reached a memory-bound
-steady state; the files hold every run (the trace in the JSON only, the union of the runs' columns in the CSV)."""
+"""serve-bench's report (hf_kvcache.evaluation.serve_report): the summary's ratios are per-round ratios to the
+model-dtype run at the same budget, then medians; the concurrency ratio exists only where every run reached a
+memory-bound steady state; the files hold every run (the trace in the JSON only, the union of the runs' columns in the
+CSV)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import json
 
 import pytest
 
-from hf_kvcache.paged.serve_report import summarize, summary_lines, write_results
-from hf_kvcache.paged.serve_workload import ServeBenchSettings
+from hf_kvcache.evaluation.serve_report import summarize, summary_lines, write_results
+from hf_kvcache.evaluation.serve_workload import ServeBenchSettings
 
 SETTINGS = ServeBenchSettings(formats=("model", "fp8_e4m3"), budget_scales=(1.0, 1.25), rounds=3)
 

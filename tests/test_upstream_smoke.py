@@ -81,7 +81,7 @@ def test_continuous_batching_with_every_page_format(kv_dtype):
     cb = ContinuousBatchingConfig(num_blocks=24, page_size=8, max_batch_tokens=64, allow_block_sharing=False)
     cb.kv_cache_dtype = kv_dtype
     greedy = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1)
-    from hf_kvcache.paged.agreement import record_logits
+    from hf_kvcache.evaluation.agreement import record_logits
 
     with record_logits(model) as rec:
         out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=cb, warmup=False)

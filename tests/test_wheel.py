@@ -102,7 +102,7 @@ _EVERY_CACHE = """
 import json
 import hf_kvcache
 from hf_kvcache.caches.catalog import CACHE_IMPLEMENTATIONS
-from hf_kvcache.evaluation.models import load_model
+from hf_kvcache.sharing.models import load_model
 import hf_kvcache.evaluation as evaluation
 from pathlib import Path
 model, tokenizer = load_model("smollm2")
@@ -129,7 +129,7 @@ def test_every_cache_name_generates_from_the_wheel(tmp_path):
 _NATIVE = """
 import json, logging, torch
 from hf_kvcache.kernels import cpu_blockwise
-from hf_kvcache.evaluation.models import load_model
+from hf_kvcache.sharing.models import load_model
 logging.disable(logging.WARNING)
 why = cpu_blockwise.unavailable()
 model, tokenizer = load_model("smollm2")

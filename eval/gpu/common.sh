@@ -29,7 +29,7 @@ pack_parts() {  # PKG PARTS [WHEEL ...]: PKG/part1 (wheels + GGUF part 1 + its c
   [[ "$parts" =~ ^[1-9][0-9]*$ ]] || die "pack: PARTS must be an integer >= 1, got '$parts'"
   local py source
   py="$(pack_python)"
-  source="$("$py" -c 'from hf_kvcache.evaluation.models import smollm2_gguf_dir; print(smollm2_gguf_dir())')"
+  source="$("$py" -c 'from hf_kvcache.sharing.models import smollm2_gguf_dir; print(smollm2_gguf_dir())')"
   source="$source/$OFFLINE_GGUF"
   rm -rf "$pkg"
   mkdir -p "$pkg/part1"

@@ -129,7 +129,7 @@ def save_tiny(directory: str, name: str = "smollm2-135m", layers: int = 2) -> st
     run of the serve stage loads: `hf-kvcache serve-bench --model DIRECTORY`, seconds instead of minutes)."""
     from transformers import AutoTokenizer
 
-    from hf_kvcache.evaluation.models import convert_smollm2
+    from hf_kvcache.sharing.models import convert_smollm2
 
     random_model(name, torch.float32, "cpu", layers=layers).save_pretrained(directory)
     AutoTokenizer.from_pretrained(str(convert_smollm2())).save_pretrained(directory)

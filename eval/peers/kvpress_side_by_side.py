@@ -2,7 +2,7 @@
 
 Runs in kvpress's own virtual environment (eval/peers/setup_kvpress.sh: kvpress 0.5.5 pins transformers<5.3), so it
 imports nothing of hf_kvcache. The protocol is our sweep's (eval/specs/scorers_decode.yaml, prompt mode):
-- tokens: Python's `pydoc_data.topics` joined as hf_kvcache.evaluation.corpus.pydoc_text does, tokenized without
+- tokens: Python's `pydoc_data.topics` joined as hf_kvcache.sharing.corpus.pydoc_text does, tokenized without
   special tokens, tokens [offset, offset + prompt + scored) (defaults 20000, 2048, 256);
 - the prompt is prefilled once inside the press (kvpress compresses at the end of the prefill), then the `scored`
   tokens are fed one per forward, teacher-forced, outside the press (nothing more is compressed: our prompt mode);

@@ -6,6 +6,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 bash eval/peers/setup_kvpress.sh
-MODEL="$(.venv/bin/python -c 'from hf_kvcache.evaluation.models import convert_smollm2; print(convert_smollm2())')"
+MODEL="$(.venv/bin/python -c 'from hf_kvcache.sharing.models import convert_smollm2; print(convert_smollm2())')"
 .venv-kvpress/bin/python eval/peers/kvpress_side_by_side.py --model "$MODEL" --out eval/results/peers_kvpress "$@"
 .venv/bin/python eval/peers/join_kvpress.py

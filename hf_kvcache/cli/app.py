@@ -13,10 +13,10 @@ def _demo(args) -> int:
 
     import torch
 
-    from ..evaluation.corpus import load_tokens
-    from ..evaluation.models import load_model
-    from .demo import format_table, run_demo
-    from .demo_report import write_demo_report
+    from ..evaluation.demo import format_table, run_demo
+    from ..evaluation.demo_report import write_demo_report
+    from ..sharing.corpus import load_tokens
+    from ..sharing.models import load_model
 
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -76,7 +76,9 @@ def _export_hub(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `hf-kvcache` parser. `main` passes the command it runs: for "serve" the harness's subcommands are left out,
+    so that the server imports nothing of the harness (whose settings are the benchmark commands' defaults)."""
     parser = argparse.ArgumentParser(
         prog="hf-kvcache",
         description="KV-cache compression for Hugging Face Transformers: demo and evaluation. Caches are named as "
@@ -128,12 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace existing files of the folder")
     export.set_defaults(func=_export_hub)
-    from ..paged.serve_bench import add_serve_bench_command
     from .eval_commands import add_eval_commands
     from .kvzap_command import add_train_kvzap_command
     from .ruler_command import add_ruler_command
+    from .serve_bench_command import add_serve_bench_command
     from .serve_command import add_serve_command
 
+    if command == "serve":
+        add_serve_command(sub)
+        return parser
     add_eval_commands(sub)
     add_ruler_command(sub)
     add_serve_bench_command(sub)
@@ -169,16 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         from .eval_commands import run_lm_eval
 
         return run_lm_eval(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     if getattr(args, "handles_errors", False):
         return args.func(args)
-    from ..evaluation.sweep import SpecError
-
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head`
         return 0
-    except (SpecError, ValueError, FileNotFoundError, OSError) as err:
+    except (ValueError, FileNotFoundError, OSError) as err:  # a bad sweep spec's SpecError is a ValueError
         print(f"hf-kvcache {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -37,24 +37,6 @@ def int_list(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag}: comma-separated token counts, {err}.") from None
 
 
-def needle_positions(text: str) -> list:
-    """--positions: early / middle / late or depths in [0, 1], comma-separated."""
-    from ..evaluation.retrieval import POSITIONS
-
-    positions = []
-    for item in text.split(","):
-        try:
-            depth = item if item in POSITIONS else float(item)
-        except ValueError:
-            depth = None
-        if depth is None or (isinstance(depth, float) and not 0.0 <= depth <= 1.0):
-            raise ValueError(
-                f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], got {item!r}."
-            )
-        positions.append(depth)
-    return positions
-
-
 def _value(text: str):
     try:
         return json.loads(text)

@@ -8,10 +8,28 @@ import json
 import os
 import sys
 
-from .args import int_list, needle_positions, non_negative_int, parse_cache, positive_float, positive_int
+from .args import int_list, non_negative_int, parse_cache, positive_float, positive_int
 
 MODEL_HELP = "Hub id, local path, or 'smollm2' (offline; default)"
 TEXT_HELP = "'pydoc' (offline corpus; default), a text file, or hf:DATASET"
+
+
+def needle_positions(text: str) -> list:
+    """--positions: early / middle / late or depths in [0, 1], comma-separated."""
+    from ..evaluation.retrieval import POSITIONS
+
+    positions = []
+    for item in text.split(","):
+        try:
+            depth = item if item in POSITIONS else float(item)
+        except ValueError:
+            depth = None
+        if depth is None or (isinstance(depth, float) and not 0.0 <= depth <= 1.0):
+            raise ValueError(
+                f"--positions: each entry must be one of {list(POSITIONS)} or a depth in [0, 1], got {item!r}."
+            )
+        positions.append(depth)
+    return positions
 
 
 def _caches(args, context_len: int | None, default=("dynamic",)) -> list[tuple[str, str, dict]]:
@@ -40,7 +58,7 @@ def _check_text_arg(text: str) -> None:
 def _load(args):
     import torch
 
-    from ..evaluation.models import load_model
+    from ..sharing.models import load_model
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -52,7 +70,7 @@ def _load(args):
 
 
 def _tokens(args, tokenizer, n: int):
-    from ..evaluation.corpus import load_tokens
+    from ..sharing.corpus import load_tokens
 
     return load_tokens(tokenizer, args.text, max_tokens=args.offset + n)[:, args.offset :]
 

@@ -59,7 +59,7 @@ def cmd_train_kvzap(args) -> int:
     import torch
 
     from ..evaluation.kvzap_training import DEFAULT_SKIP, train_kvzap
-    from ..evaluation.models import load_model
+    from ..sharing.models import load_model
 
     source, text_kwargs = text_source(args)
     torch.manual_seed(args.seed)

@@ -57,9 +57,9 @@ def select_methods(methods: list, only: list[str], exclude: list[str]) -> tuple[
 
 def cmd_ruler(args) -> int:
     from ..evaluation.cache_spec import make_cache
-    from ..evaluation.models import load_model
     from ..evaluation.ruler import TASKS
     from ..evaluation.ruler.board import DEFAULT_METHODS, plot_board, result_files, run_board, summarize
+    from ..sharing.models import load_model
 
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown:

@@ -132,9 +132,9 @@ def add_serve_command(sub) -> None:
 
 
 def _serve(args) -> int:
-    from ..evaluation.models import OFFLINE_MODEL, convert_smollm2
     from ..integration.serving import run
     from ..paged.server import DEFAULT_PAGE_SIZE, build_server
+    from ..sharing.models import OFFLINE_MODEL, convert_smollm2
 
     kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads

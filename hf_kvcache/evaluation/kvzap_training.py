@@ -33,7 +33,7 @@ from ..common.validation import require_choice, require_int
 from ..integration.attention_inputs import capture_attention_inputs
 from ..integration.cache_argument import cache_kwargs
 from ..scorers.kvzap_surrogate import KINDS, Surrogate
-from .corpus import OFFLINE_CORPUS, load_tokens
+from ..sharing.corpus import OFFLINE_CORPUS, load_tokens
 
 DEFAULT_FLOOR = 1e-6  # scores below are clamped before the log
 DEFAULT_SKIP = (20000, 22400)  # the KVzip benchmarks' pydoc tokens (eval/specs/kvzip.yaml), never trained on

@@ -101,7 +101,7 @@ class HFKVCacheLM(HFLM):
             raise ValueError("`decode_tail` and `cont_chunk` must be >= 1 and `prefill_chunk` None or >= 1.")
         self.prefill_chunk, self.decode_tail, self.cont_chunk = prefill_chunk, decode_tail, cont_chunk
         if isinstance(pretrained, str) and pretrained == "smollm2":
-            from .models import convert_smollm2
+            from ..sharing.models import convert_smollm2
 
             pretrained = str(convert_smollm2())
         if kwargs.get("device") is None or (kwargs.get("device") == "cuda" and not torch.cuda.is_available()):

@@ -79,7 +79,7 @@ def run_sweep(
     report_only: bool = False,
 ) -> list[dict]:
     """Run every cell not already in `<out_dir>/<name>/results.jsonl`; returns all rows (old and new).
-    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.evaluation.models.load_model`. `on_cell` is
+    `loader(model, dtype) -> (model, tokenizer)` defaults to `hf_kvcache.sharing.models.load_model`. `on_cell` is
     called
     after each finished cell (tests use it to interrupt a run). `report_only` runs nothing and rewrites the reports
     from the cells already done (for a sweep stopped part-way)."""
@@ -102,7 +102,7 @@ def run_sweep(
             torch.set_num_threads(spec.threads)
         env["torch_threads"] = torch.get_num_threads()
         if loader is None:
-            from .models import load_model
+            from ..sharing.models import load_model
 
             def loader(name, dtype):
                 return load_model(name, dtype=getattr(torch, dtype))

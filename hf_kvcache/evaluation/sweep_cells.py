@@ -89,7 +89,7 @@ class CellContext:
                 vocab = self.model.config.vocab_size
                 self._tokens = torch.randint(2, vocab, (1, need), generator=g)
             else:
-                from .corpus import load_tokens
+                from ..sharing.corpus import load_tokens
 
                 self._tokens = load_tokens(self.tokenizer, s.text, max_tokens=need)
         return self._tokens[:, s.text_offset : s.text_offset + n]

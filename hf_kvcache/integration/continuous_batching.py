@@ -20,7 +20,7 @@ hf_kvcache.paged uses it. It has no public extension point for the page format, 
    `cache.update(..., kwargs=kwargs)` and then the `AttentionInterface` function of `config._attn_implementation`
    ("sdpa" or "paged|eager" in continuous batching) with the same `**kwargs`, so what update puts in `kwargs` reaches
    the attention function (`wrap_batch_attention` wraps those two names; an unmarked call goes to transformers').
-6. The scheduler as the serving benchmark reads it (hf_kvcache.paged.agreement): the manager's `batch_processor`
+6. The scheduler as the serving benchmark reads it (hf_kvcache.evaluation.agreement): the manager's `batch_processor`
    with `inputs_and_outputs.requests_in_batch` (`.state.request_id`, `.has_new_token`, `.query_length`,
    `state.initial_tokens`, `state._true_initial_tokens`, `state.generated_len()`), `scheduler.waiting_requests`,
    `scheduler.max_requests_per_batch`, `max_batch_tokens`, and the allocators' `block_table`.

@@ -27,7 +27,7 @@ FORMAT_VERSION = 1
 KINDS = ("linear", "mlp")
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-#: surrogates shipped with the package, by the name of the model they were trained for (hf_kvcache.evaluation.models)
+#: surrogates shipped with the package, by the name of the model they were trained for (hf_kvcache.sharing.models)
 BUILTIN = {"smollm2": Path(__file__).resolve().parent.parent / "data" / "kvzap" / "smollm2"}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _PARTS = {"linear": ("weight", "bias"), "mlp": ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}

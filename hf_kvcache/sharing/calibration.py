@@ -44,7 +44,7 @@ def calibrate(
     """Run `model` over sample text and return a JSON-serialisable calibration dict for `QuantizedFP8Cache(scales=...)`.
 
     Text: `input_ids` [batch, n] if given, else `num_tokens` tokens of `source`
-    (hf_kvcache.evaluation.corpus.load_text: "pydoc",
+    (hf_kvcache.sharing.corpus.load_text: "pydoc",
     a file path, or "hf:DATASET") tokenized with `tokenizer`. It runs in independent windows of `window` tokens.
     Per layer it records, per KV head, the largest |key| and |value| (key scales of the mean-subtracted keys when
     `key_smoothing`), and the mean key per channel, all of keys rotated by `key_rotation` (as the cache will store
@@ -59,7 +59,7 @@ def calibrate(
     if input_ids is None:
         if tokenizer is None:
             raise ValueError("Give `input_ids` or a `tokenizer` (to tokenize the calibration text).")
-        from ..evaluation.corpus import load_tokens
+        from .corpus import load_tokens
 
         input_ids = load_tokens(tokenizer, source, max_tokens=num_tokens)
         source_name = source

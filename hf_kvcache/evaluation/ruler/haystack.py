@@ -2,7 +2,7 @@
 
 `haystack_units(kind, rng)` returns a list of text units (sentences) in order; tasks take a prefix of it that fills
 their token budget and put their needles between units. "pydoc" starts at a random sentence of Python's own help
-topics (`hf_kvcache.evaluation.corpus`, real English, no download) and wraps around; "noise" is RULER's
+topics (`hf_kvcache.sharing.corpus`, real English, no download) and wraps around; "noise" is RULER's
 "The grass is green. The sky is blue. ..." repeated.
 """
 
@@ -20,7 +20,7 @@ MAX_UNITS = 4000
 
 @lru_cache(maxsize=1)
 def _pydoc_sentences() -> tuple[str, ...]:
-    from ..corpus import pydoc_text
+    from ...sharing.corpus import pydoc_text
 
     text = re.sub(r"\s+", " ", pydoc_text())
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text)]

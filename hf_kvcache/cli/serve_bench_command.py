@@ -1,49 +1,20 @@
-"""`hf-kvcache serve-bench`: continuous batching (`model.generate_batch`) under a fixed KV memory budget, with
-model-dtype pages vs quantized pages, in one interleaved run.
-
-This module is the command: its flags (`add_serve_bench_command`, defaults from ServeBenchSettings), their parsing
-into settings (a malformed MIN-MAX range or scale list raises ValueError naming the flag), and what it prints. The
-benchmark itself, one module per job:
-- hf_kvcache.paged.serve_workload: the settings (validated), page formats (`parse_format`), the requests
-  (`make_workload`) and the continuous-batching config of a run;
-- hf_kvcache.paged.serve_runner: the interleaved sweep (`run_serve_bench`, `run_once`): protocol, concurrency and
-  serving measurements of each run;
-- hf_kvcache.paged.serve_kl: KL / top-1 of quantized pages against the model-dtype run, and QuantizedFP8Cache on the
-  same text;
-- hf_kvcache.paged.serve_report: the summary (ratios to model-dtype pages) and the files OUT.json (everything, with
-  the per-forward trace of every run), OUT.csv (one row per run) and OUT.png (concurrency vs budget).
-The names of those modules that callers use are re-exported here.
-"""
+"""`hf-kvcache serve-bench`: the flags of hf_kvcache.evaluation.serve_bench (defaults from its ServeBenchSettings),
+their parsing into settings (a malformed MIN-MAX range or scale list raises ValueError naming the flag), and what it
+prints."""
 
 from __future__ import annotations
-
-from .serve_report import summarize, summary_lines, write_results
-from .serve_runner import run_once, run_serve_bench
-from .serve_workload import DEFAULT_FORMATS, SCALE_DTYPE_NAMES, ServeBenchSettings, make_workload, parse_format
-
-__all__ = [
-    "DEFAULT_FORMATS",
-    "SCALE_DTYPE_NAMES",
-    "ServeBenchSettings",
-    "add_serve_bench_command",
-    "make_workload",
-    "parse_format",
-    "parse_range",
-    "run_once",
-    "run_serve_bench",
-    "summarize",
-    "summary_lines",
-    "write_results",
-]
 
 
 def add_serve_bench_command(sub) -> None:
     """The `serve-bench` subcommand of `hf-kvcache` (hf_kvcache.cli)."""
+    from ..evaluation.serve_bench import ServeBenchSettings
+    from ..evaluation.serve_bench import __doc__ as bench_doc
+
     d = ServeBenchSettings()
     p = sub.add_parser(
         "serve-bench",
         help="continuous batching under a fixed KV memory budget: model-dtype vs FP8 / INT8 pages",
-        description=__doc__.split("\n\n")[0] + " Writes OUT.json, OUT.csv and OUT.png.",
+        description=bench_doc.split("\n\n")[0] + " Writes OUT.json, OUT.csv and OUT.png.",
     )
     p.add_argument("--model", default=d.model, help="Hub id, local path, or 'smollm2' (offline; default)")
     p.add_argument("--dtype", default=d.dtype, help=f"model (and reference page) dtype (default {d.dtype})")
@@ -114,6 +85,8 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 
 
 def _serve_bench_cli(args) -> int:
+    from ..evaluation.serve_bench import ServeBenchSettings, run_serve_bench, summary_lines, write_results
+
     prompt_min, prompt_max = parse_range(args.prompt_lengths, "prompt-lengths")
     new_min, new_max = parse_range(args.new_tokens, "new-tokens")
     try:

@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass
 
 from ..common.rotation import ROTATIONS
-from .compress_spec import parse as parse_compression
-from .spec import ATTENTION_PATHS, KV_DTYPES, PagedKVSpec
+from ..paged.compress_spec import parse as parse_compression
+from ..paged.spec import ATTENTION_PATHS, KV_DTYPES, PagedKVSpec
 
 SCALE_DTYPE_NAMES = ("bfloat16", "float16", "float32", "e8m0")
 
@@ -124,7 +124,7 @@ def parse_format(name: str) -> tuple[str, dict]:
 
 def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[int]], list[int]]:
     """(prompts, generation lengths): distinct corpus offsets, seeded lengths."""
-    from ..evaluation.corpus import load_tokens
+    from ..sharing.corpus import load_tokens
 
     rng = random.Random(settings.seed)
     ids = load_tokens(tokenizer)[0].tolist()

@@ -16,9 +16,9 @@ import torch
 
 from ..integration.attention_inputs import capture_attention_inputs
 from ..integration.cache_argument import cache_kwargs
-from .compress_spec import CompressSpec
-from .eviction_checks import surrogate_for
-from .prompt_scores import kept_positions, token_scores
+from ..paged.compress_spec import CompressSpec
+from ..paged.eviction_checks import surrogate_for
+from ..paged.prompt_scores import kept_positions, token_scores
 
 METHODS = ("keydiff", "knorm", "sink_window", "kvzap")
 

@@ -5,7 +5,7 @@ model-dtype pages), the files, and the summary's text.
 "fp8_e4m3+keydiff:0.75") and budget scale, ratios to the model-dtype run without eviction at the same budget and
 round, medians over rounds (keys `RUN@xSCALE`: memory_bound, concurrency_ratio, steady_peak_ratio,
 whole_run_peak_ratio, pages_ratio, tokens_per_s_ratio, ttft_mean_ratio, kl_mean). Runs are the rows of
-hf_kvcache.paged.serve_runner.run_serve_bench (one per round, budget and format).
+hf_kvcache.evaluation.serve_runner.run_serve_bench (one per round, budget and format).
 
 Results: JSON (everything, with the per-forward trace of every run), CSV (one row per run, without the trace) and a
 PNG (concurrency vs budget), `out` + suffixes (`write_results`).

@@ -12,7 +12,7 @@ is teacher-forced, every request sees the same tokens as the reference run, and 
 positions (hf_kvcache.evaluation.divergence.divergence_metrics). Unforced rows are recorded as sampled.
 At every forward the recorder also notes the requests holding pages (`resident`: the full-attention allocator's
 block tables), the requests in the batch (`batch_sizes`), the KV bytes in use (`bytes_in_use`) and, in `steps`,
-one `ForwardRecord` per forward (hf_kvcache.paged.concurrency): the resident requests and the pages they hold,
+one `ForwardRecord` per forward (hf_kvcache.evaluation.concurrency): the resident requests and the pages they hold,
 the requests still waiting, the query tokens of the batch and the limit that stopped admission at that forward.
 
 The scheduler's state is read through hf_kvcache.integration.continuous_batching (contract 5 there): the batch's

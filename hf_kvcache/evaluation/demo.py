@@ -9,7 +9,7 @@ Each row (a cache at a budget) prefills the prompt once into a fresh cache, then
   it would replay its own greedy output).
 `decode_tokens_per_s` is the free-running generation's speed (its one-token forwards through the cache).
 A progress bar per row counts its forwards; `seconds` / `cpu_seconds` are the row's wall and process CPU time.
-`hf_kvcache.cli.demo_report` writes the rows as CSV / JSON and plots quality against bytes held.
+`hf_kvcache.evaluation.demo_report` writes the rows as CSV / JSON and plots quality against bytes held.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..evaluation.cache_spec import make_cache
-from ..evaluation.memory import cache_nbytes
 from ..integration.cache_argument import cache_kwargs
+from .cache_spec import make_cache
+from .memory import cache_nbytes
 
 #: each evicting cache runs at these fractions of the prompt
 BUDGET_FRACTIONS = (0.125, 0.25, 0.5)

@@ -2,7 +2,7 @@
 
 transformers' FIFO scheduler, at every forward, schedules the decoding requests, then admits waiting requests until
 the forward's token budget (`max_batch_tokens`) or its request limit runs out or the cache refuses one (below its
-safety margin of free memory, or a page allocation fails). The recorder (hf_kvcache.paged.agreement) keeps one
+safety margin of free memory, or a page allocation fails). The recorder (hf_kvcache.evaluation.agreement) keeps one
 `ForwardRecord` per forward; `admission_limit` says which of ADMISSION_LIMITS stopped admission there.
 
 With every request submitted at once, a run has three phases, and only the middle one measures what the memory

@@ -16,7 +16,7 @@ __all__ = ["plot_demo", "write_demo_report"]
 def plot_demo(rows: list[DemoRow], path) -> Path:
     """Teacher-forced top-1 agreement and free-running agreement with the full cache against bytes held, one line
     per cache family (points: its budgets; a star for a single point)."""
-    from ..evaluation.plots import log_bytes_axes, plt, save_figure
+    from .plots import log_bytes_axes, plt, save_figure
 
     families: dict[str, list[DemoRow]] = {}
     for r in rows:

@@ -10,7 +10,7 @@ is the noise floor of batching in the model's dtype), and KL / top-1 over the fi
 QuantizedFP8Cache (token scales, no rotation, and its default Hadamard key rotation) is scored against DynamicCache
 and the model-dtype paged run with the teacher-forced protocol of hf_kvcache.evaluation.divergence, for comparison.
 
-Log-probs are {request id ("req_N"): [generated tokens, vocab] tensor} (hf_kvcache.paged.agreement); requests are
+Log-probs are {request id ("req_N"): [generated tokens, vocab] tensor} (hf_kvcache.evaluation.agreement); requests are
 taken in the order of N.
 """
 
@@ -26,7 +26,7 @@ def _request_order(request_ids) -> list[str]:
 def agreement_metrics(reference: dict[str, torch.Tensor], test: dict[str, torch.Tensor], same_text: int) -> dict:
     """KL / top-1 over all requests, and KL over the first `same_text` requests (the text QuantizedFP8Cache is
     scored on)."""
-    from ..evaluation.divergence import divergence_metrics
+    from .divergence import divergence_metrics
 
     ids = _request_order(reference)
     ref = torch.cat([reference[rid] for rid in ids])
@@ -58,7 +58,7 @@ def quantized_cache_kl(
     from transformers import DynamicCache
 
     from ..caches.quantized import QuantizedFP8Cache
-    from ..evaluation.divergence import cache_logprobs, divergence_metrics
+    from .divergence import cache_logprobs, divergence_metrics
 
     factories = {
         "QuantizedFP8Cache(key_rotation='none')": lambda: QuantizedFP8Cache(

@@ -5,11 +5,11 @@ Protocol (`run_serve_bench`): for every budget, the formats (each with every `kv
 hf_kvcache.paged.eviction) run one after the other (model-dtype pages without eviction first: it is the reference),
 and the budgets follow each other (`rounds` repeats the whole sweep). The reference run is greedy with
 an end-of-sequence token forced at each request's generation length; the quantized runs are teacher-forced to the
-reference tokens (hf_kvcache.paged.agreement), so every format processes the same tokens and KL / top-1 compare
-the same positions (hf_kvcache.paged.serve_kl). A run that does not follow the reference tokens, or a request that
+reference tokens (hf_kvcache.evaluation.agreement), so every format processes the same tokens and KL / top-1 compare
+the same positions (hf_kvcache.evaluation.serve_kl). A run that does not follow the reference tokens, or a request that
 generate_batch failed, raises RuntimeError.
 
-Concurrency (hf_kvcache.paged.concurrency): the requests holding pages at the forwards where the cache refused a
+Concurrency (hf_kvcache.evaluation.concurrency): the requests holding pages at the forwards where the cache refused a
 waiting request, in the run's memory-bound steady state (after every request of the initial fill has left, while
 requests still wait): their mean (the benchmark's measure), their peak, and the pages each holds; the share of the
 steady state's forwards at which memory (not the token budget) stopped admission says whether the run measured
@@ -24,9 +24,9 @@ requests waiting: their concurrency measured the scheduler as much as the memory
 Measured per run, too: output tokens/s (wall time of generate_batch), time to first token (first token timestamp -
 request creation: includes queueing, as a server sees it), inter-token latency (per request, the time between its
 first and last token over the tokens between: `itl_mean_s`, `itl_p50_s`), and for every run after the reference,
-KL / top-1 against it (hf_kvcache.paged.serve_kl).
+KL / top-1 against it (hf_kvcache.evaluation.serve_kl).
 
-The result of `run_serve_bench` (written by hf_kvcache.paged.serve_report.write_results): settings (with `out`
+The result of `run_serve_bench` (written by hf_kvcache.evaluation.serve_report.write_results): settings (with `out`
 reduced to its file name), transformers and torch versions, prompt and generation lengths, `runs` (one row per
 round, budget and format, with the per-forward trace), `summary` (serve_report.summarize) and
 `quantized_fp8_cache_kl_same_text` (serve_kl.quantized_cache_kl, None when `kl_requests` is 0).
@@ -89,7 +89,7 @@ def run_once(model, prompts, generation_config, cb_config, force) -> dict:
         "tokens": tokens,
         "logprobs": rec.logprobs(),
         "trace": [r.as_row() for r in rec.steps],
-        # concurrency in the memory-bound steady state (hf_kvcache.paged.concurrency): the benchmark's measure
+        # concurrency in the memory-bound steady state (hf_kvcache.evaluation.concurrency): the benchmark's measure
         **{f"steady_{k}": v for k, v in steady.items()},
         # the whole run's peak, and what limited admission there
         "peak_concurrent_requests": at_peak.resident_requests,
@@ -125,8 +125,8 @@ def run_serve_bench(settings: ServeBenchSettings, progress=print) -> dict:
     """The whole sweep of `settings`: every run, its summary and the same-text QuantizedFP8Cache scores."""
     from transformers import GenerationConfig
 
-    from ..evaluation.models import load_model
-    from .cache import install
+    from ..paged.cache import install
+    from ..sharing.models import load_model
 
     install()
     if settings.threads:
