@@ -30,7 +30,8 @@ from hf_kvcache.integration.contracts import problem
 from hf_kvcache.integration.prefill_chunks import PREFILL_CHUNKS
 from hf_kvcache.paged import compress_spec, eviction
 from hf_kvcache.paged.compress_spec import CompressSpec, parse
-from hf_kvcache.paged.prompt_scores import kept_positions, token_scores
+from hf_kvcache.paged.prompt_scores import kept_positions, prompt_scorer, token_scores
+from hf_kvcache.scorers.base import Prompt
 from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
 PROMPT_LENGTHS = (40, 67, 23, 90)
@@ -95,13 +96,14 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
         keys = layer.keys[0]
         inputs = {"keys": keys}
         if spec.method == "kvzap":
-            inputs = {"predicted": surrogate.predict(i, hidden[i])[0]}
+            inputs = {"arrived": surrogate.predict(i, hidden[i])[0]}
         if spec.method == "snapkv":
             query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
             query, _ = apply_rotary_pos_emb(query, query, cos, sin)
             w = min(spec.observation, length)
             inputs.update(queries=query[0, :, -w:], scaling=attention.scaling)
-        kept = kept_positions(spec, length, token_scores(spec, **inputs), device=keys.device)
+        scores = token_scores(prompt_scorer(spec, i, surrogate), Prompt(**inputs))
+        kept = kept_positions(spec, length, scores, device=keys.device)
         layer.keys, layer.values = layer.keys[:, :, kept], layer.values[:, :, kept]
     token = int(logits[0, -1].argmax())
     tokens = [token]

@@ -9,7 +9,9 @@
     cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
 
 `ratio` is the share of the prompt evicted, in [0, 1): a P-token prompt keeps ceil(P x (1 - ratio)) tokens in every
-layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods:
+layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods are the registry's scorers that score a prompt
+from what its forwards compute (`Scorer.prompt_reads`, hf_kvcache.scorers.registry: a scorer added there is a method
+here, its own fields given as FIELD=VALUE or dict keys), and "sink_window":
 - "keydiff" (default): the keys' distance to their mean direction (hf_kvcache.scorers.keydiff). Default because task
   accuracy through the server chooses it: on the needle tasks sent through `hf-kvcache serve` it keeps the most
   answers of the methods here (docs/serving.md, eval/results/ruler_http). KVzap, the best through `generate`, where
@@ -36,11 +38,15 @@ Errors name the field (`kv_compress`, `kv_compress.ratio`, ...) and the allowed 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..scorers.registry import SCORERS, options_of
+
 FIELD = "kv_compress"
-METHODS = ("keydiff", "kvzap", "snapkv", "knorm", "sink_window")
+#: "sink_window" keeps by position only; every other method is a registry scorer that scores a whole prompt
+SINK_WINDOW = "sink_window"
+METHODS = (*(name for name, cls in SCORERS.items() if cls.prompt_reads), SINK_WINDOW)
 DEFAULT_METHOD = "keydiff"
 NONE = "none"
 #: the newest prompt tokens always kept when `window` is None: this many, at most a quarter of what is kept
@@ -61,13 +67,17 @@ class CompressSpec:
     observation: int = OBSERVATION  # snapkv only
     kernel: int = KERNEL  # snapkv only
     chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
+    options: dict = field(default_factory=dict)  # the method's scorer's own other fields (options_of)
 
     def __post_init__(self):
         if self.method not in METHODS:
+            cls = SCORERS.get(self.method)
             hint = (
                 " (KVzip's reconstruction runs model forwards of its own, which continuous batching does not schedule: "
                 "'kvzap' predicts its scores)"
-                if self.method == "kvzip"
+                if cls is not None and cls.needs_model_forwards
+                else f" (scorer {self.method!r} cannot score a prompt on its own: it has no `score`)"
+                if cls is not None
                 else ""
             )
             raise ValueError(f"`{FIELD}.method` must be one of {METHODS}, got {self.method!r}{hint}.")
@@ -84,10 +94,22 @@ class CompressSpec:
                 raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}, got {value!r}.")
         if self.kernel % 2 == 0:
             raise ValueError(f"`{FIELD}.kernel` must be odd (pooling keeps the prompt's length), got {self.kernel}.")
-        if self.chunk is not None and self.method == "snapkv":
+        if self.options:
+            own = options_of(self.method) if self.method in SCORERS else ()
+            unknown = sorted(set(self.options) - set(own) - {"window", "kernel"})
+            if unknown:
+                raise ValueError(
+                    f"`{FIELD}` has unknown keys {unknown} for method {self.method!r}; its scorer's own fields: "
+                    f"{tuple(n for n in own if n not in ('window', 'kernel')) or 'none'}."
+                )
+            try:
+                SCORERS[self.method](**self.options)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"`{FIELD}`: {error}") from None
+        if self.chunk is not None and "queries" in getattr(SCORERS.get(self.method), "prompt_reads", ()):
             raise ValueError(
-                f"`{FIELD}.chunk` cannot be used with method 'snapkv' (its window is the prompt's last queries, which "
-                f"a chunk does not have yet); use one of {tuple(m for m in METHODS if m != 'snapkv')} or chunk None."
+                f"`{FIELD}.chunk` cannot be used with method {self.method!r} (its window is the prompt's last queries, "
+                f"which a chunk does not have yet); use one of {_chunkable()} or chunk None."
             )
         if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
             raise ValueError(
@@ -127,12 +149,18 @@ class CompressSpec:
         extra = "".join(
             f":{f.name}={getattr(self, f.name)}"
             for f in fields(self)
-            if f.name not in ("method", "ratio") and getattr(self, f.name) != getattr(default, f.name)
-        )
+            if f.name not in ("method", "ratio", "options") and getattr(self, f.name) != getattr(default, f.name)
+        ) + "".join(f":{name}={value}" for name, value in sorted(self.options.items()))
         return f"{self.method}:{self.ratio:g}{extra}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, the scorer's own options among them (what `parse` reads back)."""
+        fields_ = asdict(self)
+        return {**{k: v for k, v in fields_.items() if k != "options"}, **fields_["options"]}
+
+
+def _chunkable() -> tuple[str, ...]:
+    return tuple(m for m in METHODS if "queries" not in getattr(SCORERS.get(m), "prompt_reads", ()))
 
 
 def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
@@ -179,8 +207,13 @@ def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
 
 
 def _from_dict(value: dict) -> CompressSpec:
-    allowed = tuple(f.name for f in fields(CompressSpec))
-    unknown = sorted(set(value) - set(allowed))
+    allowed = tuple(f.name for f in fields(CompressSpec) if f.name != "options")
+    method = value.get("method", DEFAULT_METHOD)
+    own = options_of(method) if method in SCORERS else ()
+    options = {k: v for k, v in value.items() if k not in allowed and k in own}
+    if options:
+        value = {**{k: v for k, v in value.items() if k not in options}, "options": options}
+    unknown = sorted(set(value) - set(allowed) - {"options"})
     if unknown:
         raise ValueError(f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}.")
     return CompressSpec(**value)

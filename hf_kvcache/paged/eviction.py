@@ -17,12 +17,13 @@ tokens are shifted back up by P - K before each forward (`PagedEviction.before_f
 original positions (the kept keys carry their RoPE rotation already). Everything transformers derives from the length
 (the pages allocated, admission, CPU offloading and restoring) follows the compressed length.
 
-What the scores read, captured during the forwards of the prompt (and nothing after it):
-- kvzap: each layer's attention input hidden states (forward pre-hooks on the attention modules,
-  hf_kvcache.integration.attention_inputs), turned into predicted scores chunk by chunk;
-- snapkv: the queries of the prompt's last `observation` tokens, over its chunks (the batch attention wrapper,
-  hf_kvcache.paged.codes_attention, hands them over), scored against the stored keys;
-- keydiff / knorm: the stored keys, read when the prompt ends.
+The scores are the method's registry scorer's `score` (hf_kvcache.scorers.base.Prompt); what it reads
+(`Scorer.prompt_reads`) is captured during the forwards of the prompt (and nothing after it):
+- "arrived" (kvzap): each layer's attention input hidden states (forward pre-hooks on the attention modules,
+  hf_kvcache.integration.attention_inputs), scored chunk by chunk as they arrive (`Scorer.score_arrivals`);
+- "queries" (snapkv): the queries of the prompt's last `attention_window` tokens, over its chunks (the batch
+  attention wrapper, hf_kvcache.paged.codes_attention, hands them over), scored against the stored keys;
+- "keys" (keydiff, knorm, snapkv): the stored keys, read when the prompt ends.
 
 Limits (each an error at start, never a silent fallback): models with sliding-window layers (their ring buffer would
 need its own compaction), prefix sharing (a compacted page no longer holds the tokens its hash names: it is turned
@@ -40,12 +41,13 @@ import torch
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
 from ..integration.continuous_batching import wrap_generation_step
 from ..integration.prefill_chunks import cap_prefill_chunks
+from ..scorers.base import Prompt
 from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
 from .eviction_checks import check, surrogate_for
 from .page_rows import free_tail, read_keys, token_rows
-from .prompt_scores import kept_positions, token_scores
+from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
 from .request_specs import LOCK, request_specs
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ class RequestCompression:
     """One request's compression: its spec, what was captured for its scores, and what it kept."""
 
     spec: CompressSpec
-    predicted: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # kvzap: [Hkv, q] per chunk and layer
-    queries: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # snapkv: ([Hq, w, D], scaling)
+    arrived: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # "arrived": [Hkv, q] per chunk and layer
+    queries: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # "queries": ([Hq, w, D], scaling)
     prompt: int | None = None  # tokens prefilled, once compressed
     kept: int | None = None
     shift: int = 0  # position of a later token minus its index in the cache (prompt tokens seen - rows held)
@@ -88,8 +90,8 @@ class _Current(threading.local):
 
 _current = _Current()
 _HOOKED = "_hf_kvcache_paged_eviction_hooks"
-#: the methods whose scores need what the prompt's forwards compute (the attention inputs, the queries)
-CAPTURING = ("kvzap", "snapkv")
+#: what a scorer reads of a prompt that only its forwards compute (the attention inputs, the queries)
+CAPTURED = frozenset({"arrived", "queries"})
 
 
 def _route_attention_input(layer_idx: int, hidden: torch.Tensor) -> None:
@@ -173,7 +175,7 @@ class PagedEviction:
             info = getattr(state, STATE_ATTR, None)
             if state.position_offset == length:  # its first forward (or again after a soft reset)
                 info = self._start(state)
-            if info is not None and info.kept is None and info.spec.method in CAPTURING:
+            if info is not None and info.kept is None and CAPTURED & set(reads(info.spec.method)):
                 self._captures.append(_Capture(info, start, length))
             shifts.append(0 if info is None else info.shift)
             lengths.append(length)
@@ -182,7 +184,7 @@ class PagedEviction:
             per_token = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(lengths))
             positions = processor.inputs_and_outputs.position_ids
             positions[:start] += per_token.to(positions.device, positions.dtype, non_blocking=True)
-        if any(c.info.spec.method == "kvzap" for c in self._captures):
+        if any("arrived" in reads(c.info.spec.method) for c in self._captures):
             self._hook(model)
 
     def _hook(self, model) -> None:
@@ -193,27 +195,32 @@ class PagedEviction:
                 setattr(module, _HOOKED, True)
 
     def attention_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        """(the attention-input hooks) KVzap: predict the scores of the prompt tokens of this forward."""
+        """(the attention-input hooks) Score the prompt tokens of this forward as they arrive ("arrived": KVzap)."""
         for capture in self._captures:
-            if capture.info.spec.method == "kvzap":
-                surrogate = surrogate_for(capture.info.spec, self.config)
+            if "arrived" in reads(capture.info.spec.method):
+                scorer = self._scorer(capture.info.spec, layer_idx)
                 chunk = hidden[:, capture.start : capture.start + capture.length]
-                capture.info.predicted.setdefault(layer_idx, []).append(surrogate.predict(layer_idx, chunk)[0])
+                capture.info.arrived.setdefault(layer_idx, []).append(scorer.score_arrivals(chunk)[0])
+
+    def _scorer(self, spec: CompressSpec, layer_idx: int):
+        surrogate = surrogate_for(spec, self.config) if "arrived" in reads(spec.method) else None
+        return prompt_scorer(spec, layer_idx, surrogate)
 
     def layer_kwargs(self, layer_idx: int, kwargs: dict) -> None:
-        """(the cache's update) SnapKV: ask the layer's attention function for its queries."""
-        if any(c.info.spec.method == "snapkv" for c in self._captures):
+        """(the cache's update) Ask the layer's attention function for its queries ("queries": SnapKV)."""
+        if any("queries" in reads(c.info.spec.method) for c in self._captures):
             kwargs[OBSERVE_KWARG] = lambda query, scaling: self._observe(layer_idx, query, scaling)
 
     def _observe(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
-        """query [1, Hq, total_q, D]: keep the last `observation` queries of each prompt so far (a chunk shorter
-        than the window adds to the previous chunks' queries: the window is the prompt's, however it was chunked)."""
+        """query [1, Hq, total_q, D]: keep the scorer's last `attention_window` queries of each prompt so far (a
+        chunk shorter than the window adds to the previous chunks' queries: the window is the prompt's, however it was
+        chunked)."""
         for capture in self._captures:
             info = capture.info
-            if info.spec.method != "snapkv":
+            if "queries" not in reads(info.spec.method):
                 continue
             end = capture.start + capture.length
-            w = info.spec.observation
+            w = int(self._scorer(info.spec, layer_idx).attention_window)
             tail = query[0, :, max(capture.start, end - w) : end]
             if layer_idx in info.queries and tail.shape[1] < w:
                 tail = torch.cat((info.queries[layer_idx][0], tail), 1)[:, -w:]
@@ -262,13 +269,14 @@ class PagedEviction:
             for allocator in self.cache.cache_allocators.values():
                 rows = torch.tensor(allocator.get_read_indices(request_id, 0, held), device=self.cache.device)
                 for layer_idx in allocator.layer_indices:
-                    scores = token_scores(spec, **self._inputs(info, allocator, layer_idx, rows))
+                    scorer = self._scorer(spec, layer_idx)
+                    scores = token_scores(scorer, self._prompt(info, allocator, layer_idx, rows))
                     positions = kept_positions(spec, held, scores, device=rows.device, kept=kept)
                     src, dest = rows[positions], rows[:kept]
                     for view in token_rows(allocator, layer_idx):
                         view.index_copy_(0, dest, view.index_select(0, src))  # read all before writing
-                    if layer_idx in info.predicted:  # kvzap, chunk by chunk: the kept rows' scores carry on
-                        info.predicted[layer_idx] = [torch.cat(info.predicted[layer_idx], -1)[:, positions]]
+                    if layer_idx in info.arrived:  # chunk by chunk: the kept rows' arrival scores carry on
+                        info.arrived[layer_idx] = [torch.cat(info.arrived[layer_idx], -1)[:, positions]]
                 freed += free_tail(allocator, request_id, kept)
             state.position_offset = kept
         info.shift, info.compacted = seen - kept, kept
@@ -276,33 +284,33 @@ class PagedEviction:
         if not final:
             return
         info.prompt, info.kept = seen, kept
-        info.predicted, info.queries = {}, {}
+        info.arrived, info.queries = {}, {}
         self.stats.tokens_prefilled += seen
         self.stats.tokens_kept += kept
         self.stats.requests_compressed += 1 if kept < seen else 0
 
-    def _inputs(self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor) -> dict:
-        method = info.spec.method
-        if method == "sink_window":
-            return {}
-        if method == "kvzap":
-            chunks = info.predicted.get(layer_idx)
+    def _prompt(self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor) -> Prompt:
+        """What the method's scorer reads of the `rows` held (`prompt_reads`), from the pages and the captures."""
+        wanted = reads(info.spec.method)
+        fields = {}
+        if "arrived" in wanted:
+            chunks = info.arrived.get(layer_idx)
             if not chunks or sum(c.shape[-1] for c in chunks) != rows.numel():
                 raise RuntimeError(
-                    f"{FIELD}: kvzap saw {sum(c.shape[-1] for c in chunks or [])} of the prompt's "
+                    f"{FIELD}: {info.spec.method} scored {sum(c.shape[-1] for c in chunks or [])} of the prompt's "
                     f"{rows.numel()} tokens at layer {layer_idx}"
                 )
-            return {"predicted": torch.cat(chunks, -1)}
-        keys = read_keys(allocator, layer_idx, rows).transpose(0, 1)  # [Hkv, P, D]
-        if method != "snapkv":
-            return {"keys": keys}
-        if layer_idx not in info.queries:
-            raise RuntimeError(
-                f"{FIELD}: snapkv saw no queries at layer {layer_idx} (the attention function was not "
-                "the batch attention wrapper)"
-            )
-        queries, scaling = info.queries[layer_idx]
-        return {"keys": keys, "queries": queries, "scaling": scaling}
+            fields["arrived"] = torch.cat(chunks, -1)
+        if "keys" in wanted:
+            fields["keys"] = read_keys(allocator, layer_idx, rows).transpose(0, 1)  # [Hkv, P, D]
+        if "queries" in wanted:
+            if layer_idx not in info.queries:
+                raise RuntimeError(
+                    f"{FIELD}: {info.spec.method} saw no queries at layer {layer_idx} (the attention function was "
+                    "not the batch attention wrapper)"
+                )
+            fields["queries"], fields["scaling"] = info.queries[layer_idx]
+        return Prompt(**fields)
 
 
 def _with_eviction(original):

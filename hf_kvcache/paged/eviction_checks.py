@@ -1,25 +1,32 @@
 """What prompt eviction (hf_kvcache.paged.eviction) can run, checked before a run starts: the model's layers (full
-attention only), the method (snapkv needs the queries after the cache's update; kvzap a surrogate trained for the
-model, loaded once here). Errors are ValueErrors naming `kv_compress`."""
+attention only), the method (a scorer reading the queries, SnapKV, needs them after the cache's update; one reading the
+attention inputs, KVzap, a surrogate trained for the model, loaded once here). Errors are ValueErrors naming
+`kv_compress`."""
 
 from __future__ import annotations
 
 from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
 from ..integration.contracts import require
 from .compress_spec import FIELD, CompressSpec
+from .prompt_scores import reads
 
 
 def unavailable(spec: CompressSpec, config) -> str | None:
     """Why `spec` cannot run for a model of `config` in continuous batching (None: it can)."""
-    if spec.method == "snapkv":
+    wanted = reads(spec.method)
+    if "queries" in wanted:
         if update_caller() != "model attention":
             return (
-                "snapkv reads the queries the attention function gets after the cache's update (transformers >= 5.24)"
+                f"{spec.method} reads the queries the attention function gets after the cache's update "
+                "(transformers >= 5.24)"
             )
         implementation = getattr(config, "_attn_implementation", None) or ""
         if "flash" in implementation:
-            return f"snapkv reads the queries through the {BATCH_ATTENTION} attention functions, not {implementation!r}"
-    if spec.method == "kvzap":
+            return (
+                f"{spec.method} reads the queries through the {BATCH_ATTENTION} attention functions, not "
+                f"{implementation!r}"
+            )
+    if "arrived" in wanted:
         try:
             surrogate_for(spec, config)
         except (ValueError, OSError) as error:

@@ -28,8 +28,14 @@ one per moment of a forward:
   their scores (None: 0 until `observe` or the next selection sets them), and any per-slot state for them.
 - `move(src, dest)`: the host moved tokens from slots `src` to `dest` [B, Hm, n]: per-slot state follows them.
 
-Adding a scorer is one module here and one line in `registry.py`; the caches, the composite, the tests and the docs
-table read the registry.
+A whole prompt, seen by one forward (continuous batching's `kv_compress`, hf_kvcache.paged.eviction), is scored by
+`score(prompt)`: a pure function of a `Prompt` (the layer's keys, the prompt's last queries, the scores its tokens got
+on arrival) to scores [Hkv, P], kvpress's `score()` shape. A scorer that can declares `prompt_reads` and writes
+`score` beside its hooks, from the same functions (knorm_scores, keydiff_scores, SnapKV's pooling), and it is then a
+`kv_compress` method too (tests/test_new_scorer.py adds one in a module and a registry line, and serves with it).
+
+Adding a scorer is one module here and one line in `registry.py`; the caches, the composite, serving's `kv_compress`,
+the tests and the docs table read the registry.
 """
 
 from __future__ import annotations
@@ -64,6 +70,20 @@ def group_mean(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, Hq, n] -> [B, Hkv, n]: mean over the query heads of each KV group (GQA, as kvpress averages)."""
     batch, q_heads, n = scores.shape
     return scores.view(batch, kv_heads, q_heads // kv_heads, n).mean(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One request's prompt as one layer's forwards saw it: what `Scorer.score` reads (`prompt_reads` says which)."""
+
+    #: [Hkv, P, D] the keys as attention reads them (RoPE-rotated); "keys"
+    keys: torch.Tensor | None = None
+    #: [Hq, w, D] the queries of the prompt's last w tokens (w = the scorer's `attention_window`); "queries"
+    queries: torch.Tensor | None = None
+    #: the attention's softmax scaling of those queries
+    scaling: float = 1.0
+    #: [Hkv, P] the scores each token got when it arrived (`score_arrivals`, e.g. KVzap's from the attention inputs)
+    arrived: torch.Tensor | None = None
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -109,11 +129,25 @@ class Scorer:
     reads: ClassVar[str] = "nothing"
     #: settings that let it rank the few tokens of a tiny test model (the registry's tests and support matrix)
     small: ClassVar[dict] = {}
+    #: what `score` reads of a `Prompt`: "keys", "queries", "arrived" (empty: it cannot score a prompt on its own)
+    prompt_reads: ClassVar[tuple[str, ...]] = ()
+    #: how pages that hold every KV head of a token reduce its heads' scores to one: "max" (attention: a token some
+    #: head needs stays) or "mean" (key geometry, whose per-head scales differ)
+    head_reduction: ClassVar[str] = "max"
 
     @property
     def deferred(self) -> bool:
         """Chunks are placed after the bridge hands over what the scores need."""
         return self.needs_attention or self.needs_queries
+
+    # -- a whole prompt (see the module docstring) ------------------------------------------------------------------
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        """Scores [Hkv, P] of a whole prompt, higher = keep (scorers with `prompt_reads`)."""
+        raise NotImplementedError(f"scorer {self.name!r} does not score a prompt on its own")
+
+    def score_arrivals(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores [B, Hkv, q] of tokens as they arrive, from the layer's attention inputs [B, q, d] ("arrived")."""
+        raise NotImplementedError(f"scorer {self.name!r} does not score attention inputs")
 
     # -- hooks (see the module docstring) -------------------------------------------------------------------------
     def allocate(self, host, batch: int, heads: int, device) -> None:

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import CandidateScorer
+from .base import CandidateScorer, Prompt
 
 
 def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,12 @@ def stored_and_incoming(view, real: torch.Tensor, n_stored: int) -> tuple[torch.
 class KeyDiff(CandidateScorer):
     name: ClassVar[str] = "keydiff"
     reads: ClassVar[str] = "keys (the stored ones again at each selection)"
+    prompt_reads: ClassVar[tuple[str, ...]] = ("keys",)
+    head_reduction: ClassVar[str] = "mean"
+
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        keys = prompt.keys[None]
+        return keydiff_scores(keys, keys.new_ones(1, 1, keys.shape[2], dtype=torch.bool))[0]
 
     def candidates(self, host, view, real: torch.Tensor, n_stored: int, seen: int) -> torch.Tensor:
         return keydiff_scores(*stored_and_incoming(view, real, n_stored))

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Scorer
+from .base import Prompt, Scorer
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
@@ -25,6 +25,11 @@ def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
 class Knorm(Scorer):
     name: ClassVar[str] = "knorm"
     reads: ClassVar[str] = "keys"
+    prompt_reads: ClassVar[tuple[str, ...]] = ("keys",)
+    head_reduction: ClassVar[str] = "mean"
+
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        return knorm_scores(prompt.keys[None])[0]
 
     def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
         return knorm_scores(view.incoming.keys)

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Scorer, bound, state
+from .base import Prompt, Scorer, bound, state
 
 
 @dataclass(eq=False)
@@ -24,6 +24,7 @@ class KVzap(Scorer):
     name: ClassVar[str] = "kvzap"
     reads: ClassVar[str] = "the layer's attention input hidden states (a surrogate trained on KVzip's scores)"
     needs_attention_inputs: ClassVar[bool] = True
+    prompt_reads: ClassVar[tuple[str, ...]] = ("arrived",)
 
     hidden: object = bound()  # () -> this layer's attention input [B, q, d] of the current forward
     predict: object = bound()  # hidden [B, q, d] -> predicted log scores [B, Hkv, q] float32
@@ -32,9 +33,17 @@ class KVzap(Scorer):
     _chunk_scores: torch.Tensor | None = state()  # a chunk's new tokens' scores, until they are written
 
     def _new_scores(self) -> torch.Tensor:
-        if self.hidden is None or self.predict is None:
+        if self.hidden is None:
             raise RuntimeError("KVzap scores the attention inputs its cache hooks (KVzapCache): none are bound.")
-        return self.predict(self.hidden())
+        return self.score_arrivals(self.hidden())
+
+    def score_arrivals(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.predict is None:
+            raise RuntimeError("KVzap scores with a surrogate's predictor: none is bound.")
+        return self.predict(hidden)
+
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        return prompt.arrived  # fixed when each token arrived (score_arrivals)
 
     def chunk_scores(self, host, view, real: torch.Tensor, seen: int) -> torch.Tensor:
         scores = self.context_scores

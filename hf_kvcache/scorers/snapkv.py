@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..common.compile_static import StaticField
 from ..common.validation import require_int
-from .base import Scorer, group_mean, slot_state, state
+from .base import Prompt, Scorer, group_mean, slot_state, state
 
 WINDOW, KERNEL = 64, 5  # kvpress's defaults (SnapKVPress)
 
@@ -61,6 +61,20 @@ def chunk_votes(
     return scores, pool_before_window(scores, stream, valid, seen_before + q - 1, window, kernel)
 
 
+def window_votes(keys: torch.Tensor, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """keys [Hkv, P, D], the prompt's last w queries [Hq, w, D] -> [Hkv, P]: the window's mean softmax attention
+    (causal within the window), mean over each KV group's query heads: what the bridge's column scores give `observe`
+    for a whole prompt."""
+    heads, prompt = keys.shape[0], keys.shape[1]
+    q_heads, w = queries.shape[0], queries.shape[1]
+    expanded = keys.float().repeat_interleave(q_heads // heads, dim=0)  # [Hq, P, D]
+    logits = queries.float() @ expanded.transpose(1, 2) * scaling  # [Hq, w, P]
+    position = torch.arange(prompt, device=keys.device)
+    query_position = prompt - w + torch.arange(w, device=keys.device)
+    logits = logits.masked_fill(position[None, None, :] > query_position[None, :, None], float("-inf"))
+    return group_mean(logits.softmax(-1).mean(1)[None], heads)[0]
+
+
 def record_decode_row(rows: torch.Tensor, row: torch.Tensor, step: int, window: int) -> None:
     """A decode query's attention `row` [B, H, n] (n <= slots; the other slots get 0) into ring row `step % window`
     of `rows` [B, H, window, slots] (by index: the same ops at every step); `step` counts decode steps since the
@@ -81,6 +95,7 @@ class SnapKV(Scorer):
     small: ClassVar[dict] = {"window": 2}
     needs_attention: ClassVar[bool] = True
     rescores: ClassVar[bool] = True
+    prompt_reads: ClassVar[tuple[str, ...]] = ("keys", "queries")
 
     rows: torch.Tensor | None = slot_state()  # [B, Hm, window, slots + 1] attention rows of the last decode queries
     _seed: torch.Tensor | None = state()  # a chunk's window votes of its new tokens, until they are written
@@ -94,6 +109,13 @@ class SnapKV(Scorer):
         if self.kernel % 2 == 0:
             raise ValueError(f"`kernel` must be odd (pooling keeps the sequence length), got {self.kernel}.")
         self.attention_window = self.window
+
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        heads, length = prompt.keys.shape[0], prompt.keys.shape[1]
+        votes = window_votes(prompt.keys, prompt.queries, prompt.scaling)[None]
+        stream = torch.arange(length, device=votes.device).expand(1, heads, length)
+        valid = torch.ones_like(stream, dtype=torch.bool)
+        return pool_before_window(votes, stream, valid, length - 1, prompt.queries.shape[1], self.kernel)[0]
 
     def observe(self, host, view, column_scores: torch.Tensor) -> torch.Tensor | None:
         heads = view.valid.shape[1]
