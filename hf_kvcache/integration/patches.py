@@ -85,11 +85,21 @@ class Patch:
             raise AttributeError(f"hf_kvcache patches `{self.name}`, which this transformers does not have")
         return self.owner[self.attribute] if self.item else getattr(self.owner, self.attribute)
 
+    def own(self) -> bool:
+        """Whether the owner holds the attribute itself (not inherited: uninstall then deletes ours)."""
+        return self.item or self.attribute in vars(self.owner)
+
     def set(self, value) -> None:
         if self.item:
             self.owner[self.attribute] = value
         else:
             setattr(self.owner, self.attribute, value)
+
+    def restore(self, saved, own: bool) -> None:
+        if own:
+            self.set(saved)
+        else:  # (e.g. GenerationMixin.init_continuous_batching, inherited from a mixin)
+            delattr(self.owner, self.attribute)
 
 
 def _calling_original(ours):
@@ -192,8 +202,8 @@ PATCHES: tuple[Patch, ...] = (
 
 BY_NAME = {patch.name: patch for patch in PATCHES}
 _makes: dict[str, Callable[[Any], Any]] = {p.name: p.make for p in PATCHES if p.make is not None}
-#: patch name -> (transformers' object, ours) for every patch in place
-_applied: dict[str, tuple[Any, Any]] = {}
+#: patch name -> (transformers' object, ours, whether the owner held it itself) for every patch in place
+_applied: dict[str, tuple[Any, Any, bool]] = {}
 
 
 def provide(name: str, make: Callable[[Any], Any]) -> None:
@@ -242,24 +252,26 @@ def install(*groups: str) -> None:
         for patch in chosen:
             if is_applied(patch):
                 if patch.recomputed:
-                    saved, ours = _applied[patch.name]
+                    saved, ours, own = _applied[patch.name]
                     new = _makes[patch.name](saved)
                     if new != ours:
                         patch.set(new)
-                        _applied[patch.name] = (saved, new)
+                        _applied[patch.name] = (saved, new, own)
                 continue
-            saved = patch.current()
+            saved, own = patch.current(), patch.own()
             ours = _makes[patch.name](saved)
             patch.set(ours)
-            _applied[patch.name] = (saved, ours)
+            _applied[patch.name] = (saved, ours, own)
 
 
 def uninstall(*groups: str) -> None:
-    """Put back transformers' own objects (all groups when none is named), in the reverse order of PATCHES. A patch
-    whose attribute something else replaced since is left to that object (and forgotten)."""
+    """Put back transformers' own objects (all groups when none is named), in the reverse order of PATCHES; an
+    attribute the owner inherited is deleted again. A patch whose attribute something else replaced since is left
+    to that object (and forgotten)."""
     for patch in reversed(_of(groups or tuple(GROUPS))):
         if is_applied(patch):
-            patch.set(_applied[patch.name][0])
+            saved, _, own = _applied[patch.name]
+            patch.restore(saved, own)
         _applied.pop(patch.name, None)
 
 
