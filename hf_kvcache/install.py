@@ -5,7 +5,8 @@
 - a cache object of ours passed to `generate` switches the model to the attention bridge (hf_kvcache.attention);
 - continuous batching: a model switched to the bridge goes back to its own attention first, and quantized pages
   asked for are checked (hf_kvcache.paged).
-Every transformers internal touched here goes through hf_kvcache.integration.
+Every transformers internal touched here goes through hf_kvcache.integration; every attribute of transformers
+replaced is one of hf_kvcache.integration.patches, applied by its `install` (groups `cache_names`, `generate` here).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import warnings
 from .caches.base import KVCache
 from .caches.registry import CACHE_IMPLEMENTATIONS, build_cache
 from .integration import generation as upstream_generation
+from .integration import patches
 from .integration.cache_argument import CACHE_ARG
 from .integration.contracts import require
 from .integration.versions import UnsupportedTransformersError, warn_if_untested
@@ -119,7 +121,8 @@ def register(name: str | None = None, cls: type[KVCache] | None = None) -> None:
     upstream_generation.add_cache_names(tuple(CACHE_IMPLEMENTATIONS) + ((name,) if name is not None else ()))
     if name is not None:
         CACHE_IMPLEMENTATIONS[name] = cls
-    upstream_generation.install_generate_hooks(build_for_generate, prepared_for_generate, before_continuous_batching)
+    upstream_generation.set_generate_hooks(build_for_generate, prepared_for_generate, before_continuous_batching)
+    patches.install(patches.CACHE_NAMES, patches.GENERATE)
     from .attention.bridge import register_attention_functions
 
     register_attention_functions()

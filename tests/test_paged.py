@@ -507,7 +507,6 @@ def test_install_on_a_changed_transformers_leaves_it_untouched_and_quantized_pag
     from hf_kvcache.integration import contracts
     from hf_kvcache.paged import cache as paged_cache
 
-    monkeypatch.setattr(paged_cache, "_installed", False)
     monkeypatch.setattr(contracts, "_results", {})
     monkeypatch.setattr(continuous_api, "PagedAttentionCache", cb_cache.PagedAttentionCache)
     monkeypatch.setattr(cb_cache, "ATTN_TYPE_TO_ALLOCATOR", None)

@@ -40,7 +40,7 @@ def test_cache_implementations_are_ours():
 
 
 def test_no_name_shadows_a_builtin():
-    recorded = set(configuration_utils._hf_kvcache_builtin)
+    recorded = set(upstream_generation.builtin_cache_names())
     assert not OURS & recorded
     fresh = (set(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) - OURS) | {"paged"}
     assert not OURS & fresh

@@ -114,7 +114,6 @@ def test_quantized_pages_on_a_broken_contract_raise_instead_of_model_dtype_pages
     from hf_kvcache.integration import continuous_batching
     from hf_kvcache.paged import cache as paged_cache
 
-    monkeypatch.setattr(paged_cache, "_installed", False)
     monkeypatch.setattr(
         continuous_batching.continuous_api, "PagedAttentionCache", continuous_batching.PagedAttentionCache
     )  # as if `import hf_kvcache` had not installed it

@@ -29,6 +29,8 @@ Modules (what each wraps):
 - `continuous_batching`: the paged cache, its allocators, who updates it, the scheduler's state.
 - `prefill_chunks`: the scheduler's split of a prompt, capped per request (prompt eviction chunk by chunk).
 - `models`: model facts read from private attributes (tensor-parallel plan and mesh, RoPE init functions).
+- `patches`: every attribute of transformers replaced (`PATCHES`), with `install(group)` / `uninstall()`; the
+  modules above define the replacements (or hf_kvcache.paged `provide`s them), only `patches` applies them.
 - `serving`: `transformers serve` (its `Serve` built but not started, the continuous-batching config it passes,
   its handlers and FastAPI app), for `hf-kvcache serve`.
 """
@@ -41,6 +43,7 @@ from . import (  # noqa: F401
     continuous_batching,
     generation,
     models,
+    patches,
     prefill_chunks,
     serving,
 )

@@ -2,7 +2,7 @@
 hf_kvcache.paged uses it. It has no public extension point for the page format, so quantized pages rely on:
 
 1. `continuous_api.ContinuousBatchingManager._create_batch_processor` builds the cache by calling the module-level
-   name `continuous_api.PagedAttentionCache` (`install_cache_class` points it at our subclass).
+   name `continuous_api.PagedAttentionCache` (the `paged_cache` patch points it at our subclass).
 2. `cache.PagedAttentionCache.__init__(config, continuous_batching_config, device, distributed_helper, dtype,
    model_supports_logits_to_keep)` builds one allocator per attention type from the module-level dict
    `cache.ATTN_TYPE_TO_ALLOCATOR` ("full_attention", "sliding_attention") and sizes sectors from
@@ -19,7 +19,8 @@ hf_kvcache.paged uses it. It has no public extension point for the page format, 
 5. Attention from the pages' codes (hf_kvcache.paged.codes_attention): the model's attention forward calls
    `cache.update(..., kwargs=kwargs)` and then the `AttentionInterface` function of `config._attn_implementation`
    ("sdpa" or "paged|eager" in continuous batching) with the same `**kwargs`, so what update puts in `kwargs` reaches
-   the attention function (`wrap_batch_attention` wraps those two names; an unmarked call goes to transformers').
+   the attention function (the `codes_attention` patches wrap those two names; an unmarked call goes to
+   transformers').
 6. The scheduler as the serving benchmark reads it (hf_kvcache.evaluation.agreement): the manager's `batch_processor`
    with `inputs_and_outputs.requests_in_batch` (`.state.request_id`, `.has_new_token`, `.query_length`,
    `state.initial_tokens`, `state._true_initial_tokens`, `state.generated_len()`), `scheduler.waiting_requests`,
@@ -60,6 +61,8 @@ CODES_ATTENTION = "attention forward: cache.update(kwargs=kwargs), then attentio
 EVICTION = "ContinuousBatchProcessor._generation_step / position_offset as the cache length"
 #: the attention implementations continuous batching runs with on the index path (flash ones read a block table)
 BATCH_ATTENTION = ("sdpa", "paged|eager")
+#: set on hf_kvcache.paged.codes_attention's wrapper of those (the `codes_attention` patches)
+BATCH_ATTENTION_MARK = "_hf_kvcache_batch_attention"
 QUANTIZED_PAGES = (BUILD, CACHE_INIT, ALLOCATORS, UPDATE)
 
 PagedAttentionCache = cb_cache.PagedAttentionCache
@@ -284,18 +287,6 @@ def _check_eviction() -> str | None:
     return None
 
 
-def wrap_generation_step(make_wrapper) -> None:
-    """Replace ContinuousBatchProcessor._generation_step by `make_wrapper(transformers' method)` (idempotent: the
-    wrapper is marked and never wrapped again)."""
-    require(EVICTION)
-    cls = continuous_api.ContinuousBatchProcessor
-    if getattr(cls._generation_step, "_hf_kvcache_generation_step", False):
-        return
-    wrapper = make_wrapper(cls._generation_step)
-    wrapper._hf_kvcache_generation_step = True
-    cls._generation_step = wrapper
-
-
 def attention_takes_cache_rows(config) -> str | None:
     """Why the attention of the model of `config` may do more with the cache's keys and values than hand them to the
     attention function (None: every attention forward of its modeling file that calls `cache.update` passes the
@@ -326,29 +317,13 @@ def attention_takes_cache_rows(config) -> str | None:
 
 
 def batch_attention_wrapped(attn_implementation: str) -> bool:
-    """Whether the AttentionInterface function registered as `attn_implementation` is a `wrap_batch_attention`
-    wrapper (not, e.g., a function someone registered over it since)."""
+    """Whether the AttentionInterface function registered as `attn_implementation` is our batch attention wrapper
+    (marked BATCH_ATTENTION_MARK; not, e.g., a function someone registered over it since)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if attn_implementation not in ALL_ATTENTION_FUNCTIONS:
         return False
-    return getattr(ALL_ATTENTION_FUNCTIONS[attn_implementation], "_hf_kvcache_batch_attention", False)
-
-
-def wrap_batch_attention(make_wrapper) -> None:
-    """Register `make_wrapper(transformers' function)` under each of BATCH_ATTENTION (idempotent: a wrapper is
-    marked `_hf_kvcache_batch_attention` and never wrapped again). The wrapper must call transformers' function for
-    every call it does not handle."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-    require(CODES_ATTENTION)
-    for name in BATCH_ATTENTION:
-        original = ALL_ATTENTION_FUNCTIONS[name]
-        if getattr(original, "_hf_kvcache_batch_attention", False):
-            continue
-        wrapper = make_wrapper(original)
-        wrapper._hf_kvcache_batch_attention = True
-        AttentionInterface.register(name, wrapper)
+    return getattr(ALL_ATTENTION_FUNCTIONS[attn_implementation], BATCH_ATTENTION_MARK, False)
 
 
 # -- what hf_kvcache.paged builds on ------------------------------------------------------------------------------
@@ -368,12 +343,6 @@ def allocator_factories(factories: dict):
         finally:
             cb_cache.ATTN_TYPE_TO_ALLOCATOR.clear()
             cb_cache.ATTN_TYPE_TO_ALLOCATOR.update(saved)
-
-
-def install_cache_class(cls) -> None:
-    """Make continuous batching build `cls` (a PagedAttentionCache subclass) for every manager it starts."""
-    require(*QUANTIZED_PAGES)
-    continuous_api.PagedAttentionCache = cls
 
 
 def cb_config_of(generation_config, continuous_batching_config) -> ContinuousBatchingConfig:
@@ -462,6 +431,7 @@ __all__ = [
     "FullAttentionCacheAllocator",
     "PagedAttentionCache",
     "BATCH_ATTENTION",
+    "BATCH_ATTENTION_MARK",
     "CODES_ATTENTION",
     "EVICTION",
     "QUANTIZED_PAGES",
@@ -473,13 +443,10 @@ __all__ = [
     "cache_on_meta",
     "cb_config_of",
     "find_head_dim",
-    "install_cache_class",
     "model_dtype_block_bytes",
     "pages_in_use",
     "request_counts",
     "request_step",
-    "wrap_batch_attention",
-    "wrap_generation_step",
     "requests_in_batch",
     "scheduler_state",
     "update_caller",

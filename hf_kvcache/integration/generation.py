@@ -2,15 +2,16 @@
 its internals, each step guarded by a contract.
 
 - `configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: the tuple `GenerationConfig.validate()` checks names against;
-  our names are appended (`add_cache_names`).
+  our names are appended (`add_cache_names` records them, `with_cache_names` is the tuple set).
 - `GenerationMixin._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
   max_cache_length)`: hard-codes the name-to-class mapping and writes the cache to `model_kwargs[CACHE_ARG]`; our
-  wrapper (`install_generate_hooks`) asks hf_kvcache's factory first and falls back to transformers' own.
+  wrapper asks hf_kvcache's factory first (`set_generate_hooks`) and falls back to transformers' own.
 - `GenerationMixin.init_continuous_batching`: wrapped so a model switched to our attention bridge goes back to its
   own attention first (continuous batching accepts only its own implementations) and so quantized pages are
   checked before transformers builds its cache.
 - `GenerationMixin._valid_auto_compile_criteria`: reads the cache from `model_kwargs[CACHE_ARG]`; our fixed-size
   caches (`is_compileable`) are compiled automatically on an accelerator only if that holds.
+The replacements are defined here and applied by hf_kvcache.integration.patches (groups `cache_names`, `generate`).
 """
 
 from __future__ import annotations
@@ -95,24 +96,33 @@ def _check_auto_compile() -> str | None:
     return None
 
 
+#: transformers' own names (and "paged"), recorded before ours were added; our names, in order
+_builtin: list[tuple[str, ...]] = []
+_names: list[str] = []
+
+
 def builtin_cache_names() -> tuple[str, ...]:
     """The names transformers itself accepts (ours excluded), as they were before we extended them."""
-    original = getattr(configuration_utils, "_hf_kvcache_builtin", None)
-    if original is None:
-        original = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) + ("paged",)
-    return original
+    if _builtin:
+        return _builtin[0]
+    return tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) + ("paged",)
 
 
 def add_cache_names(names) -> None:
-    """Make `GenerationConfig.validate()` accept `names` (idempotent); refuses a name transformers has itself."""
+    """Our cache names for `GenerationConfig.validate()` (idempotent; the `cache_names` patch sets the tuple);
+    refuses a name transformers has itself."""
     require(NAMES)
-    if not hasattr(configuration_utils, "_hf_kvcache_builtin"):
-        configuration_utils._hf_kvcache_builtin = builtin_cache_names()
-    clash = set(names) & set(configuration_utils._hf_kvcache_builtin)
+    if not _builtin:
+        _builtin.append(builtin_cache_names())
+    clash = set(names) & set(_builtin[0])
     if clash:
         raise RuntimeError(f"hf_kvcache cache names {sorted(clash)} would shadow transformers' own cache names.")
-    known = tuple(configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = known + tuple(n for n in names if n not in known)
+    _names.extend(n for n in names if n not in _names)
+
+
+def with_cache_names(original: tuple) -> tuple:
+    """transformers' tuple of cache names followed by ours (the `cache_names` patch's value)."""
+    return tuple(original) + tuple(n for n in _names if n not in original)
 
 
 @dataclass
@@ -166,21 +176,13 @@ def init_continuous_batching(self, *args, **kwargs):
     return init_continuous_batching.original(self, *args, **kwargs)
 
 
-def install_generate_hooks(
+def set_generate_hooks(
     build: Callable[[CacheRequest], Any], prepared: Callable[[CacheRequest], None], before_continuous_batching: Callable
 ) -> None:
-    """Wrap transformers' cache preparation and continuous-batching start (idempotent).
+    """What the wrappers of transformers' cache preparation and continuous-batching start call (the `generate`
+    patches apply them).
 
     `build(request)` returns the cache to use (written to model_kwargs[CACHE_ARG]) or None to let transformers
     prepare its own; `prepared(request)` then sees what transformers prepared (`request.given`);
     `before_continuous_batching(model, args, kwargs)` runs before `init_continuous_batching`."""
-    require(PREPARE, INIT_CB)
     _hooks.update(build=build, prepared=prepared, before_continuous_batching=before_continuous_batching)
-    for method, ours in (
-        (PREPARE.split(".")[1], _prepare_cache_for_generation),
-        (INIT_CB.split(".")[1], init_continuous_batching),
-    ):
-        current = getattr(GenerationMixin, method)
-        if current is not ours:
-            ours.original = current
-            setattr(GenerationMixin, method, ours)

@@ -6,7 +6,8 @@ It relies on the scheduler's two steps for each candidate request (`scheduler.Sc
 `_infer_request_tokens(state, ids)` returns the tokens the request would write (its remaining prompt while it
 prefills), whose length (at most the token budget) is what `cache.can_store_request_tokens` must find pages for; then
 `_schedule_request(state, request_tokens, token_budget, ids)` writes `request_tokens[:token_budget]` this forward and
-keeps the rest in `state.remaining_prefill_tokens`. The cap shortens the first and lowers the second's budget.
+keeps the rest in `state.remaining_prefill_tokens`. The cap shortens the first and lowers the second's budget: the
+wrappers are defined here and applied by hf_kvcache.integration.patches (group `eviction`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from .contracts import contract, parameters, require, source
 
 PREFILL_CHUNKS = "Scheduler._infer_request_tokens / _schedule_request (a prompt split at the token budget)"
-_MARK = "_hf_kvcache_prefill_cap"
 #: the cap in force (cap_prefill_chunks sets it): (scheduler, state) -> the most prompt tokens per forward, or None
 _CAP: list[Callable | None] = [None]
 
@@ -61,28 +61,35 @@ def _check_prefill_chunks() -> str | None:
 
 def cap_prefill_chunks(cap_of: Callable) -> None:
     """From now on, a prefilling request writes at most `cap_of(scheduler, state)` prompt tokens per forward (None:
-    no cap), by wrapping the scheduler's two steps (idempotent; `cap_of` replaces the previous one)."""
+    no cap; `cap_of` replaces the previous one). Takes effect where the scheduler's two steps are wrapped (the
+    `eviction` patches: `capped_infer_request_tokens`, `capped_schedule_request`)."""
     require(PREFILL_CHUNKS)
-    scheduler = cb_scheduler.Scheduler
-    if not getattr(scheduler._infer_request_tokens, _MARK, False):
-        infer, split = scheduler._infer_request_tokens, scheduler._schedule_request
-
-        def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting):
-            tokens = infer(self, state, request_ids_to_remove_from_waiting)
-            cap = _cap(self, state)
-            return tokens if cap is None else tokens[:cap]
-
-        def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting):
-            cap = _cap(self, state)
-            if cap is not None:  # the whole remaining prompt, split at the cap (or the budget, if lower)
-                request_tokens, token_budget = state.remaining_prefill_tokens, min(token_budget, cap)
-            return split(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
-
-        for wrapper, original in ((_infer_request_tokens, infer), (_schedule_request, split)):
-            wrapper.__doc__ = f"{original.__doc__}\n\n(hf_kvcache: capped per request, {__name__})"
-            setattr(wrapper, _MARK, True)
-        scheduler._infer_request_tokens, scheduler._schedule_request = _infer_request_tokens, _schedule_request
     _CAP[0] = cap_of
+
+
+def capped_infer_request_tokens(infer):
+    """transformers' `Scheduler._infer_request_tokens` (`infer`), its tokens cut at the cap."""
+
+    def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting):
+        tokens = infer(self, state, request_ids_to_remove_from_waiting)
+        cap = _cap(self, state)
+        return tokens if cap is None else tokens[:cap]
+
+    _infer_request_tokens.__doc__ = f"{infer.__doc__}\n\n(hf_kvcache: capped per request, {__name__})"
+    return _infer_request_tokens
+
+
+def capped_schedule_request(split):
+    """transformers' `Scheduler._schedule_request` (`split`), splitting the remaining prompt at the cap."""
+
+    def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting):
+        cap = _cap(self, state)
+        if cap is not None:  # the whole remaining prompt, split at the cap (or the budget, if lower)
+            request_tokens, token_budget = state.remaining_prefill_tokens, min(token_budget, cap)
+        return split(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
+
+    _schedule_request.__doc__ = f"{split.__doc__}\n\n(hf_kvcache: capped per request, {__name__})"
+    return _schedule_request
 
 
 def _cap(scheduler, state) -> int | None:
@@ -98,4 +105,4 @@ def _cap(scheduler, state) -> int | None:
     return cap
 
 
-__all__ = ["PREFILL_CHUNKS", "cap_prefill_chunks"]
+__all__ = ["PREFILL_CHUNKS", "cap_prefill_chunks", "capped_infer_request_tokens", "capped_schedule_request"]

@@ -3,7 +3,8 @@
 transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve`) builds its
 cache in `ContinuousBatchingManager._create_batch_processor` by calling the name `PagedAttentionCache` of the
 module `transformers.generation.continuous_batching.continuous_api`. `install()` (run by `import hf_kvcache`)
-points that name at `QuantizedPagedAttentionCache`, a subclass which:
+points that name at `QuantizedPagedAttentionCache` (the `paged_cache` patch of hf_kvcache.integration.patches), a
+subclass which:
 - with no `kv_cache_dtype` on the continuous-batching config (or "model"), is exactly transformers' cache;
 - otherwise builds the quantized allocators (hf_kvcache.paged.allocators) instead of transformers' ones. The
   sector / block sizes, and so the number of pages for a memory budget, are computed by transformers from our
@@ -32,13 +33,13 @@ import logging
 
 import torch
 
+from ..integration import patches
 from ..integration.continuous_batching import (
     QUANTIZED_PAGES,
     PagedAttentionCache,
     allocator_factories,
     attention_takes_cache_rows,
     cb_config_of,
-    install_cache_class,
 )
 from ..integration.contracts import holds, require
 from . import codes_attention, compress_spec, eviction, eviction_checks
@@ -192,7 +193,7 @@ def first_forward_masks(cu_seq_lens_q, cu_seq_lens_k, num_read: int, num_new: in
     return first[read_req], first[new_req]
 
 
-_installed = False
+patches.provide("continuous_api.PagedAttentionCache", lambda original: QuantizedPagedAttentionCache)
 
 
 def install(strict: bool = True) -> bool:
@@ -200,13 +201,11 @@ def install(strict: bool = True) -> bool:
     version changed an internal we rely on: raise `UnsupportedTransformersError` naming it (strict), or leave
     transformers untouched and return False (`import hf_kvcache` does that, so the rest of the library still
     imports; a run that then asks for quantized pages raises: see `check_requested`)."""
-    global _installed
-    if _installed:
+    if patches.installed(patches.PAGED_CACHE):
         return True
     if not strict and not all(holds(name) for name in QUANTIZED_PAGES):
         return False
-    install_cache_class(QuantizedPagedAttentionCache)
-    _installed = True
+    patches.install(patches.PAGED_CACHE)  # (hf_kvcache.integration.patches lists it)
     return True
 
 

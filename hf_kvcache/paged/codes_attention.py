@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..integration import patches
 from ..integration.continuous_batching import (
+    BATCH_ATTENTION,
+    BATCH_ATTENTION_MARK,
     CODES_ATTENTION,
     batch_attention_wrapped,
     update_caller,
-    wrap_batch_attention,
 )
 from ..integration.contracts import holds
 from ..kernels import cpu_blockwise, triton_paged
@@ -178,9 +180,15 @@ def _with_paged_codes(original):
 
     attention.__doc__ = f"transformers' {getattr(original, '__name__', 'attention')}, or attention from the pages' "
     attention.__doc__ += f"codes when the cache's update left a `{KWARG}` in the kwargs (hf_kvcache.paged)."
+    setattr(attention, BATCH_ATTENTION_MARK, True)
     return attention
 
 
+for _name in BATCH_ATTENTION:  # (applied by `install`, listed in hf_kvcache.integration.patches)
+    patches.provide(f"AttentionInterface._global_mapping[{_name!r}]", _with_paged_codes)
+
+
 def install() -> None:
-    """Wrap continuous batching's attention functions (idempotent; see the module docstring)."""
-    wrap_batch_attention(_with_paged_codes)
+    """Wrap continuous batching's attention functions (idempotent; see the module docstring): the
+    `codes_attention` patches."""
+    patches.install(patches.CODES_ATTENTION)

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..integration import patches
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
-from ..integration.continuous_batching import wrap_generation_step
 from ..integration.prefill_chunks import cap_prefill_chunks
 from ..scorers.base import Prompt
 from . import codes_attention
@@ -337,9 +337,13 @@ def _prefill_cap(scheduler, state) -> int | None:
     return None if eviction is None else eviction.prefill_cap(state)
 
 
+patches.provide("ContinuousBatchProcessor._generation_step", _with_eviction)  # (applied by `install`)
+
+
 def install() -> None:
-    """Wrap continuous batching's generation step and cap its prompts' chunks (idempotent)."""
-    wrap_generation_step(_with_eviction)
+    """Wrap continuous batching's generation step and cap its prompts' chunks (idempotent): the `eviction`
+    patches."""
+    patches.install(patches.EVICTION)
     cap_prefill_chunks(_prefill_cap)
 
 
