@@ -87,6 +87,8 @@ def test_a_scorer_added_in_one_module_and_one_registry_line_serves(tmp_path):
     assert added == 1, "the registry's tuple of scorer classes moved: update this test's edit"
     registry.write_text(text)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home())}
-    done = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "True"], done.stdout
