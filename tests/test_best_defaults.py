@@ -146,7 +146,7 @@ def _default(cache: str, key: str):
     parameters = inspect.signature(cls.__init__).parameters
     if key in parameters:
         return parameters[key].default
-    scorer = getattr(cls, "scorer_class", None)  # a generated cache: the scorer's own field defaults
+    scorer = getattr(cls, "scorer_class", None)  # a ScorerCache: its scorer's own field defaults (options)
     assert scorer is not None, f"{cache} has no setting {key!r}"
     return scorer.__dataclass_fields__[key].default
 

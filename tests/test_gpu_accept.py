@@ -32,7 +32,8 @@ from conftest import planted_surrogate
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
-from hf_kvcache.caches.scorers import GENERATED_CACHES
+from hf_kvcache.caches.catalog import CACHE_IMPLEMENTATIONS
+from hf_kvcache.caches.scorers import ScorerCache
 from hf_kvcache.evaluation.cache_spec import make_cache
 from hf_kvcache.evaluation.divergence import cache_logprobs, divergence_metrics
 
@@ -77,7 +78,11 @@ CONFIGS = {
     "kvzip": {"budget": 24, "head_budget": "adaptive", "request_ids": REQUEST_IDS},
     "kvzap": {"budget": 24},  # (and a surrogate planted for the model: `_logprobs`)
     # the caches of scorers added to hf_kvcache.scorers.registry, with the scorer's settings for a few tokens
-    **{cls.cache_name: {"budget": 24, **cls.scorer_class.small} for cls in GENERATED_CACHES},
+    **{
+        cls.cache_name: {"budget": 24, **cls.scorer_class.small}
+        for cls in CACHE_IMPLEMENTATIONS.values()
+        if issubclass(cls, ScorerCache)
+    },
 }
 
 

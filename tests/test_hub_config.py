@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -30,7 +31,7 @@ from hf_kvcache import (
     returned_cache,
 )
 from hf_kvcache.caches import registry
-from hf_kvcache.caches.scorers import SCORER_CACHES
+from hf_kvcache.caches.scorers import SCORER_CACHES, ScorerCache
 
 SINK = {"sinks": 2, "window": 6}
 NEW = 20
@@ -538,8 +539,12 @@ EXPECTED_DEFAULTS = {
 
 def test_defaults_table_covers_every_name():
     assert set(registry.DEFAULT_CACHE_CONFIGS) == set(hf_kvcache.CACHE_IMPLEMENTATIONS) == set(EXPECTED_DEFAULTS)
-    for name in registry.DEFAULT_CACHE_CONFIGS:  # documented in the module docstring's table
-        assert f"| `{name}` |" in registry.__doc__
+    sections = (Path(__file__).parent.parent / "docs" / "caches.md").read_text()
+    for name, cls in hf_kvcache.CACHE_IMPLEMENTATIONS.items():
+        if issubclass(cls, ScorerCache):  # a plain scorer cache: its section in docs/caches.md, from the registry
+            assert f"## `{name}` — {cls.__name__}" in sections, name
+        else:  # documented in the module docstring's table
+            assert f"| `{name}` |" in registry.__doc__, name
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_DEFAULTS))

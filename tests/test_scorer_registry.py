@@ -175,13 +175,44 @@ def scorer_table() -> str:
     return "\n".join(lines)
 
 
+def plain_scorer_caches() -> list:
+    """The catalog's ScorerCache classes (LagKVCache, and `ScorerCache.of` any scorer added without a cache)."""
+    from hf_kvcache.caches.scorers import ScorerCache
+
+    return [cls for cls in CACHE_IMPLEMENTATIONS.values() if issubclass(cls, ScorerCache)]
+
+
+def test_every_scorer_is_a_cache_by_its_name():
+    """Adding a scorer to hf_kvcache.scorers.registry is enough for `cache_implementation=NAME`: its hand-written
+    cache or a plain ScorerCache driving it (whose settings are the scorer's options)."""
+    from hf_kvcache.caches.scorers import ScorerCache
+
+    for name, scorer in SCORERS.items():
+        cls = CACHE_IMPLEMENTATIONS[name]
+        assert cls.cache_name == name
+        if issubclass(cls, ScorerCache):
+            assert cls.scorer_class is scorer and set(options_of(name)) <= set(cls.config_keys())
+
+
+def test_a_scorer_without_a_cache_gets_a_plain_scorer_cache():
+    from hf_kvcache.caches.registry import _validation_config
+    from hf_kvcache.caches.scorers import LagKVCache, ScorerCache
+    from hf_kvcache.scorers.lagkv import LagKV
+
+    cls = ScorerCache.of(LagKV)  # as hf_kvcache.caches.registry does for a scorer without a cache class
+    assert cls.__name__ == "LagKVCache" and cls.config_keys() == LagKVCache.config_keys()
+    cache = cls(_validation_config(), budget=8, lag=4)
+    assert cache._given == {"budget": 8, "lag": 4} and cache.layers[0].policy.scorer.lag == 4
+    with pytest.raises(ValueError, match="`bogus` is not a parameter of cache 'lagkv'; its scorer's parameters: "):
+        cls(_validation_config(), budget=8, bogus=1)
+
+
 def cache_sections() -> str:
-    """docs/caches.md's sections of the caches generated for registered scorers (hf_kvcache.caches.scorers): what
-    the scorer keeps (its module docstring) and the constructor's parameters with their defaults."""
+    """docs/caches.md's sections of the plain scorer caches (hf_kvcache.caches.scorers.ScorerCache, one per
+    registered scorer without a hand-written cache): what the scorer keeps (its module docstring) and the
+    constructor's parameters with their defaults (the common ones, then the scorer's options)."""
     import inspect
     import sys
-
-    from hf_kvcache.caches.scorers import GENERATED_CACHES
 
     common = {
         "budget": "tokens kept: a count, or a ratio of the prompt in (0, 1] (name default: 0.2)",
@@ -192,16 +223,16 @@ def cache_sections() -> str:
         "safeguard": "with adaptive budgets: the share of the budget each head keeps at least",
     }
     sections = []
-    for cache in GENERATED_CACHES:
+    for cache in plain_scorer_caches():
         scorer = cache.scorer_class
         doc = sys.modules[scorer.__module__].__doc__.strip().split("\n\n")
         lines = [f"## `{cache.cache_name}` — {cache.__name__}", "", "\n\n".join(doc[0:2]), ""]
         lines += ["| parameter | default | meaning |", "|---|---|---|"]
-        for parameter in list(inspect.signature(cache.__init__).parameters.values())[2:]:
-            if parameter.name == "layers":
-                continue
-            meaning = common.get(parameter.name, f"the scorer's `{parameter.name}` (hf_kvcache.scorers.{scorer.name})")
-            lines.append(f"| `{parameter.name}` | `{parameter.default!r}` | {meaning} |")
+        parameters = inspect.signature(cache.__init__).parameters
+        defaults = {**{key: parameters[key].default for key in cache.common_keys}, **cache.option_defaults()}
+        for name, default in defaults.items():
+            meaning = common.get(name, f"the scorer's `{name}` (hf_kvcache.scorers.{scorer.name})")
+            lines.append(f"| `{name}` | `{default!r}` | {meaning} |")
         sections.append("\n".join(lines))
     return "\n\n".join(sections)
 

@@ -218,6 +218,35 @@ def test_state_tree_of_another_layout_is_refused(tmp_path):
         load_cache_state(path, build_model("llama"))
 
 
+def test_kvzip_state_naming_the_scorer_reconstruction_loads(tmp_path):
+    """Up to 0.3.0 the KVzip scorer class was `Reconstruction` (now `KVzip`): files that name it still load."""
+    model = build_model("llama")
+    cache = CACHES["kvzip"](model)
+    token, mask = _prefix(model, cache)
+    path = tmp_path / "state.safetensors"
+    save_cache_state(cache, path)
+    renamed = []
+
+    def old_name(node):
+        if isinstance(node, dict):
+            if node.get("object") == "hf_kvcache.scorers.kvzip.KVzip":
+                node["object"] = "hf_kvcache.scorers.kvzip.Reconstruction"
+                renamed.append(node)
+            for value in node.values():
+                old_name(value)
+        elif isinstance(node, list):
+            for value in node:
+                old_name(value)
+
+    _rewrite_header(path, old_name)
+    assert renamed  # the placed layers hold the scorer
+    resumed = load_cache_state(path, build_model("llama"))
+    expected = _continue(model, cache, token, mask)
+    model2 = build_model("llama")
+    hf_kvcache.enable(model2)
+    assert torch.equal(_continue(model2, resumed, token, mask), expected)
+
+
 def test_files_that_are_not_state_files(tmp_path):
     model = build_model("llama")
     not_safetensors = tmp_path / "a.json"

@@ -53,7 +53,7 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from hf_kvcache import cache_kwargs
-from hf_kvcache.caches.scorers import GENERATED_CACHES
+from hf_kvcache.caches.scorers import ScorerCache
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -169,7 +169,8 @@ SPECS: dict[str, Spec] = {
         cls.cache_name: Spec(
             {"budget": 64}, {"budget": BUDGET, **cls.scorer_class.small}, "exact", "bounded", 4, f"budget 64 / {BUDGET}"
         )
-        for cls in GENERATED_CACHES
+        for cls in hf_kvcache.CACHE_IMPLEMENTATIONS.values()
+        if issubclass(cls, ScorerCache)
     },
     # the reconstruction request as ids: these random models have no tokenizer
     "kvzip": Spec(

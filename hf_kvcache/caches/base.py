@@ -112,16 +112,22 @@ class KVCache(Cache, ForwardAnnounced):
     #: arguments that together give the cache's size: a per-layer setting naming any of them replaces them all
     size_keys: tuple[str, ...] = ()
 
-    def __new__(cls, *args, **kwargs):
-        # Remember the constructor's arguments, so per-layer settings can be merged over them (see `layers`).
+    def __new__(cls, config_or_model=None, *args, **kwargs):
+        # The settings as given (not the defaults): per-layer settings are merged over them (see `layers`), and
+        # hf_kvcache.sharing.state writes them (a file's defaults revision fills in the ones not given).
         self = super().__new__(cls)
-        try:
-            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
-        except TypeError:
-            bound = {}
-        self._given = {k: v for k, v in bound.items() if k not in ("self", "config_or_model", "layers")}
-        self._given_layers = bound.get("layers")  # recorded with the settings by hf_kvcache.sharing.state
+        self._given, self._given_layers = cls._settings_given(args, kwargs)
         return self
+
+    @classmethod
+    def _settings_given(cls, args: tuple, kwargs: dict) -> tuple[dict, Any]:
+        """(the constructor's arguments after `config_or_model` that the call gave, by name, in `config_keys`
+        order, `layers` left out; the `layers` given or None). Positional arguments are named by `config_keys`;
+        a call the constructor will refuse anyway records whatever it names."""
+        keys = cls.config_keys()
+        given = {**dict(zip(keys, args)), **kwargs}
+        settings = {key: given[key] for key in keys if key in given and key != "layers"}
+        return settings, given.get("layers")
 
     def __init__(self, config_or_model, layer_factory, layers=None):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None

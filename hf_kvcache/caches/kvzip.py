@@ -46,7 +46,7 @@ from ..policies.heavy_hitter import resolve_size
 from ..policies.kvzip import ReconstructionScoringPolicy, layer_budgets
 from ..policies.prompt_mode import PromptCompressionPolicy
 from ..policies.scored import ScoredPolicy
-from ..scorers.kvzip import Reconstruction
+from ..scorers.kvzip import KVzip
 from ..stores import FullPrecisionStore
 from ..stores.workspace import DequantWorkspace
 from .base import KVCache
@@ -372,7 +372,7 @@ class KVzipCache(KVCache):
 
     def _placement_scorer(self, layer_idx: int):
         """The scorer of a placed layer (handed the context's scores): KVzip's reconstruction scores."""
-        return Reconstruction()
+        return KVzip()
 
     # -- state files ------------------------------------------------------------------------------------------
     def state_phase(self) -> dict:

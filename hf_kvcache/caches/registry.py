@@ -38,7 +38,10 @@ head_dim is not a multiple of 32 | same |
 same |
 | `kvzap` | budget 0.2 of the prompt, allotted model-wide as kvzip's; the surrogate shipped for the model (SmolLM2-135M
 only; others: `surrogate`) (hf_kvcache.caches.kvzap) | same |
-SCORER CACHE ROWS
+| `lagkv` | budget 0.2 of the prompt; the scorer's own defaults (hf_kvcache.scorers.lagkv) | same |
+
+A scorer added to hf_kvcache.scorers.registry without a cache of its own (`ScorerCache.of`): budget 0.2 of the
+prompt and the scorer's own defaults, as `lagkv` (docs/caches.md has a section for each, from the registry).
 
 A caller's size key replaces the default sizes it conflicts with: `budget` replaces sink's window and h2o's
 heavy/recent; `regions` replaces composite's preset and budget; any other key just overrides its default.
@@ -57,6 +60,7 @@ from ..integration.versions import (  # noqa: F401  (re-exported: the tested ran
     SUPPORTED_TRANSFORMERS,
     check_transformers_version,
 )
+from ..scorers.registry import SCORERS
 from .base import KVCache
 from .catalog import CACHE_IMPLEMENTATIONS
 from .composite import CompositeCache
@@ -64,7 +68,7 @@ from .eviction import H2OCache, RandomEvictionCache, SinkCache, SlidingWindowCac
 from .kvzap import KVzapCache
 from .kvzip import KVzipCache
 from .quantized import KIVICache, QuantizedFP8Cache
-from .scorers import GENERATED_CACHES, SCORER_CACHES
+from .scorers import SCORER_CACHES, ScorerCache
 
 #: cache_implementation name -> class (the dict lives in hf_kvcache.caches.catalog, which the base class reads)
 CACHE_IMPLEMENTATIONS.update(
@@ -81,6 +85,10 @@ CACHE_IMPLEMENTATIONS.update(
         KVzapCache.cache_name: KVzapCache,
     }
 )
+# every other registered scorer: the plain scorer cache driving it (the registry's line is all a scorer needs)
+CACHE_IMPLEMENTATIONS.update(
+    {name: ScorerCache.of(scorer) for name, scorer in SCORERS.items() if name not in CACHE_IMPLEMENTATIONS}
+)
 
 CONFIG_FILE = "kvcache_config.json"
 
@@ -95,20 +103,11 @@ DEFAULT_CACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "fp8": {},
     "kivi": {},
     **{cls.cache_name: {"budget": 0.2} for cls in SCORER_CACHES},
+    **{name: {"budget": 0.2} for name, cls in CACHE_IMPLEMENTATIONS.items() if issubclass(cls, ScorerCache)},
     "snapkv": {"budget": 1024},  # a ratio of a short prompt can be smaller than its 64-token observation window
     "kvzip": {"budget": 0.2},
     "kvzap": {"budget": 0.2},
 }
-
-# the rows of the caches generated for scorers added to hf_kvcache.scorers.registry (hf_kvcache.caches.scorers)
-__doc__ = __doc__.replace(
-    "SCORER CACHE ROWS\n",
-    "".join(
-        f"| `{cls.cache_name}` | budget 0.2 of the prompt; the scorer's own defaults ({cls.scorer_class.__module__}) "
-        "| same |\n"
-        for cls in GENERATED_CACHES
-    ),
-)
 
 #: a caller's key -> the default keys it replaces (besides itself)
 DEFAULT_REPLACED_BY: dict[str, dict[str, tuple[str, ...]]] = {

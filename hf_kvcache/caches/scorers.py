@@ -21,13 +21,15 @@ eval/results/scorers, whose "always" rows use the papers' windows; with half the
 0.120 with half and 0.099 with three quarters, top-1 0.887 / 0.883). SnapKV's `window`
 is its recent window in both modes. `rescore_every` (keydiff, snapkv, expected_attention, whose decode steps
 re-score the stored tokens before choosing the victim): re-score every N steps instead of every step.
+
+The scorers without a class above (LagKV, and any scorer added to hf_kvcache.scorers.registry) share one plain
+class, `ScorerCache`: the common settings above plus the scorer's own fields as keyword options. `LagKVCache` is
+its subclass for `lagkv`; a scorer without a subclass gets `ScorerCache.of(scorer)` in the catalog.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import sys
 
 from transformers import PreTrainedModel
 
@@ -39,7 +41,8 @@ from ..scorers.base import Scorer
 from ..scorers.expected_attention import ExpectedAttention
 from ..scorers.keydiff import KeyDiff
 from ..scorers.knorm import Knorm
-from ..scorers.registry import SCORERS
+from ..scorers.lagkv import LagKV
+from ..scorers.registry import options_of
 from ..scorers.snapkv import SnapKV
 from ..scorers.tova import TOVA
 from .base import KVCache, _size_or_ratio
@@ -273,40 +276,36 @@ class ExpectedAttentionCache(_ScorerCache):
             check_rotator_once(config_or_model, rotators["rotator"], indices)
 
 
-#: scorers whose cache is written elsewhere (H2OCache, RandomEvictionCache, KVzipCache) or above
-WRITTEN_CACHES = (
-    "h2o",
-    "random_eviction",
-    "kvzip",
-    "kvzap",
-    "knorm",
-    "keydiff",
-    "tova",
-    "snapkv",
-    "expected_attention",
-)
-
-
-def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:
-    """The cache of a registered scorer that has no hand-written one: `budget`, `recent`, `compress`,
+class ScorerCache(_ScorerCache):
+    """The cache of a registered scorer that has no hand-written cache: `budget`, `recent`, `compress`,
     `rescore_every`, `head_budget`, `safeguard` as the scorer caches above (no recent window by default in prompt
-    mode, `DECODE_RECENT_SHARE` of the budget in "always" mode), and the scorer's own fields as keyword arguments.
-    Registered as `cache_implementation=scorer_cls.name`."""
-    fields = [f for f in dataclasses.fields(scorer_cls) if f.init and not f.metadata.get("bound")]
-    allowed = tuple(f.name for f in fields)
+    mode, `DECODE_RECENT_SHARE` of the budget in "always" mode), and the scorer's own fields as keyword options
+    (`**options`, each validated by the scorer; any other name is an error naming it).
+
+    A subclass names its scorer (`scorer_class`, whose `name` is the `cache_implementation` name): `LagKVCache`
+    below. A scorer added to hf_kvcache.scorers.registry without one gets `ScorerCache.of(scorer)` in the catalog
+    (hf_kvcache.caches.registry), so the registry's line alone makes it a cache."""
+
+    #: the scorer this cache keeps its budget with (set by each subclass)
+    scorer_class: type[Scorer]
+    #: the constructor's settings before the scorer's options (their order is that of `config_keys`)
+    common_keys = ("budget", "recent", "compress", "rescore_every", "head_budget", "safeguard")
 
     def __init__(
         self,
         config_or_model,
-        budget=None,
-        recent=None,
-        compress="always",
-        rescore_every=1,
-        head_budget="uniform",
-        safeguard=0.2,
-        layers=None,
+        budget: int | float | None = None,
+        recent: int | None = None,
+        compress: str = "always",
+        rescore_every: int = 1,
+        head_budget: str = "uniform",
+        safeguard: float = 0.2,
+        *,
+        layers: dict | list | None = None,
         **options,
     ):
+        scorer_cls = self.scorer_class
+        allowed = options_of(scorer_cls.name)
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ValueError(
@@ -329,43 +328,38 @@ def scorer_cache(scorer_cls: type[Scorer]) -> type[KVCache]:
             rescore_every=self.rescore_every,
         )
 
-    parameter = inspect.Parameter
-    __init__.__signature__ = inspect.Signature(
-        [
-            parameter("self", parameter.POSITIONAL_OR_KEYWORD),
-            parameter("config_or_model", parameter.POSITIONAL_OR_KEYWORD),
-            *(
-                parameter(name, parameter.POSITIONAL_OR_KEYWORD, default=default)
-                for name, default in (
-                    ("budget", None),
-                    ("recent", None),
-                    ("compress", "always"),
-                    ("rescore_every", 1),
-                    ("head_budget", "uniform"),
-                    ("safeguard", 0.2),
-                )
-            ),
-            *(parameter(f.name, parameter.KEYWORD_ONLY, default=f.default) for f in fields),
-            parameter("layers", parameter.KEYWORD_ONLY, default=None),
-        ]
-    )
-    module = sys.modules[scorer_cls.__module__]
-    name = f"{scorer_cls.__name__}Cache"
-    doc = f"{(module.__doc__ or '').strip()}\n\nThe cache: {scorer_cache.__doc__.split(':', 1)[1].strip()}"
-    return type(
-        name,
-        (_ScorerCache,),
-        {
-            "cache_name": scorer_cls.name,
-            "__init__": __init__,
-            "__doc__": doc,
-            "__module__": __name__,
-            "scorer_class": scorer_cls,
-        },
-    )
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """The common settings, the scorer's options (`**options` spelled out), then `layers`."""
+        return [*cls.common_keys, *options_of(cls.scorer_class.name), "layers"]
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """The scorer's options with their defaults (the dataclass fields `**options` takes)."""
+        allowed = options_of(cls.scorer_class.name)
+        return {f.name: f.default for f in dataclasses.fields(cls.scorer_class) if f.name in allowed}
+
+    @staticmethod
+    def of(scorer_cls: type[Scorer]) -> type[ScorerCache]:
+        """The cache class of a registered scorer that has no subclass below (hf_kvcache.caches.registry fills the
+        catalog with it): ScorerCache driving `scorer_cls`, named after it."""
+
+        class Cache(ScorerCache):
+            __doc__ = ScorerCache.__doc__
+            cache_name = scorer_cls.name
+            scorer_class = scorer_cls
+
+        Cache.__name__ = Cache.__qualname__ = f"{scorer_cls.__name__}Cache"
+        return Cache
 
 
-GENERATED_CACHES = tuple(scorer_cache(cls) for name, cls in SCORERS.items() if name not in WRITTEN_CACHES)
-globals().update({cls.__name__: cls for cls in GENERATED_CACHES})  # (importable by name, e.g. LagKVCache)
+class LagKVCache(ScorerCache):
+    """LagKV (arXiv 2504.04704, hf_kvcache.scorers.lagkv): the `budget` tokens whose keys and values vary most
+    against the partition of `lag` tokens that follows them; the first `sinks` tokens always kept."""
 
-SCORER_CACHES = (KnormCache, KeyDiffCache, TOVACache, SnapKVCache, ExpectedAttentionCache, *GENERATED_CACHES)
+    cache_name = "lagkv"
+    scorer_class = LagKV
+
+
+#: the hand-written scorer caches (hf_kvcache.caches.registry adds `ScorerCache.of` for any other scorer)
+SCORER_CACHES = (KnormCache, KeyDiffCache, TOVACache, SnapKVCache, ExpectedAttentionCache, LagKVCache)

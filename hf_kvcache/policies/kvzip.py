@@ -12,7 +12,7 @@ Two policies, one per phase of a layer (hf_kvcache.caches.kvzip runs the phases)
 - `ReconstructionScoringPolicy` while the context is collected and reconstructed: every token kept (the layer
   grows); during a reconstruction forward it takes the bridge's max-attention column scores (`attention_reduce`
   "max", `score_columns` the restricted softmax's columns) into `context_scores` for the chunk's columns;
-- `ScoredPolicy` with the `Reconstruction` scorer (hf_kvcache.scorers.kvzip) when the context is placed at its
+- `ScoredPolicy` with the `KVzip` scorer (hf_kvcache.scorers.kvzip) when the context is placed at its
   budget: the scores for the context are the reconstruction's, uniform per head or head-adaptive (the paper allots
   by score across heads: `head_budget="adaptive"`), the layer's pool given (`total`) when the model allots its
   budget over the layers too (`layer_budgets`).

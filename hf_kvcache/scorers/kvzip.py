@@ -18,7 +18,10 @@ from .base import Scorer, state
 
 
 @dataclass(eq=False)
-class Reconstruction(Scorer):
+class KVzip(Scorer):
+    """KVzip's scorer, named after its method as every scorer (`Reconstruction` up to 0.3.0: state files naming it
+    load, see hf_kvcache.sharing.state): hands over the context's reconstruction scores it was given, once."""
+
     name: ClassVar[str] = "kvzip"
     reads: ClassVar[str] = "the model's own forwards (context reconstruction)"
     needs_model_forwards: ClassVar[bool] = True

@@ -2,8 +2,9 @@
 
 Adding a scorer: its module in this package (a `Scorer` dataclass) and one line here. The line makes it
 - a heavy-region scorer of CompositeCache (`{"role": "heavy", "scorer": NAME, ...}`, its fields as options);
-- a cache of its own, `cache_implementation=NAME` (hf_kvcache.caches.scorers builds one for every scorer without a
-  hand-written cache), with its defaults, bad-input rows and support-matrix row;
+- a cache of its own, `cache_implementation=NAME`: its hand-written class, else the plain
+  hf_kvcache.caches.scorers.ScorerCache driving it (`ScorerCache.of`, put in the catalog by
+  hf_kvcache.caches.registry), with its defaults, bad-input rows and support-matrix row;
 - a row of the scorer table in docs/scorers.md and a case of the scorer tests (tests/test_scorer_registry.py).
 """
 
@@ -17,7 +18,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
 from .kvzap import KVzap
-from .kvzip import Reconstruction
+from .kvzip import KVzip
 from .lagkv import LagKV
 from .random_keys import RandomKeys
 from .snapkv import SnapKV
@@ -25,8 +26,7 @@ from .tova import TOVA
 
 #: name -> scorer class (the name is also `cls.name`)
 SCORERS: dict[str, type[Scorer]] = {
-    cls.name: cls
-    for cls in (H2O, TOVA, Knorm, KeyDiff, SnapKV, ExpectedAttention, RandomKeys, LagKV, Reconstruction, KVzap)
+    cls.name: cls for cls in (H2O, TOVA, Knorm, KeyDiff, SnapKV, ExpectedAttention, RandomKeys, LagKV, KVzip, KVzap)
 }
 
 #: scorers only their own cache can drive: it runs model forwards (KVzip's reconstruction) or hooks the attention

@@ -202,6 +202,8 @@ _UPGRADED_OBJECTS = {
         _composite_policy_before_scorers,
     ),
     "hf_kvcache.policies.cascade_scorers.H2OScorer": ("hf_kvcache.scorers.h2o.H2O", _h2o_scorer_before_scorers),
+    # the KVzip scorer was called after what it reads (`Reconstruction`); scorers are named after their method
+    "hf_kvcache.scorers.kvzip.Reconstruction": ("hf_kvcache.scorers.kvzip.KVzip", dict),
     # the aggregation moved to the H2O scorer (which the settings rebuild): a string here is from before
     "hf_kvcache.policies.heavy_hitter.HeavyHitterPolicy": (
         "hf_kvcache.policies.heavy_hitter.HeavyHitterPolicy",
