@@ -1209,8 +1209,17 @@ CASES: list[Case] = [
         r"`--kv-compress\.ratio` \(the share of the prompt evicted\) must be a number in \[0, 1\), got 1\.0",
     ),
     cli_case(
-        ["serve", "--kv-compress", '{"ratio": 0.5, "speed": 2}'],
-        r"`--kv-compress` has unknown keys \['speed'\]; allowed keys are \('method', 'ratio'",
+        ["serve", "--kv-compress", "keydiff:budget=0"],
+        r"`--kv-compress\.budget` \(what the prompt keeps\) must be a number of tokens \(an integer >= 1\) or a share "
+        r"of the prompt in \(0, 1\], got 0",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", '{"budget": 0.5, "ratio": 0.5}'],
+        r"`--kv-compress\.budget` and `--kv-compress\.ratio` are both given",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", '{"budget": 0.5, "speed": 2}'],
+        r"`--kv-compress` has unknown keys \['speed'\]; allowed keys are \('method', 'budget', 'sinks', 'recent'",
     ),
     cli_case(
         ["serve", "--kv-compress", "snapkv:0.75:chunk=256"],

@@ -263,7 +263,7 @@ def test_paged_attention_from_codes_equals_the_dequantize_path(kv_dtype, options
 
 @pytest.mark.parametrize(
     "compress, kv_dtype",
-    [("knorm:0.75", None), ("snapkv:0.75", "fp8_e4m3"), ("keydiff:0.75:chunk=16", "fp8_e4m3")],
+    [("knorm:budget=0.25", None), ("snapkv:budget=0.25", "fp8_e4m3"), ("keydiff:budget=0.25:chunk=16", "fp8_e4m3")],
 )
 def test_prompt_eviction_in_generate_batch_on_the_device(compress, kv_dtype):
     """Prompt eviction in continuous batching on the device (positions shifted on its tensors, rows moved there,

@@ -64,12 +64,12 @@ out = model.generate(torch.tensor([prompt]), generation_config=greedy, cache_imp
                      cache_config=cache_config)
 assert out.shape[1] == 46, out.shape
 cb = ContinuousBatchingConfig(num_blocks=32, page_size=8, max_batch_tokens=64, allow_block_sharing=False)
-cb.kv_compress = "largest_keys:0.5"
+cb.kv_compress = "largest_keys:budget=0.5"
 batch = model.generate_batch([prompt], generation_config=greedy, continuous_batching_config=cb, warmup=False)
 (served,) = batch.values()
 assert served.error is None, served.error
-reference = generate_with_eviction(model, prompt, parse("largest_keys:0.5"), max_new_tokens=6)
-knorm = generate_with_eviction(model, prompt, parse("knorm:0.5"), max_new_tokens=6)
+reference = generate_with_eviction(model, prompt, parse("largest_keys:budget=0.5"), max_new_tokens=6)
+knorm = generate_with_eviction(model, prompt, parse("knorm:budget=0.5"), max_new_tokens=6)
 print(served.generated_tokens == reference, reference != knorm)
 """
 

@@ -183,10 +183,10 @@ model.generate(ids, generation_config=greedy, cache_implementation="snapkv", cac
 model.generate(ids, generation_config=greedy, cache_implementation="fp8")
 cb = ContinuousBatchingConfig(num_blocks=16, page_size=8, max_batch_tokens=64, allow_block_sharing=False)
 cb.kv_cache_dtype = "fp8_e4m3"
-cb.kv_compress = "keydiff:0.5"
+cb.kv_compress = "keydiff:budget=0.5"
 out = model.generate_batch([ids[0].tolist()], generation_config=greedy, continuous_batching_config=cb, warmup=False)
 assert all(o.error is None for o in out.values()), [o.error for o in out.values()]
-build_parser("serve").parse_args(["serve", "--kv-compress", "keydiff:0.75"])
+build_parser("serve").parse_args(["serve", "--kv-compress", "keydiff:budget=0.25"])
 print(sorted(m for m in sys.modules if m.startswith("hf_kvcache.evaluation")))
 """
 

@@ -126,9 +126,9 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
 def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_dir, method):
     if method == "snapkv" and update_caller() != "model attention":
         pytest.skip("snapkv's queries come through the attention function after the cache's update (>= 5.24)")
-    spec = CompressSpec(method=method, ratio=0.6, surrogate=surrogate_dir if method == "kvzap" else None)
+    spec = CompressSpec(method=method, budget=0.4, surrogate=surrogate_dir if method == "kvzap" else None)
     if method == "snapkv":
-        spec = CompressSpec(method=method, ratio=0.6, observation=8)
+        spec = CompressSpec(method=method, budget=0.4, observation=8)
     prompts = _prompts()
     got = _generate(model, prompts, _cb(spec.to_dict()))
     surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
@@ -143,12 +143,12 @@ def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_
 def test_chunk_by_chunk_equals_the_reference(model, surrogate_dir, method):
     """Every 16 prompt tokens compressed (the scheduler's budget of 32 tokens per forward split among requests): the
     same tokens as the reference prefilling 16 at a time and compressing after each."""
-    spec = CompressSpec(method=method, ratio=0.6, chunk=16, surrogate=surrogate_dir if method == "kvzap" else None)
+    spec = CompressSpec(method=method, budget=0.4, chunk=16, surrogate=surrogate_dir if method == "kvzap" else None)
     prompts = _prompts()
     got = _generate(model, prompts, _cb(spec.to_dict()))
     assert got == [eviction_reference.generate_with_eviction(model, p, spec, NEW_TOKENS) for p in prompts]
     if method == "keydiff":  # compressing early changes what is kept, so what is generated
-        assert got != _generate(model, prompts, _cb(CompressSpec(method=method, ratio=0.6).to_dict()))
+        assert got != _generate(model, prompts, _cb(CompressSpec(method=method, budget=0.4).to_dict()))
 
 
 def test_chunk_bounds_the_pages_a_prompt_holds(model, monkeypatch):
@@ -165,7 +165,7 @@ def test_chunk_bounds_the_pages_a_prompt_holds(model, monkeypatch):
 
     monkeypatch.setattr(eviction.PagedEviction, "after_forward", recording)
     prompts = _prompts()
-    for value in ("knorm:0.75:chunk=16", "knorm:0.75"):
+    for value in ("knorm:budget=0.25:chunk=16", "knorm:budget=0.25"):
         held.clear()
         spec = parse(value)
         results, cache, pages = _manager_run(model, prompts, _cb(value))
@@ -174,7 +174,7 @@ def test_chunk_bounds_the_pages_a_prompt_holds(model, monkeypatch):
         assert [held[f"req_{i}"] for i in range(len(prompts))] == peaks
         assert cache.eviction.stats.tokens_kept == sum(spec.kept(n) for n in PROMPT_LENGTHS)
         assert cache.eviction.stats.tokens_prefilled == sum(PROMPT_LENGTHS)
-    assert spec.peak(90) == 90 and parse("knorm:0.75:chunk=16").peak(90) == 32  # kept(64) = 16, + 16 written
+    assert spec.peak(90) == 90 and parse("knorm:budget=0.25:chunk=16").peak(90) == 32  # kept(64) = 16, + 16 written
 
 
 @pytest.mark.upstream
@@ -186,7 +186,7 @@ def test_compression_changes_what_is_generated(model):
     """(The reference test above would pass if nothing were evicted and the reference kept everything: it does not.)"""
     prompts = _prompts()
     full = _generate(model, prompts, _cb())
-    compressed = _generate(model, prompts, _cb("knorm:0.75"))
+    compressed = _generate(model, prompts, _cb("knorm:budget=0.25"))
     assert [t[0] for t in full] == [t[0] for t in compressed]  # the first token is predicted before eviction
     assert full != compressed
 
@@ -215,13 +215,13 @@ def _manager_run(model, prompts, cb, specs=None):
 
 def test_pages_past_the_kept_tokens_go_back_and_stats_say_so(model):
     prompts = _prompts()
-    results, cache, held = _manager_run(model, prompts, _cb("keydiff:0.75"))
+    results, cache, held = _manager_run(model, prompts, _cb("keydiff:budget=0.25"))
     assert all(r.error is None for r in results.values())
     assert held == 0
     stats = cache.eviction.stats
     assert stats.requests == stats.requests_compressed == len(prompts)
     assert stats.tokens_prefilled == sum(PROMPT_LENGTHS)
-    spec = parse("keydiff:0.75")
+    spec = parse("keydiff:budget=0.25")
     assert stats.tokens_kept == sum(spec.kept(n) for n in PROMPT_LENGTHS)
     page = 8
     # pages a prompt held at its end minus the pages of what it kept (the next token's page is allocated later)
@@ -230,7 +230,7 @@ def test_pages_past_the_kept_tokens_go_back_and_stats_say_so(model):
 
 def test_per_request_specs_and_none(model):
     prompts = _prompts()
-    specs = [parse("none"), parse("sink_window:0.5"), None, parse("knorm:0.5")]
+    specs = [parse("none"), parse("sink_window:budget=0.5"), None, parse("knorm:budget=0.5")]
     results, cache, _ = _manager_run(model, prompts, _cb("none"), specs=specs)
     stats = cache.eviction.stats
     assert stats.requests == 4 and stats.requests_compressed == 2
@@ -242,7 +242,7 @@ def test_per_request_specs_and_none(model):
 
 def test_fp8_pages_and_eviction_compose(model):
     prompts = _prompts()
-    results, cache, held = _manager_run(model, prompts, _cb("knorm:0.75", kv_dtype="fp8_e4m3"))
+    results, cache, held = _manager_run(model, prompts, _cb("knorm:budget=0.25", kv_dtype="fp8_e4m3"))
     assert all(r.error is None for r in results.values()) and held == 0
     assert cache.kv_spec is not None and cache.eviction.stats.requests_compressed == len(prompts)
     # the kept keys are the fp8 ones moved as codes: a reference FP8 run keeping everything predicts the same first
@@ -255,20 +255,26 @@ def test_fp8_pages_and_eviction_compose(model):
 @pytest.mark.parametrize(
     "value, match",
     [
-        ("keydiff", r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO\[:FIELD=VALUE...\]'"),
+        ("keydiff:", r"`kv_compress` must be 'none', 'METHOD\[:FIELD=VALUE...\]'"),
         ("magic:0.5", r"`kv_compress.method` must be one of"),
         ("kvzip:0.5", r"KVzip's reconstruction runs model forwards"),
         ("keydiff:1.0", r"`kv_compress.ratio` .* must be a number in \[0, 1\), got 1.0"),
         (-0.1, r"`kv_compress.ratio`"),
         ("keydiff:abc", r"`kv_compress.ratio` must be a number in \[0, 1\), got 'abc'"),
-        ({"method": "snapkv", "ratio": 0.5, "kernel": 4}, r"`kv_compress.kernel` must be odd"),
-        ({"method": "knorm", "ratio": 0.5, "surrogate": "x"}, r"`kv_compress.surrogate`"),
+        ({"method": "snapkv", "budget": 0.5, "kernel": 4}, r"`kv_compress.kernel` must be odd"),
+        ({"method": "knorm", "budget": 0.5, "surrogate": "x"}, r"`kv_compress.surrogate`"),
         ({"ratio": 0.5, "speed": 3}, r"`kv_compress` has unknown keys \['speed'\]"),
-        ([0.5], r"`kv_compress` must be 'none', a ratio, 'METHOD:RATIO\[:FIELD=VALUE...\]' or a dict, got list"),
-        ("snapkv:0.5:chunk=64", r"`kv_compress.chunk` cannot be used with method 'snapkv'"),
-        ("keydiff:0.5:chunk=0", r"`kv_compress.chunk` must be an integer >= 1, got 0"),
-        ("keydiff:0.5:chunk", r"`kv_compress`: 'chunk' in 'keydiff:0.5:chunk' is not FIELD=VALUE"),
-        ("keydiff:0.5:size=3", r"`kv_compress` has unknown keys \['size'\]"),
+        ([0.5], r"`kv_compress` must be 'none', 'METHOD\[:FIELD=VALUE...\]' .* or a dict, got list"),
+        ("keydiff:budget=0", r"`kv_compress.budget` \(what the prompt keeps\) must be a number of tokens"),
+        ({"budget": 1.5}, r"`kv_compress.budget` .* a share of the prompt in \(0, 1\], got 1.5"),
+        ({"budget": 0.5, "ratio": 0.5}, r"`kv_compress.budget` and `kv_compress.ratio` are both given"),
+        ("keydiff:0.5:budget=0.5", r"`kv_compress.budget` and `kv_compress.ratio` are both given"),
+        ({"recent": 8, "window": 8}, r"`kv_compress.recent` and `kv_compress.window` are both given"),
+        ("keydiff:recent=-1", r"`kv_compress.recent` must be an integer >= 0, got -1"),
+        ("snapkv:budget=0.5:chunk=64", r"`kv_compress.chunk` cannot be used with method 'snapkv'"),
+        ("keydiff:budget=0.5:chunk=0", r"`kv_compress.chunk` must be an integer >= 1, got 0"),
+        ("keydiff:budget=0.5:chunk", r"`kv_compress`: 'chunk' in 'keydiff:budget=0.5:chunk' is not FIELD=VALUE"),
+        ("keydiff:budget=0.5:size=3", r"`kv_compress` has unknown keys \['size'\]"),
     ],
 )
 def test_bad_specs_name_the_field(value, match):
@@ -277,32 +283,36 @@ def test_bad_specs_name_the_field(value, match):
 
 
 def test_spec_forms_and_budget():
-    assert parse(None) is None and parse("none") is None and parse(0) is None and parse("knorm:0") is None
-    assert parse(0.75) == CompressSpec(method=compress_spec.DEFAULT_METHOD, ratio=0.75)
-    assert parse("0.5").ratio == 0.5 and parse("snapkv:0.5").method == "snapkv"
-    assert parse({"method": "knorm", "ratio": 0.5}).label() == "knorm:0.5"
-    for value in ("keydiff:0.75:chunk=256", "kvzap:0.5:surrogate=some/repo:window=None:chunk=64"):
-        assert parse(parse(value).label()) == parse(value)  # labels read back
-    assert parse("keydiff:0.75:chunk=256:sinks=2") == CompressSpec(ratio=0.75, chunk=256, sinks=2)
-    assert parse("keydiff:0.75:chunk=256").label() == "keydiff:0.75:chunk=256"
-    assert parse("keydiff:0.75").peak(1500) == 1500 and parse("keydiff:0.75:chunk=256").peak(1500) == 540
-    spec = parse("keydiff:0.75")
+    assert parse(None) is None and parse("none") is None and parse("knorm:budget=1.0") is None
+    assert parse("keydiff") == CompressSpec(method=compress_spec.DEFAULT_METHOD, budget=compress_spec.BUDGET)
+    assert parse("budget=0.5").budget == 0.5 and parse("snapkv:budget=0.5").method == "snapkv"
+    assert parse({"method": "knorm", "budget": 0.5}).label() == "knorm:0.5"  # labels: the share evicted, as before
+    for value in ("keydiff:budget=0.25:chunk=256", "kvzap:budget=0.5:surrogate=some/repo:recent=None:chunk=64"):
+        assert parse(parse(value).spelling()) == parse(value)  # spellings read back
+        with pytest.warns(FutureWarning):
+            assert parse(parse(value).label()) == parse(value)  # and labels, in the old spelling
+    assert parse("keydiff:budget=0.25:chunk=256:sinks=2") == CompressSpec(budget=0.25, chunk=256, sinks=2)
+    assert parse("keydiff:budget=0.25:chunk=256").label() == "keydiff:0.75:chunk=256"
+    assert parse("keydiff:budget=0.25").peak(1500) == 1500 and parse("keydiff:budget=0.25:chunk=256").peak(1500) == 540
+    spec = parse("keydiff:budget=0.25")
     assert spec.kept(100) == 25 and spec.kept(1) == 1 and spec.kept(2) == 1
     assert spec.protected(25) == (4, 6)  # 4 sinks, 64 newest at most a quarter of what is kept
-    assert parse("sink_window:0.5").protected(50) == (4, 46)
+    assert parse("sink_window:budget=0.5").protected(50) == (4, 46)
     with pytest.raises(ValueError, match="`extra_body.kv_compress.ratio`"):
         parse("knorm:2", field="extra_body.kv_compress")
+    with pytest.raises(ValueError, match="`extra_body.kv_compress.budget`"):
+        parse("knorm:budget=2.5", field="extra_body.kv_compress")
     positions = kept_positions(spec, 100, torch.arange(100.0).flip(0))
-    assert positions.tolist() == [*range(19), *range(94, 100)]  # sinks + best (the earliest) + window
+    assert positions.tolist() == [*range(19), *range(94, 100)]  # sinks + best (the earliest) + recent
 
 
 def test_start_up_errors_name_the_field():
     hybrid = build_model("llama", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     with pytest.raises(ValueError, match=r"`kv_compress`: this model has \['sliding_attention'\] layers"):
-        hybrid.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm:0.5"))
+        hybrid.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm:budget=0.5"))
     tiny = build_model("llama")
     with pytest.raises(ValueError, match=r"`kv_compress.method` 'kvzap' cannot run here: .*surrogate"):
-        tiny.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("kvzap:0.5"))
+        tiny.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("kvzap:budget=0.5"))
 
 
 @pytest.mark.upstream
@@ -317,7 +327,7 @@ def test_requests_preempted_after_eviction_restart_and_finish(model):
 
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 67, 23, 90, 55, 31)]
     generation = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=-1)
-    cb = _cb("knorm:0.75", num_blocks=14, max_batch_tokens=64)
+    cb = _cb("knorm:budget=0.25", num_blocks=14, max_batch_tokens=64)
     with record_logits(model) as rec:
         out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=cb, warmup=False)
     assert all(o.error is None and len(o.generated_tokens) == 48 for o in out.values())

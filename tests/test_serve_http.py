@@ -280,7 +280,14 @@ def test_unknown_field_and_bad_prompt(fp8_pages):
 def compressed_pages(smollm2):
     """FP8 pages in 24 MiB (pages of 32 tokens) evicting 75% of each prompt by KeyDiff; requests may ask otherwise."""
     server = Server(
-        "--kv-cache-dtype", "fp8_e4m3", "--kv-memory", "24MiB", "--cb-block-size", "32", "--kv-compress", "keydiff:0.75"
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--kv-memory",
+        "24MiB",
+        "--cb-block-size",
+        "32",
+        "--kv-compress",
+        "keydiff:budget=0.25",
     )
     yield server
     server.stop()
@@ -293,7 +300,7 @@ def _words(n: int) -> str:
 def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(compressed_pages, smollm2):
     server = compressed_pages
     before = server.kv_cache()
-    assert before["kv_compress"] == "keydiff:0.75"
+    assert before["kv_compress"] == "keydiff:0.75"  # label(): the share evicted, as the results name it
     prompt = f"Count the words: {_words(300)}"
     assert chat(server, prompt)
     state = server.kv_cache()["eviction"]
@@ -308,12 +315,12 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
     after = server.kv_cache()["eviction"]
     assert after["requests"] == state["requests"] + 1 and after["requests_compressed"] == 1, after
     # and one asking for another method is compressed by it
-    assert chat(server, prompt, extra_body={"kv_compress": {"method": "sink_window", "ratio": 0.5}})
+    assert chat(server, prompt, extra_body={"kv_compress": {"method": "sink_window", "budget": 0.5}})
     last = server.kv_cache()["eviction"]
     assert last["requests_compressed"] == 2
     assert last["tokens_kept"] - after["tokens_kept"] == -(-(last["tokens_prefilled"] - after["tokens_prefilled"]) // 2)
     # and one compressed every 64 prompt tokens keeps the same share in the end
-    assert chat(server, prompt, extra_body={"kv_compress": "keydiff:0.75:chunk=64"})
+    assert chat(server, prompt, extra_body={"kv_compress": "keydiff:budget=0.25:chunk=64"})
     chunked = server.kv_cache()["eviction"]
     assert chunked["requests_compressed"] == 3
     assert chunked["tokens_kept"] - last["tokens_kept"] == -(
@@ -326,8 +333,9 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
     [
         ("magic:0.5", "`kv_compress.method` must be one of"),
         ("keydiff:1.5", r"`kv_compress.ratio`"),
-        ({"method": "knorm", "ratio": 0.5, "speed": 2}, "unknown keys"),
-        ("kvzap:0.5", None),  # SmolLM2 has a shipped surrogate, so kvzap is accepted
+        ("keydiff:budget=1.5", r"`kv_compress.budget`"),
+        ({"method": "knorm", "budget": 0.5, "speed": 2}, "unknown keys"),
+        ("kvzap:budget=0.5", None),  # SmolLM2 has a shipped surrogate, so kvzap is accepted
     ],
 )
 def test_bad_kv_compress_gets_400_naming_the_field(compressed_pages, value, match):

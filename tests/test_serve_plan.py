@@ -155,7 +155,7 @@ def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
     from hf_kvcache.paged.serve_compression import ServerCompression
 
     cb = ContinuousBatchingConfig()
-    compression = ServerCompression(cb, parse("knorm:0.75"), model_config=None)
+    compression = ServerCompression(cb, parse("knorm:budget=0.25"), model_config=None)
     manager = FakeManager()
     manager.cancel_request = lambda request_id: None
     admit(manager, limit=100, label="1 MiB of int8 pages", compression=compression)
@@ -171,9 +171,9 @@ def test_admission_with_eviction_counts_the_prompt_then_what_is_kept():
     ):
         manager.add_request(list(range(120)), request_id="c", max_new_tokens=4)
     # compressed every 16 tokens, the same prompt never holds more than 40 (kept(96) = 24, + 16): admitted
-    request_specs.set_request_spec(cb, "e", parse("knorm:0.75:chunk=16"))
-    assert parse("knorm:0.75:chunk=16").peak(120) == 40
+    request_specs.set_request_spec(cb, "e", parse("knorm:budget=0.25:chunk=16"))
+    assert parse("knorm:budget=0.25:chunk=16").peak(120) == 40
     assert manager.add_request(list(range(120)), request_id="e", max_new_tokens=4) == "e"
-    request_specs.set_request_spec(cb, "d", parse("knorm:0.5"))
+    request_specs.set_request_spec(cb, "d", parse("knorm:budget=0.5"))
     manager.cancel_request("d")
     assert "d" not in request_specs.request_specs(cb)

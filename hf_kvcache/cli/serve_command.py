@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+from ..paged.compress_spec import METHODS as COMPRESS_METHODS
 from ..paged.compress_spec import parse as parse_compression
 from ..paged.spec import KV_DTYPES, PagedKVSpec
 from .args import positive_int
@@ -99,9 +100,10 @@ def add_serve_command(sub) -> None:
         default=None,
         metavar="SPEC",
         help="prompt eviction at the end of each prefill: 'none' (requests may ask through their kv_compress "
-        "field), a ratio evicted (the default method, keydiff), METHOD:RATIO[:FIELD=VALUE...] (keydiff, kvzap, "
-        "snapkv, knorm, sink_window; e.g. keydiff:0.75:chunk=256 also compresses every 256 prompt tokens) or a JSON "
-        "object (docs/serving.md); default: no eviction",
+        f"field), METHOD[:FIELD=VALUE...] ({', '.join(COMPRESS_METHODS)}; budget: what each prompt keeps, "
+        "a share in (0, 1] or a number of tokens, as generate's budget=; e.g. keydiff:budget=0.25:chunk=256 keeps "
+        "25%% and also compresses every 256 prompt tokens) or a JSON object (docs/serving.md, docs/vocabulary.md; "
+        "the old METHOD:RATIO, the share evicted, still works with a warning); default: no eviction",
     )
     p.add_argument(
         "--typical-request-tokens",

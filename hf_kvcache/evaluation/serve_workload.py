@@ -144,7 +144,7 @@ def make_workload(tokenizer, settings: ServeBenchSettings) -> tuple[list[list[in
 
 
 def run_label(fmt: str, compress: str) -> str:
-    """A run's name: its page format, and its prompt eviction unless "none" (e.g. "fp8_e4m3+keydiff:0.75")."""
+    """A run's name: its page format, and its prompt eviction unless "none" (e.g. "fp8_e4m3+keydiff:budget=0.25")."""
     return fmt if compress == "none" else f"{fmt}+{compress}"
 
 

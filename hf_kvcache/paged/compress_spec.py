@@ -2,16 +2,18 @@
 `hf-kvcache serve --kv-compress` or a request's `kv_compress` field.
 
     cb = ContinuousBatchingConfig(num_blocks=64)
-    cb.kv_compress = "keydiff:0.75"                         # METHOD:RATIO
-    cb.kv_compress = 0.75                                   # the default method (keydiff) at that ratio
-    cb.kv_compress = {"method": "snapkv", "ratio": 0.75, "window": 32}
-    cb.kv_compress = "keydiff:0.75:chunk=256"               # METHOD:RATIO[:FIELD=VALUE...]: any field below
+    cb.kv_compress = "keydiff:budget=0.25"                  # METHOD[:FIELD=VALUE...]: keydiff keeps 25% of the prompt
+    cb.kv_compress = "budget=256"                           # the default method (keydiff), 256 prompt tokens kept
+    cb.kv_compress = {"method": "snapkv", "budget": 0.25, "recent": 32}
+    cb.kv_compress = "keydiff:budget=0.25:chunk=256"        # any field below as FIELD=VALUE
     cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
 
-`ratio` is the share of the prompt evicted, in [0, 1): a P-token prompt keeps ceil(P x (1 - ratio)) tokens in every
-layer, chosen per layer (hf_kvcache.paged.prompt_scores). The methods are the registry's scorers that score a prompt
-from what its forwards compute (`Scorer.prompt_reads`, hf_kvcache.scorers.registry: a scorer added there is a method
-here, its own fields given as FIELD=VALUE or dict keys), and "sink_window":
+`budget` is what the prompt keeps, as `generate`'s `budget=` (docs/vocabulary.md): a float in (0, 1] is the share kept,
+ceil(P x budget) tokens of a P-token prompt, at least 1 (1.0: nothing evicted, as "none"); an integer >= 1 is a number
+of tokens, min(P, budget). Every layer keeps that many, chosen per layer (hf_kvcache.paged.prompt_scores). The methods
+are the registry's scorers that score a prompt from what its forwards compute (`Scorer.prompt_reads`,
+hf_kvcache.scorers.registry: a scorer added there is a method here, its own fields given as FIELD=VALUE or dict keys),
+and "sink_window":
 - "keydiff" (default): the keys' distance to their mean direction (hf_kvcache.scorers.keydiff). Default because task
   accuracy through the server chooses it: on the needle tasks sent through `hf-kvcache serve` it keeps the most
   answers of the methods here (docs/serving.md, eval/results/ruler_http). KVzap, the best through `generate`, where
@@ -22,23 +24,31 @@ here, its own fields given as FIELD=VALUE or dict keys), and "sink_window":
 - "snapkv": the attention of the prompt's last `observation` queries (hf_kvcache.scorers.snapkv), pooled;
 - "knorm": the keys' norm (hf_kvcache.scorers.knorm);
 - "sink_window": the first `sinks` tokens and the newest ones (StreamingLLM).
-Every method keeps the first `sinks` tokens and the newest `window` ones (None: 64, at most a quarter of what is kept,
-as KVzapCache's window), part of what is kept.
+Every method keeps the first `sinks` tokens and the newest `recent` ones (None: 64, at most a quarter of what is kept,
+as KVzapCache's recent window), part of what is kept.
 
 When eviction happens: `chunk` None (default) compresses once, when the prompt's last token has been written, so the
 request holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request
-writes at most C prompt tokens between two compressions, each keeping ceil(seen x (1 - ratio)) of the `seen` prompt
-tokens so far, so it never holds more than about kept + C tokens (`peak`), at a cost in quality: later prompt tokens
-are computed against the compressed earlier ones, and a token dropped early cannot come back (kvpress's chunked
-presses score chunks apart but prefill whole). Not for snapkv, whose window is the prompt's last queries.
+writes at most C prompt tokens between two compressions, each keeping the budget of the `seen` prompt tokens so far
+(ceil(seen x budget), or min(seen, budget) tokens), so it never holds more than about kept + C tokens (`peak`), at a
+cost in quality: later prompt tokens are computed against the compressed earlier ones, and a token dropped early
+cannot come back (kvpress's chunked presses score chunks apart but prefill whole). Not for snapkv, whose window is the
+prompt's last queries.
 
-Errors name the field (`kv_compress`, `kv_compress.ratio`, ...) and the allowed values.
+Deprecated until hf-kvcache 0.4 (a FutureWarning says what to write instead), with their old meaning: a number as the
+share EVICTED (`0.75`, `"0.75"`, `"keydiff:0.75"`, the key `ratio`: budget 0.25), and `window` for `recent`.
+`label()` still names a share-kept spec by its share evicted ("keydiff:0.75"), the name the committed results and
+docs/results.md use.
+
+Errors name the field (`kv_compress`, `kv_compress.budget`, `kv_compress.ratio` for the old spelling, ...) and the
+allowed values.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+import warnings
+from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import Any
 
 from ..scorers.registry import SCORERS, options_of
@@ -49,27 +59,38 @@ SINK_WINDOW = "sink_window"
 METHODS = (*(name for name, cls in SCORERS.items() if cls.prompt_reads), SINK_WINDOW)
 DEFAULT_METHOD = "keydiff"
 NONE = "none"
-#: the newest prompt tokens always kept when `window` is None: this many, at most a quarter of what is kept
+#: what a prompt keeps when `budget` is not given: a quarter of it
+BUDGET = 0.25
+#: the newest prompt tokens always kept when `recent` is None: this many, at most a quarter of what is kept
 RECENT = 64
 #: SnapKV's observation window and pooling kernel (kvpress SnapKVPress's defaults)
 OBSERVATION, KERNEL = 64, 5
+#: the release that drops the old spellings (a number as the share evicted, `ratio`, `window`)
+REMOVED_IN = "0.4"
 
 
 @dataclass(frozen=True)
 class CompressSpec:
-    """What a request keeps of its prompt (see the module docstring)."""
+    """What a request keeps of its prompt (see the module docstring). `ratio` and `window` are the deprecated
+    keywords for `budget` (as 1 - ratio) and `recent`: read at construction, not stored."""
 
     method: str = DEFAULT_METHOD
-    ratio: float = 0.75
+    budget: float | int | None = None  # the share of the prompt kept, or tokens kept (None: BUDGET)
     sinks: int = 4
-    window: int | None = None
+    recent: int | None = None
     surrogate: str | None = None  # kvzap only
     observation: int = OBSERVATION  # snapkv only
     kernel: int = KERNEL  # snapkv only
     chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
     options: dict = field(default_factory=dict)  # the method's scorer's own other fields (options_of)
+    ratio: InitVar[float | None] = None  # deprecated: the share evicted
+    window: InitVar[int | None] = None  # deprecated: `recent`
 
-    def __post_init__(self):
+    def __post_init__(self, ratio, window):
+        old = {"ratio": ratio, "window": window}
+        new = _renamed(self.budget, self.recent, ratio, window)
+        object.__setattr__(self, "budget", new[0])
+        object.__setattr__(self, "recent", new[1])
         if self.method not in METHODS:
             cls = SCORERS.get(self.method)
             hint = (
@@ -81,12 +102,7 @@ class CompressSpec:
                 else ""
             )
             raise ValueError(f"`{FIELD}.method` must be one of {METHODS}, got {self.method!r}{hint}.")
-        ratio = self.ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
-            raise ValueError(
-                f"`{FIELD}.ratio` (the share of the prompt evicted) must be a number in [0, 1), got {ratio!r}."
-            )
-        optional = tuple(name for name in ("window", "chunk") if getattr(self, name) is not None)
+        optional = tuple(name for name in ("recent", "chunk") if getattr(self, name) is not None)
         for name in ("sinks", "observation", "kernel") + optional:
             value = getattr(self, name)
             low = 1 if name in ("observation", "kernel", "chunk") else 0
@@ -116,10 +132,16 @@ class CompressSpec:
                 f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
                 f"{self.surrogate!r} with method {self.method!r}."
             )
+        used = [name for name, value in old.items() if value is not None]
+        if used:
+            _deprecated(" and ".join(f"`{FIELD}.{name}`" for name in used), self)
 
     def kept(self, prompt: int) -> int:
-        """Tokens a `prompt`-token prompt keeps: ceil(prompt x (1 - ratio)), at least 1."""
-        return max(1, min(prompt, math.ceil(prompt * (1 - self.ratio) - 1e-9)))
+        """Tokens a `prompt`-token prompt keeps: ceil(prompt x budget) for a share, at least 1; min(prompt, budget)
+        for a number of tokens."""
+        if isinstance(self.budget, int):
+            return min(prompt, self.budget)
+        return max(1, min(prompt, math.ceil(prompt * self.budget - 1e-9)))
 
     def peak(self, prompt: int) -> int:
         """The most prompt tokens a `prompt`-token request holds at once while it prefills: the whole prompt, or with
@@ -134,24 +156,35 @@ class CompressSpec:
         return peak
 
     def protected(self, kept: int) -> tuple[int, int]:
-        """(first, newest) tokens always kept when `kept` are: `sinks` and `window` (None: RECENT, at most a quarter
+        """(first, newest) tokens always kept when `kept` are: `sinks` and `recent` (None: RECENT, at most a quarter
         of `kept`; "sink_window": all the rest), within `kept`."""
         sinks = min(self.sinks, kept)
         if self.method == "sink_window":
             return sinks, kept - sinks
-        window = min(RECENT, kept // 4) if self.window is None else self.window
-        return sinks, min(window, kept - sinks)
+        recent = min(RECENT, kept // 4) if self.recent is None else self.recent
+        return sinks, min(recent, kept - sinks)
 
     def label(self) -> str:
-        """METHOD:RATIO, then :FIELD=VALUE for each other field not at its default (what `parse` reads back), as the
-        benchmarks' rows and GET /v1/kv_cache name it."""
+        """The spec's name in the benchmarks' rows and GET /v1/kv_cache: METHOD:EVICTED for a share kept (the share
+        evicted, 1 - budget: "keydiff:0.75" keeps 25%, the names the committed results use) or METHOD:budget=N for N
+        tokens, then :FIELD=VALUE for each other field not at its default. `parse` reads it back (a share's with the
+        deprecation warning of the old spelling); `spelling()` is the same spec in today's spelling."""
+        if isinstance(self.budget, int):
+            return self.spelling()
+        return f"{self.method}:{1 - self.budget:g}{self._extra()}"
+
+    def spelling(self) -> str:
+        """METHOD:budget=BUDGET, then :FIELD=VALUE for each other field not at its default: what `parse` reads back
+        to this spec."""
+        return f"{self.method}:budget={self.budget!r}{self._extra()}"
+
+    def _extra(self) -> str:
         default = CompressSpec()
-        extra = "".join(
+        return "".join(
             f":{f.name}={getattr(self, f.name)}"
             for f in fields(self)
-            if f.name not in ("method", "ratio", "options") and getattr(self, f.name) != getattr(default, f.name)
+            if f.name not in ("method", "budget", "options") and getattr(self, f.name) != getattr(default, f.name)
         ) + "".join(f":{name}={value}" for name, value in sorted(self.options.items()))
-        return f"{self.method}:{self.ratio:g}{extra}"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, the scorer's own options among them (what `parse` reads back)."""
@@ -163,73 +196,151 @@ def _chunkable() -> tuple[str, ...]:
     return tuple(m for m in METHODS if "queries" not in getattr(SCORERS.get(m), "prompt_reads", ()))
 
 
+def _renamed(budget, recent, ratio, window) -> tuple[float | int, int | None]:
+    """(budget, recent) from the fields and their deprecated spellings, `ratio` checked with today's message (the
+    share evicted) and turned into the share kept; both spellings of one thing given is an error naming both."""
+    if ratio is not None:
+        if budget is not None:
+            raise ValueError(
+                f"`{FIELD}.budget` and `{FIELD}.ratio` are both given: give `budget` (the share of the prompt kept) "
+                f"only; `ratio` (the share evicted) is its deprecated spelling."
+            )
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 <= ratio < 1):
+            raise ValueError(
+                f"`{FIELD}.ratio` (the share of the prompt evicted) must be a number in [0, 1), got {ratio!r}."
+            )
+        budget = round(1.0 - ratio, 12)
+    if window is not None:
+        if recent is not None:
+            raise ValueError(
+                f"`{FIELD}.recent` and `{FIELD}.window` are both given: give `recent` (the newest tokens always kept) "
+                f"only; `window` is its deprecated spelling."
+            )
+        recent = window
+    if budget is None:
+        return BUDGET, recent
+    tokens = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+    if not tokens and not (isinstance(budget, float) and 0 < budget <= 1):
+        raise ValueError(
+            f"`{FIELD}.budget` (what the prompt keeps) must be a number of tokens (an integer >= 1) or a share of the "
+            f"prompt in (0, 1], got {budget!r}."
+        )
+    return budget, recent
+
+
+def _deprecated(what: str, spec: CompressSpec, stacklevel: int = 4) -> None:
+    """The FutureWarning of an old spelling (`what`), with the spec in today's spelling."""
+    warnings.warn(
+        f"{what}: a deprecated spelling, accepted until hf-kvcache {REMOVED_IN}, where a number is the share of the "
+        f"prompt EVICTED and `window` the newest tokens kept (now `recent`); write {spec.spelling()!r} instead, or "
+        f"the key 'budget': {spec.budget!r} (a budget is what the prompt keeps, as generate's `budget=`; "
+        f"docs/vocabulary.md).",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def parse(value: Any, field: str = FIELD) -> CompressSpec | None:
-    """The spec for a `kv_compress` value (see the module docstring); None for no compression ("none", None, ratio 0).
-    `field` is what errors name (e.g. the request field or the --kv-compress flag)."""
+    """The spec for a `kv_compress` value (see the module docstring); None for no compression ("none", None, budget
+    1.0). `field` is what errors and deprecation warnings name (e.g. the request field or the --kv-compress flag)."""
     if value is None or value == NONE:
         return None
     try:
+        old = None
         if isinstance(value, CompressSpec):
             spec = value
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            spec = CompressSpec(ratio=value)
+            spec, old = _from_dict({"ratio": value}), f"`{FIELD}` {value!r}"
         elif isinstance(value, str):
-            method, sep, rest = value.partition(":")
-            if not sep:
-                try:
-                    return parse(float(value), field)
-                except ValueError:
-                    method, rest = value, ""
-            ratio, *extras = rest.split(":")
-            if not ratio:
-                raise ValueError(
-                    f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO[:FIELD=VALUE...]' or a dict, with METHOD one of "
-                    f"{METHODS}; got {value!r}."
-                )
-            try:
-                number = float(ratio)
-            except ValueError:
-                raise ValueError(f"`{FIELD}.ratio` must be a number in [0, 1), got {ratio!r} in {value!r}.") from None
-            spec = _from_dict({"method": method, "ratio": number, **dict(_field_value(e, value) for e in extras)})
+            spec, old = _from_string(value)
         elif isinstance(value, dict):
-            spec = _from_dict(value)
+            spec, old = _from_dict(value), _old_keys(value)
         else:
-            raise ValueError(
-                f"`{FIELD}` must be 'none', a ratio, 'METHOD:RATIO[:FIELD=VALUE...]' or a dict, got "
-                f"{type(value).__name__}."
-            )
+            raise ValueError(f"`{FIELD}` must be {SPELLINGS}, got {type(value).__name__}.")
     except ValueError as error:
-        message = str(error)
-        if field != FIELD:
-            message = message.replace(f"`{FIELD}", f"`{field}")
-        raise ValueError(message) from None
-    return None if spec.ratio == 0 else spec
+        raise ValueError(_named(str(error), field)) from None
+    if old:
+        _deprecated(_named(old, field), spec, stacklevel=3)
+    return None if isinstance(spec.budget, float) and spec.budget == 1.0 else spec
+
+
+SPELLINGS = "'none', 'METHOD[:FIELD=VALUE...]' (e.g. 'keydiff:budget=0.25') or a dict"
+
+
+def _named(text: str, field: str) -> str:
+    return text if field == FIELD else text.replace(f"`{FIELD}", f"`{field}")
+
+
+def _from_string(value: str) -> tuple[CompressSpec, str | None]:
+    """'METHOD[:FIELD=VALUE...]', 'FIELD=VALUE[:...]' (the default method), or the old 'METHOD:EVICTED[:...]' and
+    'EVICTED': the spec, and what names the old spelling if one was used."""
+    head, *extras = value.split(":")
+    if not extras:
+        try:
+            number = float(head)
+        except ValueError:
+            pass
+        else:
+            return _from_dict({"ratio": number}), f"`{FIELD}` {value!r}"
+    if "=" in head:
+        method, extras = DEFAULT_METHOD, [head, *extras]
+    else:
+        method = head
+    items, old = {"method": method}, None
+    if extras and "=" not in extras[0]:  # METHOD:EVICTED, the old positional number
+        text = extras.pop(0)
+        if not text:
+            raise ValueError(f"`{FIELD}` must be {SPELLINGS}, with METHOD one of {METHODS}; got {value!r}.")
+        try:
+            items["ratio"] = float(text)
+        except ValueError:
+            raise ValueError(f"`{FIELD}.ratio` must be a number in [0, 1), got {text!r} in {value!r}.") from None
+        old = f"`{FIELD}` {value!r}"
+    items.update(_field_value(e, value) for e in extras)
+    return _from_dict(items), old or _old_keys(items)
+
+
+def _old_keys(value: dict) -> str | None:
+    used = [f"`{FIELD}.{name}`" for name in ("ratio", "window") if name in value]
+    return " and ".join(used) or None
 
 
 def _from_dict(value: dict) -> CompressSpec:
     allowed = tuple(f.name for f in fields(CompressSpec) if f.name != "options")
     method = value.get("method", DEFAULT_METHOD)
     own = options_of(method) if method in SCORERS else ()
-    options = {k: v for k, v in value.items() if k not in allowed and k in own}
+    options = {k: v for k, v in value.items() if k not in allowed and k not in ("ratio", "window") and k in own}
     if options:
-        value = {**{k: v for k, v in value.items() if k not in options}, "options": options}
-    unknown = sorted(set(value) - set(allowed) - {"options"})
+        value = {k: v for k, v in value.items() if k not in options}
+    unknown = sorted(set(value) - set(allowed) - {"ratio", "window"})
     if unknown:
-        raise ValueError(f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}.")
-    return CompressSpec(**value)
+        raise ValueError(
+            f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed} (and, deprecated, 'ratio' for "
+            f"1 - budget, 'window' for 'recent')."
+        )
+    given = {k: v for k, v in value.items() if k not in ("ratio", "window", "budget", "recent")}
+    budget, recent = _renamed(value.get("budget"), value.get("recent"), value.get("ratio"), value.get("window"))
+    return CompressSpec(**given, budget=budget, recent=recent, **({"options": options} if options else {}))
 
 
 def _field_value(text: str, value: str) -> tuple[str, Any]:
-    """One FIELD=VALUE of a 'METHOD:RATIO:FIELD=VALUE' string: an integer, None, or text (a surrogate's name)."""
+    """One FIELD=VALUE of a 'METHOD:FIELD=VALUE' string: an integer, a number for `budget` (and the old `ratio`),
+    None, or text (a surrogate's name)."""
     name, sep, raw = text.partition("=")
     if not sep or not name:
-        raise ValueError(f"`{FIELD}`: {text!r} in {value!r} is not FIELD=VALUE (e.g. 'keydiff:0.75:chunk=256').")
+        raise ValueError(f"`{FIELD}`: {text!r} in {value!r} is not FIELD=VALUE (e.g. 'keydiff:budget=0.25:chunk=256').")
     if raw == "None":
         return name, None
     try:
         return name, int(raw)
     except ValueError:
-        return name, raw
+        pass
+    if name in ("budget", "ratio"):
+        try:
+            return name, float(raw)
+        except ValueError:
+            pass
+    return name, raw
 
 
 def from_cb_config(cb_config) -> CompressSpec | None:

@@ -2,10 +2,10 @@
 request may ask for itself.
 
 The server's default comes from `--kv-compress` ("none": nothing evicted unless a request asks). A request may name
-its own in the body's `kv_compress` field (the OpenAI client's `extra_body={"kv_compress": "keydiff:0.75"}`; "none":
-this request keeps its whole prompt), validated like the flag: a bad value or a method this model cannot run is an
-HTTP 400 naming `kv_compress`. A server started without `--kv-compress` refuses the field (400), since its pages were
-built without eviction.
+its own in the body's `kv_compress` field (the OpenAI client's `extra_body={"kv_compress": "keydiff:budget=0.25"}`,
+keeping a quarter of the prompt, hf_kvcache.paged.compress_spec; "none": this request keeps its whole prompt),
+validated like the flag: a bad value or a method this model cannot run is an HTTP 400 naming `kv_compress`. A
+server started without `--kv-compress` refuses the field (400), since its pages were built without eviction.
 
 Admission counts a request at its peak: its whole prompt while it prefills (eviction happens when the last prompt
 chunk has been written; with a `chunk`, what it keeps plus a chunk, CompressSpec.peak), then what it keeps plus
