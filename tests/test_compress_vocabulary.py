@@ -1,7 +1,8 @@
 """One vocabulary for prompt eviction's budget (docs/vocabulary.md): `kv_compress`'s `budget` is what the prompt keeps,
 as `generate`'s `budget=` (a share in (0, 1] or a number of tokens), and `recent` the newest tokens always kept. The
-old spellings (a number as the share evicted, the key `ratio`, `window` for `recent`) keep their meaning until
-hf-kvcache 0.4, each with a FutureWarning saying what to write instead."""
+old spellings (a number as the share evicted, the key `ratio`, `window` for `recent`, `observation` for SnapKV's
+`window`) keep their meaning until hf-kvcache 0.4, each with a FutureWarning saying what to write instead. A scorer's
+own fields are spelled as the scorer and its cache spell them (SnapKV's observation `window`, as in SnapKVCache)."""
 
 import warnings
 
@@ -22,6 +23,8 @@ SAME = [
     ("kvzap:0.5:window=8", "kvzap:budget=0.5:recent=8"),
     ({"method": "sink_window", "ratio": 0.5, "window": 16}, {"method": "sink_window", "budget": 0.5, "recent": 16}),
     ("keydiff:window=8", "keydiff:recent=8"),
+    ({"method": "snapkv", "budget": 0.5, "observation": 16}, "snapkv:budget=0.5:window=16"),
+    ("snapkv:0.5:observation=16:kernel=3", {"method": "snapkv", "budget": 0.5, "window": 16, "kernel": 3}),
 ]
 
 
@@ -103,3 +106,19 @@ def test_the_dataclass_takes_the_old_keywords_with_a_warning():
 def test_errors_name_the_field(value, match):
     with pytest.raises(ValueError, match=match):
         parse(value, "--kv-compress")
+
+
+def test_a_scorers_own_fields_are_spelled_as_the_scorer_spells_them():
+    """SnapKV's observation window is `window` here as in SnapKVCache and the composite (its scorer's field), while
+    `window` stays the deprecated `recent` for methods whose scorer has none."""
+    snapkv = _new("snapkv:budget=0.5:window=16:kernel=3")
+    assert snapkv.options == {"window": 16, "kernel": 3} and snapkv.recent is None
+    assert _new(snapkv.to_dict()) == snapkv and _new(snapkv.spelling()) == snapkv
+    with pytest.raises(ValueError, match=r"`kv_compress.kernel` must be odd"):
+        _new({"method": "snapkv", "budget": 0.5, "kernel": 4})
+    with pytest.raises(ValueError, match=r"`kv_compress.window` and `kv_compress.observation` are both given"):
+        parse({"method": "snapkv", "window": 8, "observation": 8})
+    with pytest.raises(ValueError, match=r"`kv_compress.observation` .* method 'keydiff' has no observation window"):
+        parse({"method": "keydiff", "observation": 8})
+    with pytest.warns(FutureWarning, match="`kv_compress.window`"):
+        assert parse("knorm:budget=0.5:window=8").recent == 8

@@ -100,7 +100,7 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate: Surrogat
         if spec.method == "snapkv":
             query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
             query, _ = apply_rotary_pos_emb(query, query, cos, sin)
-            w = min(spec.observation, length)
+            w = min(spec.options.get("window", 64), length)
             inputs.update(queries=query[0, :, -w:], scaling=attention.scaling)
         scores = token_scores(prompt_scorer(spec, i, surrogate), Prompt(**inputs))
         kept = kept_positions(spec, length, scores, device=keys.device)
@@ -128,7 +128,7 @@ def test_generate_batch_equals_a_cache_keeping_the_same_tokens(model, surrogate_
         pytest.skip("snapkv's queries come through the attention function after the cache's update (>= 5.24)")
     spec = CompressSpec(method=method, budget=0.4, surrogate=surrogate_dir if method == "kvzap" else None)
     if method == "snapkv":
-        spec = CompressSpec(method=method, budget=0.4, observation=8)
+        spec = CompressSpec(method=method, budget=0.4, options={"window": 8})
     prompts = _prompts()
     got = _generate(model, prompts, _cb(spec.to_dict()))
     surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None

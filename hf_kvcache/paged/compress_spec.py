@@ -21,7 +21,8 @@ and "sink_window":
   its heads, as pages require;
 - "kvzap": KVzap's surrogate of KVzip's scores, from each layer's attention inputs (hf_kvcache.scorers.kvzap;
   `surrogate`: a directory, a Hub repo id or a builtin name; None: the one shipped for the model, if any);
-- "snapkv": the attention of the prompt's last `observation` queries (hf_kvcache.scorers.snapkv), pooled;
+- "snapkv": the attention of the prompt's last `window` queries (hf_kvcache.scorers.snapkv: `window` 64 and `kernel`
+  5, its own fields, as in SnapKVCache), pooled;
 - "knorm": the keys' norm (hf_kvcache.scorers.knorm);
 - "sink_window": the first `sinks` tokens and the newest ones (StreamingLLM).
 Every method keeps the first `sinks` tokens and the newest `recent` ones (None: 64, at most a quarter of what is kept,
@@ -36,7 +37,8 @@ cannot come back (kvpress's chunked presses score chunks apart but prefill whole
 prompt's last queries.
 
 Deprecated until hf-kvcache 0.4 (a FutureWarning says what to write instead), with their old meaning: a number as the
-share EVICTED (`0.75`, `"0.75"`, `"keydiff:0.75"`, the key `ratio`: budget 0.25), and `window` for `recent`.
+share EVICTED (`0.75`, `"0.75"`, `"keydiff:0.75"`, the key `ratio`: budget 0.25), `window` for `recent` (for methods
+whose scorer has no `window` of its own: SnapKV's is its observation window), and `observation` for SnapKV's `window`.
 `label()` still names a share-kept spec by its share evicted ("keydiff:0.75"), the name the committed results and
 docs/results.md use.
 
@@ -56,38 +58,42 @@ from ..scorers.registry import SCORERS, options_of
 FIELD = "kv_compress"
 #: "sink_window" keeps by position only; every other method is a registry scorer that scores a whole prompt
 SINK_WINDOW = "sink_window"
-METHODS = (*(name for name, cls in SCORERS.items() if cls.prompt_reads), SINK_WINDOW)
 DEFAULT_METHOD = "keydiff"
+METHODS = (DEFAULT_METHOD, *(n for n, cls in SCORERS.items() if cls.prompt_reads and n != DEFAULT_METHOD), SINK_WINDOW)
 NONE = "none"
 #: what a prompt keeps when `budget` is not given: a quarter of it
 BUDGET = 0.25
 #: the newest prompt tokens always kept when `recent` is None: this many, at most a quarter of what is kept
 RECENT = 64
-#: SnapKV's observation window and pooling kernel (kvpress SnapKVPress's defaults)
-OBSERVATION, KERNEL = 64, 5
 #: the release that drops the old spellings (a number as the share evicted, `ratio`, `window`)
 REMOVED_IN = "0.4"
 
 
 @dataclass(frozen=True)
 class CompressSpec:
-    """What a request keeps of its prompt (see the module docstring). `ratio` and `window` are the deprecated
-    keywords for `budget` (as 1 - ratio) and `recent`: read at construction, not stored."""
+    """What a request keeps of its prompt (see the module docstring). `ratio`, `window` and `observation` are the
+    deprecated keywords for `budget` (as 1 - ratio), `recent` and SnapKV's `window`: read at construction, not stored
+    (a `window` is the scorer's own where it has one)."""
 
     method: str = DEFAULT_METHOD
     budget: float | int | None = None  # the share of the prompt kept, or tokens kept (None: BUDGET)
     sinks: int = 4
     recent: int | None = None
     surrogate: str | None = None  # kvzap only
-    observation: int = OBSERVATION  # snapkv only
-    kernel: int = KERNEL  # snapkv only
     chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
     options: dict = field(default_factory=dict)  # the method's scorer's own other fields (options_of)
     ratio: InitVar[float | None] = None  # deprecated: the share evicted
-    window: InitVar[int | None] = None  # deprecated: `recent`
+    window: InitVar[int | None] = None  # deprecated: `recent` (the scorer's own `window` where it has one)
+    observation: InitVar[int | None] = None  # deprecated: SnapKV's `window`
 
-    def __post_init__(self, ratio, window):
-        old = {"ratio": ratio, "window": window}
+    def __post_init__(self, ratio, window, observation):
+        own = options_of(self.method) if self.method in SCORERS else ()
+        if "window" in own and window is not None:  # the scorer's own field, not the old `recent`
+            object.__setattr__(self, "options", {**self.options, "window": window})
+            window = None
+        if observation is not None:
+            object.__setattr__(self, "options", _observation(self.method, observation, self.options))
+        old = {"ratio": ratio, "window": window, "observation": observation}
         new = _renamed(self.budget, self.recent, ratio, window)
         object.__setattr__(self, "budget", new[0])
         object.__setattr__(self, "recent", new[1])
@@ -103,25 +109,22 @@ class CompressSpec:
             )
             raise ValueError(f"`{FIELD}.method` must be one of {METHODS}, got {self.method!r}{hint}.")
         optional = tuple(name for name in ("recent", "chunk") if getattr(self, name) is not None)
-        for name in ("sinks", "observation", "kernel") + optional:
+        for name in ("sinks",) + optional:
             value = getattr(self, name)
-            low = 1 if name in ("observation", "kernel", "chunk") else 0
+            low = 1 if name == "chunk" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}, got {value!r}.")
-        if self.kernel % 2 == 0:
-            raise ValueError(f"`{FIELD}.kernel` must be odd (pooling keeps the prompt's length), got {self.kernel}.")
         if self.options:
-            own = options_of(self.method) if self.method in SCORERS else ()
-            unknown = sorted(set(self.options) - set(own) - {"window", "kernel"})
+            unknown = sorted(set(self.options) - set(own))
             if unknown:
                 raise ValueError(
                     f"`{FIELD}` has unknown keys {unknown} for method {self.method!r}; its scorer's own fields: "
-                    f"{tuple(n for n in own if n not in ('window', 'kernel')) or 'none'}."
+                    f"{own or 'none'}."
                 )
             try:
-                SCORERS[self.method](**self.options)
+                SCORERS[self.method](**self.options)  # the scorer validates its fields, naming them
             except (TypeError, ValueError) as error:
-                raise ValueError(f"`{FIELD}`: {error}") from None
+                raise ValueError(str(error).replace("`", f"`{FIELD}.", 1)) from None
         if self.chunk is not None and "queries" in getattr(SCORERS.get(self.method), "prompt_reads", ()):
             raise ValueError(
                 f"`{FIELD}.chunk` cannot be used with method {self.method!r} (its window is the prompt's last queries, "
@@ -196,6 +199,21 @@ def _chunkable() -> tuple[str, ...]:
     return tuple(m for m in METHODS if "queries" not in getattr(SCORERS.get(m), "prompt_reads", ()))
 
 
+def _observation(method: str, observation, options: dict) -> dict:
+    """The scorer's options with the deprecated `observation` as its `window` (SnapKV's observation window)."""
+    if "window" not in (options_of(method) if method in SCORERS else ()):
+        raise ValueError(
+            f"`{FIELD}.observation` (deprecated: SnapKV's `window`) is given, but method {method!r} has no "
+            "observation window."
+        )
+    if "window" in options:
+        raise ValueError(
+            f"`{FIELD}.window` and `{FIELD}.observation` are both given: give `window` (SnapKV's observation window) "
+            "only; `observation` is its deprecated spelling."
+        )
+    return {**options, "window": observation}
+
+
 def _renamed(budget, recent, ratio, window) -> tuple[float | int, int | None]:
     """(budget, recent) from the fields and their deprecated spellings, `ratio` checked with today's message (the
     share evicted) and turned into the share kept; both spellings of one thing given is an error naming both."""
@@ -232,7 +250,8 @@ def _deprecated(what: str, spec: CompressSpec, stacklevel: int = 4) -> None:
     """The FutureWarning of an old spelling (`what`), with the spec in today's spelling."""
     warnings.warn(
         f"{what}: a deprecated spelling, accepted until hf-kvcache {REMOVED_IN}, where a number is the share of the "
-        f"prompt EVICTED and `window` the newest tokens kept (now `recent`); write {spec.spelling()!r} instead, or "
+        f"prompt EVICTED, `window` the newest tokens kept (now `recent`) and `observation` SnapKV's window (now "
+        f"`window`, as in SnapKVCache); write {spec.spelling()!r} instead, or "
         f"the key 'budget': {spec.budget!r} (a budget is what the prompt keeps, as generate's `budget=`; "
         f"docs/vocabulary.md).",
         FutureWarning,
@@ -301,7 +320,9 @@ def _from_string(value: str) -> tuple[CompressSpec, str | None]:
 
 
 def _old_keys(value: dict) -> str | None:
-    used = [f"`{FIELD}.{name}`" for name in ("ratio", "window") if name in value]
+    own = options_of(value.get("method", DEFAULT_METHOD)) if value.get("method", DEFAULT_METHOD) in SCORERS else ()
+    old = ("ratio", "observation") + (() if "window" in own else ("window",))
+    used = [f"`{FIELD}.{name}`" for name in old if name in value]
     return " and ".join(used) or None
 
 
@@ -309,14 +330,18 @@ def _from_dict(value: dict) -> CompressSpec:
     allowed = tuple(f.name for f in fields(CompressSpec) if f.name != "options")
     method = value.get("method", DEFAULT_METHOD)
     own = options_of(method) if method in SCORERS else ()
-    options = {k: v for k, v in value.items() if k not in allowed and k not in ("ratio", "window") and k in own}
+    options = {k: v for k, v in value.items() if k not in allowed and k in own}
     if options:
         value = {k: v for k, v in value.items() if k not in options}
+    if "observation" in value:
+        options = _observation(method, value["observation"], options)
+        value = {k: v for k, v in value.items() if k != "observation"}
     unknown = sorted(set(value) - set(allowed) - {"ratio", "window"})
     if unknown:
         raise ValueError(
-            f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed} (and, deprecated, 'ratio' for "
-            f"1 - budget, 'window' for 'recent')."
+            f"`{FIELD}` has unknown keys {unknown}; allowed keys are {allowed}, the scorer's own fields "
+            f"({own or 'none'} for {method!r}) and, deprecated, 'ratio' for 1 - budget, 'window' for 'recent', "
+            "'observation' for SnapKV's 'window'."
         )
     given = {k: v for k, v in value.items() if k not in ("ratio", "window", "budget", "recent")}
     budget, recent = _renamed(value.get("budget"), value.get("recent"), value.get("ratio"), value.get("window"))

@@ -15,19 +15,18 @@ import functools
 import torch
 
 from ..scorers.base import Prompt, Scorer
-from ..scorers.registry import SCORERS, options_of
+from ..scorers.registry import SCORERS
 from .compress_spec import CompressSpec
 
 
 def prompt_scorer(spec: CompressSpec, layer_idx: int = 0, surrogate=None) -> Scorer | None:
     """The scorer of `spec.method` for layer `layer_idx`, with the spec's settings of the scorer's own fields
-    (SnapKV's `window` is `observation` here, its `kernel` `kernel`; others by their field names, `spec.options`);
-    KVzap's predictor is `surrogate`'s for the layer. None for "sink_window" (nothing is scored)."""
+    (`spec.options`, e.g. SnapKV's `window` and `kernel`); a scorer reading attention inputs (KVzap) predicts with
+    `surrogate`'s predictor for the layer. None for "sink_window" (nothing is scored)."""
     cls = SCORERS.get(spec.method)
     if cls is None:
         return None
-    given = {"window": spec.observation, "kernel": spec.kernel, **dict(spec.options)}
-    scorer = cls(**{name: given[name] for name in options_of(spec.method) if name in given})
+    scorer = cls(**spec.options)
     if cls.needs_attention_inputs:
         scorer.predict = lambda hidden: surrogate.predict(layer_idx, hidden)
     return scorer
