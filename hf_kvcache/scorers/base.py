@@ -32,7 +32,8 @@ A whole prompt, seen by one forward (continuous batching's `kv_compress`, hf_kvc
 `score(prompt)`: a pure function of a `Prompt` (the layer's keys, the prompt's last queries, the scores its tokens got
 on arrival) to scores [Hkv, P], kvpress's `score()` shape. A scorer that can declares `prompt_reads` and writes
 `score` beside its hooks, from the same functions (knorm_scores, keydiff_scores, SnapKV's pooling), and it is then a
-`kv_compress` method too (tests/test_new_scorer.py adds one in a module and a registry line, and serves with it).
+`kv_compress` method too (tests/test_prompt_scoring_contract.py: `score` keeps per head what the hooks keep in
+prompt mode; tests/test_new_scorer.py adds a scorer in a module and a registry line, and serves with it).
 
 Adding a scorer is one module here and one line in `registry.py`; the caches, the composite, serving's `kv_compress`,
 the tests and the docs table read the registry.
