@@ -38,7 +38,7 @@ def _kept_by_generate(model, ids, cache_cls, options) -> list[list[set[int]]]:
 
 
 def _kept_by_score(model, ids, name, options) -> list[list[set[int]]]:
-    """Per layer and KV head, the BUDGET positions `score` ranks best (SnapKV: its window, kept, and the best others)."""
+    """Per layer and KV head, the BUDGET positions `score` ranks best (SnapKV: its window and the best others)."""
     hidden, cache = {}, DynamicCache()
     with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
         model(ids, **cache_kwargs(cache), use_cache=True)
