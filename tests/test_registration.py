@@ -286,10 +286,15 @@ def test_load_cache_config_rejects_bad_files(tmp_path):
 
 
 def _unregister(name):
+    """Take a test's name back out, through the `cache_names` patch (hf_kvcache.integration.patches), which then
+    still holds transformers' own tuple as the original to restore."""
+    from hf_kvcache.integration import patches
+
     hf_kvcache.CACHE_IMPLEMENTATIONS.pop(name, None)
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(
-        n for n in configuration_utils.ALL_CACHE_IMPLEMENTATIONS if n != name
-    )
+    if name in upstream_generation._names:
+        upstream_generation._names.remove(name)
+    patches.install(patches.CACHE_NAMES)  # (recomputed from the original: the name is gone)
+    assert name not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
 
 
 def test_register_custom_cache_class():
