@@ -64,6 +64,7 @@ class RequestCompression:
     spec: CompressSpec
     arrived: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # "arrived": [Hkv, q] per chunk and layer
     queries: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # "queries": ([Hq, w, D], scaling)
+    scorers: dict[int, object] = field(default_factory=dict)  # the method's scorer per layer, until compressed
     prompt: int | None = None  # tokens prefilled, once compressed
     kept: int | None = None
     shift: int = 0  # position of a later token minus its index in the cache (prompt tokens seen - rows held)
@@ -198,13 +199,17 @@ class PagedEviction:
         """(the attention-input hooks) Score the prompt tokens of this forward as they arrive ("arrived": KVzap)."""
         for capture in self._captures:
             if "arrived" in reads(capture.info.spec.method):
-                scorer = self._scorer(capture.info.spec, layer_idx)
+                scorer = self._scorer(capture.info, layer_idx)
                 chunk = hidden[:, capture.start : capture.start + capture.length]
                 capture.info.arrived.setdefault(layer_idx, []).append(scorer.score_arrivals(chunk)[0])
 
-    def _scorer(self, spec: CompressSpec, layer_idx: int):
-        surrogate = surrogate_for(spec, self.config) if "arrived" in reads(spec.method) else None
-        return prompt_scorer(spec, layer_idx, surrogate)
+    def _scorer(self, info: RequestCompression, layer_idx: int):
+        """The request's scorer of layer `layer_idx`, built once (every forward of its prompt asks for it)."""
+        if layer_idx not in info.scorers:
+            spec = info.spec
+            surrogate = surrogate_for(spec, self.config) if "arrived" in reads(spec.method) else None
+            info.scorers[layer_idx] = prompt_scorer(spec, layer_idx, surrogate)
+        return info.scorers[layer_idx]
 
     def layer_kwargs(self, layer_idx: int, kwargs: dict) -> None:
         """(the cache's update) Ask the layer's attention function for its queries ("queries": SnapKV)."""
@@ -220,7 +225,7 @@ class PagedEviction:
             if "queries" not in reads(info.spec.method):
                 continue
             end = capture.start + capture.length
-            w = int(self._scorer(info.spec, layer_idx).attention_window)
+            w = int(self._scorer(info, layer_idx).attention_window)
             tail = query[0, :, max(capture.start, end - w) : end]
             if layer_idx in info.queries and tail.shape[1] < w:
                 tail = torch.cat((info.queries[layer_idx][0], tail), 1)[:, -w:]
@@ -269,7 +274,7 @@ class PagedEviction:
             for allocator in self.cache.cache_allocators.values():
                 rows = torch.tensor(allocator.get_read_indices(request_id, 0, held), device=self.cache.device)
                 for layer_idx in allocator.layer_indices:
-                    scorer = self._scorer(spec, layer_idx)
+                    scorer = self._scorer(info, layer_idx)
                     scores = token_scores(scorer, self._prompt(info, allocator, layer_idx, rows))
                     positions = kept_positions(spec, held, scores, device=rows.device, kept=kept)
                     src, dest = rows[positions], rows[:kept]
@@ -284,7 +289,7 @@ class PagedEviction:
         if not final:
             return
         info.prompt, info.kept = seen, kept
-        info.arrived, info.queries = {}, {}
+        info.arrived, info.queries, info.scorers = {}, {}, {}
         self.stats.tokens_prefilled += seen
         self.stats.tokens_kept += kept
         self.stats.requests_compressed += 1 if kept < seen else 0
