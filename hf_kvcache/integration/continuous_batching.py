@@ -31,6 +31,10 @@ hf_kvcache.paged uses it. It has no public extension point for the page format, 
    length in the cache (allocation via `current_len()`, read / write indices, `seqlen_k`) as well as the position of
    its next token; an allocator's `get_read_indices(request_id, 0, n)` gives its first n rows, its `block_table`,
    `ledger.release` and `pool.free_blocks` give pages back; `_kv_token_views` are transformers' rows per layer.
+8. One request's fault (hf_kvcache.paged.request_faults): the generation loop calls `_generation_step(model)`, then
+   `update_batch()`; `ContinuousBatchProcessor._handle_request_error(error, state)` delivers a failure to the
+   request's client and `scheduler.finish_request(request_id)` frees its blocks (what transformers itself does for
+   a request it cannot add).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ CACHE_INIT = "PagedAttentionCache.__init__ / ATTN_TYPE_TO_ALLOCATOR"
 ALLOCATORS = "cache_allocators.FullAttentionCacheAllocator / SlidingAttentionCacheAllocator"
 UPDATE = "paged cache.update(..., kwargs=...) caller"
 SCHEDULER = "ContinuousBatchingManager.batch_processor (scheduler state)"
+REQUEST_FAULTS = "ContinuousBatchProcessor._handle_request_error / scheduler.finish_request / update_batch"
 CODES_ATTENTION = "attention forward: cache.update(kwargs=kwargs), then attention_interface(**kwargs)"
 EVICTION = "ContinuousBatchProcessor._generation_step / position_offset as the cache length"
 #: the attention implementations continuous batching runs with on the index path (flash ones read a block table)
@@ -287,6 +292,43 @@ def _check_eviction() -> str | None:
     return None
 
 
+@contract(
+    REQUEST_FAULTS,
+    "the generation loop calls _generation_step(model) then update_batch(); "
+    "ContinuousBatchProcessor._handle_request_error(error, state) delivers a failed request's error to its client; "
+    "scheduler.finish_request(request_id) frees its blocks",
+    "one request's fault is one request's error (hf_kvcache.paged.request_faults)",
+)
+def _check_request_faults() -> str | None:
+    processor = continuous_api.ContinuousBatchProcessor
+    if not all(hasattr(processor, name) for name in ("_handle_request_error", "update_batch")):
+        return "ContinuousBatchProcessor no longer has _handle_request_error and update_batch"
+    handle = parameters(processor._handle_request_error)
+    if handle != ["self", "error", "state"]:
+        return f"ContinuousBatchProcessor._handle_request_error takes {handle}, expected (error, state)"
+    if "fail_and_deliver(" not in source(processor._handle_request_error):
+        return "ContinuousBatchProcessor._handle_request_error no longer delivers the failure (fail_and_deliver)"
+    if parameters(processor.update_batch) != ["self"]:
+        return "ContinuousBatchProcessor.update_batch() changed its parameters"
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+
+    if "free_blocks(request_id)" not in source(getattr(Scheduler, "finish_request", None)):
+        return "Scheduler.finish_request(request_id) no longer frees the request's blocks"
+    body = source(continuous_api.ContinuousBatchingManager._generation_loop_body)
+    step, update = body.find("self._generation_step()"), body.find("batch_processor.update_batch()")
+    if step < 0 or update < step:
+        return "the generation loop no longer calls _generation_step() and then update_batch()"
+    return None
+
+
+def fail_request(processor, state, error: Exception) -> None:
+    """Deliver `error` to the client of the request of `state` (its tokens so far go with it) and free its pages; the
+    other requests go on."""
+    require(REQUEST_FAULTS)
+    processor._handle_request_error(error, state)
+    processor.scheduler.finish_request(state.request_id)
+
+
 def attention_takes_cache_rows(config) -> str | None:
     """Why the attention of the model of `config` may do more with the cache's keys and values than hand them to the
     attention function (None: every attention forward of its modeling file that calls `cache.update` passes the
@@ -435,6 +477,7 @@ __all__ = [
     "CODES_ATTENTION",
     "EVICTION",
     "QUANTIZED_PAGES",
+    "REQUEST_FAULTS",
     "SlidingAttentionCacheAllocator",
     "allocator_factories",
     "attention_takes_cache_rows",
@@ -442,6 +485,7 @@ __all__ = [
     "batch_processor",
     "cache_on_meta",
     "cb_config_of",
+    "fail_request",
     "find_head_dim",
     "model_dtype_block_bytes",
     "pages_in_use",

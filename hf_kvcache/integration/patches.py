@@ -12,6 +12,7 @@ Groups, and when each is installed (the same timing as before the registry):
 - `paged_cache`: at import where its contracts hold, else (strict) by the first run that asks for quantized pages
   (hf_kvcache.paged.cache.install);
 - `eviction`: by the first paged cache built with `kv_compress` (hf_kvcache.paged.eviction.install);
+- `request_faults`: with `eviction`, where its contract holds (hf_kvcache.paged.request_faults);
 - `codes_attention`: by the first quantized cache that attends from the codes, or one with prompt eviction
   (hf_kvcache.paged.codes_attention.install).
 A replacement built above this package (hf_kvcache.paged) is handed in by its module at import (`provide`).
@@ -41,11 +42,12 @@ from transformers.modeling_utils import AttentionInterface
 from . import continuous_batching, generation, prefill_chunks
 from .contracts import require
 
-CACHE_NAMES, GENERATE, PAGED_CACHE, EVICTION, CODES_ATTENTION = (
+CACHE_NAMES, GENERATE, PAGED_CACHE, EVICTION, REQUEST_FAULTS, CODES_ATTENTION = (
     "cache_names",
     "generate",
     "paged_cache",
     "eviction",
+    "request_faults",
     "codes_attention",
 )
 #: each group, and when hf_kvcache installs it
@@ -54,6 +56,7 @@ GROUPS = {
     GENERATE: "at `import hf_kvcache`",
     PAGED_CACHE: "at `import hf_kvcache` where its contracts hold, else by the first run asking for quantized pages",
     EVICTION: "by the first paged cache built with `kv_compress`",
+    REQUEST_FAULTS: "with `eviction`, where its contract holds (else a request's fault stays fatal to the loop)",
     CODES_ATTENTION: "by the first quantized paged cache attending from the codes (or with prompt eviction)",
 }
 
@@ -164,6 +167,16 @@ PATCHES: tuple[Patch, ...] = (
         (continuous_batching.EVICTION,),
         _CB + "eviction._with_eviction (transformers' step, prompt eviction around it)",
         "prompt eviction (kv_compress) shifts positions before and compacts pages after a forward",
+    ),
+    Patch(
+        "ContinuousBatchProcessor",
+        continuous_api.ContinuousBatchProcessor,
+        "update_batch",
+        REQUEST_FAULTS,
+        (continuous_batching.REQUEST_FAULTS,),
+        _CB + "request_faults._with_request_faults (transformers' update, then the step's failed requests failed)",
+        "any exception of a step is fatal to the loop: a request whose eviction failed fails alone, after its step's "
+        "tokens are taken",
     ),
     Patch(
         "Scheduler",

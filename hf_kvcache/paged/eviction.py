@@ -25,6 +25,9 @@ The scores are the method's registry scorer's `score` (hf_kvcache.scorers.base.P
   attention wrapper, hf_kvcache.paged.codes_attention, hands them over), scored against the stored keys;
 - "keys" (keydiff, knorm, snapkv): the stored keys, read when the prompt ends.
 
+A request whose scoring or compaction raises fails alone (its client gets the error, its pages go back), and a forward
+that raises fails the requests of its batch only: hf_kvcache.paged.request_faults.
+
 Limits (each an error at start, never a silent fallback): models with sliding-window layers (their ring buffer would
 need its own compaction), prefix sharing (a compacted page no longer holds the tokens its hash names: it is turned
 off), async batching and CUDA graphs (the step is turned synchronous and graph-free, with the reason logged).
@@ -40,6 +43,8 @@ import torch
 
 from ..integration import patches
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
+from ..integration.continuous_batching import REQUEST_FAULTS
+from ..integration.contracts import holds
 from ..integration.prefill_chunks import cap_prefill_chunks
 from ..scorers.base import Prompt
 from . import codes_attention
@@ -48,6 +53,7 @@ from .compress_spec import FIELD, CompressSpec
 from .eviction_checks import check, surrogate_for
 from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
+from .request_faults import StepFaults
 from .request_specs import LOCK, request_specs
 
 logger = logging.getLogger(__name__)
@@ -105,6 +111,7 @@ def _route_attention_input(layer_idx: int, hidden: torch.Tensor) -> None:
 class _Capture:
     """A request of the current forward whose scores need what the forward computes."""
 
+    state: object  # its RequestState
     info: RequestCompression
     start: int  # its first query in the packed batch
     length: int  # its queries
@@ -120,6 +127,8 @@ class PagedEviction:
         #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
         self.request_specs: dict[str, CompressSpec | None] = request_specs(cb_config)
         self.stats = EvictionStats()
+        #: the requests this step failed (hf_kvcache.paged.request_faults: each fails alone, the loop goes on)
+        self.faults = StepFaults()
         self._captures: list[_Capture] = []
         self._lock = LOCK
         # the specs requests named, for a request restarted by a soft reset (a new state prefilled again); pruned
@@ -177,7 +186,7 @@ class PagedEviction:
             if state.position_offset == length:  # its first forward (or again after a soft reset)
                 info = self._start(state)
             if info is not None and info.kept is None and CAPTURED & set(reads(info.spec.method)):
-                self._captures.append(_Capture(info, start, length))
+                self._captures.append(_Capture(state, info, start, length))
             shifts.append(0 if info is None else info.shift)
             lengths.append(length)
             start += length
@@ -197,11 +206,14 @@ class PagedEviction:
 
     def attention_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """(the attention-input hooks) Score the prompt tokens of this forward as they arrive ("arrived": KVzap)."""
-        for capture in self._captures:
+        for capture in list(self._captures):
             if "arrived" in reads(capture.info.spec.method):
-                scorer = self._scorer(capture.info, layer_idx)
-                chunk = hidden[:, capture.start : capture.start + capture.length]
-                capture.info.arrived.setdefault(layer_idx, []).append(scorer.score_arrivals(chunk)[0])
+                try:
+                    scorer = self._scorer(capture.info, layer_idx)
+                    chunk = hidden[:, capture.start : capture.start + capture.length]
+                    capture.info.arrived.setdefault(layer_idx, []).append(scorer.score_arrivals(chunk)[0])
+                except Exception as error:
+                    self._fail(capture, f"scoring its prompt at layer {layer_idx}", error)
 
     def _scorer(self, info: RequestCompression, layer_idx: int):
         """The request's scorer of layer `layer_idx`, built once (every forward of its prompt asks for it)."""
@@ -220,16 +232,24 @@ class PagedEviction:
         """query [1, Hq, total_q, D]: keep the scorer's last `attention_window` queries of each prompt so far (a
         chunk shorter than the window adds to the previous chunks' queries: the window is the prompt's, however it was
         chunked)."""
-        for capture in self._captures:
+        for capture in list(self._captures):
             info = capture.info
             if "queries" not in reads(info.spec.method):
                 continue
-            end = capture.start + capture.length
-            w = int(self._scorer(info, layer_idx).attention_window)
-            tail = query[0, :, max(capture.start, end - w) : end]
-            if layer_idx in info.queries and tail.shape[1] < w:
-                tail = torch.cat((info.queries[layer_idx][0], tail), 1)[:, -w:]
-            info.queries[layer_idx] = (tail.clone(), scaling)
+            try:
+                end = capture.start + capture.length
+                w = int(self._scorer(info, layer_idx).attention_window)
+                tail = query[0, :, max(capture.start, end - w) : end]
+                if layer_idx in info.queries and tail.shape[1] < w:
+                    tail = torch.cat((info.queries[layer_idx][0], tail), 1)[:, -w:]
+                info.queries[layer_idx] = (tail.clone(), scaling)
+            except Exception as error:
+                self._fail(capture, f"capturing its queries at layer {layer_idx}", error)
+
+    def _fail(self, capture: _Capture, stage: str, error: Exception) -> None:
+        """A capture that raised: its request fails after this step (request_faults); the others go on."""
+        self.faults.record(capture.state, stage, error)
+        self._captures.remove(capture)
 
     def after_forward(self, processor) -> None:
         """Compress the requests whose prompt this forward ended (before transformers reads the new tokens)."""
@@ -243,19 +263,25 @@ class PagedEviction:
         for future in processor.inputs_and_outputs.requests_in_batch:
             state = future.state
             info = getattr(state, STATE_ATTR, None)
-            if info is not None and info.kept is not None:
-                continue  # compressed already
-            if not future.has_new_token or state.generated_len() != 0:
-                chunk = None if info is None else info.spec.chunk
-                if chunk is not None and state.position_offset - info.compacted >= chunk:
-                    self._compress(state, info, final=False)
-                continue
-            self.stats.requests += 1
-            if info is None:
-                self.stats.tokens_prefilled += state.position_offset
-                self.stats.tokens_kept += state.position_offset
-                continue
-            self._compress(state, info, final=True)
+            if (info is not None and info.kept is not None) or self.faults.failed(state):
+                continue  # compressed already, or failed in this step
+            try:
+                self._after_forward(future, state, info)
+            except Exception as error:
+                self.faults.record(state, "compressing its prompt", error)
+
+    def _after_forward(self, future, state, info: RequestCompression | None) -> None:
+        if not future.has_new_token or state.generated_len() != 0:
+            chunk = None if info is None else info.spec.chunk
+            if chunk is not None and state.position_offset - info.compacted >= chunk:
+                self._compress(state, info, final=False)
+            return
+        self.stats.requests += 1
+        if info is None:
+            self.stats.tokens_prefilled += state.position_offset
+            self.stats.tokens_kept += state.position_offset
+            return
+        self._compress(state, info, final=True)
 
     def abandon(self) -> None:
         _current.eviction = None
@@ -323,17 +349,23 @@ def _with_eviction(original):
         eviction = getattr(self.cache, "eviction", None)
         if eviction is None:
             return original(self, model)
-        eviction.before_forward(self, model)
         try:
+            eviction.before_forward(self, model)
             original(self, model)
+        except Exception as error:
+            eviction.abandon()
+            eviction.faults.forward_failed(self, error)  # the batch's requests fail, the loop goes on
+            return
         except BaseException:
             eviction.abandon()
             raise
         eviction.after_forward(self)
 
     _generation_step.__doc__ = (
-        "transformers' generation step, with prompt eviction around it (hf_kvcache.paged.eviction)."
+        "transformers' generation step, with prompt eviction around it (hf_kvcache.paged.eviction) and a failed "
+        "forward failing its batch's requests only (hf_kvcache.paged.request_faults)."
     )
+    _generation_step.__wrapped__ = original
     return _generation_step
 
 
@@ -347,8 +379,10 @@ patches.provide("ContinuousBatchProcessor._generation_step", _with_eviction)  # 
 
 def install() -> None:
     """Wrap continuous batching's generation step and cap its prompts' chunks (idempotent): the `eviction`
-    patches."""
+    patches, and the `request_faults` one where its contract holds."""
     patches.install(patches.EVICTION)
+    if holds(REQUEST_FAULTS):
+        patches.install(patches.REQUEST_FAULTS)
     cap_prefill_chunks(_prefill_cap)
 
 
