@@ -22,16 +22,17 @@ def free_port() -> int:
 
 class ServerProcess:
     """`hf-kvcache serve --host 127.0.0.1 --port PORT FLAGS...`; raises RuntimeError (with the server's output) when
-    it does not answer /health within `start_timeout` seconds."""
+    it does not answer /health within `start_timeout` seconds. `launcher`: the command standing for `hf-kvcache`
+    (the tests' fault-injecting one), `python -m hf_kvcache.cli` by default."""
 
-    def __init__(self, *flags: str, start_timeout: float = 240, request_timeout: float = 120):
+    def __init__(
+        self, *flags: str, start_timeout: float = 240, request_timeout: float = 120, launcher: list[str] | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.request_timeout = request_timeout
         command = [
-            sys.executable,
-            "-m",
-            "hf_kvcache.cli",
+            *(launcher or [sys.executable, "-m", "hf_kvcache.cli"]),
             "serve",
             "--host",
             "127.0.0.1",
