@@ -519,6 +519,50 @@ def test_only_a_stale_build_lock_is_cleared(tmp_path, caplog):
     assert not lock.exists() and "stale build lock" in caplog.text
 
 
+def test_builders_take_turns_and_a_killed_builder_leaves_no_lock(tmp_path):
+    """The builder lock is the OS's: a second builder waits while the first lives, and a builder killed mid-build
+    (SIGKILL) leaves nothing to wait on, however long its build ran."""
+    fcntl = pytest.importorskip("fcntl")
+    directory = tmp_path / "build"
+    directory.mkdir()
+    code = (
+        "import time; from pathlib import Path; from hf_kvcache.kernels import cpu_blockwise\n"
+        f"with cpu_blockwise.builder_lock(Path({str(directory)!r})):\n"
+        "    print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.builder.lock", "w") as handle:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait()
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with its process
+    finally:
+        holder.kill()
+
+
+def test_a_torch_lock_left_by_a_killed_builder_does_not_block_the_next(tmp_path, monkeypatch):
+    """Holding the builder lock, a fresh torch lock in the folder is a dead builder's (a live one would hold the
+    builder lock): it is removed at once, not after STALE_LOCK_S."""
+    from torch.utils import cpp_extension
+
+    pytest.importorskip("fcntl")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = cpu_blockwise.module_name(["-O0"])
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "lock").touch()  # fresh: the age rule would keep it
+    seen = []
+
+    def load(**kwargs):
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        return "built"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert cpu_blockwise._build(["-O0"]) == "built" and seen == [False]
+
+
 AVX512_NODE = (
     "fpu sse2 ssse3 sse4_1 sse4_2 cx16 popcnt lahf_lm movbe xsave avx f16c fma abm bmi1 avx2 bmi2 avx512f "
     "avx512dq avx512cd avx512bw avx512vl avx512_vnni"

@@ -17,12 +17,14 @@ the instruction set the build may use (`isa_target`): on x86-64 the highest psAB
 AVX-512, v3 for AVX2 + FMA + F16C: the kernel's code paths), elsewhere `native` keyed by the CPU's feature list. It is
 part of the build's name, so a home directory shared by nodes of different CPUs (`~/.cache` on NFS) holds one build per
 instruction set, and an AVX2 node never loads a build with AVX-512 instructions (that is an illegal instruction, a
-crash, not an exception). No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch
+crash, not an exception). Processes building the same folder at once take turns (`builder_lock`) and the later ones
+load the first's build, however long it takes. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch
 path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -165,11 +167,32 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
 
 
+@contextlib.contextmanager
+def builder_lock(directory: Path):
+    """Held while this process builds into `directory`: an OS file lock (`flock`), which the kernel releases when its
+    process ends, however it ends. Builders of one folder wait for each other as long as a build takes (a busy machine
+    once took a build past any age limit, and a second builder then removed the first one's lock and both wrote the
+    same files); where `fcntl` is missing (Windows), torch's own lock with the age rule (`clear_stale_lock`)."""
+    try:
+        import fcntl
+    except ImportError:
+        clear_stale_lock(directory)
+        yield False
+        return
+    with open(directory.parent / f"{directory.name}.builder.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(flags: list[str] = FLAGS):
     """The compiled module: loaded from torch's extension cache, or built into it (named by a digest of the source,
     the flags and the torch and Python it is built for (`build_key`), so an edited source or an upgraded torch never
     loads a stale build). Tests build other targets with `flags` (e.g. -march=x86-64-v3: the AVX2 code of a CPU
-    without AVX-512)."""
+    without AVX-512). Concurrent builders of one folder take turns (`builder_lock`): the second loads the first's
+    build."""
     from torch.utils import cpp_extension
 
     name = module_name(flags)
@@ -177,18 +200,25 @@ def _build(flags: list[str] = FLAGS):
     built = _load_built(name, directory)
     if built is not None:
         return built
-    if not any(directory.glob(f"{name}*.so")):
-        logger.warning("hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)", directory)
     directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    with builder_lock(directory) as exclusive:
+        built = _load_built(name, directory)  # (built by the builder this one waited for)
+        if built is not None:
+            return built
+        if exclusive:  # no live builder of this version holds torch's lock now: one left there is a killed process's
+            (directory / "lock").unlink(missing_ok=True)
+        if not any(directory.glob(f"{name}*.so")):
+            logger.warning(
+                "hf_kvcache: building the native CPU attention kernel into %s (once, about a minute)", directory
+            )
+        return cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def unavailable() -> str | None:
