@@ -5,7 +5,7 @@ eviction on a float32 tiny Llama, faults injected by monkeypatching:
   requests batched beside it generate exactly what they generate without the fault, and every page is free after;
 - a request whose scoring raises during the forward (KVzap's arrival scores) fails alone in the same way;
 - a forward that raises fails the requests of its batch only: the loop keeps serving, a later request generates what
-  it generates alone, and no page is held;
+  it generates alone, and no page is held; the same on FP8 pages without eviction (attention from the codes raising);
 - where transformers' way of failing one request changed (the contract broken), the error is fatal as transformers
   has it, not swallowed.
 The same through HTTP, with the pages counted by GET /v1/kv_cache: tests/test_serve_http.py.
@@ -38,11 +38,14 @@ def model():
     return build_model("llama")
 
 
-def _cb(compress="knorm:budget=0.25"):
+def _cb(compress="knorm:budget=0.25", kv_dtype=None):
     cb = ContinuousBatchingConfig(
         num_blocks=48, page_size=8, max_batch_tokens=64, allow_block_sharing=False, max_memory_percent=0.9
     )
-    cb.kv_compress = compress
+    if compress is not None:
+        cb.kv_compress = compress
+    if kv_dtype is not None:
+        cb.kv_cache_dtype = kv_dtype
     return cb
 
 
@@ -203,6 +206,40 @@ def test_a_failed_forward_fails_its_batch_and_the_loop_goes_on(model, monkeypatc
     assert bad.error is not None and "the forward of this request's batch (1 requests) failed" in bad.error
     assert INJECTED in bad.error
     assert first.error is None and first.generated_tokens == clean["req_0"].generated_tokens
+    assert after.error is None and after.generated_tokens == clean["req_1"].generated_tokens
+    assert held == 0 and alive
+
+
+def test_quantized_pages_without_eviction_fail_a_faulty_forward_alone_too(model, monkeypatch):
+    """FP8 pages, no kv_compress: attention from the codes raises once (armed just before the victim is submitted,
+    alone): the victim fails, the requests before and after it generate what they generate without the fault."""
+    from hf_kvcache.paged import codes_attention
+
+    prompts = _prompts()
+    cb = lambda: _cb(None, kv_dtype="fp8_e4m3")  # noqa: E731
+    clean, _, _ = _all(model, prompts[:2], cb())
+    armed = []
+    attend = codes_attention.PagedCodes.attend
+
+    def faulty_attend(self, *args, **kwargs):
+        if armed:
+            armed.clear()
+            raise RuntimeError(INJECTED)
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(codes_attention.PagedCodes, "attend", faulty_attend)
+    run = _Run(model, cb())
+    try:
+        first = run.results([run.submit(prompts[0], "req_0")])["req_0"]
+        assert run.manager.batch_processor.cache.attention_path == "codes"
+        armed.append(True)
+        bad = run.results([run.submit(prompts[3], "bad")])["bad"]
+        after = run.results([run.submit(prompts[1], "req_1")])["req_1"]
+        held, alive = run.held(), run.alive()
+    finally:
+        run.stop()
+    assert bad.error is not None and INJECTED in bad.error and "forward of this request's batch" in bad.error
+    assert first.generated_tokens == clean["req_0"].generated_tokens
     assert after.error is None and after.generated_tokens == clean["req_1"].generated_tokens
     assert held == 0 and alive
 

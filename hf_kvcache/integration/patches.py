@@ -11,8 +11,9 @@ Groups, and when each is installed (the same timing as before the registry):
 - `cache_names`, `generate`: at `import hf_kvcache` (hf_kvcache.install.register);
 - `paged_cache`: at import where its contracts hold, else (strict) by the first run that asks for quantized pages
   (hf_kvcache.paged.cache.install);
+- `paged_step`: by the first paged cache of ours, quantized pages or `kv_compress` (hf_kvcache.paged.step.install);
 - `eviction`: by the first paged cache built with `kv_compress` (hf_kvcache.paged.eviction.install);
-- `request_faults`: with `eviction`, where its contract holds (hf_kvcache.paged.request_faults);
+- `request_faults`: with `paged_step`, where its contract holds (hf_kvcache.paged.request_faults);
 - `codes_attention`: by the first quantized cache that attends from the codes, or one with prompt eviction
   (hf_kvcache.paged.codes_attention.install).
 A replacement built above this package (hf_kvcache.paged) is handed in by its module at import (`provide`).
@@ -42,10 +43,11 @@ from transformers.modeling_utils import AttentionInterface
 from . import continuous_batching, generation, prefill_chunks
 from .contracts import require
 
-CACHE_NAMES, GENERATE, PAGED_CACHE, EVICTION, REQUEST_FAULTS, CODES_ATTENTION = (
+CACHE_NAMES, GENERATE, PAGED_CACHE, PAGED_STEP, EVICTION, REQUEST_FAULTS, CODES_ATTENTION = (
     "cache_names",
     "generate",
     "paged_cache",
+    "paged_step",
     "eviction",
     "request_faults",
     "codes_attention",
@@ -55,8 +57,9 @@ GROUPS = {
     CACHE_NAMES: "at `import hf_kvcache`",
     GENERATE: "at `import hf_kvcache`",
     PAGED_CACHE: "at `import hf_kvcache` where its contracts hold, else by the first run asking for quantized pages",
+    PAGED_STEP: "by the first paged cache of ours (quantized pages or `kv_compress`)",
     EVICTION: "by the first paged cache built with `kv_compress`",
-    REQUEST_FAULTS: "with `eviction`, where its contract holds (else a request's fault stays fatal to the loop)",
+    REQUEST_FAULTS: "with `paged_step`, where its contract holds (else a request's fault stays fatal to the loop)",
     CODES_ATTENTION: "by the first quantized paged cache attending from the codes (or with prompt eviction)",
 }
 
@@ -163,10 +166,11 @@ PATCHES: tuple[Patch, ...] = (
         "ContinuousBatchProcessor",
         continuous_api.ContinuousBatchProcessor,
         "_generation_step",
-        EVICTION,
+        PAGED_STEP,
         (continuous_batching.EVICTION,),
-        _CB + "eviction._with_eviction (transformers' step, prompt eviction around it)",
-        "prompt eviction (kv_compress) shifts positions before and compacts pages after a forward",
+        _CB + "step._with_our_step (transformers' step; prompt eviction around it; a failed forward fails its batch)",
+        "prompt eviction (kv_compress) shifts positions before and compacts pages after a forward; any exception of a "
+        "step is fatal to transformers' loop",
     ),
     Patch(
         "ContinuousBatchProcessor",

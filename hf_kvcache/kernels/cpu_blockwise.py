@@ -18,8 +18,9 @@ AVX-512, v3 for AVX2 + FMA + F16C: the kernel's code paths), elsewhere `native` 
 part of the build's name, so a home directory shared by nodes of different CPUs (`~/.cache` on NFS) holds one build per
 instruction set, and an AVX2 node never loads a build with AVX-512 instructions (that is an illegal instruction, a
 crash, not an exception). Processes building the same folder at once take turns (`builder_lock`) and the later ones
-load the first's build, however long it takes. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and "auto" keeps the torch
-path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own kernels).
+load the first's build, however long it takes. No compiler, or `HF_KVCACHE_NATIVE=0`: `unavailable()` says why and
+"auto" keeps the torch path. Eager only: under `torch.compile` the torch path is traced (inductor writes its own
+kernels).
 """
 
 from __future__ import annotations

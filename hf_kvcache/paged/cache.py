@@ -42,7 +42,7 @@ from ..integration.continuous_batching import (
     cb_config_of,
 )
 from ..integration.contracts import holds, require
-from . import codes_attention, compress_spec, eviction, eviction_checks
+from . import codes_attention, compress_spec, eviction, eviction_checks, request_faults, step
 from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
@@ -80,7 +80,10 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         else:
             self._build_quantized(config, kwargs)
         self.eviction = None
-        if getattr(continuous_batching_config, compress_spec.FIELD, None) is not None:  # ("none": per request)
+        evicting = getattr(continuous_batching_config, compress_spec.FIELD, None) is not None  # ("none": per request)
+        if self.kv_spec is not None or evicting:
+            self.faults = request_faults.StepFaults() if step.install(required=evicting) else None
+        if evicting:
             eviction.install()
             self.eviction = eviction.PagedEviction(self, compress, config, continuous_batching_config)
 
@@ -98,6 +101,9 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
 
     #: prompt eviction (hf_kvcache.paged.eviction) when the continuous-batching config has `kv_compress`, else None
     eviction = None
+    #: the requests a step failed (hf_kvcache.paged.request_faults), for quantized pages or `kv_compress`; None:
+    #: transformers' handling (every fault fatal to the loop)
+    faults = None
 
     #: "codes" (full-attention layers attend straight from the pages: hf_kvcache.paged.codes_attention) or
     #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"

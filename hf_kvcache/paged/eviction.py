@@ -26,7 +26,8 @@ The scores are the method's registry scorer's `score` (hf_kvcache.scorers.base.P
 - "keys" (keydiff, knorm, snapkv): the stored keys, read when the prompt ends.
 
 A request whose scoring or compaction raises fails alone (its client gets the error, its pages go back), and a forward
-that raises fails the requests of its batch only: hf_kvcache.paged.request_faults.
+that raises fails the requests of its batch only (hf_kvcache.paged.request_faults; the step around the forward:
+hf_kvcache.paged.step).
 
 Limits (each an error at start, never a silent fallback): models with sliding-window layers (their ring buffer would
 need its own compaction), prefix sharing (a compacted page no longer holds the tokens its hash names: it is turned
@@ -43,17 +44,14 @@ import torch
 
 from ..integration import patches
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
-from ..integration.continuous_batching import REQUEST_FAULTS
-from ..integration.contracts import holds
 from ..integration.prefill_chunks import cap_prefill_chunks
 from ..scorers.base import Prompt
-from . import codes_attention
+from . import codes_attention, step
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
 from .eviction_checks import check, surrogate_for
 from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
-from .request_faults import StepFaults
 from .request_specs import LOCK, request_specs
 
 logger = logging.getLogger(__name__)
@@ -127,8 +125,8 @@ class PagedEviction:
         #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
         self.request_specs: dict[str, CompressSpec | None] = request_specs(cb_config)
         self.stats = EvictionStats()
-        #: the requests this step failed (hf_kvcache.paged.request_faults: each fails alone, the loop goes on)
-        self.faults = StepFaults()
+        #: the requests a step failed (hf_kvcache.paged.request_faults: each fails alone, the loop goes on)
+        self.faults = cache.faults
         self._captures: list[_Capture] = []
         self._lock = LOCK
         # the specs requests named, for a request restarted by a soft reset (a new state prefilled again); pruned
@@ -344,45 +342,16 @@ class PagedEviction:
         return Prompt(**fields)
 
 
-def _with_eviction(original):
-    def _generation_step(self, model):
-        eviction = getattr(self.cache, "eviction", None)
-        if eviction is None:
-            return original(self, model)
-        try:
-            eviction.before_forward(self, model)
-            original(self, model)
-        except Exception as error:
-            eviction.abandon()
-            eviction.faults.forward_failed(self, error)  # the batch's requests fail, the loop goes on
-            return
-        except BaseException:
-            eviction.abandon()
-            raise
-        eviction.after_forward(self)
-
-    _generation_step.__doc__ = (
-        "transformers' generation step, with prompt eviction around it (hf_kvcache.paged.eviction) and a failed "
-        "forward failing its batch's requests only (hf_kvcache.paged.request_faults)."
-    )
-    _generation_step.__wrapped__ = original
-    return _generation_step
-
-
 def _prefill_cap(scheduler, state) -> int | None:
     eviction = getattr(scheduler.cache, "eviction", None)
     return None if eviction is None else eviction.prefill_cap(state)
 
 
-patches.provide("ContinuousBatchProcessor._generation_step", _with_eviction)  # (applied by `install`)
-
-
 def install() -> None:
-    """Wrap continuous batching's generation step and cap its prompts' chunks (idempotent): the `eviction`
-    patches, and the `request_faults` one where its contract holds."""
+    """Wrap continuous batching's generation step (hf_kvcache.paged.step, required here) and cap its prompts' chunks
+    (idempotent): the `paged_step` and `eviction` patches."""
+    step.install(required=True)
     patches.install(patches.EVICTION)
-    if holds(REQUEST_FAULTS):
-        patches.install(patches.REQUEST_FAULTS)
     cap_prefill_chunks(_prefill_cap)
 
 

@@ -1,5 +1,5 @@
-"""One request's fault is one request's error: a failure in the work a paged cache of ours does for one request fails
-that request, and the continuous-batching loop goes on with the others.
+"""One request's fault is one request's error: a failure in the work a paged cache of ours (quantized pages or
+`kv_compress`) does for one request fails that request, and the continuous-batching loop goes on with the others.
 
 transformers' generation loop treats any exception of a generation step as fatal: it stops the loop and fails every
 request, active and waiting, and a server then answers 503 to everything after. Prompt eviction does work per request
@@ -8,9 +8,10 @@ inside and after the forward (hf_kvcache.paged.eviction), so:
   recorded (`StepFaults.record`) and left out of the rest of the step's work; once transformers' `update_batch` has
   taken the step's tokens, it is failed (`fail_recorded`): its client gets the error (HTTP 500, or an error event on
   a stream), its pages go back to the pool;
-- a forward that raises (attention, the model) cannot be told apart by request: the requests of that batch are failed
-  (`forward_failed`), the step's update is skipped (it has no tokens), and the loop goes on with the requests that
-  were not in it.
+- a forward that raises (attention from the codes, the model) cannot be told apart by request: the requests of that
+  batch are failed (`forward_failed`, from the step: hf_kvcache.paged.step), the step's update is skipped (it has no
+  tokens), and the loop goes on with the requests that were not in it (synchronous batching; with async batching the
+  next batch is already in flight, and the fault stays fatal).
 Where transformers' internals for failing one request changed (`REQUEST_FAULTS`), the error propagates as
 transformers would have it (fatal), never silently swallowed.
 """
@@ -61,7 +62,7 @@ class StepFaults:
     def forward_failed(self, processor, error: Exception) -> None:
         """The step's forward raised `error`: fail the requests of its batch (raises `error` again where
         transformers' way of failing one request changed)."""
-        if not holds(REQUEST_FAULTS):
+        if not holds(REQUEST_FAULTS) or processor.use_async_batching:  # (async: the next batch is in flight)
             raise error
         batch = [future.state for future in requests_in_batch(processor)]
         logger.error("%s: a forward of %d requests failed", FIELD, len(batch), exc_info=error)
@@ -85,7 +86,7 @@ class StepFaults:
 
 def _with_request_faults(original):
     def update_batch(self):
-        faults = getattr(getattr(self.cache, "eviction", None), "faults", None)
+        faults = getattr(self.cache, "faults", None)
         if faults is None:
             return original(self)
         if faults.forward:  # the forward failed: its requests were failed, there are no tokens to take
@@ -103,6 +104,6 @@ def _with_request_faults(original):
     return update_batch
 
 
-patches.provide("ContinuousBatchProcessor.update_batch", _with_request_faults)  # (applied by eviction's `install`)
+patches.provide("ContinuousBatchProcessor.update_batch", _with_request_faults)  # (applied by step.install)
 
 __all__ = ["RequestFailed", "StepFaults"]
