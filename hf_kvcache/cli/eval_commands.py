@@ -42,7 +42,9 @@ def _caches(args, context_len: int | None, default=("dynamic",)) -> list[tuple[s
 
 
 def _check_model_arg(model: str) -> None:
-    if model == "smollm2":
+    from ..sharing.models import OFFLINE_MODELS
+
+    if model in OFFLINE_MODELS:
         return
     if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
         raise FileNotFoundError(f"--model {model!r}: no such model directory.")

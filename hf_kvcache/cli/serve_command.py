@@ -73,7 +73,7 @@ def add_serve_command(sub) -> None:
         "model",
         nargs="?",
         default="smollm2",
-        help="Hub id, local path, <repo>:<file>.gguf, or smollm2 (offline; default)",
+        help="Hub id, local path, <repo>:<file>.gguf, or an offline model: smollm2 (default) or gemma3",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -136,7 +136,7 @@ def add_serve_command(sub) -> None:
 def _serve(args) -> int:
     from ..integration.serving import run
     from ..paged.server import DEFAULT_PAGE_SIZE, build_server
-    from ..sharing.models import OFFLINE_MODEL, convert_smollm2
+    from ..sharing.models import offline_path
 
     kv_dtype = "model" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     PagedKVSpec.from_fields(kv_dtype, args.kv_cache_quantization)  # bad settings fail before the model loads
@@ -157,7 +157,7 @@ def _serve(args) -> int:
         return 2
     options = {name: getattr(args, name) for name in args.serve_option_names}
     page_size = options.pop("cb_block_size", None) or DEFAULT_PAGE_SIZE
-    model = str(convert_smollm2()) if args.model == OFFLINE_MODEL else args.model
+    model = offline_path(args.model)
     serve, plan = build_server(
         model,
         kv_dtype,

@@ -100,10 +100,10 @@ class HFKVCacheLM(HFLM):
         if decode_tail < 1 or cont_chunk < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise ValueError("`decode_tail` and `cont_chunk` must be >= 1 and `prefill_chunk` None or >= 1.")
         self.prefill_chunk, self.decode_tail, self.cont_chunk = prefill_chunk, decode_tail, cont_chunk
-        if isinstance(pretrained, str) and pretrained == "smollm2":
-            from ..sharing.models import convert_smollm2
+        if isinstance(pretrained, str):
+            from ..sharing.models import offline_path
 
-            pretrained = str(convert_smollm2())
+            pretrained = offline_path(pretrained)  # ("smollm2", "gemma3": the offline models)
         if kwargs.get("device") is None or (kwargs.get("device") == "cuda" and not torch.cuda.is_available()):
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         if kwargs.get("batch_size", 1) not in (1, "1"):

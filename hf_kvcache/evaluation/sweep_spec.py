@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..sharing.models import OFFLINE_MODELS
+
 __all__ = ["METRICS", "CacheEntry", "SpecError", "Sweep", "load_spec"]
 
 METRICS = ("quality", "ppl", "speed", "retrieval")
@@ -138,8 +140,10 @@ class Sweep:
 
 def _check_model(where: str, model: Any) -> None:
     if not isinstance(model, str) or not model:
-        raise _err(where, f"must be a Hub id, a local path or 'smollm2', got {model!r}")
-    if model == "smollm2":
+        raise _err(
+            where, f"must be a Hub id, a local path or an offline model ({', '.join(OFFLINE_MODELS)}), got {model!r}"
+        )
+    if model in OFFLINE_MODELS:
         return
     looks_local = model.startswith((".", "/", "~")) or (os.sep in model and os.path.exists(model.split(os.sep)[0]))
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
