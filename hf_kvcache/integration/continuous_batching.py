@@ -327,6 +327,8 @@ def fail_request(processor, state, error: Exception) -> None:
     require(REQUEST_FAULTS)
     processor._handle_request_error(error, state)
     processor.scheduler.finish_request(state.request_id)
+    if hasattr(processor.scheduler, "block_new_requests"):  # (as update_batch does when a request finishes: pages
+        processor.scheduler.block_new_requests = False  # came back, so a scheduler that offloaded admits again)
 
 
 def attention_takes_cache_rows(config) -> str | None:
