@@ -107,7 +107,7 @@ def test_streaming(tmp_path):
     assert outputs(nb, "image/png"), "no per-bucket plot shown"
     values = s.pop("_")
     sink, window, dense = s.values()
-    assert sink["tokens"] == sink["seen"] >= 16 * 1024  # really streamed (and scored) 16K+ tokens
+    assert sink["tokens"] == sink["seen"] > values["train"] + 1024  # really streamed (and scored) past the context
     assert sink["buckets"] == -(-sink["tokens"] // 1024)
     assert window["seen"] == dense["seen"] == 2048
     assert sink["bytes"] < dense["bytes"] and sink["bytes"] == pytest.approx(window["bytes"], rel=0.05)
