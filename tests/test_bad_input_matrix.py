@@ -1275,7 +1275,7 @@ CASES: list[Case] = [
     # -- sweep spec fields (what eval/specs/*.yaml hold), checked before any model is loaded ---------------------------
     spec_case("name", "a b", r"^name: must be a simple name \(letters, digits, \._-\), got 'a b'"),
     spec_case("model", None, r"^model: missing \(a Hub id, a local path or 'smollm2'\)", remove=True),
-    spec_case("model", 5, r"^model: must be a Hub id, a local path or 'smollm2', got 5"),
+    spec_case("model", 5, r"^model: must be a Hub id, a local path or an offline model \(smollm2, gemma3\), got 5"),
     spec_case("description", 5, r"^description: must be a string, got 5"),
     spec_case("dtype", "float64", r"^dtype: must be one of \['float32', 'bfloat16', 'float16'\], got 'float64'"),
     spec_case("threads", 0, r"^threads: must be an integer >= 1, got 0"),

@@ -300,15 +300,15 @@ def _check_eviction() -> str | None:
     "one request's fault is one request's error (hf_kvcache.paged.request_faults)",
 )
 def _check_request_faults() -> str | None:
-    processor = continuous_api.ContinuousBatchProcessor
-    if not all(hasattr(processor, name) for name in ("_handle_request_error", "update_batch")):
+    processor_class = continuous_api.ContinuousBatchProcessor
+    if not all(hasattr(processor_class, name) for name in ("_handle_request_error", "update_batch")):
         return "ContinuousBatchProcessor no longer has _handle_request_error and update_batch"
-    handle = parameters(processor._handle_request_error)
+    handle = parameters(processor_class._handle_request_error)
     if handle != ["self", "error", "state"]:
         return f"ContinuousBatchProcessor._handle_request_error takes {handle}, expected (error, state)"
-    if "fail_and_deliver(" not in source(processor._handle_request_error):
+    if "fail_and_deliver(" not in source(processor_class._handle_request_error):
         return "ContinuousBatchProcessor._handle_request_error no longer delivers the failure (fail_and_deliver)"
-    if parameters(processor.update_batch) != ["self"]:
+    if parameters(processor_class.update_batch) != ["self"]:
         return "ContinuousBatchProcessor.update_batch() changed its parameters"
     from transformers.generation.continuous_batching.scheduler import Scheduler
 
