@@ -115,6 +115,17 @@ def skip_unless_locked_versions(doc: str) -> None:
             pytest.skip(f"{doc} is generated with the locked {package} {locked}; this is {installed}")
 
 
+def offline_model(name: str):
+    """(model, tokenizer) of an offline model ("smollm2", "gemma3": hf_kvcache.sharing.models), or the test skips
+    saying what is missing."""
+    from hf_kvcache.sharing.models import load_model
+
+    try:
+        return load_model(name)
+    except (FileNotFoundError, ImportError) as error:
+        pytest.skip(f"offline {name} not available: {error}")
+
+
 def planted_surrogate(model, seed: int = 0):
     """A KVzap surrogate with random linear predictors shaped for `model` (its layers, the KV heads the cache holds,
     its hidden size): its predictions are what a KVzap cache must rank by."""

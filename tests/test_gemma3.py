@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import offline_model
 
 from hf_kvcache import FullCache, KIVICache, QuantizedFP8Cache
 
@@ -21,13 +22,9 @@ PROMPT, SCORED = 768, 32
 
 @pytest.fixture(scope="module")
 def gemma3():
-    try:
-        from hf_kvcache.sharing.corpus import load_tokens
-        from hf_kvcache.sharing.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
 
-        model, tokenizer = load_model("gemma3")
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"offline Gemma 3 not available: {error}")
+    model, tokenizer = offline_model("gemma3")
     return model, load_tokens(tokenizer, "pydoc", max_tokens=PROMPT + SCORED)[:, : PROMPT + SCORED]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, left_pad, random_ids
+from conftest import build_model, left_pad, offline_model, random_ids
 from conftest import planted_surrogate as planted
 
 import hf_kvcache
@@ -167,12 +167,7 @@ def test_bad_surrogates_are_refused_naming_the_parameter(tmp_path):
 
 
 def test_shipped_surrogate_fits_smollm2():
-    from hf_kvcache.sharing.models import load_model
-
-    try:
-        model, _ = load_model("smollm2")
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"offline SmolLM2 not available: {error}")
+    model, _ = offline_model("smollm2")
     cache = KVzapCache(model, budget=0.2)  # the shipped surrogate, found by the model
     assert cache.surrogate.kv_heads == model.config.num_key_value_heads
     assert hf_kvcache.CACHE_IMPLEMENTATIONS["kvzap"] is KVzapCache

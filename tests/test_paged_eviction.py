@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, random_ids
+from conftest import build_model, planted_surrogate, random_ids
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -68,15 +68,8 @@ def model():
 @pytest.fixture(scope="module")
 def surrogate_dir(tmp_path_factory, model):
     """A random linear KVzap surrogate for the tiny Llama (the method's plumbing, not its quality)."""
-    config = model.config
-    generator = torch.Generator().manual_seed(0)
-    heads = config.num_key_value_heads
-    weights = {
-        i: {"weight": torch.randn(heads, config.hidden_size, generator=generator), "bias": torch.zeros(heads)}
-        for i in range(config.num_hidden_layers)
-    }
     directory = tmp_path_factory.mktemp("surrogate")
-    Surrogate("linear", weights, {"model": "tiny llama"}).save(directory)
+    planted_surrogate(model).save(directory)
     return str(directory)
 
 

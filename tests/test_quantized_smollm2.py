@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import offline_model
 
 from hf_kvcache import FullCache, QuantizedFP8Cache, cache_kwargs
 
@@ -24,13 +25,9 @@ NEAR_TIE = 0.1  # logits
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        from hf_kvcache.sharing.corpus import load_tokens
-        from hf_kvcache.sharing.models import load_model
+    from hf_kvcache.sharing.corpus import load_tokens
 
-        model, tokenizer = load_model("smollm2")
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"offline SmolLM2 not available: {error}")
+    model, tokenizer = offline_model("smollm2")
     return model, load_tokens(tokenizer, "pydoc", max_tokens=PROMPT)
 
 

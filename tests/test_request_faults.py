@@ -14,8 +14,7 @@ The same through HTTP, with the pages counted by GET /v1/kv_cache: tests/test_se
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import build_model, random_ids
+from conftest import build_model, planted_surrogate, random_ids
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -25,7 +24,6 @@ from hf_kvcache.integration.contracts import broken
 from hf_kvcache.paged import eviction
 from hf_kvcache.paged.cache import QuantizedPagedAttentionCache
 from hf_kvcache.paged.compress_spec import parse
-from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
 PROMPT_LENGTHS = (40, 67, 23, 90)
 NEW_TOKENS = 6
@@ -129,15 +127,8 @@ def test_a_request_whose_compaction_fails_fails_alone(model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def surrogate_dir(tmp_path_factory, model):
-    config = model.config
-    generator = torch.Generator().manual_seed(0)
-    heads = config.num_key_value_heads
-    weights = {
-        i: {"weight": torch.randn(heads, config.hidden_size, generator=generator), "bias": torch.zeros(heads)}
-        for i in range(config.num_hidden_layers)
-    }
     directory = tmp_path_factory.mktemp("surrogate")
-    Surrogate("linear", weights, {"model": "tiny llama"}).save(directory)
+    planted_surrogate(model).save(directory)
     return str(directory)
 
 

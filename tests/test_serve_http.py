@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import offline_model
 
 from hf_kvcache.kernels import cpu_blockwise
 from hf_kvcache.paged.serve_process import ServerProcess
@@ -66,12 +67,7 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        from hf_kvcache.sharing.models import load_model
-
-        return load_model("smollm2")
-    except (FileNotFoundError, ImportError) as error:
-        pytest.skip(f"offline SmolLM2 not available: {error}")
+    return offline_model("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ from ..integration import patches
 from ..integration.attention_inputs import attention_modules, capture_attention_inputs
 from ..integration.prefill_chunks import cap_prefill_chunks
 from ..scorers.base import Prompt
-from . import codes_attention, step
+from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
 from .eviction_checks import check, surrogate_for
@@ -348,9 +348,8 @@ def _prefill_cap(scheduler, state) -> int | None:
 
 
 def install() -> None:
-    """Wrap continuous batching's generation step (hf_kvcache.paged.step, required here) and cap its prompts' chunks
-    (idempotent): the `paged_step` and `eviction` patches."""
-    step.install(required=True)
+    """Cap continuous batching's prompt chunks (idempotent): the `eviction` patches. The generation step eviction
+    runs in is hf_kvcache.paged.step's, which the cache installs (required) before this."""
     patches.install(patches.EVICTION)
     cap_prefill_chunks(_prefill_cap)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..integration import patches
 from ..integration.continuous_batching import REQUEST_FAULTS
 from ..integration.contracts import holds
+from ..integration.versions import UnsupportedTransformersError
 from . import request_faults  # noqa: F401  (provides the update_batch patch)
 
 
@@ -52,11 +53,12 @@ def install(required: bool = False) -> bool:
     """Wrap the generation step (and update_batch, where REQUEST_FAULTS holds); idempotent. `required` (prompt
     eviction needs the step): raise `UnsupportedTransformersError` where the step's contract changed; else return
     False and leave transformers' step alone."""
-    if not required and not all(
-        holds(name) for p in patches.PATCHES if p.group == patches.PAGED_STEP for name in p.contracts
-    ):
+    try:
+        patches.install(patches.PAGED_STEP)  # (requires the group's contracts first)
+    except UnsupportedTransformersError:
+        if required:
+            raise
         return False
-    patches.install(patches.PAGED_STEP)
     if holds(REQUEST_FAULTS):
         patches.install(patches.REQUEST_FAULTS)
     return True
