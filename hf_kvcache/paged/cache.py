@@ -36,6 +36,7 @@ import torch
 from ..integration import patches
 from ..integration.continuous_batching import (
     QUANTIZED_PAGES,
+    FullAttentionCacheAllocator,
     PagedAttentionCache,
     allocator_factories,
     attention_takes_cache_rows,
@@ -44,6 +45,7 @@ from ..integration.continuous_batching import (
 from ..integration.contracts import holds, require
 from . import codes_attention, compress_spec, eviction, eviction_checks, request_faults, step
 from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
+from .head_pages import HeadPagedAllocator
 from .spec import DTYPE_FIELD, OPTIONS_FIELD, PagedKVSpec
 
 logger = logging.getLogger(__name__)
@@ -75,7 +77,9 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         if dtype is not None:
             kwargs["dtype"] = dtype
         compress = compress_spec.from_cb_config(continuous_batching_config)  # (validated before the pages are built)
-        if self.kv_spec is None:
+        if compress is not None and compress.layout == "head":
+            self._build_head_pages(config, kwargs)
+        elif self.kv_spec is None:
             super().__init__(**kwargs)
         else:
             self._build_quantized(config, kwargs)
@@ -99,6 +103,26 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         self.num_blocks = (self.num_sectors * self.bytes_per_sector) // (layers * page_bytes)
         self._choose_attention_path(config, torch.device(device))
 
+    def _build_head_pages(self, config, kwargs) -> None:
+        """Pages of one (layer, KV head) (hf_kvcache.paged.head_pages), in the model's dtype or quantized by
+        `kv_spec`; attention reads them with the paged kernels, one KV head per (head, request) pair."""
+        require(*QUANTIZED_PAGES)
+        factory = functools.partial(HeadPagedAllocator, kv_spec=self.kv_spec)
+        with allocator_factories({FullAttentionCacheAllocator.layer_type: factory}):
+            super().__init__(**kwargs)
+        allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+        if not isinstance(allocator, HeadPagedAllocator) or len(self.cache_allocators) != 1:
+            raise ValueError(
+                f"`{compress_spec.FIELD}.layout` 'head' needs a model whose layers all use full attention, got "
+                f"{sorted(self.cache_allocators)}."
+            )
+        # capacity in whole-model blocks (every layer and head of `page_size` tokens), as transformers counts them
+        whole = allocator.streams * allocator.bytes_per_page
+        self.num_blocks = (self.num_sectors * self.bytes_per_sector) // whole
+        self.max_tokens_read = self.num_blocks * allocator.tokens_per_page  # (transformers' counts head pages)
+        codes_attention.install()
+        self.attention_path = "heads"
+
     #: prompt eviction (hf_kvcache.paged.eviction) when the continuous-batching config has `kv_compress`, else None
     eviction = None
     #: the requests a step failed (hf_kvcache.paged.request_faults), for quantized pages or `kv_compress`; None:
@@ -106,7 +130,8 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
     faults = None
 
     #: "codes" (full-attention layers attend straight from the pages: hf_kvcache.paged.codes_attention) or
-    #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"
+    #: "dequantize" (gather and dequantize, then transformers' attention); model-dtype pages: "model"; pages of one
+    #: (layer, head): "heads" (hf_kvcache.paged.head_pages)
     attention_path = "model"
 
     def _choose_attention_path(self, config, device: torch.device) -> None:
@@ -149,6 +174,15 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         allocator = self.layer_to_allocator[layer_idx]
         if self.eviction is not None:
             self.eviction.layer_kwargs(layer_idx, kwargs)
+        if isinstance(allocator, HeadPagedAllocator):  # write only; attention reads each head's pages
+            keys, values = super().update(key_states, value_states, layer_idx, kwargs)
+            if not codes_attention.active(self.config):
+                raise RuntimeError(
+                    f"`{compress_spec.FIELD}.layout` 'head': the model's attention function is not hf_kvcache's batch "
+                    "attention wrapper (someone replaced it after `import hf_kvcache`), so it cannot read head pages."
+                )
+            kwargs[codes_attention.KWARG] = allocator.layer_codes(layer_idx, (keys, values))
+            return keys, values
         codes = getattr(allocator, "codes_attention", False) and codes_attention.active(self.config)
         if codes:  # write only; the attention function reads the pages
             allocator.write_only = True

@@ -61,6 +61,13 @@ SINK_WINDOW = "sink_window"
 DEFAULT_METHOD = "keydiff"
 METHODS = (DEFAULT_METHOD, *(n for n, cls in SCORERS.items() if cls.prompt_reads and n != DEFAULT_METHOD), SINK_WINDOW)
 NONE = "none"
+#: how a request's kept tokens lie in the pages: "token" (transformers' rows of every head, the same tokens in every
+#: head and as many in every layer) or "head" (pages of one layer and KV head: hf_kvcache.paged.head_pages)
+LAYOUTS = ("token", "head")
+#: `layer_budget` / `head_budget` in head pages, KVzipCache's vocabulary
+ALLOTMENTS = ("uniform", "adaptive")
+#: `safeguard` when not given (KVzipCache's)
+SAFEGUARD = 0.2
 #: what a prompt keeps when `budget` is not given: a quarter of it
 BUDGET = 0.25
 #: the newest prompt tokens always kept when `recent` is None: this many, at most a quarter of what is kept
@@ -81,6 +88,10 @@ class CompressSpec:
     recent: int | None = None
     surrogate: str | None = None  # kvzap only
     chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
+    layout: str | None = None  # "token" or "head" pages (LAYOUTS; None: the cache's, i.e. its default spec's)
+    layer_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
+    head_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
+    safeguard: float | None = None  # head pages, adaptive heads: the share of a head's budget it keeps (None: 0.2)
     options: dict = field(default_factory=dict)  # the method's scorer's own other fields (options_of)
     ratio: InitVar[float | None] = None  # deprecated: the share evicted
     window: InitVar[int | None] = None  # deprecated: `recent` (the scorer's own `window` where it has one)
@@ -130,6 +141,7 @@ class CompressSpec:
                 f"`{FIELD}.chunk` cannot be used with method {self.method!r} (its window is the prompt's last queries, "
                 f"which a chunk does not have yet); use one of {_chunkable()} or chunk None."
             )
+        self._check_layout()
         if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
             raise ValueError(
                 f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
@@ -138,6 +150,41 @@ class CompressSpec:
         used = [name for name, value in old.items() if value is not None]
         if used:
             _deprecated(" and ".join(f"`{FIELD}.{name}`" for name in used), self)
+
+    def _check_layout(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"`{FIELD}.layout` must be one of {LAYOUTS} (or None: the cache's), got {self.layout!r}.")
+        allotment = {"layer_budget": self.layer_budget, "head_budget": self.head_budget, "safeguard": self.safeguard}
+        given = [name for name, value in allotment.items() if value is not None]
+        if given and self.layout == "token":
+            raise ValueError(
+                f"`{FIELD}` sets {given} with `{FIELD}.layout` 'token': budgets per layer and head need pages of one "
+                "(layer, head); use layout 'head' or leave them out."
+            )
+        for name in ("layer_budget", "head_budget"):
+            value = getattr(self, name)
+            if value is not None and value not in ALLOTMENTS:
+                raise ValueError(f"`{FIELD}.{name}` must be one of {ALLOTMENTS}, got {value!r}.")
+        if self.safeguard is not None:
+            safeguard = self.safeguard
+            if isinstance(safeguard, bool) or not isinstance(safeguard, (int, float)) or not 0.0 <= safeguard <= 1.0:
+                raise ValueError(
+                    f"`{FIELD}.safeguard` (the share of its budget every head keeps) must be in [0, 1], got "
+                    f"{safeguard!r}."
+                )
+        if self.layout == "head" and self.chunk is not None:
+            raise ValueError(
+                f"`{FIELD}.chunk` cannot be used with `{FIELD}.layout` 'head' yet (a chunk's scores would need each "
+                "head's own kept positions); use chunk None or layout 'token'."
+            )
+
+    def allotment(self) -> tuple[str, str, float]:
+        """(layer_budget, head_budget, safeguard) in head pages: KVzipCache's defaults where not given."""
+        return (
+            self.layer_budget or "adaptive",
+            self.head_budget or "adaptive",
+            SAFEGUARD if self.safeguard is None else float(self.safeguard),
+        )
 
     def kept(self, prompt: int) -> int:
         """Tokens a `prompt`-token prompt keeps: ceil(prompt x budget) for a share, at least 1; min(prompt, budget)
@@ -360,7 +407,7 @@ def _field_value(text: str, value: str) -> tuple[str, Any]:
         return name, int(raw)
     except ValueError:
         pass
-    if name in ("budget", "ratio"):
+    if name in ("budget", "ratio", "safeguard"):
         try:
             return name, float(raw)
         except ValueError:

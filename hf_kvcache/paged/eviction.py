@@ -49,7 +49,8 @@ from ..scorers.base import Prompt
 from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
-from .eviction_checks import check, surrogate_for
+from .eviction_checks import check, layout_of, surrogate_for
+from .head_allotment import kept_positions_per_head
 from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
 from .request_specs import LOCK, request_specs
@@ -125,6 +126,8 @@ class PagedEviction:
         #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
         self.request_specs: dict[str, CompressSpec | None] = request_specs(cb_config)
         self.stats = EvictionStats()
+        #: "head": pages of one (layer, head), each its own budget (hf_kvcache.paged.head_pages); else "token"
+        self.layout = layout_of(cache.cache_allocators)
         #: the requests a step failed (hf_kvcache.paged.request_faults: each fails alone, the loop goes on)
         self.faults = cache.faults
         self._captures: list[_Capture] = []
@@ -188,6 +191,9 @@ class PagedEviction:
             shifts.append(0 if info is None else info.shift)
             lengths.append(length)
             start += length
+        if self.layout == "head":
+            allocator = next(iter(self.cache.cache_allocators.values()))
+            allocator.plan_forward([(f.state.request_id, f.query_length) for f in batch], self.cache.device)
         if any(shifts):
             per_token = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(lengths))
             positions = processor.inputs_and_outputs.position_ids
@@ -294,7 +300,9 @@ class PagedEviction:
         seen = info.shift + held
         kept = min(spec.kept(seen), held)
         freed = 0
-        if kept < held:
+        if kept < held and self.layout == "head":
+            freed = self._compress_heads(state, info, held, kept)
+        elif kept < held:
             for allocator in self.cache.cache_allocators.values():
                 rows = torch.tensor(allocator.get_read_indices(request_id, 0, held), device=self.cache.device)
                 for layer_idx in allocator.layer_indices:
@@ -318,7 +326,30 @@ class PagedEviction:
         self.stats.tokens_kept += kept
         self.stats.requests_compressed += 1 if kept < seen else 0
 
-    def _prompt(self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor) -> Prompt:
+    def _compress_heads(self, state, info: RequestCompression, held: int, kept: int) -> int:
+        """Head pages: each (layer, head) keeps its own positions, allotted over the model and the heads by the
+        scorer's per-head scores (hf_kvcache.paged.head_allotment); `position_offset` becomes the average kept."""
+        allocator = next(iter(self.cache.cache_allocators.values()))
+        request_id, device = state.request_id, self.cache.device
+        scores = []
+        for layer, layer_idx in enumerate(allocator.layer_indices):
+            scorer = self._scorer(info, layer_idx)
+            keys = None
+            if "keys" in reads(info.spec.method):
+                keys = allocator.read_keys(request_id, layer, held, device)
+            prompt = self._prompt(info, None, layer_idx, torch.arange(held, device=device), keys=keys)
+            if scorer is None:  # sink_window: positions only
+                scores.append(torch.zeros(allocator.num_key_value_heads, held, device=device))
+            else:
+                scores.append(scorer.score(prompt).float())
+        positions = kept_positions_per_head(info.spec, held, scores)
+        freed = allocator.compact(request_id, positions)
+        state.position_offset = kept
+        return freed
+
+    def _prompt(
+        self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor, keys: torch.Tensor | None = None
+    ) -> Prompt:
         """What the method's scorer reads of the `rows` held (`prompt_reads`), from the pages and the captures."""
         wanted = reads(info.spec.method)
         fields = {}
@@ -331,7 +362,7 @@ class PagedEviction:
                 )
             fields["arrived"] = torch.cat(chunks, -1)
         if "keys" in wanted:
-            fields["keys"] = read_keys(allocator, layer_idx, rows).transpose(0, 1)  # [Hkv, P, D]
+            fields["keys"] = keys if keys is not None else read_keys(allocator, layer_idx, rows).transpose(0, 1)
         if "queries" in wanted:
             if layer_idx not in info.queries:
                 raise RuntimeError(

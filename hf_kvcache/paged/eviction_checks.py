@@ -68,6 +68,17 @@ def check_model(spec: CompressSpec | None, config) -> None:
         raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
 
 
+def layout_of(cache_allocators: dict) -> str:
+    """"head" for pages of one (layer, head) (hf_kvcache.paged.head_pages), else "token"."""
+    from .head_pages import HeadPagedAllocator
+
+    return "head" if any(isinstance(a, HeadPagedAllocator) for a in cache_allocators.values()) else "token"
+
+
+def _has_sinks(config) -> bool:
+    return "gpt_oss" in str(getattr(config, "model_type", ""))
+
+
 def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
     """Raise ValueError naming `kv_compress` when `spec` cannot run on this cache (see the module docstring)."""
     _refuse_layer_types(
@@ -75,6 +86,14 @@ def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
     )
     if spec is None:
         return
+    layout = layout_of(cache_allocators)
+    if spec.layout is not None and spec.layout != layout:
+        raise ValueError(
+            f"`{FIELD}.layout` {spec.layout!r}: this cache's pages are laid out by {layout!r} (its `{FIELD}`'s "
+            "layout, fixed when its pages are built); leave `layout` out to use them."
+        )
+    if layout == "head" and getattr(config, "layer_types", None) is not None and _has_sinks(config):
+        raise ValueError(f"`{FIELD}.layout` 'head' does not run models with attention sinks yet; use layout 'token'.")
     reason = unavailable(spec, config)
     if reason is not None:
         raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")

@@ -1,0 +1,310 @@
+"""Pages of one (layer, KV head) (`kv_compress` layout "head", hf_kvcache.paged.head_pages, issue 60).
+
+- uncompressed, head pages generate what transformers' pages generate, token for token (model dtype and FP8);
+- compressed, generate_batch equals an independent reference that keeps every prompt token in a DynamicCache and masks,
+  per (layer, KV head), the positions that head evicted (float32 tiny Llama, greedy, prompts prefilled in chunks
+  beside other requests), for every method; positions are the original ones because nothing moves there;
+- a request holds exactly the sum over (layer, head) of its pages, every page is free after the batch, and the
+  allotment keeps the budget on average with per-head and per-layer counts that differ;
+- the attention paths agree (native kernel, PyTorch loop; Triton under TRITON_INTERPRET=1 where installed);
+- errors name the field.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, planted_surrogate, random_ids
+from transformers import AttentionInterface, DynamicCache, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import hf_kvcache  # noqa: F401  (installs the paged cache)
+from hf_kvcache.integration.attention_inputs import capture_attention_inputs
+from hf_kvcache.integration.cache_argument import cache_kwargs
+from hf_kvcache.integration.continuous_batching import update_caller
+from hf_kvcache.paged import eviction, head_pages
+from hf_kvcache.paged.compress_spec import CompressSpec, parse
+from hf_kvcache.paged.head_allotment import kept_positions_per_head
+from hf_kvcache.paged.prompt_scores import prompt_scorer
+from hf_kvcache.scorers.base import Prompt
+from hf_kvcache.scorers.kvzap_surrogate import Surrogate
+
+PROMPT_LENGTHS = (40, 67, 23, 90)
+NEW_TOKENS = 8
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
+REFERENCE = "hf_kvcache_head_mask_reference"
+_MASKS: dict[int, torch.Tensor] = {}  # layer -> [Hkv, P] kept prompt positions (the reference's evictions)
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, with the prompt positions a (layer, head) evicted masked for that head's query heads."""
+    keep = _MASKS.get(module.layer_idx)
+    if keep is not None:
+        heads, prompt = keep.shape
+        bias = torch.zeros(1, query.shape[1], query.shape[2], key.shape[2], dtype=query.dtype)
+        hidden = torch.where(keep, 0.0, float("-inf")).repeat_interleave(query.shape[1] // heads, 0)
+        bias[..., :prompt] = hidden[None, :, None, :]
+        if attention_mask is not None:
+            mask = attention_mask[..., : key.shape[2]]
+            bias = bias + (torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask)
+        attention_mask = bias
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(REFERENCE, _masked_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(REFERENCE, sdpa_mask)
+
+
+def _prompts():
+    return [random_ids(1, n, seed=n)[0].tolist() for n in PROMPT_LENGTHS]
+
+
+def _cb(compress=None, kv_dtype=None, **kwargs):
+    settings = dict(num_blocks=48, page_size=8, max_batch_tokens=32, allow_block_sharing=False, max_memory_percent=0.9)
+    settings.update(kwargs)
+    cb = ContinuousBatchingConfig(**settings)
+    if compress is not None:
+        cb.kv_compress = compress
+    if kv_dtype is not None:
+        cb.kv_cache_dtype = kv_dtype
+    return cb
+
+
+def _generate(model, prompts, cb):
+    out = model.generate_batch(prompts, generation_config=GREEDY, continuous_batching_config=cb, warmup=False)
+    assert all(o.error is None for o in out.values()), [o.error for o in out.values()]
+    return [o.generated_tokens for _, o in sorted(out.items(), key=lambda item: int(item[0].split("_")[-1]))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def surrogate_dir(tmp_path_factory, model):
+    directory = tmp_path_factory.mktemp("surrogate")
+    planted_surrogate(model).save(directory)
+    return str(directory)
+
+
+def _head_scores(model, prompt: list[int], spec: CompressSpec, surrogate) -> tuple[list[torch.Tensor], object]:
+    """The method's per-head scores [Hkv, P] per layer from a DynamicCache prefill, and the prefill's logits."""
+    ids = torch.tensor([prompt])
+    hidden, cache = {}, DynamicCache()
+    with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
+        logits = model(ids, **cache_kwargs(cache)).logits
+    length = len(prompt)
+    cos, sin = model.model.rotary_emb(hidden[0], torch.arange(length)[None])
+    scores = []
+    for i, layer in enumerate(cache.layers):
+        attention = model.model.layers[i].self_attn
+        inputs = {"keys": layer.keys[0]}
+        if spec.method == "kvzap":
+            inputs = {"arrived": surrogate.predict(i, hidden[i])[0]}
+        if spec.method == "snapkv":
+            query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
+            query, _ = apply_rotary_pos_emb(query, query, cos, sin)
+            inputs.update(queries=query[0, :, -spec.options.get("window", 64) :], scaling=attention.scaling)
+        scorer = prompt_scorer(spec, i, surrogate)
+        heads = layer.keys.shape[1]
+        scores.append(torch.zeros(heads, length) if scorer is None else scorer.score(Prompt(**inputs)).float())
+    return scores, (cache, logits)
+
+
+def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[int]:
+    """Greedy tokens when each (layer, head) attends only to the prompt positions it keeps (masked, never moved)."""
+    scores, (cache, logits) = _head_scores(model, prompt, spec, surrogate)
+    heads = scores[0].shape[0]
+    kept = kept_positions_per_head(spec, len(prompt), scores)
+    _MASKS.clear()
+    for layer in range(len(scores)):
+        mask = torch.zeros(heads, len(prompt), dtype=torch.bool)
+        for h in range(heads):
+            mask[h, kept[layer * heads + h]] = True
+        _MASKS[layer] = mask
+    token, tokens = int(logits[0, -1].argmax()), []
+    tokens.append(token)
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = REFERENCE
+    try:
+        with torch.no_grad():
+            for step in range(NEW_TOKENS - 1):
+                out = model(torch.tensor([[token]]), **cache_kwargs(cache), position_ids=torch.tensor([[len(prompt) + step]]))
+                token = int(out.logits[0, -1].argmax())
+                tokens.append(token)
+    finally:
+        model.config._attn_implementation = saved
+        _MASKS.clear()
+    return tokens
+
+
+def _spec(method, surrogate_dir, **fields):
+    options = {"window": 8} if method == "snapkv" else {}
+    surrogate = surrogate_dir if method == "kvzap" else None
+    return CompressSpec(method=method, budget=0.4, layout="head", surrogate=surrogate, options=options, **fields)
+
+
+def test_uncompressed_head_pages_generate_what_transformers_pages_do(model):
+    prompts = _prompts()
+    whole = {"method": "keydiff", "budget": 10_000, "layout": "head"}  # a budget no prompt reaches
+    assert _generate(model, prompts, _cb(whole)) == _generate(model, prompts, _cb())
+    assert _generate(model, prompts, _cb(whole, "fp8_e4m3")) == _generate(model, prompts, _cb(None, "fp8_e4m3"))
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("method", ["keydiff", "knorm", "sink_window", "snapkv", "kvzap"])
+def test_generate_batch_equals_masking_what_each_head_evicts(model, surrogate_dir, method):
+    if method == "snapkv" and update_caller() != "model attention":
+        pytest.skip("snapkv's queries come through the attention function after the cache's update (>= 5.24)")
+    spec = _spec(method, surrogate_dir)
+    prompts = _prompts()
+    got = _generate(model, prompts, _cb(spec.to_dict()))
+    surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
+    assert got == [_reference(model, prompt, spec, surrogate) for prompt in prompts]
+    if method != "sink_window":  # per head, the tokens kept differ from one score per token's
+        token = CompressSpec(method=method, budget=0.4, surrogate=spec.surrogate, options=spec.options)
+        assert got != _generate(model, prompts, _cb(token.to_dict()))
+
+
+@pytest.mark.parametrize("allotment", [("uniform", "uniform"), ("adaptive", "uniform"), ("uniform", "adaptive")])
+def test_every_allotment_equals_the_reference(model, surrogate_dir, allotment):
+    spec = _spec("keydiff", surrogate_dir, layer_budget=allotment[0], head_budget=allotment[1])
+    prompts = _prompts()
+    assert _generate(model, prompts, _cb(spec.to_dict())) == [_reference(model, p, spec, None) for p in prompts]
+
+
+def test_fp8_head_pages_compress_and_free_every_page(model):
+    prompts = _prompts()
+    results, cache, held = _manager_run(model, prompts, _cb("knorm:budget=0.3:layout=head", "fp8_e4m3"))
+    assert all(r.error is None for r in results.values())
+    assert cache.attention_path == "heads" and held["free_after"] == held["free_before"]
+
+
+def _manager_run(model, prompts, cb):
+    """Run `prompts` on a manager we can inspect: (outputs, the cache, the blocks each request held right after its
+    prompt was compressed, against its streams' lengths, and the pool's free blocks before and after)."""
+    seen = {}
+    compress = eviction.PagedEviction._compress_heads
+
+    def recording(self, state, info, held, kept):
+        freed = compress(self, state, info, held, kept)
+        allocator = next(iter(self.cache.cache_allocators.values()))
+        rid = state.request_id
+        seen[rid] = (allocator.held_blocks(rid), allocator.lengths[rid], allocator.tokens_per_page, held, kept)
+        return freed
+
+    eviction.PagedEviction._compress_heads = recording
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=cb)
+    manager.start()
+    try:
+        while manager.batch_processor is None:
+            pass
+        cache = manager.batch_processor.cache
+        allocator = next(iter(cache.cache_allocators.values()))
+        free_before = _free_blocks(allocator)
+        ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
+        results = {rid: manager.get_result(request_id=rid, timeout=120) for rid in ids}
+    finally:
+        manager.stop(block=True)
+        eviction.PagedEviction._compress_heads = compress
+    seen["free_before"] = free_before
+    seen["free_after"] = _free_blocks(allocator)
+    assert not any(allocator.block_table.values()) and not allocator.tables
+    return results, cache, seen
+
+
+def _free_blocks(allocator) -> int:
+    pool = allocator.pool
+    return pool.count_free_blocks(allocator.index) + pool.num_free_sectors * allocator.blocks_per_sector
+
+
+def test_a_request_holds_the_sum_of_its_heads_pages(model):
+    """Right after compression a request holds sum over (layer, head) of ceil(kept / page) blocks: never the largest
+    head's count in every head; lengths differ across heads and layers; every page is free after the batch."""
+    prompts = _prompts()
+    spec = parse("keydiff:budget=0.3:layout=head")
+    results, cache, seen = _manager_run(model, prompts, _cb(spec.to_dict(), page_size=4, num_blocks=96))
+    assert all(r.error is None for r in results.values())
+    held_pages, widest_pages = 0, 0
+    for i, n in enumerate(PROMPT_LENGTHS):
+        blocks, lengths, page, held, kept = seen[f"req_{i}"]
+        assert held == n and kept == spec.kept(n)
+        assert blocks == sum(-(-k // page) for k in lengths)
+        assert sum(lengths) == kept * len(lengths)  # the budget, on average over the streams
+        assert len(set(lengths)) > 1  # per-head and per-layer budgets differ
+        held_pages, widest_pages = held_pages + blocks, widest_pages + len(lengths) * -(-max(lengths) // page)
+    assert held_pages < widest_pages
+    stats = cache.eviction.stats
+    assert stats.tokens_kept == sum(spec.kept(n) for n in PROMPT_LENGTHS) and stats.pages_freed > 0
+
+
+def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
+    torch.manual_seed(0)
+    scores = [torch.randn(3, 200) * (1 + layer) for layer in range(4)]
+    spec = CompressSpec(method="keydiff", budget=0.25, layout="head", recent=8, sinks=4)
+    kept = kept_positions_per_head(spec, 200, scores)
+    counts = [k.numel() for k in kept]
+    assert sum(counts) == spec.kept(200) * 12
+    for layer in range(4):  # sinks, window and the safeguard of the layer's average in every head
+        layer_counts = counts[3 * layer : 3 * layer + 3]
+        pool = sum(layer_counts) - 3 * (4 + 8)  # the layer's scored share
+        assert min(layer_counts) >= 4 + 8 + max(0, int((pool // 3 + 4 + 8) * 0.2) - 4)
+    assert sum(counts[9:]) > sum(counts[:3])  # the layer whose scores spread most gets more of the model's budget
+    for k in kept:
+        assert k.tolist() == sorted(set(k.tolist())) and k[:4].tolist() == [0, 1, 2, 3] and k[-1] == 199
+    uniform = kept_positions_per_head(CompressSpec(budget=0.25, layout="head", layer_budget="uniform",
+                                                   head_budget="uniform", recent=8), 200, scores)  # fmt: skip
+    assert {k.numel() for k in uniform} == {spec.kept(200)}
+
+
+def test_the_attention_paths_agree(model, monkeypatch):
+    """The native kernel and the PyTorch loop give the same tokens; so does Triton interpreted, where installed."""
+    prompts = _prompts()
+    value = "knorm:budget=0.3:layout=head"
+    native = _generate(model, prompts, _cb(value))
+    attend = head_pages.HeadPagedCodes.attend
+    monkeypatch.setattr(
+        head_pages.HeadPagedCodes, "attend", lambda self, q, s, c=None, k=None: attend(self, q, s, c, k, "torch")
+    )
+    assert _generate(model, prompts, _cb(value)) == native
+    assert _generate(model, prompts, _cb(value, "fp8_e4m3")) == _native_fp8(model, prompts, value, monkeypatch, attend)
+
+
+def _native_fp8(model, prompts, value, monkeypatch, attend):
+    monkeypatch.setattr(head_pages.HeadPagedCodes, "attend", attend)
+    return _generate(model, prompts, _cb(value, "fp8_e4m3"))
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"method": "keydiff", "layout": "row"}, "kv_compress.layout"),
+        ({"method": "keydiff", "head_budget": "adaptive", "layout": "token"}, "kv_compress"),
+        ({"method": "keydiff", "head_budget": "max", "layout": "head"}, "kv_compress.head_budget"),
+        ({"method": "keydiff", "layer_budget": 1, "layout": "head"}, "kv_compress.layer_budget"),
+        ({"method": "keydiff", "safeguard": 1.5, "layout": "head"}, "kv_compress.safeguard"),
+        ({"method": "keydiff", "chunk": 16, "layout": "head"}, "kv_compress.chunk"),
+    ],
+)
+def test_bad_layout_settings_name_the_field(value, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        parse(value)
+
+
+def test_a_request_cannot_ask_for_another_layout(model):
+    manager = model.init_continuous_batching(
+        generation_config=GREEDY, continuous_batching_config=_cb("keydiff:budget=0.3:layout=head")
+    )
+    manager.start()
+    try:
+        while manager.batch_processor is None:
+            pass
+        with pytest.raises(ValueError, match=r"kv_compress\.layout"):
+            manager.batch_processor.cache.eviction.set_request_spec("r", parse("keydiff:budget=0.3:layout=token"))
+        manager.batch_processor.cache.eviction.set_request_spec("r", parse("knorm:budget=0.5"))  # the cache's layout
+    finally:
+        manager.stop(block=True)
