@@ -58,6 +58,12 @@ def main(argv=None) -> dict:
         help="http: the server; generate: the same method on the same prompts one request at a time in this process "
         "(hf_kvcache.evaluation.eviction_reference), for the comparison (results under OUT/generate)",
     )
+    p.add_argument(
+        "--kv-layout",
+        choices=("token", "head"),
+        default="token",
+        help="the server's page layout (hf-kvcache serve --kv-layout); rows of 'head' are named SETTING@head",
+    )
     p.add_argument("--out", default=str(ROOT / "eval/results/ruler_http"))
     args = p.parse_args(argv)
     for value in args.kv_compress:
@@ -76,7 +82,7 @@ def main(argv=None) -> dict:
         for seed in range(args.samples):
             sample = make_sample(task, context_len=args.length, seed=seed, tokenizer=tokenizer)
             for setting in args.kv_compress:
-                if (setting, task, seed) not in done:
+                if (_row(setting, args.kv_layout), task, seed) not in done:
                     jobs.append((setting, task, seed, sample))
     if args.through == "generate":
         return _through_generate(args, model, tokenizer, jobs, done, results_path, out)
@@ -94,6 +100,8 @@ def main(argv=None) -> dict:
         str(args.page_size),
         "--kv-compress",
         "none",
+        "--kv-layout",
+        args.kv_layout,
         request_timeout=1800,
     )
 
@@ -108,7 +116,7 @@ def main(argv=None) -> dict:
         )
         text = response.choices[0].text
         return {
-            "kv_compress": setting,
+            "kv_compress": _row(setting, args.kv_layout),
             "task": task,
             "seed": seed,
             "context_len": args.length,
@@ -132,12 +140,17 @@ def main(argv=None) -> dict:
     return write_cells(args, done, out, eviction)
 
 
+def _row(setting: str, layout: str) -> str:
+    """A setting's name in the results: SETTING, or SETTING@head on head pages."""
+    return setting if layout == "token" else f"{setting}@{layout}"
+
+
 def write_cells(args, done: dict, out: Path, eviction) -> dict:
     """OUT/cells.json and OUT/cells.csv from the answers `done`, printed too."""
     from hf_kvcache.evaluation.ruler.board import interval95
 
     cells = []
-    settings = list(dict.fromkeys([*args.kv_compress, *(s for s, _, _ in done)]))
+    settings = list(dict.fromkeys([*(_row(s, args.kv_layout) for s in args.kv_compress), *(s for s, _, _ in done)]))
     tasks = list(dict.fromkeys([*args.tasks, *(t for _, t, _ in done)]))
     for setting in settings:  # every answer on record, not only this run's settings: runs may ask for a subset
         for task in tasks:
@@ -162,7 +175,7 @@ def write_cells(args, done: dict, out: Path, eviction) -> dict:
         writer.writeheader()
         writer.writerows(cells)
     for cell in cells:
-        print(f"{cell['kv_compress']:>14} {cell['task']}: {cell['score']:.2f} {cell['ci95']} (n={cell['n']})")
+        print(f"{cell['kv_compress']:>19} {cell['task']}: {cell['score']:.2f} {cell['ci95']} (n={cell['n']})")
     return summary
 
 

@@ -62,12 +62,13 @@ def _prompts():
     return [random_ids(1, n, seed=n)[0].tolist() for n in PROMPT_LENGTHS]
 
 
-def _cb(compress=None, kv_dtype=None, **kwargs):
+def _cb(compress=None, kv_dtype=None, layout="head", **kwargs):
     settings = dict(num_blocks=48, page_size=8, max_batch_tokens=32, allow_block_sharing=False, max_memory_percent=0.9)
     settings.update(kwargs)
     cb = ContinuousBatchingConfig(**settings)
     if compress is not None:
         cb.kv_compress = compress
+        cb.kv_compress_layout = layout
     if kv_dtype is not None:
         cb.kv_cache_dtype = kv_dtype
     return cb
@@ -145,12 +146,12 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[
 def _spec(method, surrogate_dir, **fields):
     options = {"window": 8} if method == "snapkv" else {}
     surrogate = surrogate_dir if method == "kvzap" else None
-    return CompressSpec(method=method, budget=0.4, layout="head", surrogate=surrogate, options=options, **fields)
+    return CompressSpec(method=method, budget=0.4, surrogate=surrogate, options=options, **fields)
 
 
 def test_uncompressed_head_pages_generate_what_transformers_pages_do(model):
     prompts = _prompts()
-    whole = {"method": "keydiff", "budget": 10_000, "layout": "head"}  # a budget no prompt reaches
+    whole = {"method": "keydiff", "budget": 10_000}  # a budget no prompt reaches
     assert _generate(model, prompts, _cb(whole)) == _generate(model, prompts, _cb())
     assert _generate(model, prompts, _cb(whole, "fp8_e4m3")) == _generate(model, prompts, _cb(None, "fp8_e4m3"))
 
@@ -167,7 +168,7 @@ def test_generate_batch_equals_masking_what_each_head_evicts(model, surrogate_di
     assert got == [_reference(model, prompt, spec, surrogate) for prompt in prompts]
     if method != "sink_window":  # per head, the tokens kept differ from one score per token's
         token = CompressSpec(method=method, budget=0.4, surrogate=spec.surrogate, options=spec.options)
-        assert got != _generate(model, prompts, _cb(token.to_dict()))
+        assert got != _generate(model, prompts, _cb(token.to_dict(), layout="token"))
 
 
 @pytest.mark.parametrize("allotment", [("uniform", "uniform"), ("adaptive", "uniform"), ("uniform", "adaptive")])
@@ -179,7 +180,7 @@ def test_every_allotment_equals_the_reference(model, surrogate_dir, allotment):
 
 def test_fp8_head_pages_compress_and_free_every_page(model):
     prompts = _prompts()
-    results, cache, held = _manager_run(model, prompts, _cb("knorm:budget=0.3:layout=head", "fp8_e4m3"))
+    results, cache, held = _manager_run(model, prompts, _cb("knorm:budget=0.3", "fp8_e4m3"))
     assert all(r.error is None for r in results.values())
     assert cache.attention_path == "heads" and held["free_after"] == held["free_before"]
 
@@ -226,7 +227,7 @@ def test_a_request_holds_the_sum_of_its_heads_pages(model):
     """Right after compression a request holds sum over (layer, head) of ceil(kept / page) blocks: never the largest
     head's count in every head; lengths differ across heads and layers; every page is free after the batch."""
     prompts = _prompts()
-    spec = parse("keydiff:budget=0.3:layout=head")
+    spec = parse("keydiff:budget=0.3")
     results, cache, seen = _manager_run(model, prompts, _cb(spec.to_dict(), page_size=4, num_blocks=96))
     assert all(r.error is None for r in results.values())
     held_pages, widest_pages = 0, 0
@@ -245,7 +246,7 @@ def test_a_request_holds_the_sum_of_its_heads_pages(model):
 def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
     torch.manual_seed(0)
     scores = [torch.randn(3, 200) * (1 + layer) for layer in range(4)]
-    spec = CompressSpec(method="keydiff", budget=0.25, layout="head", recent=8, sinks=4)
+    spec = CompressSpec(method="keydiff", budget=0.25, recent=8, sinks=4)
     kept = kept_positions_per_head(spec, 200, scores)
     counts = [k.numel() for k in kept]
     assert sum(counts) == spec.kept(200) * 12
@@ -256,7 +257,7 @@ def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
     assert sum(counts[9:]) > sum(counts[:3])  # the layer whose scores spread most gets more of the model's budget
     for k in kept:
         assert k.tolist() == sorted(set(k.tolist())) and k[:4].tolist() == [0, 1, 2, 3] and k[-1] == 199
-    uniform = kept_positions_per_head(CompressSpec(budget=0.25, layout="head", layer_budget="uniform",
+    uniform = kept_positions_per_head(CompressSpec(budget=0.25, layer_budget="uniform",
                                                    head_budget="uniform", recent=8), 200, scores)  # fmt: skip
     assert {k.numel() for k in uniform} == {spec.kept(200)}
 
@@ -264,7 +265,7 @@ def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
 def test_the_attention_paths_agree(model, monkeypatch):
     """The native kernel and the PyTorch loop give the same tokens; so does Triton interpreted, where installed."""
     prompts = _prompts()
-    value = "knorm:budget=0.3:layout=head"
+    value = "knorm:budget=0.3"
     native = _generate(model, prompts, _cb(value))
     attend = head_pages.HeadPagedCodes.attend
     monkeypatch.setattr(
@@ -282,29 +283,44 @@ def _native_fp8(model, prompts, value, monkeypatch, attend):
 @pytest.mark.parametrize(
     "value, field",
     [
-        ({"method": "keydiff", "layout": "row"}, "kv_compress.layout"),
-        ({"method": "keydiff", "head_budget": "adaptive", "layout": "token"}, "kv_compress"),
-        ({"method": "keydiff", "head_budget": "max", "layout": "head"}, "kv_compress.head_budget"),
-        ({"method": "keydiff", "layer_budget": 1, "layout": "head"}, "kv_compress.layer_budget"),
-        ({"method": "keydiff", "safeguard": 1.5, "layout": "head"}, "kv_compress.safeguard"),
-        ({"method": "keydiff", "chunk": 16, "layout": "head"}, "kv_compress.chunk"),
+        ({"method": "keydiff", "head_budget": "max"}, "kv_compress.head_budget"),
+        ({"method": "keydiff", "layer_budget": 1}, "kv_compress.layer_budget"),
+        ({"method": "keydiff", "safeguard": 1.5}, "kv_compress.safeguard"),
     ],
 )
-def test_bad_layout_settings_name_the_field(value, field):
+def test_bad_allotment_settings_name_the_field(value, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         parse(value)
 
 
-def test_a_request_cannot_ask_for_another_layout(model):
-    manager = model.init_continuous_batching(
-        generation_config=GREEDY, continuous_batching_config=_cb("keydiff:budget=0.3:layout=head")
-    )
+@pytest.mark.parametrize(
+    "value, layout, field",
+    [
+        ("keydiff:budget=0.3:head_budget=uniform", "token", "kv_compress.head_budget"),
+        ("keydiff:budget=0.3:safeguard=0.1", "token", "kv_compress.safeguard"),
+        ("keydiff:budget=0.3:chunk=16", "head", "kv_compress.chunk"),
+    ],
+)
+def test_settings_the_layout_cannot_run_name_the_field(model, value, layout, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        parse(value).check_layout(layout)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        model.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb(value, layout=layout))
+
+
+def test_a_bad_layout_names_the_field(model):
+    with pytest.raises(ValueError, match="kv_compress_layout"):
+        model.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm", layout="row"))
+
+
+def test_a_request_spec_is_checked_against_the_cache_layout(model):
+    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=_cb("keydiff:budget=0.3"))
     manager.start()
     try:
         while manager.batch_processor is None:
             pass
-        with pytest.raises(ValueError, match=r"kv_compress\.layout"):
-            manager.batch_processor.cache.eviction.set_request_spec("r", parse("keydiff:budget=0.3:layout=token"))
-        manager.batch_processor.cache.eviction.set_request_spec("r", parse("knorm:budget=0.5"))  # the cache's layout
+        with pytest.raises(ValueError, match=r"kv_compress\.chunk"):
+            manager.batch_processor.cache.eviction.set_request_spec("r", parse("keydiff:budget=0.3:chunk=16"))
+        manager.batch_processor.cache.eviction.set_request_spec("r", parse("knorm:budget=0.5:head_budget=uniform"))
     finally:
         manager.stop(block=True)

@@ -11,6 +11,7 @@ import re
 import sys
 
 from ..paged.compress_spec import METHODS as COMPRESS_METHODS
+from ..paged.compress_spec import DEFAULT_LAYOUT, LAYOUTS
 from ..paged.compress_spec import parse as parse_compression
 from ..paged.spec import KV_DTYPES, PagedKVSpec
 from .args import positive_int
@@ -106,6 +107,14 @@ def add_serve_command(sub) -> None:
         "the old METHOD:RATIO, the share evicted, still works with a warning); default: no eviction",
     )
     p.add_argument(
+        "--kv-layout",
+        default=None,
+        choices=LAYOUTS,
+        help="how the pages hold what --kv-compress keeps: 'token' (transformers' rows of every KV head: every head "
+        "and layer keeps the same tokens) or 'head' (pages of one layer and KV head: each its own budget, allotted "
+        f"over the model and the heads as KVzipCache allots them; docs/serving.md); default {DEFAULT_LAYOUT}",
+    )
+    p.add_argument(
         "--typical-request-tokens",
         type=positive_int,
         default=1024,
@@ -167,6 +176,7 @@ def _serve(args) -> int:
         options,
         alias=args.model,
         kv_compress=kv_compress,
+        kv_layout=args.kv_layout,
     )
     for line in plan.lines(args.typical_request_tokens):
         print(line)

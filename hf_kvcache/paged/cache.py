@@ -35,12 +35,15 @@ import torch
 
 from ..integration import patches
 from ..integration.continuous_batching import (
+    HEAD_PAGES,
     QUANTIZED_PAGES,
     FullAttentionCacheAllocator,
     PagedAttentionCache,
     allocator_factories,
     attention_takes_cache_rows,
     cb_config_of,
+    find_num_key_value_heads,
+    tokens_per_sector_divided,
 )
 from ..integration.contracts import holds, require
 from . import codes_attention, compress_spec, eviction, eviction_checks, request_faults, step
@@ -77,14 +80,14 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         if dtype is not None:
             kwargs["dtype"] = dtype
         compress = compress_spec.from_cb_config(continuous_batching_config)  # (validated before the pages are built)
-        if compress is not None and compress.layout == "head":
+        evicting = getattr(continuous_batching_config, compress_spec.FIELD, None) is not None  # ("none": per request)
+        if evicting and compress_spec.layout_of(continuous_batching_config) == "head":
             self._build_head_pages(config, kwargs)
         elif self.kv_spec is None:
             super().__init__(**kwargs)
         else:
             self._build_quantized(config, kwargs)
         self.eviction = None
-        evicting = getattr(continuous_batching_config, compress_spec.FIELD, None) is not None  # ("none": per request)
         if self.kv_spec is not None or evicting:
             self.faults = request_faults.StepFaults() if step.install(required=evicting) else None
         if evicting:
@@ -106,20 +109,37 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
     def _build_head_pages(self, config, kwargs) -> None:
         """Pages of one (layer, KV head) (hf_kvcache.paged.head_pages), in the model's dtype or quantized by
         `kv_spec`; attention reads them with the paged kernels, one KV head per (head, request) pair."""
-        require(*QUANTIZED_PAGES)
+        require(*QUANTIZED_PAGES, HEAD_PAGES)
         factory = functools.partial(HeadPagedAllocator, kv_spec=self.kv_spec)
-        with allocator_factories({FullAttentionCacheAllocator.layer_type: factory}):
+        heads, helper = find_num_key_value_heads(config), kwargs["distributed_helper"]
+        if helper.tp_size > 1 and helper.are_kv_heads_tp_ed():  # (as transformers splits them)
+            heads //= helper.tp_size
+        streams = config.num_hidden_layers * heads
+        with allocator_factories({FullAttentionCacheAllocator.layer_type: factory}), tokens_per_sector_divided(streams):
             super().__init__(**kwargs)
         allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
         if not isinstance(allocator, HeadPagedAllocator) or len(self.cache_allocators) != 1:
             raise ValueError(
-                f"`{compress_spec.FIELD}.layout` 'head' needs a model whose layers all use full attention, got "
+                f"`{compress_spec.LAYOUT_FIELD}` 'head' needs a model whose layers all use full attention, got "
                 f"{sorted(self.cache_allocators)}."
             )
         # capacity in whole-model blocks (every layer and head of `page_size` tokens), as transformers counts them
         whole = allocator.streams * allocator.bytes_per_page
         self.num_blocks = (self.num_sectors * self.bytes_per_sector) // whole
         self.max_tokens_read = self.num_blocks * allocator.tokens_per_page  # (transformers' counts head pages)
+        self.tokens_per_sector = max(1, self.tokens_per_sector // allocator.streams)
+        device = torch.device(kwargs["device"])
+        fatal = codes_attention.unreadable_pages() or attention_takes_cache_rows(config)
+        if fatal is not None and device.type != "meta":  # (attention must read the pages: it has no rows)
+            raise ValueError(f"`{compress_spec.LAYOUT_FIELD}` 'head' cannot run here: {fatal}.")
+        reason = codes_attention.unavailable(device, explicit=True) if device.type != "meta" else "meta"
+        if device.type == "cpu" and allocator.flat is not None and reason is None:
+            allocator.backend = "native"
+        elif device.type == "cuda" and reason is None:
+            allocator.backend = "triton"
+        else:  # where no kernel runs (no C++ compiler, Triton missing, power-of-two scales)
+            logger.info("head pages: attention runs a PyTorch loop over (head, request) pairs (%s)", reason)
+            allocator.backend = "torch"
         codes_attention.install()
         self.attention_path = "heads"
 
@@ -178,7 +198,7 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
             keys, values = super().update(key_states, value_states, layer_idx, kwargs)
             if not codes_attention.active(self.config):
                 raise RuntimeError(
-                    f"`{compress_spec.FIELD}.layout` 'head': the model's attention function is not hf_kvcache's batch "
+                    f"`{compress_spec.LAYOUT_FIELD}` 'head': the model's attention function is not hf_kvcache's batch "
                     "attention wrapper (someone replaced it after `import hf_kvcache`), so it cannot read head pages."
                 )
             kwargs[codes_attention.KWARG] = allocator.layer_codes(layer_idx, (keys, values))
@@ -269,7 +289,9 @@ def check_requested(model, generation_config=None, continuous_batching_config=No
         generation_config if generation_config is not None else model.generation_config, continuous_batching_config
     )
     if getattr(cb_config, compress_spec.FIELD, None) is not None:
-        eviction_checks.check_model(compress_spec.from_cb_config(cb_config), model.config.get_text_config())
+        eviction_checks.check_model(
+            compress_spec.from_cb_config(cb_config), model.config.get_text_config(), compress_spec.layout_of(cb_config)
+        )
 
 
 def enable_paged(model, kv_dtype: str | None = "fp8_e4m3", **options) -> None:

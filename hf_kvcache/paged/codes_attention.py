@@ -62,13 +62,21 @@ def native_views(pages: tuple[QuantizedKV, QuantizedKV]):
     return None if None in views else tuple(views)
 
 
-def unavailable(device: torch.device, explicit: bool = False) -> str | None:
-    """Why attention from the codes cannot run for pages on `device` (None: it can). CUDA takes the Triton kernel
-    only when asked for (`explicit`: attention="codes") until a GPU run has checked it (see docs/serving.md)."""
+def unreadable_pages() -> str | None:
+    """Why no attention function can read the pages on this transformers (None: ours can, on any device)."""
     if not holds(CODES_ATTENTION):
         return f"this transformers breaks the contract {CODES_ATTENTION!r}"
     if update_caller() != "model attention":
         return "transformers <= 5.23 updates paged caches inside its attention functions"
+    return None
+
+
+def unavailable(device: torch.device, explicit: bool = False) -> str | None:
+    """Why attention from the codes cannot run for pages on `device` (None: it can). CUDA takes the Triton kernel
+    only when asked for (`explicit`: attention="codes") until a GPU run has checked it (see docs/serving.md)."""
+    reason = unreadable_pages()
+    if reason is not None:
+        return reason
     if device.type == "cuda":
         if not triton_paged.triton:
             return "Triton is not installed (the CUDA kernel is a Triton kernel)"

@@ -61,9 +61,13 @@ SINK_WINDOW = "sink_window"
 DEFAULT_METHOD = "keydiff"
 METHODS = (DEFAULT_METHOD, *(n for n, cls in SCORERS.items() if cls.prompt_reads and n != DEFAULT_METHOD), SINK_WINDOW)
 NONE = "none"
-#: how a request's kept tokens lie in the pages: "token" (transformers' rows of every head, the same tokens in every
-#: head and as many in every layer) or "head" (pages of one layer and KV head: hf_kvcache.paged.head_pages)
+#: the continuous-batching config field (and `hf-kvcache serve --kv-layout`) saying how the kept tokens lie in the
+#: pages: "token" (transformers' rows of every head: the same tokens in every head, as many in every layer) or "head"
+#: (pages of one layer and KV head, each its own budget: hf_kvcache.paged.head_pages). A property of the pages, so of
+#: the cache and the server, not of a request.
+LAYOUT_FIELD = "kv_compress_layout"
 LAYOUTS = ("token", "head")
+DEFAULT_LAYOUT = "token"
 #: `layer_budget` / `head_budget` in head pages, KVzipCache's vocabulary
 ALLOTMENTS = ("uniform", "adaptive")
 #: `safeguard` when not given (KVzipCache's)
@@ -88,7 +92,6 @@ class CompressSpec:
     recent: int | None = None
     surrogate: str | None = None  # kvzap only
     chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
-    layout: str | None = None  # "token" or "head" pages (LAYOUTS; None: the cache's, i.e. its default spec's)
     layer_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
     head_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
     safeguard: float | None = None  # head pages, adaptive heads: the share of a head's budget it keeps (None: 0.2)
@@ -141,7 +144,7 @@ class CompressSpec:
                 f"`{FIELD}.chunk` cannot be used with method {self.method!r} (its window is the prompt's last queries, "
                 f"which a chunk does not have yet); use one of {_chunkable()} or chunk None."
             )
-        self._check_layout()
+        self._check_allotment()
         if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
             raise ValueError(
                 f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
@@ -151,16 +154,7 @@ class CompressSpec:
         if used:
             _deprecated(" and ".join(f"`{FIELD}.{name}`" for name in used), self)
 
-    def _check_layout(self) -> None:
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"`{FIELD}.layout` must be one of {LAYOUTS} (or None: the cache's), got {self.layout!r}.")
-        allotment = {"layer_budget": self.layer_budget, "head_budget": self.head_budget, "safeguard": self.safeguard}
-        given = [name for name, value in allotment.items() if value is not None]
-        if given and self.layout == "token":
-            raise ValueError(
-                f"`{FIELD}` sets {given} with `{FIELD}.layout` 'token': budgets per layer and head need pages of one "
-                "(layer, head); use layout 'head' or leave them out."
-            )
+    def _check_allotment(self) -> None:
         for name in ("layer_budget", "head_budget"):
             value = getattr(self, name)
             if value is not None and value not in ALLOTMENTS:
@@ -172,10 +166,20 @@ class CompressSpec:
                     f"`{FIELD}.safeguard` (the share of its budget every head keeps) must be in [0, 1], got "
                     f"{safeguard!r}."
                 )
-        if self.layout == "head" and self.chunk is not None:
+
+    def check_layout(self, layout: str) -> None:
+        """Raise ValueError naming the fields when this spec cannot run on pages laid out by `layout` (LAYOUTS)."""
+        allotment = {"layer_budget": self.layer_budget, "head_budget": self.head_budget, "safeguard": self.safeguard}
+        given = [f"{FIELD}.{name}" for name, value in allotment.items() if value is not None]
+        if given and layout == "token":
             raise ValueError(
-                f"`{FIELD}.chunk` cannot be used with `{FIELD}.layout` 'head' yet (a chunk's scores would need each "
-                "head's own kept positions); use chunk None or layout 'token'."
+                f"`{given[0]}` is set, but the pages are laid out by token (`{LAYOUT_FIELD}` 'token'): budgets per "
+                f"layer and head need pages of one (layer, head); set `{LAYOUT_FIELD}` 'head' or leave {given} out."
+            )
+        if layout == "head" and self.chunk is not None:
+            raise ValueError(
+                f"`{FIELD}.chunk` cannot be used with `{LAYOUT_FIELD}` 'head' yet (a chunk's scores would need each "
+                f"head's own kept positions); use chunk None or `{LAYOUT_FIELD}` 'token'."
             )
 
     def allotment(self) -> tuple[str, str, float]:
@@ -413,6 +417,16 @@ def _field_value(text: str, value: str) -> tuple[str, Any]:
         except ValueError:
             pass
     return name, raw
+
+
+def layout_of(cb_config) -> str:
+    """The `kv_compress_layout` of a continuous-batching config (absent: DEFAULT_LAYOUT), validated."""
+    layout = getattr(cb_config, LAYOUT_FIELD, None)
+    if layout is None:
+        return DEFAULT_LAYOUT
+    if layout not in LAYOUTS:
+        raise ValueError(f"`{LAYOUT_FIELD}` must be one of {LAYOUTS}, got {layout!r}.")
+    return layout
 
 
 def from_cb_config(cb_config) -> CompressSpec | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
 from ..integration.contracts import require
-from .compress_spec import FIELD, CompressSpec
+from .compress_spec import DEFAULT_LAYOUT, FIELD, CompressSpec
 from .prompt_scores import reads
 
 
@@ -60,9 +60,12 @@ def _refuse_layer_types(others) -> None:
         )
 
 
-def check_model(spec: CompressSpec | None, config) -> None:
-    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` (before a run starts)."""
+def check_model(spec: CompressSpec | None, config, layout: str = DEFAULT_LAYOUT) -> None:
+    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` on pages laid out by `layout`
+    (before a run starts)."""
     require(EVICTION)
+    if spec is not None:
+        spec.check_layout(layout)
     _refuse_layer_types([t for t in getattr(config, "layer_types", None) or () if t != "full_attention"])
     if spec is not None and (reason := unavailable(spec, config)) is not None:
         raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")
@@ -75,10 +78,6 @@ def layout_of(cache_allocators: dict) -> str:
     return "head" if any(isinstance(a, HeadPagedAllocator) for a in cache_allocators.values()) else "token"
 
 
-def _has_sinks(config) -> bool:
-    return "gpt_oss" in str(getattr(config, "model_type", ""))
-
-
 def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
     """Raise ValueError naming `kv_compress` when `spec` cannot run on this cache (see the module docstring)."""
     _refuse_layer_types(
@@ -86,14 +85,7 @@ def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
     )
     if spec is None:
         return
-    layout = layout_of(cache_allocators)
-    if spec.layout is not None and spec.layout != layout:
-        raise ValueError(
-            f"`{FIELD}.layout` {spec.layout!r}: this cache's pages are laid out by {layout!r} (its `{FIELD}`'s "
-            "layout, fixed when its pages are built); leave `layout` out to use them."
-        )
-    if layout == "head" and getattr(config, "layer_types", None) is not None and _has_sinks(config):
-        raise ValueError(f"`{FIELD}.layout` 'head' does not run models with attention sinks yet; use layout 'token'.")
+    spec.check_layout(layout_of(cache_allocators))
     reason = unavailable(spec, config)
     if reason is not None:
         raise ValueError(f"`{FIELD}.method` {spec.method!r} cannot run here: {reason}.")

@@ -2,7 +2,7 @@
 
 transformers' full-attention allocator stores a token as one row holding every KV head, and a block is one page of
 every layer: a request holds the same tokens in all heads and the same number in all layers. `HeadPagedAllocator`
-(the `kv_compress` layout "head", as KV-Compress, arXiv 2410.00161, lays out vLLM's pages) keeps transformers'
+(`kv_compress_layout` "head", as KV-Compress, arXiv 2410.00161, lays out vLLM's pages) keeps transformers'
 bookkeeping (the free pool, sectors, block ids, admission through `needs_new_blocks`, CPU offloading's block copies)
 and changes what a block is:
 
@@ -105,6 +105,9 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         self.lengths: dict[str, list[int]] = {}  # request -> per stream: the tokens written
         self._saved: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
         self.plan: ForwardPlan | None = None
+        #: how attention reads the pages: "native" (CPU kernel), "triton" (CUDA kernel) or "torch" (a PyTorch loop
+        #: where neither runs); set by the cache
+        self.backend = "torch"
         #: per layer: the new tokens as the kernel reads them, set by `update` ([1, 1, heads x tokens, D] each)
         self.fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -366,20 +369,17 @@ class HeadPagedCodes:
     max_q: int
 
     def attend(self, query, scaling, softcap=None, sinks=None, backend: str = "auto") -> torch.Tensor:
-        """query [1, Hq, N, Dk] -> [1, N, Hq, Dv] (zero for padding queries), in the query's dtype."""
+        """query [1, Hq, N, Dk] -> [1, N, Hq, Dv] (zero for padding queries), in the query's dtype. `backend`:
+        "native", "triton", "torch" or "auto" (the allocator's)."""
         if sinks is not None:
-            raise ValueError("`kv_compress.layout` 'head' does not run attention sinks (per query head) yet")
+            raise ValueError("`kv_compress_layout` 'head' does not run attention sinks (per query head) yet")
         allocator = self.allocator
         heads, hq, n = allocator.num_key_value_heads, query.shape[1], query.shape[2]
         groups, t = hq // heads, self.tokens
         scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         # [Hq, T, D] -> [groups, heads x T, D]: query head h x groups + g of token i is row h x T + i of group g
         q = query[0, :, :t].unflatten(0, (heads, groups)).transpose(0, 1).reshape(groups, heads * t, -1)
-        if backend == "auto":
-            backend = (
-                "native" if query.device.type == "cpu" and allocator.flat is not None else "triton"
-                if query.device.type == "cuda" and triton_paged.triton else "torch"
-            )
+        backend = allocator.backend if backend == "auto" else backend
         if backend == "native":
             out = self._native(q, scaling, softcap)
         elif backend == "triton":

@@ -16,7 +16,7 @@ compressed requests.
 
 from __future__ import annotations
 
-from . import eviction_checks, request_specs
+from . import compress_spec, eviction_checks, request_specs
 from .compress_spec import FIELD, CompressSpec, parse
 from .serve_requests import RequestRejected
 
@@ -45,7 +45,7 @@ class ServerCompression:
             )
         try:
             spec = parse(value)
-            eviction_checks.check_model(spec, self.model_config)
+            eviction_checks.check_model(spec, self.model_config, compress_spec.layout_of(self.cb_config))
         except ValueError as error:
             raise RequestRejected(str(error), FIELD) from None
         request_specs.set_request_spec(self.cb_config, request_id, spec)
@@ -65,6 +65,11 @@ class ServerCompression:
 
     def forget(self, request_id) -> None:
         request_specs.forget_request_spec(self.cb_config, request_id)
+
+    @property
+    def layout(self) -> str:
+        """How the pages lay out what requests keep (`kv_compress_layout`: "token" or "head")."""
+        return compress_spec.layout_of(self.cb_config)
 
     def label(self) -> str:
         return "none" if self.default is None else self.default.label()

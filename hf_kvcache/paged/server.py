@@ -127,6 +127,7 @@ def kv_cache_state(serve, plan: MemoryPlan, compression: ServerCompression | Non
         "requests_waiting": 0,
         "attention_path": None,
         "kv_compress": None if compression is None else compression.label(),
+        "kv_compress_layout": None if compression is None else compression.layout,
         "eviction": None,
     }
     manager = serving.running_manager(serve)
@@ -174,11 +175,13 @@ def build_server(
     serve_options: dict | None = None,
     alias: str | None = None,
     kv_compress=None,
+    kv_layout: str | None = None,
 ):
     """transformers' server for `model_path` with `kv_dtype` pages in `kv_memory` bytes, wired and not started:
     (serve, plan). `serving.run(serve)` serves. Requests may name the model `alias` (e.g. 'smollm2') as well as
     `model_path`. `kv_compress` (hf_kvcache.paged.compress_spec; "none": only requests that ask; None: no eviction)
-    evicts prompt tokens at the end of each prefill (hf_kvcache.paged.serve_compression)."""
+    evicts prompt tokens at the end of each prefill (hf_kvcache.paged.serve_compression), the kept tokens laid out in
+    the pages by `kv_layout` (compress_spec.LAYOUTS; None: the default)."""
     PagedKVSpec.from_fields(kv_dtype, options)  # bad settings fail before the model loads
     default = compress_spec.parse(kv_compress, "--kv-compress")
     install()
@@ -188,9 +191,13 @@ def build_server(
     cb_config = serving.continuous_batching_config(serve)
     page_config(kv_dtype, options, page_size, plan.num_blocks, base=cb_config)
     compression = None
+    if kv_layout is not None and kv_compress is None:
+        raise ValueError("--kv-layout lays out what eviction keeps: give --kv-compress too (e.g. none)")
     if kv_compress is not None:
+        setattr(cb_config, compress_spec.LAYOUT_FIELD, kv_layout or compress_spec.DEFAULT_LAYOUT)
         try:
-            eviction_checks.check_model(default, model.config.get_text_config())
+            layout = compress_spec.layout_of(cb_config)
+            eviction_checks.check_model(default, model.config.get_text_config(), layout)
         except ValueError as error:
             raise ValueError(f"--kv-compress: {error}") from None
         setattr(cb_config, compress_spec.FIELD, compress_spec.NONE if default is None else default.to_dict())
