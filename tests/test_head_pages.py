@@ -134,7 +134,9 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[
     try:
         with torch.no_grad():
             for step in range(NEW_TOKENS - 1):
-                out = model(torch.tensor([[token]]), **cache_kwargs(cache), position_ids=torch.tensor([[len(prompt) + step]]))
+                out = model(
+                    torch.tensor([[token]]), **cache_kwargs(cache), position_ids=torch.tensor([[len(prompt) + step]])
+                )
                 token = int(out.logits[0, -1].argmax())
                 tokens.append(token)
     finally:
@@ -305,16 +307,22 @@ def test_settings_the_layout_cannot_run_name_the_field(model, value, layout, fie
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         parse(value).check_layout(layout)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        model.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb(value, layout=layout))
+        model.generate_batch(
+            [[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb(value, layout=layout)
+        )
 
 
 def test_a_bad_layout_names_the_field(model):
     with pytest.raises(ValueError, match="kv_compress_layout"):
-        model.generate_batch([[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm", layout="row"))
+        model.generate_batch(
+            [[1, 2, 3]], generation_config=GREEDY, continuous_batching_config=_cb("knorm", layout="row")
+        )
 
 
 def test_a_request_spec_is_checked_against_the_cache_layout(model):
-    manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=_cb("keydiff:budget=0.3"))
+    manager = model.init_continuous_batching(
+        generation_config=GREEDY, continuous_batching_config=_cb("keydiff:budget=0.3")
+    )
     manager.start()
     try:
         while manager.batch_processor is None:

@@ -10,8 +10,8 @@ import json
 import re
 import sys
 
-from ..paged.compress_spec import METHODS as COMPRESS_METHODS
 from ..paged.compress_spec import DEFAULT_LAYOUT, LAYOUTS
+from ..paged.compress_spec import METHODS as COMPRESS_METHODS
 from ..paged.compress_spec import parse as parse_compression
 from ..paged.spec import KV_DTYPES, PagedKVSpec
 from .args import positive_int

@@ -72,7 +72,7 @@ def check_model(spec: CompressSpec | None, config, layout: str = DEFAULT_LAYOUT)
 
 
 def layout_of(cache_allocators: dict) -> str:
-    """"head" for pages of one (layer, head) (hf_kvcache.paged.head_pages), else "token"."""
+    """ "head" for pages of one (layer, head) (hf_kvcache.paged.head_pages), else "token"."""
     from .head_pages import HeadPagedAllocator
 
     return "head" if any(isinstance(a, HeadPagedAllocator) for a in cache_allocators.values()) else "token"

@@ -158,7 +158,7 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         if request_id not in self.lengths:
             self._open(request_id, past_length)
         tables, lengths, flat = self.tables[request_id], self.lengths[request_id], self.block_table[request_id]
-        for stream, (n, table) in enumerate(zip(lengths, tables)):
+        for n, table in zip(lengths, tables):
             missing = self._pages(n + query_length) - len(table)
             if missing > 0:
                 blocks = self.pool.get_free_blocks(self.index, missing)
@@ -398,7 +398,9 @@ class HeadPagedCodes:
 
     def _native(self, q, scaling, softcap):
         allocator = self.allocator
-        fresh = tuple(cpu_blockwise.flatten_views([QuantizedKV(x, "none")]) for x in (self.fresh_keys, self.fresh_values))
+        fresh = tuple(
+            cpu_blockwise.flatten_views([QuantizedKV(x, "none")]) for x in (self.fresh_keys, self.fresh_values)
+        )
         if None in fresh:
             fresh = tuple(
                 cpu_blockwise.flatten_views([QuantizedKV(x.float(), "none")])
@@ -431,7 +433,9 @@ class HeadPagedCodes:
             s = (q[:, qs:qe].float() @ k.T) * scaling
             if softcap:
                 s = softcap * torch.tanh(s / softcap)
-            causal = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+            causal = (
+                torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+            )
             s = s.masked_fill(~causal, float("-inf"))
             out[:, qs:qe] = s.softmax(-1) @ v
         return out
