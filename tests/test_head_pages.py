@@ -12,6 +12,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import build_model, planted_surrogate, random_ids
@@ -44,13 +48,12 @@ def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
     keep = _MASKS.get(module.layer_idx)
     if keep is not None:
         heads, prompt = keep.shape
-        bias = torch.zeros(1, query.shape[1], query.shape[2], key.shape[2], dtype=query.dtype)
+        q, k = query.shape[2], key.shape[2]
+        bias = torch.zeros(1, query.shape[1], q, k, dtype=query.dtype)
         hidden = torch.where(keep, 0.0, float("-inf")).repeat_interleave(query.shape[1] // heads, 0)
         bias[..., :prompt] = hidden[None, :, None, :]
-        if attention_mask is not None:
-            mask = attention_mask[..., : key.shape[2]]
-            bias = bias + (torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask)
-        attention_mask = bias
+        causal = torch.arange(k)[None, :] <= (k - q + torch.arange(q))[:, None]  # the new tokens among themselves
+        attention_mask = bias.masked_fill(~causal, float("-inf"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -120,7 +123,7 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[
     """Greedy tokens when each (layer, head) attends only to the prompt positions it keeps (masked, never moved)."""
     scores, (cache, logits) = _head_scores(model, prompt, spec, surrogate)
     heads = scores[0].shape[0]
-    kept = kept_positions_per_head(spec, len(prompt), scores)
+    kept = kept_positions_per_head(spec, scores)
     _MASKS.clear()
     for layer in range(len(scores)):
         mask = torch.zeros(heads, len(prompt), dtype=torch.bool)
@@ -143,6 +146,76 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[
         model.config._attn_implementation = saved
         _MASKS.clear()
     return tokens
+
+
+def _chunked_reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[int]:
+    """Chunk by chunk (`spec.chunk`): each piece of the prompt attends, per (layer, head), to what that head kept of
+    the pieces before it (masked), then every head keeps its share of what it holds, as head pages do."""
+    cache, length, seen, held = DynamicCache(), len(prompt), 0, 0
+    keep: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen] kept
+    arrivals: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen] the scores each token got on arrival
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = REFERENCE
+    try:
+        for start in range(0, length, spec.chunk):
+            piece, hidden = prompt[start : start + spec.chunk], {}
+            _MASKS.clear()
+            _MASKS.update(keep)
+            with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
+                logits = model(
+                    torch.tensor([piece]),
+                    **cache_kwargs(cache),
+                    position_ids=torch.arange(seen, seen + len(piece))[None],
+                ).logits
+            seen, held = seen + len(piece), held + len(piece)
+            heads = cache.layers[0].keys.shape[1]
+            for i in range(len(cache.layers)):
+                new = torch.ones(heads, len(piece), dtype=torch.bool)
+                keep[i] = new if i not in keep else torch.cat([keep[i], new], 1)
+                if spec.method == "kvzap":
+                    scored = prompt_scorer(spec, i, surrogate).score_arrivals(hidden[i])[0]
+                    arrivals[i] = scored if i not in arrivals else torch.cat([arrivals[i], scored], 1)
+            kept = min(spec.kept(seen), held)
+            if kept < held:
+                scores = [_ragged_scores(spec, i, layer.keys[0], keep[i], arrivals.get(i), surrogate)
+                          for i, layer in enumerate(cache.layers)]  # fmt: skip
+                local = kept_positions_per_head(spec, scores, kept)
+                for i in range(len(cache.layers)):
+                    for h in range(heads):
+                        positions = keep[i][h].nonzero()[:, 0]
+                        keep[i][h] = False
+                        keep[i][h, positions[local[i * heads + h]]] = True
+                held = -(-sum(p.numel() for p in local) // len(local))
+        token, tokens = int(logits[0, -1].argmax()), []
+        tokens.append(token)
+        _MASKS.clear()
+        _MASKS.update(keep)
+        with torch.no_grad():
+            for step in range(NEW_TOKENS - 1):
+                out = model(
+                    torch.tensor([[token]]), **cache_kwargs(cache), position_ids=torch.tensor([[length + step]])
+                )
+                token = int(out.logits[0, -1].argmax())
+                tokens.append(token)
+    finally:
+        model.config._attn_implementation = saved
+        _MASKS.clear()
+    return tokens
+
+
+def _ragged_scores(spec, layer, keys, keep, arrivals, surrogate) -> list[torch.Tensor]:
+    """Each head's scores over the tokens it holds (keys [Hkv, seen, D], keep [Hkv, seen]), scored jointly when the
+    heads hold as many tokens, else head by head, as head pages score them."""
+    scorer = prompt_scorer(spec, layer, surrogate)
+    held = [keys[h][keep[h]] for h in range(keys.shape[0])]
+    if arrivals is not None:
+        own = [arrivals[h][keep[h]] for h in range(keys.shape[0])]
+        if len({a.numel() for a in own}) == 1:
+            return list(scorer.score(Prompt(arrived=torch.stack(own))).float())
+        return [scorer.score(Prompt(arrived=a[None]))[0].float() for a in own]
+    if len({k.shape[0] for k in held}) == 1:
+        return list(scorer.score(Prompt(keys=torch.stack(held))).float())
+    return [scorer.score(Prompt(keys=k[None]))[0].float() for k in held]
 
 
 def _spec(method, surrogate_dir, **fields):
@@ -173,6 +246,19 @@ def test_generate_batch_equals_masking_what_each_head_evicts(model, surrogate_di
         assert got != _generate(model, prompts, _cb(token.to_dict(), layout="token"))
 
 
+@pytest.mark.upstream
+@pytest.mark.parametrize("method", ["keydiff", "knorm", "kvzap"])
+def test_chunk_by_chunk_equals_masking_what_each_head_evicted(model, surrogate_dir, method):
+    """Every 16 prompt tokens compressed, each head keeping its own: the same tokens as the chunked reference; the
+    heads then hold different numbers of tokens while later chunks are scored."""
+    spec = _spec(method, surrogate_dir, chunk=16)
+    prompts = _prompts()
+    surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
+    got = _generate(model, prompts, _cb(spec.to_dict()))
+    assert got == [_chunked_reference(model, prompt, spec, surrogate) for prompt in prompts]
+    assert got != _generate(model, prompts, _cb(_spec(method, surrogate_dir).to_dict()))
+
+
 @pytest.mark.parametrize("allotment", [("uniform", "uniform"), ("adaptive", "uniform"), ("uniform", "adaptive")])
 def test_every_allotment_equals_the_reference(model, surrogate_dir, allotment):
     spec = _spec("keydiff", surrogate_dir, layer_budget=allotment[0], head_budget=allotment[1])
@@ -194,11 +280,11 @@ def _manager_run(model, prompts, cb):
     compress = eviction.PagedEviction._compress_heads
 
     def recording(self, state, info, held, kept):
-        freed = compress(self, state, info, held, kept)
+        result = compress(self, state, info, held, kept)
         allocator = next(iter(self.cache.cache_allocators.values()))
         rid = state.request_id
-        seen[rid] = (allocator.held_blocks(rid), allocator.lengths[rid], allocator.tokens_per_page, held, kept)
-        return freed
+        seen[rid] = (allocator.held_blocks(rid), allocator.lengths[rid], allocator.tokens_per_page, held, result[1])
+        return result
 
     eviction.PagedEviction._compress_heads = recording
     manager = model.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=cb)
@@ -210,7 +296,11 @@ def _manager_run(model, prompts, cb):
         allocator = next(iter(cache.cache_allocators.values()))
         free_before = _free_blocks(allocator)
         ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
-        results = {rid: manager.get_result(request_id=rid, timeout=120) for rid in ids}
+        results = {}
+        while len(results) < len(ids):  # (in the order they finish)
+            result = manager.get_result(timeout=120)
+            assert result is not None, "a request did not finish"
+            results[result.request_id] = result
     finally:
         manager.stop(block=True)
         eviction.PagedEviction._compress_heads = compress
@@ -249,7 +339,7 @@ def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
     torch.manual_seed(0)
     scores = [torch.randn(3, 200) * (1 + layer) for layer in range(4)]
     spec = CompressSpec(method="keydiff", budget=0.25, recent=8, sinks=4)
-    kept = kept_positions_per_head(spec, 200, scores)
+    kept = kept_positions_per_head(spec, scores)
     counts = [k.numel() for k in kept]
     assert sum(counts) == spec.kept(200) * 12
     for layer in range(4):  # sinks, window and the safeguard of the layer's average in every head
@@ -259,8 +349,8 @@ def test_the_allotment_keeps_the_budget_and_every_heads_safeguard():
     assert sum(counts[9:]) > sum(counts[:3])  # the layer whose scores spread most gets more of the model's budget
     for k in kept:
         assert k.tolist() == sorted(set(k.tolist())) and k[:4].tolist() == [0, 1, 2, 3] and k[-1] == 199
-    uniform = kept_positions_per_head(CompressSpec(budget=0.25, layer_budget="uniform",
-                                                   head_budget="uniform", recent=8), 200, scores)  # fmt: skip
+    uniform_spec = CompressSpec(budget=0.25, layer_budget="uniform", head_budget="uniform", recent=8)
+    uniform = kept_positions_per_head(uniform_spec, scores)
     assert {k.numel() for k in uniform} == {spec.kept(200)}
 
 
@@ -300,7 +390,6 @@ def test_bad_allotment_settings_name_the_field(value, field):
     [
         ("keydiff:budget=0.3:head_budget=uniform", "token", "kv_compress.head_budget"),
         ("keydiff:budget=0.3:safeguard=0.1", "token", "kv_compress.safeguard"),
-        ("keydiff:budget=0.3:chunk=16", "head", "kv_compress.chunk"),
     ],
 )
 def test_settings_the_layout_cannot_run_name_the_field(model, value, layout, field):
@@ -327,8 +416,91 @@ def test_a_request_spec_is_checked_against_the_cache_layout(model):
     try:
         while manager.batch_processor is None:
             pass
-        with pytest.raises(ValueError, match=r"kv_compress\.chunk"):
-            manager.batch_processor.cache.eviction.set_request_spec("r", parse("keydiff:budget=0.3:chunk=16"))
+        with pytest.raises(ValueError, match=r"kv_compress\.chunk"):  # (snapkv's window is the prompt's end)
+            manager.batch_processor.cache.eviction.set_request_spec("r", parse("snapkv:budget=0.3:chunk=16"))
         manager.batch_processor.cache.eviction.set_request_spec("r", parse("knorm:budget=0.5:head_budget=uniform"))
     finally:
         manager.stop(block=True)
+
+
+def test_preempted_requests_finish_and_free_their_pages(model):
+    """Pages too few for every request at once: transformers preempts some (a soft reset: prefilled and compressed
+    again with what they generated, so their tokens may differ from a roomy run's, as on token pages); every request
+    finishes and every page is free after."""
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (90, 84, 77, 95, 88, 70)]
+    results, cache, seen = _manager_run(model, prompts, _cb("knorm:budget=0.3", num_blocks=16, max_batch_tokens=64))
+    assert all(r.error is None and len(r.generated_tokens) == NEW_TOKENS for r in results.values())
+    assert seen["free_after"] == seen["free_before"]
+    assert cache.eviction.stats.requests > len(prompts)  # some prompt ended twice: a request was preempted
+
+
+def test_a_request_offloaded_to_cpu_gets_its_streams_back(model):
+    """CPU offloading (transformers' OffloadingManager, CUDA only) copies a request's blocks out in `block_table` order,
+    frees them, allocates again from `position_offset` and copies the blocks back in the new `block_table` order:
+    done here by hand on a CPU cache, each stream's rows come back at their positions."""
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    from hf_kvcache.paged.cache import QuantizedPagedAttentionCache
+
+    cb = _cb("knorm:budget=0.3", num_blocks=64)
+    cache = QuantizedPagedAttentionCache(model.config, cb, "cpu", DistributedHelper(None, None), torch.float32)
+    allocator = next(iter(cache.cache_allocators.values()))
+    assert isinstance(allocator, head_pages.HeadPagedAllocator)
+    while cache.pool.num_free_sectors:
+        cache.pool.allocate_sector(allocator.index)
+    allocator.allocate_cache_to_request("r", 0, 40)
+    allocator.lengths["r"] = [40] * allocator.streams
+    torch.manual_seed(0)
+    allocator._rows[0].copy_(torch.randint(0, 255, allocator._rows[0].shape, dtype=torch.uint8))
+    kept = [torch.randperm(40)[: 5 + 3 * s].sort().values for s in range(allocator.streams)]  # lengths differ
+    allocator.compact("r", kept)
+    allocator.allocate_cache_to_request("r", 0, 1)  # the next token's page
+    before = [allocator._rows[0][allocator.stream_rows("r", s, torch.arange(n))].clone()
+              for s, n in enumerate(allocator.lengths["r"])]  # fmt: skip
+    lengths, blocks = list(allocator.lengths["r"]), list(allocator.block_table["r"])
+    saved = allocator._copy_view[torch.tensor(blocks)].clone()
+    allocator.free_blocks("r", no_cache=True)
+    allocator._copy_view.zero_()
+    past = sum(lengths) // len(lengths)  # the request's position_offset (its average length)
+    assert allocator.needs_new_blocks("r", past, 1) == len(blocks)
+    allocator.allocate_cache_to_request("r", past, 1)
+    allocator._copy_view.index_copy_(0, torch.tensor(allocator.block_table["r"][: len(blocks)]), saved)
+    assert allocator.lengths["r"] == lengths
+    for s, n in enumerate(lengths):
+        assert torch.equal(allocator._rows[0][allocator.stream_rows("r", s, torch.arange(n))], before[s])
+
+
+# -- the Triton kernel (CUDA's) on head pages, under Triton's CPU interpreter -----------------------------------------
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the subprocess of test_triton_on_head_pages_under_the_interpreter")
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3", "int4"])
+def test_triton_equals_native_on_head_pages(model, monkeypatch, kv_dtype):
+    worst, attend = [], head_pages.HeadPagedCodes.attend
+
+    def both(self, query, scaling, softcap=None, sinks=None):
+        native = attend(self, query, scaling, softcap, sinks, "native")
+        worst.append(float((native - attend(self, query, scaling, softcap, sinks, "triton")).abs().max()))
+        return native
+
+    monkeypatch.setattr(head_pages.HeadPagedCodes, "attend", both)
+    _generate(model, _prompts()[:2], _cb("knorm:budget=0.3", kv_dtype))
+    assert worst and max(worst) < 2e-5, max(worst)
+
+
+def test_triton_on_head_pages_under_the_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("already under the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", __file__, "-k", "triton_equals_native"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]

@@ -53,7 +53,8 @@ def add_serve_bench_command(sub) -> None:
         "--kv-compress",
         default=",".join(d.kv_compress),
         help="prompt eviction settings each format runs with, 'none' first (e.g. none,keydiff:budget=0.25,"
-        "knorm:budget=512: what each prompt keeps, hf_kvcache.paged.compress_spec; default %(default)s)",
+        "knorm:budget=512: what each prompt keeps, hf_kvcache.paged.compress_spec; SPEC@head for pages of one layer "
+        "and KV head, each its own budget: --kv-layout head of hf-kvcache serve; default %(default)s)",
     )
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per page (default {d.page_size})")
     p.add_argument(

@@ -81,7 +81,10 @@ class ServeBenchSettings:
         if not self.kv_compress or self.kv_compress[0] != "none":
             raise ValueError(f"`kv_compress` must start with 'none' (the reference run), got {self.kv_compress!r}.")
         for value in self.kv_compress:
-            parse_compression(value, "--kv-compress")
+            setting, layout = split_layout(value)
+            spec = parse_compression(setting, "--kv-compress")
+            if spec is not None:
+                spec.check_layout(layout)
         if not self.budget_scales or any(not s > 0 for s in self.budget_scales) or 1.0 not in self.budget_scales:
             raise ValueError(f"`budget_scales` must be positive and include 1.0, got {self.budget_scales!r}.")
         for scale in self.budget_scales:  # whole pages only: a budget is never rounded to fit
@@ -148,6 +151,17 @@ def run_label(fmt: str, compress: str) -> str:
     return fmt if compress == "none" else f"{fmt}+{compress}"
 
 
+def split_layout(compress: str) -> tuple[str, str]:
+    """A `kv_compress` setting of the benchmark, SPEC or SPEC@LAYOUT (e.g. "kvzap:budget=0.25@head": pages of one
+    layer and KV head, hf_kvcache.paged.head_pages) -> (SPEC, layout)."""
+    from ..paged.compress_spec import DEFAULT_LAYOUT, LAYOUTS
+
+    setting, at, layout = compress.partition("@")
+    if at and layout not in LAYOUTS:
+        raise ValueError(f"`kv_compress` {compress!r}: the layout after '@' must be one of {LAYOUTS}.")
+    return setting, layout or DEFAULT_LAYOUT
+
+
 def configurations(settings: ServeBenchSettings) -> list[tuple[str, str]]:
     """(format, kv_compress) of every run at a budget, the reference ("model", "none") first."""
     return [(fmt, compress) for fmt in settings.formats for compress in settings.kv_compress]
@@ -172,5 +186,5 @@ def continuous_batching_config(
     cb.kv_cache_dtype = kv_dtype
     cb.kv_cache_quantization = options or None
     if compress != "none":
-        cb.kv_compress = compress
+        cb.kv_compress, cb.kv_compress_layout = split_layout(compress)
     return cb

@@ -176,11 +176,6 @@ class CompressSpec:
                 f"`{given[0]}` is set, but the pages are laid out by token (`{LAYOUT_FIELD}` 'token'): budgets per "
                 f"layer and head need pages of one (layer, head); set `{LAYOUT_FIELD}` 'head' or leave {given} out."
             )
-        if layout == "head" and self.chunk is not None:
-            raise ValueError(
-                f"`{FIELD}.chunk` cannot be used with `{LAYOUT_FIELD}` 'head' yet (a chunk's scores would need each "
-                f"head's own kept positions); use chunk None or `{LAYOUT_FIELD}` 'token'."
-            )
 
     def allotment(self) -> tuple[str, str, float]:
         """(layer_budget, head_budget, safeguard) in head pages: KVzipCache's defaults where not given."""

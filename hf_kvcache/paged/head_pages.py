@@ -180,7 +180,10 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
             return
         lengths, order = saved
         blocks = self.pool.get_free_blocks(self.index, len(order))
-        tables: list[list[int]] = [[0] * self._pages(n) for n in lengths]
+        pages = [0] * self.streams
+        for stream, _ in order:
+            pages[stream] += 1
+        tables: list[list[int]] = [[0] * n for n in pages]
         for block, (stream, page) in zip(blocks, order):
             tables[stream][page] = block
         self.tables[request_id], self.lengths[request_id] = tables, list(lengths)
@@ -323,6 +326,14 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         if self.key_rotation is not None:
             keys = (keys.float() @ self.key_rotation.T).to(self.model_dtype)
         return keys.view(heads, length, -1)
+
+    def read_stream_keys(self, request_id: str, stream: int, length: int, device) -> torch.Tensor:
+        """One stream's keys [length, D] (its first `length` tokens), dequantized and unrotated."""
+        rows = self.stream_rows(request_id, stream, torch.arange(length, device=device))
+        keys = decode_rows(self.codecs[0], rows, self.model_dtype, self.workspace)[:, 0]
+        if self.key_rotation is not None:
+            keys = (keys.float() @ self.key_rotation.T).to(self.model_dtype)
+        return keys
 
     def compact(self, request_id: str, kept: list[torch.Tensor]) -> int:
         """Keep the positions `kept[stream]` (ascending) of each stream, moved to its front as they are (codes and
