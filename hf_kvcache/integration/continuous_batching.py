@@ -405,28 +405,43 @@ def _check_head_pages() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def tokens_per_sector_divided(divisor: int):
-    """While a paged cache is built in this block: the memory handler sizes the index tensors and attention masks
-    for `tokens_per_sector / divisor` tokens per sector (head pages: a page holds one of `divisor` (layer, head)
-    streams of its tokens, where transformers counts whole tokens); the numbers of sectors and batch tokens it
-    returns are whole. Call inside `allocator_factories` (its lock)."""
-    original = cb_cache.PagedAttentionMemoryHandler
+_STREAMS = threading.local()  # the divisor while a head-paged cache is built (`tokens_per_sector_divided`)
 
-    class Handler(original):
+
+def per_stream_memory_handler(original):
+    """transformers' PagedAttentionMemoryHandler, which, while `tokens_per_sector_divided` is active in this thread,
+    counts `tokens_per_sector / divisor` tokens per sector and returns whole numbers of sectors and batch tokens;
+    otherwise exactly transformers' (the `head_pages` patch of hf_kvcache.integration.patches)."""
+
+    class PerStreamMemoryHandler(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.tokens_per_sector = self.tokens_per_sector / divisor
+            divisor = getattr(_STREAMS, "divisor", None)
+            self._hf_kvcache_whole = divisor is not None
+            if divisor is not None:
+                self.tokens_per_sector = self.tokens_per_sector / divisor
 
         def infer_max_batch_tokens_and_num_sectors(self):
             max_batch_tokens, num_sectors = super().infer_max_batch_tokens_and_num_sectors()
-            return int(max_batch_tokens), int(num_sectors)
+            if self._hf_kvcache_whole:
+                return int(max_batch_tokens), int(num_sectors)
+            return max_batch_tokens, num_sectors
 
-    cb_cache.PagedAttentionMemoryHandler = Handler
+    PerStreamMemoryHandler.__doc__ = per_stream_memory_handler.__doc__
+    return PerStreamMemoryHandler
+
+
+@contextlib.contextmanager
+def tokens_per_sector_divided(divisor: int):
+    """While a paged cache is built in this block (this thread): transformers' memory handler sizes the index tensors
+    and attention masks for `tokens_per_sector / divisor` tokens per sector (head pages: a page holds one of
+    `divisor` (layer, head) streams of its tokens, where transformers counts whole tokens). Needs the `head_pages`
+    patch installed."""
+    _STREAMS.divisor = divisor
     try:
         yield
     finally:
-        cb_cache.PagedAttentionMemoryHandler = original
+        _STREAMS.divisor = None
 
 
 def cb_config_of(generation_config, continuous_batching_config) -> ContinuousBatchingConfig:

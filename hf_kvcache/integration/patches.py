@@ -15,7 +15,8 @@ Groups, and when each is installed (the same timing as before the registry):
 - `eviction`: by the first paged cache built with `kv_compress` (hf_kvcache.paged.eviction.install);
 - `request_faults`: with `paged_step`, where its contract holds (hf_kvcache.paged.request_faults);
 - `codes_attention`: by the first quantized cache that attends from the codes, or one with prompt eviction
-  (hf_kvcache.paged.codes_attention.install).
+  (hf_kvcache.paged.codes_attention.install);
+- `head_pages`: by the first paged cache built with head pages (hf_kvcache.paged.cache, `kv_compress_layout`).
 A replacement built above this package (hf_kvcache.paged) is handed in by its module at import (`provide`).
 
 Not patches of transformers (left where they are): wrappers set on one user's object (`enable_paged(model)` and the
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transformers.generation import configuration_utils
+from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching import scheduler as cb_scheduler
 from transformers.generation.utils import GenerationMixin
@@ -43,7 +45,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import continuous_batching, generation, prefill_chunks
 from .contracts import require
 
-CACHE_NAMES, GENERATE, PAGED_CACHE, PAGED_STEP, EVICTION, REQUEST_FAULTS, CODES_ATTENTION = (
+CACHE_NAMES, GENERATE, PAGED_CACHE, PAGED_STEP, EVICTION, REQUEST_FAULTS, CODES_ATTENTION, HEAD_PAGES = (
     "cache_names",
     "generate",
     "paged_cache",
@@ -51,6 +53,7 @@ CACHE_NAMES, GENERATE, PAGED_CACHE, PAGED_STEP, EVICTION, REQUEST_FAULTS, CODES_
     "eviction",
     "request_faults",
     "codes_attention",
+    "head_pages",
 )
 #: each group, and when hf_kvcache installs it
 GROUPS = {
@@ -61,6 +64,7 @@ GROUPS = {
     EVICTION: "by the first paged cache built with `kv_compress`",
     REQUEST_FAULTS: "with `paged_step`, where its contract holds (else a request's fault stays fatal to the loop)",
     CODES_ATTENTION: "by the first quantized paged cache attending from the codes (or with prompt eviction)",
+    HEAD_PAGES: "by the first paged cache built with head pages (`kv_compress_layout` 'head')",
 }
 
 
@@ -161,6 +165,18 @@ PATCHES: tuple[Patch, ...] = (
         continuous_batching.QUANTIZED_PAGES,
         _CB + "cache.QuantizedPagedAttentionCache (a subclass; transformers' cache without kv_cache_dtype)",
         "the batch processor builds its cache from this module-level name: quantized pages (kv_cache_dtype)",
+    ),
+    Patch(
+        "cache",
+        cb_cache,
+        "PagedAttentionMemoryHandler",
+        HEAD_PAGES,
+        (continuous_batching.HEAD_PAGES,),
+        "hf_kvcache.integration.continuous_batching.per_stream_memory_handler (a subclass; transformers' handler "
+        "outside `tokens_per_sector_divided`)",
+        "it counts a page's tokens as whole tokens of every layer and head: head pages hold one (layer, head) "
+        "stream's, so the index tensors and masks would be sized for layers x heads times the tokens",
+        continuous_batching.per_stream_memory_handler,
     ),
     Patch(
         "ContinuousBatchProcessor",

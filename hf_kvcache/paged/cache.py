@@ -35,7 +35,6 @@ import torch
 
 from ..integration import patches
 from ..integration.continuous_batching import (
-    HEAD_PAGES,
     QUANTIZED_PAGES,
     FullAttentionCacheAllocator,
     PagedAttentionCache,
@@ -109,7 +108,8 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
     def _build_head_pages(self, config, kwargs) -> None:
         """Pages of one (layer, KV head) (hf_kvcache.paged.head_pages), in the model's dtype or quantized by
         `kv_spec`; attention reads them with the paged kernels, one KV head per (head, request) pair."""
-        require(*QUANTIZED_PAGES, HEAD_PAGES)
+        require(*QUANTIZED_PAGES)
+        patches.install(patches.HEAD_PAGES)
         factory = functools.partial(HeadPagedAllocator, kv_spec=self.kv_spec)
         heads, helper = find_num_key_value_heads(config), kwargs["distributed_helper"]
         if helper.tp_size > 1 and helper.are_kv_heads_tp_ed():  # (as transformers splits them)
