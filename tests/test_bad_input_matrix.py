@@ -1230,6 +1230,30 @@ CASES: list[Case] = [
         r"`--kv-compress\.chunk` must be an integer >= 1, got 0",
     ),
     cli_case(
+        ["serve", "--kv-compress", "keydiff:budget=0.25:head_budget=max", "--kv-layout", "head"],
+        r"`--kv-compress\.head_budget` must be one of \('uniform', 'adaptive'\), got 'max'",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", "keydiff:budget=0.25:safeguard=2", "--kv-layout", "head"],
+        r"`--kv-compress\.safeguard` \(the share of its budget every head keeps\) must be in \[0, 1\], got 2",
+    ),
+    cli_case(
+        ["serve", "--kv-compress", "keydiff:budget=0.25:head_budget=uniform", "--kv-layout", "token"],
+        r"`--kv-compress\.head_budget` is set, but the pages are laid out by token \(`--kv-layout` 'token'\)",
+    ),
+    cli_case(
+        ["serve", "--kv-layout", "head"],
+        r"--kv-layout lays out what eviction keeps: give --kv-compress too",
+    ),
+    cli_case(
+        ["serve", "--kv-layout", "row", "--kv-compress", "none"],
+        r"argument --kv-layout: invalid choice: 'row' \(choose from '?token'?, '?head'?\)",
+    ),
+    cli_case(
+        ["serve-bench", "--kv-compress", "none,keydiff:budget=0.25@row"],
+        r"`kv_compress` 'keydiff:budget=0\.25@row': the layout after '@' must be one of \('token', 'head'\)",
+    ),
+    cli_case(
         ["serve-bench", "--kv-compress", "keydiff:0.5"],
         r"`kv_compress` must start with 'none' \(the reference run\), got \('keydiff:0\.5',\)",
     ),

@@ -15,6 +15,8 @@ cannot rot between lent GPUs.
 - FP8 pages in `generate_batch` equal QuantizedFP8Cache run one request at a time (teacher-forced);
 - FP8 / INT8 pages attending straight from their codes (the Triton paged kernel) equal the dequantize path;
 - prompt eviction in `generate_batch` (model-dtype and FP8 pages) compresses every request and gives its pages back;
+- head pages (`kv_compress_layout` 'head') give the token pages' log-probabilities with nothing evicted, and compress
+  every request;
 - compiled decode (`reduce-overhead`: CUDA graphs; on CPU dynamo's eager backend) of the fixed-budget caches compiles
   no graph after its warm-up.
 """
@@ -283,6 +285,39 @@ def test_prompt_eviction_in_generate_batch_on_the_device(compress, kv_dtype):
     if ":chunk=" not in compress:
         assert {r: t[0] for r, t in tokens.items()} == {r: t[0] for r, t in full.items()}
     assert all(len(t) == len(full[r]) for r, t in tokens.items())
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
+def test_head_pages_on_the_device(kv_dtype, monkeypatch):
+    """Pages of one (layer, KV head) (`kv_compress_layout` 'head') on the device: with nothing evicted, their
+    log-probabilities (teacher-forced) are the token pages' (the Triton paged kernel with one KV head per pair on
+    CUDA; on CPU under the interpreter, else the native kernel); compressed, every request finishes with its pages
+    back and holds the sum of its heads' pages."""
+    from test_paged import _prompts, _run
+    from test_paged_eviction import _cb as eviction_cb
+
+    from hf_kvcache.paged import head_pages
+
+    if not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
+        attend = head_pages.HeadPagedCodes.attend
+        monkeypatch.setattr(head_pages.HeadPagedCodes, "attend", lambda s, *a, **k: attend(s, *a, **k, backend="triton"))
+    model, _ = _models()
+    prompts = [p * 3 for p in _prompts()]
+    whole = eviction_cb("knorm:budget=100000", kv_dtype=kv_dtype)
+    ref_tokens, ref = _run(model, prompts, whole)
+    force = {rid: dict(enumerate(t)) for rid, t in ref_tokens.items()}
+    heads_cb = eviction_cb("knorm:budget=100000", kv_dtype=kv_dtype)
+    heads_cb.kv_compress_layout = "head"
+    tokens, rec = _run(model, prompts, heads_cb, force)
+    assert tokens == ref_tokens
+    worst = max(divergence_metrics(ref.logprobs()[r].float(), rec.logprobs()[r].float())["kl_mean"] for r in tokens)
+    assert worst < KL_TOL, worst
+    compressed = eviction_cb("knorm:budget=0.25", kv_dtype=kv_dtype)
+    compressed.kv_compress_layout = "head"
+    tokens, rec = _run(model, prompts, compressed)
+    stats = rec.eviction_stats
+    assert stats.requests_compressed == len(prompts) and stats.pages_freed > 0, stats
+    assert all(len(t) == len(ref_tokens[r]) for r, t in tokens.items())
 
 
 @pytest.mark.parametrize(

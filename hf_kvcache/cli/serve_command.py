@@ -155,7 +155,11 @@ def _serve(args) -> int:
             kv_compress = json_object(kv_compress)
         except argparse.ArgumentTypeError as error:
             raise ValueError(f"--kv-compress: {error}") from None
-    parse_compression(kv_compress, "--kv-compress")
+    spec = parse_compression(kv_compress, "--kv-compress")
+    if args.kv_layout is not None and kv_compress is None:
+        raise ValueError("--kv-layout lays out what eviction keeps: give --kv-compress too (e.g. none)")
+    if spec is not None:
+        spec.check_layout(args.kv_layout or DEFAULT_LAYOUT, "--kv-compress", "--kv-layout")
     missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         print(

@@ -167,14 +167,15 @@ class CompressSpec:
                     f"{safeguard!r}."
                 )
 
-    def check_layout(self, layout: str) -> None:
-        """Raise ValueError naming the fields when this spec cannot run on pages laid out by `layout` (LAYOUTS)."""
+    def check_layout(self, layout: str, field: str = FIELD, layout_field: str = LAYOUT_FIELD) -> None:
+        """Raise ValueError naming the fields when this spec cannot run on pages laid out by `layout` (LAYOUTS);
+        `field` / `layout_field`: how the message names `kv_compress` and `kv_compress_layout` (e.g. the flags)."""
         allotment = {"layer_budget": self.layer_budget, "head_budget": self.head_budget, "safeguard": self.safeguard}
-        given = [f"{FIELD}.{name}" for name, value in allotment.items() if value is not None]
+        given = [name for name, value in allotment.items() if value is not None]
         if given and layout == "token":
             raise ValueError(
-                f"`{given[0]}` is set, but the pages are laid out by token (`{LAYOUT_FIELD}` 'token'): budgets per "
-                f"layer and head need pages of one (layer, head); set `{LAYOUT_FIELD}` 'head' or leave {given} out."
+                f"`{field}.{given[0]}` is set, but the pages are laid out by token (`{layout_field}` 'token'): budgets "
+                f"per layer and head need pages of one (layer, head); set `{layout_field}` 'head' or leave it out."
             )
 
     def allotment(self) -> tuple[str, str, float]:
