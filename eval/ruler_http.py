@@ -181,7 +181,7 @@ def write_cells(args, done: dict, out: Path, eviction) -> dict:
 
 @torch.inference_mode()
 def _through_generate(args, model, tokenizer, jobs, done, results_path: Path, out: Path) -> dict:
-    from hf_kvcache.evaluation.eviction_reference import generate_with_eviction
+    from hf_kvcache.evaluation.eviction_reference import generate_with_eviction, generate_with_head_eviction
     from hf_kvcache.evaluation.ruler import score
     from hf_kvcache.paged.compress_spec import parse
 
@@ -189,12 +189,14 @@ def _through_generate(args, model, tokenizer, jobs, done, results_path: Path, ou
         for i, (setting, task, seed, sample) in enumerate(jobs):
             text = sample.context + sample.question + sample.answer_prefix
             prompt = tokenizer(text).input_ids  # as the server's completions endpoint tokenizes it
-            tokens = generate_with_eviction(
-                model, prompt, parse(setting), sample.max_new_tokens, eos=tokenizer.eos_token_id
+            spec = parse(setting)
+            run = (
+                generate_with_head_eviction if args.kv_layout == "head" and spec is not None else generate_with_eviction
             )
+            tokens = run(model, prompt, spec, sample.max_new_tokens, eos=tokenizer.eos_token_id)
             output = tokenizer.decode(tokens, skip_special_tokens=True)
             record = {
-                "kv_compress": setting,
+                "kv_compress": _row(setting, args.kv_layout),
                 "task": task,
                 "seed": seed,
                 "context_len": args.length,
@@ -205,7 +207,7 @@ def _through_generate(args, model, tokenizer, jobs, done, results_path: Path, ou
             }
             f.write(json.dumps(record) + "\n")
             f.flush()
-            done[(setting, task, seed)] = record
+            done[(record["kv_compress"], task, seed)] = record
             if (i + 1) % 25 == 0:
                 print(f"{i + 1}/{len(jobs)} answers", flush=True)
     return write_cells(args, done, out, None)

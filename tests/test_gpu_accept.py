@@ -300,7 +300,9 @@ def test_head_pages_on_the_device(kv_dtype, monkeypatch):
 
     if not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
         attend = head_pages.HeadPagedCodes.attend
-        monkeypatch.setattr(head_pages.HeadPagedCodes, "attend", lambda s, *a, **k: attend(s, *a, **k, backend="triton"))
+        monkeypatch.setattr(
+            head_pages.HeadPagedCodes, "attend", lambda s, *a, **k: attend(s, *a, **k, backend="triton")
+        )
     model, _ = _models()
     prompts = [p * 3 for p in _prompts()]
     whole = eviction_cb("knorm:budget=100000", kv_dtype=kv_dtype)

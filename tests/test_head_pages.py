@@ -19,13 +19,12 @@ import sys
 import pytest
 import torch
 from conftest import build_model, planted_surrogate, random_ids
-from transformers import AttentionInterface, DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_kvcache  # noqa: F401  (installs the paged cache)
+from hf_kvcache.evaluation import eviction_reference
 from hf_kvcache.integration.attention_inputs import capture_attention_inputs
 from hf_kvcache.integration.cache_argument import cache_kwargs
 from hf_kvcache.integration.continuous_batching import update_caller
@@ -34,31 +33,11 @@ from hf_kvcache.paged.compress_spec import CompressSpec, parse
 from hf_kvcache.paged.head_allotment import kept_positions_per_head
 from hf_kvcache.paged.prompt_scores import prompt_scorer
 from hf_kvcache.scorers.base import Prompt
-from hf_kvcache.scorers.kvzap_surrogate import Surrogate
 
 PROMPT_LENGTHS = (40, 67, 23, 90)
 NEW_TOKENS = 8
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
-REFERENCE = "hf_kvcache_head_mask_reference"
-_MASKS: dict[int, torch.Tensor] = {}  # layer -> [Hkv, P] kept prompt positions (the reference's evictions)
-
-
-def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """sdpa, with the prompt positions a (layer, head) evicted masked for that head's query heads."""
-    keep = _MASKS.get(module.layer_idx)
-    if keep is not None:
-        heads, prompt = keep.shape
-        q, k = query.shape[2], key.shape[2]
-        bias = torch.zeros(1, query.shape[1], q, k, dtype=query.dtype)
-        hidden = torch.where(keep, 0.0, float("-inf")).repeat_interleave(query.shape[1] // heads, 0)
-        bias[..., :prompt] = hidden[None, :, None, :]
-        causal = torch.arange(k)[None, :] <= (k - q + torch.arange(q))[:, None]  # the new tokens among themselves
-        attention_mask = bias.masked_fill(~causal, float("-inf"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register(REFERENCE, _masked_sdpa)
-ALL_MASK_ATTENTION_FUNCTIONS.register(REFERENCE, sdpa_mask)
+REFERENCE = eviction_reference.HEAD_MASKED
 
 
 def _prompts():
@@ -95,8 +74,9 @@ def surrogate_dir(tmp_path_factory, model):
     return str(directory)
 
 
-def _head_scores(model, prompt: list[int], spec: CompressSpec, surrogate) -> tuple[list[torch.Tensor], object]:
-    """The method's per-head scores [Hkv, P] per layer from a DynamicCache prefill, and the prefill's logits."""
+def _snapkv_scores(model, prompt: list[int], spec: CompressSpec) -> tuple[list[torch.Tensor], object]:
+    """SnapKV's per-head scores [Hkv, P] per layer from a DynamicCache prefill (its queries rebuilt for Llama), and
+    the prefill's (cache, logits)."""
     ids = torch.tensor([prompt])
     hidden, cache = {}, DynamicCache()
     with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
@@ -106,30 +86,28 @@ def _head_scores(model, prompt: list[int], spec: CompressSpec, surrogate) -> tup
     scores = []
     for i, layer in enumerate(cache.layers):
         attention = model.model.layers[i].self_attn
-        inputs = {"keys": layer.keys[0]}
-        if spec.method == "kvzap":
-            inputs = {"arrived": surrogate.predict(i, hidden[i])[0]}
-        if spec.method == "snapkv":
-            query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
-            query, _ = apply_rotary_pos_emb(query, query, cos, sin)
-            inputs.update(queries=query[0, :, -spec.options.get("window", 64) :], scaling=attention.scaling)
-        scorer = prompt_scorer(spec, i, surrogate)
-        heads = layer.keys.shape[1]
-        scores.append(torch.zeros(heads, length) if scorer is None else scorer.score(Prompt(**inputs)).float())
+        query = attention.q_proj(hidden[i]).view(1, length, -1, attention.head_dim).transpose(1, 2)
+        query, _ = apply_rotary_pos_emb(query, query, cos, sin)
+        window = query[0, :, -spec.options.get("window", 64) :]
+        prompt_ = Prompt(keys=layer.keys[0], queries=window, scaling=attention.scaling)
+        scores.append(prompt_scorer(spec, i).score(prompt_).float())
     return scores, (cache, logits)
 
 
-def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[int]:
-    """Greedy tokens when each (layer, head) attends only to the prompt positions it keeps (masked, never moved)."""
-    scores, (cache, logits) = _head_scores(model, prompt, spec, surrogate)
+def _snapkv_reference(model, prompt: list[int], spec: CompressSpec) -> list[int]:
+    """SnapKV through the library's reference (eviction_reference.generate_with_head_eviction: each (layer, head)
+    attends only to the prompt positions it keeps, masked), its queries rebuilt for Llama."""
+    eviction_reference._register_head_masked()
+    scores, (cache, logits) = _snapkv_scores(model, prompt, spec)
     heads = scores[0].shape[0]
     kept = kept_positions_per_head(spec, scores)
-    _MASKS.clear()
+    masks = eviction_reference._head_masks
+    masks.clear()
     for layer in range(len(scores)):
         mask = torch.zeros(heads, len(prompt), dtype=torch.bool)
         for h in range(heads):
             mask[h, kept[layer * heads + h]] = True
-        _MASKS[layer] = mask
+        masks[layer] = mask
     token, tokens = int(logits[0, -1].argmax()), []
     tokens.append(token)
     saved = model.config._attn_implementation
@@ -144,78 +122,8 @@ def _reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[
                 tokens.append(token)
     finally:
         model.config._attn_implementation = saved
-        _MASKS.clear()
+        masks.clear()
     return tokens
-
-
-def _chunked_reference(model, prompt: list[int], spec: CompressSpec, surrogate) -> list[int]:
-    """Chunk by chunk (`spec.chunk`): each piece of the prompt attends, per (layer, head), to what that head kept of
-    the pieces before it (masked), then every head keeps its share of what it holds, as head pages do."""
-    cache, length, seen, held = DynamicCache(), len(prompt), 0, 0
-    keep: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen] kept
-    arrivals: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen] the scores each token got on arrival
-    saved = model.config._attn_implementation
-    model.config._attn_implementation = REFERENCE
-    try:
-        for start in range(0, length, spec.chunk):
-            piece, hidden = prompt[start : start + spec.chunk], {}
-            _MASKS.clear()
-            _MASKS.update(keep)
-            with torch.no_grad(), capture_attention_inputs(model, lambda i, h: hidden.__setitem__(i, h.clone())):
-                logits = model(
-                    torch.tensor([piece]),
-                    **cache_kwargs(cache),
-                    position_ids=torch.arange(seen, seen + len(piece))[None],
-                ).logits
-            seen, held = seen + len(piece), held + len(piece)
-            heads = cache.layers[0].keys.shape[1]
-            for i in range(len(cache.layers)):
-                new = torch.ones(heads, len(piece), dtype=torch.bool)
-                keep[i] = new if i not in keep else torch.cat([keep[i], new], 1)
-                if spec.method == "kvzap":
-                    scored = prompt_scorer(spec, i, surrogate).score_arrivals(hidden[i])[0]
-                    arrivals[i] = scored if i not in arrivals else torch.cat([arrivals[i], scored], 1)
-            kept = min(spec.kept(seen), held)
-            if kept < held:
-                scores = [_ragged_scores(spec, i, layer.keys[0], keep[i], arrivals.get(i), surrogate)
-                          for i, layer in enumerate(cache.layers)]  # fmt: skip
-                local = kept_positions_per_head(spec, scores, kept)
-                for i in range(len(cache.layers)):
-                    for h in range(heads):
-                        positions = keep[i][h].nonzero()[:, 0]
-                        keep[i][h] = False
-                        keep[i][h, positions[local[i * heads + h]]] = True
-                held = -(-sum(p.numel() for p in local) // len(local))
-        token, tokens = int(logits[0, -1].argmax()), []
-        tokens.append(token)
-        _MASKS.clear()
-        _MASKS.update(keep)
-        with torch.no_grad():
-            for step in range(NEW_TOKENS - 1):
-                out = model(
-                    torch.tensor([[token]]), **cache_kwargs(cache), position_ids=torch.tensor([[length + step]])
-                )
-                token = int(out.logits[0, -1].argmax())
-                tokens.append(token)
-    finally:
-        model.config._attn_implementation = saved
-        _MASKS.clear()
-    return tokens
-
-
-def _ragged_scores(spec, layer, keys, keep, arrivals, surrogate) -> list[torch.Tensor]:
-    """Each head's scores over the tokens it holds (keys [Hkv, seen, D], keep [Hkv, seen]), scored jointly when the
-    heads hold as many tokens, else head by head, as head pages score them."""
-    scorer = prompt_scorer(spec, layer, surrogate)
-    held = [keys[h][keep[h]] for h in range(keys.shape[0])]
-    if arrivals is not None:
-        own = [arrivals[h][keep[h]] for h in range(keys.shape[0])]
-        if len({a.numel() for a in own}) == 1:
-            return list(scorer.score(Prompt(arrived=torch.stack(own))).float())
-        return [scorer.score(Prompt(arrived=a[None]))[0].float() for a in own]
-    if len({k.shape[0] for k in held}) == 1:
-        return list(scorer.score(Prompt(keys=torch.stack(held))).float())
-    return [scorer.score(Prompt(keys=k[None]))[0].float() for k in held]
 
 
 def _spec(method, surrogate_dir, **fields):
@@ -239,8 +147,10 @@ def test_generate_batch_equals_masking_what_each_head_evicts(model, surrogate_di
     spec = _spec(method, surrogate_dir)
     prompts = _prompts()
     got = _generate(model, prompts, _cb(spec.to_dict()))
-    surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
-    assert got == [_reference(model, prompt, spec, surrogate) for prompt in prompts]
+    if method == "snapkv":  # (its queries rebuilt for Llama)
+        assert got == [_snapkv_reference(model, prompt, spec) for prompt in prompts]
+    else:  # the library's reference (eval/ruler_http.py --through generate --kv-layout head)
+        assert got == [eviction_reference.generate_with_head_eviction(model, p, spec, NEW_TOKENS) for p in prompts]
     if method != "sink_window":  # per head, the tokens kept differ from one score per token's
         token = CompressSpec(method=method, budget=0.4, surrogate=spec.surrogate, options=spec.options)
         assert got != _generate(model, prompts, _cb(token.to_dict(), layout="token"))
@@ -253,9 +163,8 @@ def test_chunk_by_chunk_equals_masking_what_each_head_evicted(model, surrogate_d
     heads then hold different numbers of tokens while later chunks are scored."""
     spec = _spec(method, surrogate_dir, chunk=16)
     prompts = _prompts()
-    surrogate = Surrogate.load(surrogate_dir) if method == "kvzap" else None
     got = _generate(model, prompts, _cb(spec.to_dict()))
-    assert got == [_chunked_reference(model, prompt, spec, surrogate) for prompt in prompts]
+    assert got == [eviction_reference.generate_with_head_eviction(model, p, spec, NEW_TOKENS) for p in prompts]
     assert got != _generate(model, prompts, _cb(_spec(method, surrogate_dir).to_dict()))
 
 
@@ -263,7 +172,8 @@ def test_chunk_by_chunk_equals_masking_what_each_head_evicted(model, surrogate_d
 def test_every_allotment_equals_the_reference(model, surrogate_dir, allotment):
     spec = _spec("keydiff", surrogate_dir, layer_budget=allotment[0], head_budget=allotment[1])
     prompts = _prompts()
-    assert _generate(model, prompts, _cb(spec.to_dict())) == [_reference(model, p, spec, None) for p in prompts]
+    expected = [eviction_reference.generate_with_head_eviction(model, p, spec, NEW_TOKENS) for p in prompts]
+    assert _generate(model, prompts, _cb(spec.to_dict())) == expected
 
 
 def test_fp8_head_pages_compress_and_free_every_page(model):

@@ -94,3 +94,141 @@ def _compress(cache, spec: CompressSpec, seen: int, held: int, hidden, arrived, 
         if i in arrived:
             arrived[i] = arrived[i][:, positions]
     return kept
+
+
+# -- head pages (kv_compress_layout "head"): every (layer, KV head) keeps its own tokens ------------------------------
+#: the attention implementation the head-pages reference runs: sdpa, with the prompt tokens each (layer, KV head)
+#: evicted masked for its query heads (registered through transformers' public AttentionInterface)
+HEAD_MASKED = "hf_kvcache_head_mask_reference"
+_head_masks: dict[int, torch.Tensor] = {}  # layer -> [Hkv, P] the prompt tokens each head keeps
+
+
+def _head_masked_sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    keep = _head_masks.get(module.layer_idx)
+    if keep is not None:  # (one request, no padding: the causal mask of the new tokens is all the rest)
+        heads, prompt = keep.shape
+        q, k = query.shape[2], key.shape[2]
+        bias = torch.zeros(1, query.shape[1], q, k, dtype=query.dtype, device=query.device)
+        hidden = torch.where(keep, 0.0, float("-inf")).to(query.dtype).repeat_interleave(query.shape[1] // heads, 0)
+        bias[..., :prompt] = hidden[None, :, None, :]
+        positions = torch.arange(k, device=query.device)
+        causal = positions[None, :] <= (k - q + torch.arange(q, device=query.device))[:, None]
+        attention_mask = bias.masked_fill(~causal, float("-inf"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_head_masked() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(HEAD_MASKED, _head_masked_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(HEAD_MASKED, sdpa_mask)
+
+
+@torch.inference_mode()
+def generate_with_head_eviction(
+    model, prompt: list[int], spec: CompressSpec, max_new_tokens: int, eos=None
+) -> list[int]:
+    """Greedy tokens of `prompt` when every (layer, KV head) keeps what head pages keep of it
+    (hf_kvcache.paged.head_allotment: KVzipCache's allotment over the layers and heads), the evicted tokens masked
+    for that head rather than moved (so positions are the original ones). Chunk by chunk (`spec.chunk`), each piece
+    attends to what the heads kept of the pieces before it, and every head then keeps its share of what it holds.
+    Methods: those of `generate_with_eviction`."""
+    from transformers import DynamicCache
+
+    from ..paged.head_allotment import kept_positions_per_head
+
+    if spec.method not in METHODS:
+        raise ValueError(f"`spec.method` must be one of {METHODS} for the reference, got {spec.method!r}.")
+    _register_head_masked()
+    device = next(model.parameters()).device
+    config = model.config.get_text_config()
+    surrogate = surrogate_for(spec, config) if "arrived" in reads(spec.method) else None
+    stops = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    cache, length, seen, held = DynamicCache(), len(prompt), 0, 0
+    keep: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen]
+    arrivals: dict[int, torch.Tensor] = {}  # layer -> [Hkv, seen]: "arrived" scores
+    configs = {id(c): c for c in (model.config, config)}.values()
+    saved = [(c, c._attn_implementation) for c in configs]
+    for c, _ in saved:
+        c._attn_implementation = HEAD_MASKED
+    hidden: dict[int, torch.Tensor] = {}  # "arrived": each layer's attention inputs of the latest piece
+
+    def record(i: int, h: torch.Tensor) -> None:
+        if surrogate is not None:
+            hidden[i] = h
+
+    try:
+        step = length if spec.chunk is None else spec.chunk
+        for start in range(0, length, step):
+            piece = prompt[start : start + step]
+            _head_masks.clear()
+            _head_masks.update(keep)
+            with capture_attention_inputs(model, record):
+                logits = model(
+                    torch.tensor([piece], device=device),
+                    position_ids=torch.arange(seen, seen + len(piece), device=device)[None],
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **cache_kwargs(cache),
+                ).logits
+            seen, held = seen + len(piece), held + len(piece)
+            heads = cache.layers[0].keys.shape[1]
+            for i in range(len(cache.layers)):
+                new = torch.ones(heads, len(piece), dtype=torch.bool, device=device)
+                keep[i] = new if i not in keep else torch.cat([keep[i], new], 1)
+                if surrogate is not None:
+                    scored = prompt_scorer(spec, i, surrogate).score_arrivals(hidden[i])[0]
+                    arrivals[i] = scored if i not in arrivals else torch.cat([arrivals[i], scored], 1)
+            kept = min(spec.kept(seen), held)
+            if kept < held:
+                scores = [
+                    _held_scores(prompt_scorer(spec, i, surrogate), layer.keys[0], keep[i], arrivals.get(i))
+                    for i, layer in enumerate(cache.layers)
+                ]
+                local = kept_positions_per_head(spec, scores, kept)
+                for i in range(len(cache.layers)):
+                    for h in range(heads):
+                        positions = keep[i][h].nonzero()[:, 0]
+                        keep[i][h] = False
+                        keep[i][h, positions[local[i * heads + h]]] = True
+                held = -(-sum(p.numel() for p in local) // len(local))  # (the request's length in head pages)
+        token = int(logits[0, -1].argmax())
+        tokens = [token]
+        _head_masks.clear()
+        _head_masks.update(keep)
+        for index in range(max_new_tokens - 1):
+            if token in stops:
+                break
+            out = model(
+                torch.tensor([[token]], device=device),
+                position_ids=torch.tensor([[length + index]], device=device),
+                use_cache=True,
+                **cache_kwargs(cache),
+            )
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+    finally:
+        for c, implementation in saved:
+            c._attn_implementation = implementation
+        _head_masks.clear()
+    return tokens
+
+
+def _held_scores(scorer, keys, keep, arrivals) -> list[torch.Tensor]:
+    """Each head's scores over the tokens it holds (keys [Hkv, seen, D], keep [Hkv, seen]): scored as the layer's
+    whole when the heads hold as many tokens, else head by head, as head pages score them."""
+    heads = keys.shape[0]
+    if scorer is None:  # sink_window
+        return [torch.zeros(int(keep[h].sum()), device=keys.device) for h in range(heads)]
+    if arrivals is not None:
+        own = [arrivals[h][keep[h]] for h in range(heads)]
+        if len({a.numel() for a in own}) == 1:
+            return list(scorer.score(Prompt(arrived=torch.stack(own))).float())
+        return [scorer.score(Prompt(arrived=a[None]))[0].float() for a in own]
+    held = [keys[h][keep[h]] for h in range(heads)]
+    if len({k.shape[0] for k in held}) == 1:
+        return list(scorer.score(Prompt(keys=torch.stack(held))).float())
+    return [scorer.score(Prompt(keys=k[None]))[0].float() for k in held]
