@@ -193,9 +193,9 @@ class PagedEviction:
             shifts.append(0 if info is None else info.shift)
             lengths.append(length)
             start += length
-        if self.layout == "head":
+        if self.layout == "head":  # the rows each stream writes and reads are planned from this batch
             allocator = next(iter(self.cache.cache_allocators.values()))
-            allocator.plan_forward([(f.state.request_id, f.query_length) for f in batch], self.cache.device)
+            allocator.set_batch([(future.state.request_id, future.query_length) for future in batch])
         if any(shifts):
             per_token = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(lengths))
             positions = processor.inputs_and_outputs.position_ids

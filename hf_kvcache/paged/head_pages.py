@@ -13,9 +13,10 @@ and changes what a block is:
   length per stream (`lengths`): a compressed request holds the sum over streams of what each keeps, plus at most one
   partial page per stream, and `needs_new_blocks` / `allocate_cache_to_request` count exactly those pages, so
   transformers' scheduler admits by the pages really held;
-- transformers' own read / write indices are not used (they name one row per token for all heads): before each forward
-  `plan_forward` computes, for the batch, each stream's write rows and each (head, request) pair's read rows
-  (vectorized, on the cache's device), and attention (`HeadPagedCodes.attend`, called by hf_kvcache.paged's batch
+- transformers' own read / write indices are not used (they name one row per token for all heads): the batch's
+  requests are noted as transformers prepares it (`get_write_indices`, request by request in order), and at the
+  forward's first layer `plan_forward` computes each stream's write rows and each (head, request) pair's read rows
+  (vectorized, on the cache's device); attention (`HeadPagedCodes.attend`, called by hf_kvcache.paged's batch
   attention wrapper) runs the paged kernels with one KV head per pair: the native CPU kernel
   (`kernels.cpu_blockwise.paged_attention`) or the Triton one (`kernels.triton_paged`), reading the codes in place;
   a plain PyTorch loop where neither runs.
@@ -105,6 +106,7 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         self.lengths: dict[str, list[int]] = {}  # request -> per stream: the tokens written
         self._saved: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
         self.plan: ForwardPlan | None = None
+        self._batch: list[tuple[str, int]] = []  # the next forward's requests, as transformers prepares them
         #: how attention reads the pages: "native" (CPU kernel), "triton" (CUDA kernel) or "torch" (a PyTorch loop
         #: where neither runs); set by the cache
         self.backend = "torch"
@@ -219,10 +221,18 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         return pairs
 
     def get_write_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
-        return [self.write_trash_index] * query_length  # (plan_forward writes each stream's rows)
+        """(transformers' batch preparation, request by request in the batch's order) Note the request for this
+        forward's plan; transformers' own write rows are the trash (each layer's `update` writes every stream)."""
+        self._batch.append((request_id, query_length))
+        return [self.write_trash_index] * query_length
 
     def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
         return [self.read_trash_index] * (past_length + query_length)  # (plan_forward reads each pair's rows)
+
+    def set_batch(self, batch: list[tuple[str, int]]) -> None:
+        """The next forward's requests [(request id, new tokens)] in the packed order, from the batch itself (prompt
+        eviction's step hook: authoritative where a preparation left notes of a batch that never ran)."""
+        self._batch = list(batch)
 
     def held_blocks(self, request_id: str) -> int:
         """The blocks (pages of one stream) `request_id` holds."""
@@ -274,9 +284,10 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """Write the forward's new tokens [N, heads, D] into each stream's pages (the plan's rows), keep them as the
         kernel reads them (`fresh`), and return no rows: attention reads the pages (HeadPagedCodes)."""
+        if layer_idx == self.layer_indices[0]:  # a new forward: plan it for the requests transformers prepared
+            self.plan_forward(self._batch, key_states.device)
+            self._batch = []
         plan, heads = self.plan, self.num_key_value_heads
-        if plan is None:
-            raise RuntimeError("head pages: a forward ran without a plan (hf_kvcache.paged.eviction plans each one)")
         check_finite(key_states, value_states, f"head pages, layer {layer_idx}")
         layer = self.layer_indices.index(layer_idx)
         keys, values = key_states[: plan.tokens], value_states[: plan.tokens]
