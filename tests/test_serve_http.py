@@ -342,6 +342,45 @@ def test_eviction_keeps_a_quarter_frees_pages_and_a_request_may_ask_for_none(com
     )
 
 
+@pytest.fixture(scope="module")
+def head_pages(smollm2):
+    """Model-dtype head pages (`--kv-layout head`), pages of 16, KVzap keeping 25% of each prompt. float32."""
+    server = Server(
+        "--kv-cache-dtype", "auto", "--kv-memory", "32MiB", "--cb-block-size", "16", "--dtype", "float32",
+        "--kv-compress", "kvzap:budget=0.25", "--kv-layout", "head",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def test_head_pages_answer_as_generate_with_the_same_per_head_budgets(head_pages, smollm2):
+    """Through HTTP, each (layer, KV head) keeping its own share: the text `generate` gives when every head attends
+    to what it keeps (eviction_reference.generate_with_head_eviction), for the server's KVzap and a request's
+    KeyDiff with uniform heads; then every page is free."""
+    from hf_kvcache.evaluation.eviction_reference import generate_with_head_eviction
+    from hf_kvcache.paged.compress_spec import parse
+
+    model, tokenizer = smollm2
+    server = head_pages
+    prompt = f"Count the words: {_words(200)}. The words are"
+    ids = tokenizer(prompt).input_ids
+    for setting in (None, "keydiff:budget=0.25:head_budget=uniform"):
+        extra = {} if setting is None else {"extra_body": {"kv_compress": setting}}
+        response = server.client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, **extra
+        )
+        spec = parse(setting or "kvzap:budget=0.25")
+        expected = tokenizer.decode(generate_with_head_eviction(model, ids, spec, NEW_TOKENS), skip_special_tokens=True)
+        assert response.choices[0].text == expected, setting
+    state = server.kv_cache()
+    assert state["kv_compress_layout"] == "head" and state["attention_path"] == "heads", state
+    assert state["eviction"]["requests_compressed"] == 2, state
+    deadline = time.monotonic() + HANG_GUARD
+    while server.kv_cache()["pages_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert server.kv_cache()["pages_in_use"] == 0
+
+
 @pytest.mark.parametrize(
     "value, match",
     [
