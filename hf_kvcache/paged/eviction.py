@@ -25,6 +25,10 @@ The scores are the method's registry scorer's `score` (hf_kvcache.scorers.base.P
   attention wrapper, hf_kvcache.paged.codes_attention, hands them over), scored against the stored keys;
 - "keys" (keydiff, knorm, snapkv): the stored keys, read when the prompt ends.
 
+On head pages (`kv_compress_layout` "head", hf_kvcache.paged.head_pages) every (layer, KV head) keeps its own tokens,
+allotted over the model and the heads by the scorer's per-head scores (hf_kvcache.paged.head_allotment), and the
+request's `position_offset` becomes the average a head keeps.
+
 A request whose scoring or compaction raises fails alone (its client gets the error, its pages go back), and a forward
 that raises fails the requests of its batch only (hf_kvcache.paged.request_faults; the step around the forward:
 hf_kvcache.paged.step).

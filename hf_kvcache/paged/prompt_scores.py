@@ -5,7 +5,8 @@ A page row holds every KV head of a token, so a layer keeps whole tokens: its KV
 token as the scorer declares (`head_reduction`: the largest for the attention-based scores, KVzap's and SnapKV's: a
 token some head attends to is kept; the mean for the key-geometry ones, KeyDiff's and Knorm's, whose per-head scales
 differ), and every layer keeps the same number of tokens (a page is a block of every layer), each layer its own.
-Budgets per head or per layer, as KVzipCache allots them, would need pages per head; they are not built.
+Budgets per head and per layer, as KVzipCache allots them, need pages of one (layer, head): head pages
+(`kv_compress_layout` "head", hf_kvcache.paged.head_pages, chosen by hf_kvcache.paged.head_allotment).
 """
 
 from __future__ import annotations
