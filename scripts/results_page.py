@@ -542,7 +542,11 @@ def serving() -> str:
             + "\n\n"
             + _source(path)
         )
-    for path in (RESULTS / "serve_bench.compress.json", RESULTS / "serve_bench.compress_chunk.json"):
+    for path in (
+        RESULTS / "serve_bench.compress.json",
+        RESULTS / "serve_bench.compress_chunk.json",
+        RESULTS / "serve_bench.heads.json",
+    ):
         if not path.exists():
             continue
         data = json.loads(path.read_text(encoding="utf-8"))

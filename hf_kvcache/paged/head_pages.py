@@ -46,8 +46,8 @@ from .codes_attention import page_views
 from .records import TokenRecord, decode_rows, encode_rows
 from .spec import PagedKVSpec
 
-#: requests freed whose stream layout is kept for a restore from CPU (the most recent ones)
-_SAVED_LAYOUTS = 4096
+#: requests offloaded whose stream layout is kept for a restore from CPU (the most recent ones)
+_SAVED_LAYOUTS = 1024
 
 
 @dataclass
@@ -192,10 +192,11 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         self.block_table[request_id] = list(blocks)
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
-        """transformers' free, keeping the request's stream layout for a restore from CPU (`_saved`)."""
+        """transformers' free; a request offloaded (transformers frees it with `no_cache`, then copies its blocks back
+        in order on restore) keeps its stream layout for the restore (`_saved`)."""
         tables = self.tables.pop(request_id, None)
         lengths = self.lengths.pop(request_id, None)
-        if tables is not None:
+        if tables is not None and no_cache:
             where = {block: (s, p) for s, table in enumerate(tables) for p, block in enumerate(table)}
             self._saved[request_id] = (lengths, [where[b] for b in self.block_table.get(request_id, [])])
             self._saved.move_to_end(request_id)
