@@ -296,12 +296,12 @@ def test_head_pages_on_the_device(kv_dtype, monkeypatch):
     from test_paged import _prompts, _run
     from test_paged_eviction import _cb as eviction_cb
 
-    from hf_kvcache.paged import head_pages
+    from hf_kvcache.paged import head_attention
 
     if not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
-        attend = head_pages.HeadPagedCodes.attend
+        attend = head_attention.HeadPagedCodes.attend
         monkeypatch.setattr(
-            head_pages.HeadPagedCodes, "attend", lambda s, *a, **k: attend(s, *a, **k, backend="triton")
+            head_attention.HeadPagedCodes, "attend", lambda s, *a, **k: attend(s, *a, **k, backend="triton")
         )
     model, _ = _models()
     prompts = [p * 3 for p in _prompts()]

@@ -170,6 +170,11 @@ def test_a_fresh_interpreter_sees_exactly_the_listed_patches_and_uninstall_resto
 ALLOWED = {
     ("attention/bridge.py", "AttentionInterface.register"): "our own names, through the public registry",
     ("attention/bridge.py", "AttentionMaskInterface.register"): "our own names, through the public registry",
+    ("evaluation/eviction_reference.py", "AttentionInterface.register"): "our own name, through the public registry",
+    (
+        "evaluation/eviction_reference.py",
+        "AttentionMaskInterface.register",
+    ): "our own name, through the public registry",
     ("integration/continuous_batching.py", "cb_cache.ATTN_TYPE_TO_ALLOCATOR.update"): "while one cache is built",
     ("integration/continuous_batching.py", "cb_cache.ATTN_TYPE_TO_ALLOCATOR.clear"): "restored after that build",
 }

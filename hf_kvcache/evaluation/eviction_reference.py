@@ -104,7 +104,7 @@ _head_masks: dict[int, torch.Tensor] = {}  # layer -> [Hkv, P] the prompt tokens
 
 
 def _head_masked_sdpa(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from ..integration.attention import sdpa_attention_forward
 
     keep = _head_masks.get(module.layer_idx)
     if keep is not None:  # (one request, no padding: the causal mask of the new tokens is all the rest)
@@ -120,11 +120,13 @@ def _head_masked_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register_head_masked() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    """Our own name in transformers' public attention registries (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from ..integration.attention import sdpa_mask
 
     AttentionInterface.register(HEAD_MASKED, _head_masked_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(HEAD_MASKED, sdpa_mask)
+    AttentionMaskInterface.register(HEAD_MASKED, sdpa_mask)
 
 
 @torch.inference_mode()

@@ -42,7 +42,7 @@ from transformers.generation.continuous_batching import scheduler as cb_schedule
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_utils import AttentionInterface
 
-from . import continuous_batching, generation, prefill_chunks
+from . import continuous_batching, generation, memory_handler, prefill_chunks
 from .contracts import require
 
 CACHE_NAMES, GENERATE, PAGED_CACHE, PAGED_STEP, EVICTION, REQUEST_FAULTS, CODES_ATTENTION, HEAD_PAGES = (
@@ -171,12 +171,12 @@ PATCHES: tuple[Patch, ...] = (
         cb_cache,
         "PagedAttentionMemoryHandler",
         HEAD_PAGES,
-        (continuous_batching.HEAD_PAGES,),
-        "hf_kvcache.integration.continuous_batching.per_stream_memory_handler (a subclass; transformers' handler "
-        "outside `tokens_per_sector_divided`)",
+        (memory_handler.HEAD_PAGES,),
+        "hf_kvcache.integration.memory_handler.per_stream_memory_handler (a subclass; transformers' handler outside "
+        "`tokens_per_sector_divided`)",
         "it counts a page's tokens as whole tokens of every layer and head: head pages hold one (layer, head) "
         "stream's, so the index tensors and masks would be sized for layers x heads times the tokens",
-        continuous_batching.per_stream_memory_handler,
+        memory_handler.per_stream_memory_handler,
     ),
     Patch(
         "ContinuousBatchProcessor",

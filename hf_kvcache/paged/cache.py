@@ -42,9 +42,9 @@ from ..integration.continuous_batching import (
     attention_takes_cache_rows,
     cb_config_of,
     find_num_key_value_heads,
-    tokens_per_sector_divided,
 )
 from ..integration.contracts import holds, require
+from ..integration.memory_handler import tokens_per_sector_divided
 from . import codes_attention, compress_spec, eviction, eviction_checks, request_faults, step
 from .allocators import ALLOCATORS, QuantizedFullAttentionCacheAllocator
 from .head_pages import HeadPagedAllocator

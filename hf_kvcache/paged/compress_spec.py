@@ -28,10 +28,8 @@ and "sink_window":
 Every method keeps the first `sinks` tokens and the newest `recent` ones (None: 64, at most a quarter of what is kept,
 as KVzapCache's recent window), part of what is kept.
 
-Where the kept tokens lie: on token pages (the continuous-batching field `kv_compress_layout` "token", the default)
-every layer keeps the same number of tokens for all its heads; on head pages ("head": hf_kvcache.paged.head_pages)
-every (layer, KV head) keeps its own, allotted as KVzipCache allots them: `layer_budget` and `head_budget`
-("adaptive", the default there, or "uniform") and `safeguard` (0.2), fields refused on token pages.
+On head pages (`kv_compress_layout` "head": hf_kvcache.paged.head_pages) each (layer, KV head) keeps its own share,
+as KVzipCache allots it: `layer_budget`, `head_budget` ("adaptive" or "uniform"), `safeguard` (refused on token pages).
 
 When eviction happens: `chunk` None (default) compresses once, when the prompt's last token has been written, so the
 request holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request

@@ -54,7 +54,7 @@ from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
 from .eviction_checks import check, layout_of, surrogate_for
-from .head_allotment import kept_positions_per_head
+from .head_compaction import compress_heads
 from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
 from .request_specs import LOCK, request_specs
@@ -334,60 +334,9 @@ class PagedEviction:
         self.stats.requests_compressed += 1 if kept < seen else 0
 
     def _compress_heads(self, state, info: RequestCompression, held: int, kept: int) -> tuple[int, int]:
-        """Head pages: each (layer, head) keeps its own tokens, allotted over the model and the heads by the scorer's
-        per-head scores (hf_kvcache.paged.head_allotment). Returns (pages freed, tokens kept per head on average: the
-        request's `position_offset`)."""
-        allocator = next(iter(self.cache.cache_allocators.values()))
-        request_id, device, heads = state.request_id, self.cache.device, allocator.num_key_value_heads
-        lengths = allocator.lengths[request_id]
-        scores, arrived = [], {}
-        for layer, layer_idx in enumerate(allocator.layer_indices):
-            own = lengths[layer * heads : (layer + 1) * heads]
-            if "arrived" in reads(info.spec.method):
-                arrived[layer] = self._head_arrivals(info, layer_idx, own, device)
-            scores.append(self._head_scores(info, allocator, request_id, layer, layer_idx, own, arrived.get(layer)))
-        positions = kept_positions_per_head(info.spec, scores, kept)
-        freed = allocator.compact(request_id, positions)
-        for layer, per_head in arrived.items():  # chunk by chunk: the kept tokens' arrival scores carry on
-            layer_idx = allocator.layer_indices[layer]
-            info.head_arrived[layer_idx] = [per_head[h][positions[layer * heads + h]] for h in range(heads)]
-            info.arrived[layer_idx] = []
-        return freed, -(-sum(p.numel() for p in positions) // len(positions))
-
-    def _head_arrivals(self, info, layer_idx: int, lengths: list[int], device) -> list[torch.Tensor]:
-        """The arrival scores of each head's tokens at a layer: those its kept tokens carried, then the newer ones."""
-        heads = len(lengths)
-        new = torch.cat(info.arrived.get(layer_idx) or [torch.zeros(heads, 0, device=device)], -1)
-        carried = info.head_arrived.get(layer_idx) or [new.new_zeros(0)] * heads
-        arrived = [torch.cat([carried[h], new[h]]) for h in range(heads)]
-        if [a.numel() for a in arrived] != lengths:
-            raise RuntimeError(
-                f"{FIELD}: {info.spec.method} scored {[a.numel() for a in arrived]} tokens per head at layer "
-                f"{layer_idx}, which holds {lengths}"
-            )
-        return arrived
-
-    def _head_scores(self, info, allocator, request_id, layer: int, layer_idx: int, lengths: list[int], arrived):
-        """A layer's scores per head (1-D tensors of each head's tokens, in page order) from what the method reads:
-        its pages (per head when the heads hold different tokens), its arrival scores (`arrived`), its queries."""
-        scorer, wanted, device = self._scorer(info, layer_idx), reads(info.spec.method), self.cache.device
-        if scorer is None:  # sink_window: positions only
-            return [torch.zeros(n, device=device) for n in lengths]
-        if arrived is not None:
-            if len(set(lengths)) == 1:
-                return list(scorer.score(Prompt(arrived=torch.stack(arrived))).float())
-            return [scorer.score(Prompt(arrived=a[None]))[0].float() for a in arrived]
-        if len(set(lengths)) == 1:  # every head holds the same tokens: the scorer sees the layer whole
-            keys = allocator.read_keys(request_id, layer, lengths[0], device) if "keys" in wanted else None
-            prompt = self._prompt(info, None, layer_idx, torch.arange(lengths[0], device=device), keys=keys)
-            return list(scorer.score(prompt).float())
-        if wanted != ("keys",):
-            raise RuntimeError(f"{FIELD}: {info.spec.method} cannot score heads that hold different tokens")
-        out = []
-        for h, n in enumerate(lengths):
-            keys = allocator.read_stream_keys(request_id, layer * len(lengths) + h, n, device)  # [n, D]
-            out.append(scorer.score(Prompt(keys=keys[None])).float()[0])
-        return out
+        """Head pages: each (layer, head) keeps its own tokens (hf_kvcache.paged.head_compaction). Returns (pages
+        freed, tokens kept per head on average: the request's `position_offset`)."""
+        return compress_heads(self, state, info, kept)
 
     def _prompt(
         self, info: RequestCompression, allocator, layer_idx: int, rows: torch.Tensor, keys: torch.Tensor | None = None

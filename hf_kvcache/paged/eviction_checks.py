@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
 from ..integration.contracts import require
-from .compress_spec import DEFAULT_LAYOUT, FIELD, CompressSpec
+from .codes_attention import unreadable_pages
+from .compress_spec import DEFAULT_LAYOUT, FIELD, LAYOUT_FIELD, CompressSpec
 from .prompt_scores import reads
 
 
@@ -64,6 +65,8 @@ def check_model(spec: CompressSpec | None, config, layout: str = DEFAULT_LAYOUT)
     """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` on pages laid out by `layout`
     (before a run starts)."""
     require(EVICTION)
+    if layout == "head" and (reason := unreadable_pages()) is not None:
+        raise ValueError(f"`{LAYOUT_FIELD}` 'head' cannot run here: {reason} (attention must read the head pages).")
     if spec is not None:
         spec.check_layout(layout)
     _refuse_layer_types([t for t in getattr(config, "layer_types", None) or () if t != "full_attention"])
