@@ -62,6 +62,15 @@ def native_views(pages: tuple[QuantizedKV, QuantizedKV]):
     return None if None in views else tuple(views)
 
 
+def fresh_views(keys: torch.Tensor, values: torch.Tensor):
+    """The native kernel's flattened views of a batch's new tokens [1, Hkv, N, D] in full precision (float32 copies
+    where the kernel does not read their dtype as it is)."""
+    fresh = tuple(cpu_blockwise.flatten_views([QuantizedKV(x, "none")]) for x in (keys, values))
+    if None in fresh:
+        fresh = tuple(cpu_blockwise.flatten_views([QuantizedKV(x.float(), "none")]) for x in (keys, values))
+    return fresh
+
+
 def unreadable_pages() -> str | None:
     """Why no attention function can read the pages on this transformers (None: ours can, on any device)."""
     if not holds(CODES_ATTENTION):
@@ -138,14 +147,7 @@ class PagedCodes:
             )
             return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
         heads, dv = self.fresh_values.shape[1], self.fresh_values.shape[-1]
-        fresh = tuple(
-            cpu_blockwise.flatten_views([QuantizedKV(x, "none")]) for x in (self.fresh_keys, self.fresh_values)
-        )
-        if None in fresh:  # a dtype the kernel does not read as it is
-            fresh = tuple(
-                cpu_blockwise.flatten_views([QuantizedKV(x.float(), "none")])
-                for x in (self.fresh_keys, self.fresh_values)
-            )
+        fresh = fresh_views(self.fresh_keys, self.fresh_values)
         out = cpu_blockwise.paged_attention(
             query[0],
             self.flat,

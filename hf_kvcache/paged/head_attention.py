@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import cpu_blockwise, triton_paged
-from ..kernels.codes import QuantizedKV
+from .codes_attention import fresh_views
 from .records import decode_rows
 
 
@@ -60,14 +60,7 @@ class HeadPagedCodes:
 
     def _native(self, q, scaling, softcap):
         allocator = self.allocator
-        fresh = tuple(
-            cpu_blockwise.flatten_views([QuantizedKV(x, "none")]) for x in (self.fresh_keys, self.fresh_values)
-        )
-        if None in fresh:
-            fresh = tuple(
-                cpu_blockwise.flatten_views([QuantizedKV(x.float(), "none")])
-                for x in (self.fresh_keys, self.fresh_values)
-            )
+        fresh = fresh_views(self.fresh_keys, self.fresh_values)
         return cpu_blockwise.paged_attention(
             q, allocator.flat, fresh, self.fresh_values.shape[-1], 1, self.cu_seq_lens_q, self.cu_seq_lens_k,
             self.read_index, scaling, softcap=softcap, query_rotation=allocator.key_rotation,

@@ -37,10 +37,9 @@ import torch
 
 from ..common.rotation import rotation_matrix
 from ..integration.continuous_batching import FullAttentionCacheAllocator, find_head_dim
-from ..kernels import cpu_blockwise
 from ..stores.quantization import QuantSpec, check_finite
 from ..stores.workspace import DequantWorkspace
-from .codes_attention import page_views
+from .codes_attention import native_views, page_views
 from .head_attention import HeadPagedCodes
 from .records import TokenRecord, decode_rows, encode_rows
 from .spec import PagedKVSpec
@@ -135,7 +134,7 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
             codec.capacity = codec.slot["data"].shape[2]
             self.codecs.append(codec)
         self.pages = page_views(*self.codecs)
-        self.flat = _native_views(self.pages)
+        self.flat = native_views(self.pages)
         if self.key_rotation is not None:
             self.key_rotation = self.key_rotation.to(device)
 
@@ -368,11 +367,6 @@ class HeadPagedAllocator(FullAttentionCacheAllocator):
         released = [block for block in freed if self.ledger.release(block, no_cache=True)]
         self.pool.free_blocks(self.index, released)
         return len(freed)
-
-
-def _native_views(pages):
-    views = [cpu_blockwise.flatten_views([kv]) for kv in pages]
-    return None if None in views else tuple(views)
 
 
 __all__ = ["ForwardPlan", "HeadPagedAllocator"]
