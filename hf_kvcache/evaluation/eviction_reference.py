@@ -59,7 +59,7 @@ def generate_with_eviction(
             ).logits
         seen, held = seen + len(piece), held + len(piece)
         if spec is not None:
-            held = _compress(cache, spec, seen, held, hidden, arrived, config, device)
+            held = _compress(cache, spec, spec.kept_so_far(seen, length), held, hidden, arrived, config, device)
     token = int(logits[0, -1].argmax())
     tokens = [token]
     for index in range(max_new_tokens - 1):
@@ -77,10 +77,10 @@ def generate_with_eviction(
     return tokens
 
 
-def _compress(cache, spec: CompressSpec, seen: int, held: int, hidden, arrived, config, device) -> int:
-    """Each layer of `cache` keeps spec.kept(seen) of its `held` rows (the prompt's `seen` tokens so far); returns
-    the rows held after."""
-    kept = min(spec.kept(seen), held)
+def _compress(cache, spec: CompressSpec, budget: int, held: int, hidden, arrived, config, device) -> int:
+    """Each layer of `cache` keeps `budget` of its `held` rows (spec.kept_so_far: the whole prompt's budget, or all
+    while fewer are held); returns the rows held after."""
+    kept = min(budget, held)
     wanted = reads(spec.method)
     surrogate = surrogate_for(spec, config) if "arrived" in wanted else None
     for i, layer in enumerate(cache.layers):
@@ -184,7 +184,7 @@ def generate_with_head_eviction(
                 if surrogate is not None:
                     scored = prompt_scorer(spec, i, surrogate).score_arrivals(hidden[i])[0]
                     arrivals[i] = scored if i not in arrivals else torch.cat([arrivals[i], scored], 1)
-            kept = min(spec.kept(seen), held)
+            kept = min(spec.kept_so_far(seen, length), held)
             if kept < held:
                 scores = [
                     _held_scores(prompt_scorer(spec, i, surrogate), layer.keys[0], keep[i], arrivals.get(i))

@@ -33,11 +33,13 @@ as KVzipCache allots it: `layer_budget`, `head_budget` ("adaptive" or "uniform")
 
 When eviction happens: `chunk` None (default) compresses once, when the prompt's last token has been written, so the
 request holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request
-writes at most C prompt tokens between two compressions, each keeping the budget of the `seen` prompt tokens so far
-(ceil(seen x budget), or min(seen, budget) tokens), so it never holds more than about kept + C tokens (`peak`), at a
-cost in quality: later prompt tokens are computed against the compressed earlier ones, and a token dropped early
-cannot come back (kvpress's chunked presses score chunks apart but prefill whole). Not for snapkv, whose window is the
-prompt's last queries.
+writes at most C prompt tokens between two compressions, each keeping the WHOLE prompt's budget K = kept(P) of a
+P-token prompt (the prompt is known when the request arrives), or everything while fewer than K tokens are held
+(`kept_so_far`). So a request never holds more than K + C prompt tokens (`peak`), and nothing is evicted before it
+has to be: with scores fixed when a token arrives (KVzap, Knorm) a token dropped early is one the end-of-prompt
+compression would drop too (it was not among the best K of a subset). What chunks still cost: later prompt tokens are
+computed against the compressed earlier ones (kvpress's chunked presses score chunks apart but prefill whole). Not
+for snapkv, whose window is the prompt's last queries.
 
 Deprecated until hf-kvcache 0.4 (a FutureWarning says what to write instead), with their old meaning: a number as the
 share EVICTED (`0.75`, `"0.75"`, `"keydiff:0.75"`, the key `ratio`: budget 0.25), `window` for `recent` (for methods
@@ -57,6 +59,7 @@ from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import Any
 
 from ..scorers.registry import SCORERS, options_of
+from .page_layout import DEFAULT_LAYOUT, LAYOUT_FIELD, LAYOUTS, layout_of  # noqa: F401 (spelled here too)
 
 FIELD = "kv_compress"
 #: "sink_window" keeps by position only; every other method is a registry scorer that scores a whole prompt
@@ -64,13 +67,6 @@ SINK_WINDOW = "sink_window"
 DEFAULT_METHOD = "keydiff"
 METHODS = (DEFAULT_METHOD, *(n for n, cls in SCORERS.items() if cls.prompt_reads and n != DEFAULT_METHOD), SINK_WINDOW)
 NONE = "none"
-#: the continuous-batching config field (and `hf-kvcache serve --kv-layout`) saying how the kept tokens lie in the
-#: pages: "token" (transformers' rows of every head: the same tokens in every head, as many in every layer) or "head"
-#: (pages of one layer and KV head, each its own budget: hf_kvcache.paged.head_pages). A property of the pages, so of
-#: the cache and the server, not of a request.
-LAYOUT_FIELD = "kv_compress_layout"
-LAYOUTS = ("token", "head")
-DEFAULT_LAYOUT = "token"
 #: `layer_budget` / `head_budget` in head pages, KVzipCache's vocabulary
 ALLOTMENTS = ("uniform", "adaptive")
 #: `safeguard` when not given (KVzipCache's)
@@ -196,16 +192,21 @@ class CompressSpec:
             return min(prompt, self.budget)
         return max(1, min(prompt, math.ceil(prompt * self.budget - 1e-9)))
 
+    def kept_so_far(self, seen: int, prompt: int) -> int:
+        """Tokens a compression keeps once `seen` of a `prompt`-token prompt have been written (every `chunk` tokens
+        and at its end): the whole prompt's budget kept(prompt), or all `seen` while they are fewer."""
+        return min(seen, self.kept(prompt))
+
     def peak(self, prompt: int) -> int:
         """The most prompt tokens a `prompt`-token request holds at once while it prefills: the whole prompt, or with
-        `chunk`, what the last compression kept plus the chunk written after it (at most about kept + chunk)."""
+        `chunk`, what the last compression kept plus the chunk written after it (at most kept(prompt) + chunk)."""
         if self.chunk is None:
             return prompt
         peak, held, seen = 0, 0, 0
         while seen < prompt:
             step = min(self.chunk, prompt - seen)
             peak, seen = max(peak, held + step), seen + step
-            held = self.kept(seen)
+            held = self.kept_so_far(seen, prompt)
         return peak
 
     def protected(self, kept: int) -> tuple[int, int]:
@@ -416,16 +417,6 @@ def _field_value(text: str, value: str) -> tuple[str, Any]:
         except ValueError:
             pass
     return name, raw
-
-
-def layout_of(cb_config) -> str:
-    """The `kv_compress_layout` of a continuous-batching config (absent: DEFAULT_LAYOUT), validated."""
-    layout = getattr(cb_config, LAYOUT_FIELD, None)
-    if layout is None:
-        return DEFAULT_LAYOUT
-    if layout not in LAYOUTS:
-        raise ValueError(f"`{LAYOUT_FIELD}` must be one of {LAYOUTS}, got {layout!r}.")
-    return layout
 
 
 def from_cb_config(cb_config) -> CompressSpec | None:

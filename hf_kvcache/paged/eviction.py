@@ -4,7 +4,7 @@ the request's pages, and the pages past them go back to the pool at once, for ot
 
 With a `chunk` (CompressSpec.chunk) a request is also compressed every `chunk` prompt tokens: the scheduler lets it
 write at most what is left of its chunk per forward (hf_kvcache.integration.prefill_chunks), and each compression
-keeps the share of the prompt seen so far, so the request never holds its whole prompt.
+keeps the whole prompt's budget (CompressSpec.kept_so_far), so the request never holds more than that plus a chunk.
 
 Set by `kv_compress` on the continuous-batching config (hf_kvcache.paged.compress_spec), for every request, or per
 request (`request_specs`, which `hf-kvcache serve` fills from a request's `kv_compress` field). Works on model-dtype
@@ -299,12 +299,14 @@ class PagedEviction:
 
     # -- the compaction ---------------------------------------------------------------------------------------------
     def _compress(self, state, info: RequestCompression, final: bool) -> None:
-        """Keep `spec.kept(seen)` of the `seen` prompt tokens so far: at the prompt's end (`final`), or every `chunk`
-        prompt tokens (spec.chunk). The rows held are the kept ones of earlier compressions, then the newer ones."""
+        """Keep the prompt's budget of the `seen` prompt tokens so far (spec.kept_so_far): at the prompt's end
+        (`final`), or every `chunk` prompt tokens (spec.chunk). The rows held are the kept ones of earlier
+        compressions, then the newer ones. The prompt is what transformers prefills (`initial_tokens`: a request
+        restarted by a soft reset prefills its prompt and what it generated)."""
         spec, request_id = info.spec, state.request_id
         held = state.position_offset
         seen = info.shift + held
-        kept = min(spec.kept(seen), held)
+        kept = min(spec.kept_so_far(seen, len(state.initial_tokens)), held)
         freed = 0
         if kept < held and self.layout == "head":
             freed, kept = self._compress_heads(state, info, held, kept)
