@@ -6,8 +6,7 @@ from __future__ import annotations
 
 #: the continuous-batching config field (and `hf-kvcache serve --kv-layout`) saying how the kept tokens lie in the
 #: pages: "token" (transformers' rows of every head: the same tokens in every head, as many in every layer) or "head"
-#: (pages of one layer and KV head, each its own budget: hf_kvcache.paged.head_pages). A property of the pages, so of
-#: the cache and the server, not of a request.
+#: (pages of one layer and KV head, each its own budget: hf_kvcache.paged.head_pages)
 LAYOUT_FIELD = "kv_compress_layout"
 LAYOUTS = ("token", "head")
 DEFAULT_LAYOUT = "token"
