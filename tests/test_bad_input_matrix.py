@@ -1202,7 +1202,7 @@ CASES: list[Case] = [
     ),
     cli_case(
         ["serve", "--kv-compress", "magic:0.5"],
-        r"`--kv-compress\.method` must be one of \('keydiff', 'knorm', 'snapkv', 'kvzap', 'sink_window'\), got 'magic'",
+        r"`--kv-compress\.method` must be one of \('knorm', 'keydiff', 'snapkv', 'kvzap', 'sink_window'\), got 'magic'",
     ),
     cli_case(
         ["serve", "--kv-compress", "keydiff:1"],

@@ -77,7 +77,8 @@ def test_labels_are_unchanged():
 
 
 def test_a_bare_method_keeps_the_default_budget():
-    assert _new("keydiff") == _new("keydiff:budget=0.25") == CompressSpec()
+    assert _new("keydiff") == _new("keydiff:budget=0.25") == CompressSpec(method="keydiff")
+    assert _new("budget=0.25") == CompressSpec()  # no method named: the model's (eviction_checks.for_model)
     assert _new("knorm:chunk=64") == CompressSpec(method="knorm", chunk=64)
 
 

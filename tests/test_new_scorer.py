@@ -50,7 +50,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import hf_kvcache
-from hf_kvcache.evaluation.eviction_reference import generate_with_eviction
+from hf_kvcache.evaluation.eviction_reference import generate_with_head_eviction
 from hf_kvcache.paged.compress_spec import parse
 
 torch.manual_seed(0)
@@ -68,8 +68,8 @@ cb.kv_compress = "largest_keys:budget=0.5"
 batch = model.generate_batch([prompt], generation_config=greedy, continuous_batching_config=cb, warmup=False)
 (served,) = batch.values()
 assert served.error is None, served.error
-reference = generate_with_eviction(model, prompt, parse("largest_keys:budget=0.5"), max_new_tokens=6)
-knorm = generate_with_eviction(model, prompt, parse("knorm:budget=0.5"), max_new_tokens=6)
+reference = generate_with_head_eviction(model, prompt, parse("largest_keys:budget=0.5"), max_new_tokens=6)
+knorm = generate_with_head_eviction(model, prompt, parse("knorm:budget=0.5"), max_new_tokens=6)
 print(served.generated_tokens == reference, reference != knorm)
 """
 

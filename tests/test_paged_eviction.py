@@ -43,12 +43,14 @@ def _prompts():
     return [random_ids(1, n, seed=n)[0].tolist() for n in PROMPT_LENGTHS]
 
 
-def _cb(compress=None, kv_dtype=None, **kwargs):
+def _cb(compress=None, kv_dtype=None, layout="token", **kwargs):
+    """Token pages unless `layout` says otherwise (the default layout, head pages, has tests/test_head_pages.py)."""
     settings = dict(num_blocks=48, page_size=8, max_batch_tokens=32, allow_block_sharing=False, max_memory_percent=0.9)
     settings.update(kwargs)
     cb = ContinuousBatchingConfig(**settings)
     if compress is not None:
         cb.kv_compress = compress
+        cb.kv_compress_layout = layout
     if kv_dtype is not None:
         cb.kv_cache_dtype = kv_dtype
     return cb
@@ -275,16 +277,35 @@ def test_bad_specs_name_the_field(value, match):
         parse(value)
 
 
+def test_a_spec_naming_no_method_runs_the_models_default():
+    """No method named: KVzap where a surrogate fits the model (the one shipped for SmolLM2-135M, or one given), else
+    KeyDiff; a named method is kept; the choice is made once, where the spec meets the model."""
+    from types import SimpleNamespace
+
+    from hf_kvcache.paged.eviction_checks import for_model
+
+    smollm2 = SimpleNamespace(_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+    other = SimpleNamespace(_name_or_path="google/gemma-3-270m")
+    spec = parse("budget=0.25:chunk=64")
+    assert spec.method is None and parse(spec.spelling()) == spec  # (the spelling names no method either)
+    assert for_model(spec, smollm2) == CompressSpec(method="kvzap", budget=0.25, chunk=64)
+    assert for_model(spec, other) == CompressSpec(method="keydiff", budget=0.25, chunk=64)
+    assert for_model(parse("budget=0.25:surrogate=DIR"), other).method == "kvzap"
+    assert for_model(parse("knorm:budget=0.25"), smollm2).method == "knorm" and for_model(None, smollm2) is None
+    with pytest.raises(ValueError, match=r"`kv_compress.surrogate`"):
+        parse("knorm:budget=0.25:surrogate=DIR")
+
+
 def test_spec_forms_and_budget():
     assert parse(None) is None and parse("none") is None and parse("knorm:budget=1.0") is None
-    assert parse("keydiff") == CompressSpec(method=compress_spec.DEFAULT_METHOD, budget=compress_spec.BUDGET)
+    assert parse("keydiff") == CompressSpec(method="keydiff", budget=compress_spec.BUDGET)
     assert parse("budget=0.5").budget == 0.5 and parse("snapkv:budget=0.5").method == "snapkv"
     assert parse({"method": "knorm", "budget": 0.5}).label() == "knorm:0.5"  # labels: the share evicted, as before
     for value in ("keydiff:budget=0.25:chunk=256", "kvzap:budget=0.5:surrogate=some/repo:recent=None:chunk=64"):
         assert parse(parse(value).spelling()) == parse(value)  # spellings read back
         with pytest.warns(FutureWarning):
             assert parse(parse(value).label()) == parse(value)  # and labels, in the old spelling
-    assert parse("keydiff:budget=0.25:chunk=256:sinks=2") == CompressSpec(budget=0.25, chunk=256, sinks=2)
+    assert parse("keydiff:budget=0.25:chunk=256:sinks=2") == CompressSpec("keydiff", budget=0.25, chunk=256, sinks=2)
     assert parse("keydiff:budget=0.25:chunk=256").label() == "keydiff:0.75:chunk=256"
     assert parse("keydiff:budget=0.25").peak(1500) == 1500
     assert parse("keydiff:budget=0.25:chunk=256").peak(1500) == 631  # kept(1500) = 375, + 256 written

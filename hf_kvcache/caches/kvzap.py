@@ -67,6 +67,12 @@ def _to_active_cache(layer_idx: int, hidden: torch.Tensor) -> None:
         receive(layer_idx, hidden)
 
 
+def shipped_surrogate(config) -> str | None:
+    """The builtin surrogate trained for the model of `config` (hf_kvcache.scorers.kvzap_surrogate.BUILTIN), if
+    one ships: by the name the model was loaded from."""
+    return "smollm2" if "smollm2-135m" in str(getattr(config, "_name_or_path", "") or "").lower() else None
+
+
 def _resolve_surrogate(surrogate, config) -> Surrogate:
     """A Surrogate from an object, a directory, a Hub repo id, a builtin name, or "model:FOLDER" (a folder of the
     model's own directory or Hub repo, as hf_kvcache.publish writes it); None: the builtin one trained for this
@@ -81,12 +87,12 @@ def _resolve_surrogate(surrogate, config) -> Surrogate:
         revision = getattr(config, "_commit_hash", None)  # (a Hub model: the commit it was loaded from)
         surrogate = Surrogate.load(model_path, revision=revision, subfolder=surrogate[len(BESIDE_MODEL) :])
     if surrogate is None:
-        if "smollm2-135m" not in str(getattr(config, "_name_or_path", "") or "").lower():
+        surrogate = shipped_surrogate(config)
+        if surrogate is None:
             raise ValueError(
                 "KVzapCache needs a `surrogate` trained for this model: a directory or Hub repo id written by "
                 "`hf-kvcache train-kvzap --model M --out DIR` (one is shipped for the offline SmolLM2-135M only)."
             )
-        surrogate = "smollm2"
     if not isinstance(surrogate, Surrogate):
         surrogate = Surrogate.load(surrogate)
     surrogate.check_model(config)

@@ -10,9 +10,9 @@ import json
 import re
 import sys
 
-from ..paged.compress_spec import DEFAULT_LAYOUT, LAYOUTS
 from ..paged.compress_spec import METHODS as COMPRESS_METHODS
 from ..paged.compress_spec import parse as parse_compression
+from ..paged.page_layout import LAYOUTS, default_layout
 from ..paged.spec import KV_DTYPES, PagedKVSpec
 from .args import positive_int
 
@@ -112,7 +112,8 @@ def add_serve_command(sub) -> None:
         choices=LAYOUTS,
         help="how the pages hold what --kv-compress keeps: 'token' (transformers' rows of every KV head: every head "
         "and layer keeps the same tokens) or 'head' (pages of one layer and KV head: each its own budget, allotted "
-        f"over the model and the heads as KVzipCache allots them; docs/serving.md); default {DEFAULT_LAYOUT}",
+        "over the model and the heads as KVzipCache allots them; docs/serving.md); default 'head' where this "
+        "transformers lets attention read such pages (>= 5.24), else 'token'",
     )
     p.add_argument(
         "--typical-request-tokens",
@@ -159,7 +160,7 @@ def _serve(args) -> int:
     if args.kv_layout is not None and kv_compress is None:
         raise ValueError("--kv-layout lays out what eviction keeps: give --kv-compress too (e.g. none)")
     if spec is not None:
-        spec.check_layout(args.kv_layout or DEFAULT_LAYOUT, "--kv-compress", "--kv-layout")
+        spec.check_layout(args.kv_layout or default_layout(), "--kv-compress", "--kv-layout")
     missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         print(

@@ -18,7 +18,7 @@ from ..integration.attention_inputs import capture_attention_inputs
 from ..integration.cache_argument import cache_kwargs
 from ..paged.compress_spec import METHODS as SPEC_METHODS
 from ..paged.compress_spec import CompressSpec
-from ..paged.eviction_checks import surrogate_for
+from ..paged.eviction_checks import for_model, surrogate_for
 from ..paged.prompt_scores import kept_positions, prompt_scorer, reads, token_scores
 from ..scorers.base import Prompt
 
@@ -34,6 +34,7 @@ def generate_with_eviction(
     docstring); stops after `eos` (an id or a collection of ids) or `max_new_tokens` tokens."""
     from transformers import DynamicCache
 
+    spec = for_model(spec, model.config.get_text_config())
     if spec is not None and spec.method not in METHODS:
         raise ValueError(f"`spec.method` must be one of {METHODS} for the reference, got {spec.method!r}.")
     device = next(model.parameters()).device
@@ -142,6 +143,7 @@ def generate_with_head_eviction(
 
     from ..paged.head_allotment import kept_positions_per_head
 
+    spec = for_model(spec, model.config.get_text_config())
     if spec.method not in METHODS:
         raise ValueError(f"`spec.method` must be one of {METHODS} for the reference, got {spec.method!r}.")
     _register_head_masked()

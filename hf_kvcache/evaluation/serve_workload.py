@@ -154,12 +154,12 @@ def run_label(fmt: str, compress: str) -> str:
 def split_layout(compress: str) -> tuple[str, str]:
     """A `kv_compress` setting of the benchmark, SPEC or SPEC@LAYOUT (e.g. "kvzap:budget=0.25@head": pages of one
     layer and KV head, hf_kvcache.paged.head_pages) -> (SPEC, layout)."""
-    from ..paged.compress_spec import DEFAULT_LAYOUT, LAYOUTS
+    from ..paged.page_layout import LAYOUTS, default_layout
 
     setting, at, layout = compress.partition("@")
     if at and layout not in LAYOUTS:
         raise ValueError(f"`kv_compress` {compress!r}: the layout after '@' must be one of {LAYOUTS}.")
-    return setting, layout or DEFAULT_LAYOUT
+    return setting, layout or default_layout()
 
 
 def configurations(settings: ServeBenchSettings) -> list[tuple[str, str]]:

@@ -3,7 +3,7 @@
 
     cb = ContinuousBatchingConfig(num_blocks=64)
     cb.kv_compress = "keydiff:budget=0.25"                  # METHOD[:FIELD=VALUE...]: keydiff keeps 25% of the prompt
-    cb.kv_compress = "budget=256"                           # the default method (keydiff), 256 prompt tokens kept
+    cb.kv_compress = "budget=256"                           # the model's default method, 256 prompt tokens kept
     cb.kv_compress = {"method": "snapkv", "budget": 0.25, "recent": 32}
     cb.kv_compress = "keydiff:budget=0.25:chunk=256"        # any field below as FIELD=VALUE
     cb.kv_compress = "none"                                 # (or None / absent) nothing evicted
@@ -13,14 +13,12 @@ ceil(P x budget) tokens of a P-token prompt, at least 1 (1.0: nothing evicted, a
 of tokens, min(P, budget). Every layer keeps that many, chosen per layer (hf_kvcache.paged.prompt_scores). The methods
 are the registry's scorers that score a prompt from what its forwards compute (`Scorer.prompt_reads`,
 hf_kvcache.scorers.registry: a scorer added there is a method here, its own fields given as FIELD=VALUE or dict keys),
-and "sink_window":
-- "keydiff" (default): the keys' distance to their mean direction (hf_kvcache.scorers.keydiff). Default because task
-  accuracy through the server chooses it: on the needle tasks sent through `hf-kvcache serve` it keeps the most
-  answers of the methods here (docs/serving.md, eval/results/ruler_http). KVzap, the best through `generate`, where
-  KVzip's budgets differ per layer and head, falls furthest when every layer keeps the same number of tokens for all
-  its heads, as pages require;
+and "sink_window". No method named: chosen per model when the spec meets one (eviction_checks.for_model), by the
+needle answers through the server (docs/serving.md, eval/results/ruler_http): "kvzap" where a surrogate fits the model
+(one given, or the one shipped for it), else "keydiff";
 - "kvzap": KVzap's surrogate of KVzip's scores, from each layer's attention inputs (hf_kvcache.scorers.kvzap;
   `surrogate`: a directory, a Hub repo id or a builtin name; None: the one shipped for the model, if any);
+- "keydiff": the keys' distance to their mean direction (hf_kvcache.scorers.keydiff);
 - "snapkv": the attention of the prompt's last `window` queries (hf_kvcache.scorers.snapkv: `window` 64 and `kernel`
   5, its own fields, as in SnapKVCache), pooled;
 - "knorm": the keys' norm (hf_kvcache.scorers.knorm);
@@ -59,13 +57,12 @@ from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import Any
 
 from ..scorers.registry import SCORERS, options_of
-from .page_layout import DEFAULT_LAYOUT, LAYOUT_FIELD, LAYOUTS, layout_of  # noqa: F401 (spelled here too)
+from .page_layout import DEFAULT_LAYOUT, LAYOUT_FIELD, LAYOUTS, default_layout, layout_of  # noqa: F401 (here too)
 
 FIELD = "kv_compress"
 #: "sink_window" keeps by position only; every other method is a registry scorer that scores a whole prompt
 SINK_WINDOW = "sink_window"
-DEFAULT_METHOD = "keydiff"
-METHODS = (DEFAULT_METHOD, *(n for n, cls in SCORERS.items() if cls.prompt_reads and n != DEFAULT_METHOD), SINK_WINDOW)
+METHODS = (*(n for n, cls in SCORERS.items() if cls.prompt_reads), SINK_WINDOW)
 NONE = "none"
 #: `layer_budget` / `head_budget` in head pages, KVzipCache's vocabulary
 ALLOTMENTS = ("uniform", "adaptive")
@@ -85,7 +82,7 @@ class CompressSpec:
     deprecated keywords for `budget` (as 1 - ratio), `recent` and SnapKV's `window`: read at construction, not stored
     (a `window` is the scorer's own where it has one)."""
 
-    method: str = DEFAULT_METHOD
+    method: str | None = None  # None: the model's default (eviction_checks.for_model)
     budget: float | int | None = None  # the share of the prompt kept, or tokens kept (None: BUDGET)
     sinks: int = 4
     recent: int | None = None
@@ -110,7 +107,7 @@ class CompressSpec:
         new = _renamed(self.budget, self.recent, ratio, window)
         object.__setattr__(self, "budget", new[0])
         object.__setattr__(self, "recent", new[1])
-        if self.method not in METHODS:
+        if self.method is not None and self.method not in METHODS:
             cls = SCORERS.get(self.method)
             hint = (
                 " (KVzip's reconstruction runs model forwards of its own, which continuous batching does not schedule: "
@@ -144,7 +141,7 @@ class CompressSpec:
                 f"which a chunk does not have yet); use one of {_chunkable()} or chunk None."
             )
         self._check_allotment()
-        if self.surrogate is not None and (self.method != "kvzap" or not isinstance(self.surrogate, str)):
+        if self.surrogate is not None and (self.method not in ("kvzap", None) or not isinstance(self.surrogate, str)):
             raise ValueError(
                 f"`{FIELD}.surrogate` is a directory, Hub repo id or builtin name for method 'kvzap', got "
                 f"{self.surrogate!r} with method {self.method!r}."
@@ -225,12 +222,12 @@ class CompressSpec:
         deprecation warning of the old spelling); `spelling()` is the same spec in today's spelling."""
         if isinstance(self.budget, int):
             return self.spelling()
-        return f"{self.method}:{1 - self.budget:g}{self._extra()}"
+        return f"{self.method}:{1 - self.budget:g}{self._extra()}" if self.method else self.spelling()
 
     def spelling(self) -> str:
         """METHOD:budget=BUDGET, then :FIELD=VALUE for each other field not at its default: what `parse` reads back
         to this spec."""
-        return f"{self.method}:budget={self.budget!r}{self._extra()}"
+        return f"{self.method + ':' if self.method else ''}budget={self.budget!r}{self._extra()}"
 
     def _extra(self) -> str:
         default = CompressSpec()
@@ -353,7 +350,7 @@ def _from_string(value: str) -> tuple[CompressSpec, str | None]:
         else:
             return _from_dict({"ratio": number}), f"`{FIELD}` {value!r}"
     if "=" in head:
-        method, extras = DEFAULT_METHOD, [head, *extras]
+        method, extras = None, [head, *extras]
     else:
         method = head
     items, old = {"method": method}, None
@@ -371,7 +368,7 @@ def _from_string(value: str) -> tuple[CompressSpec, str | None]:
 
 
 def _old_keys(value: dict) -> str | None:
-    own = options_of(value.get("method", DEFAULT_METHOD)) if value.get("method", DEFAULT_METHOD) in SCORERS else ()
+    own = options_of(value.get("method")) if value.get("method") in SCORERS else ()
     old = ("ratio", "observation") + (() if "window" in own else ("window",))
     used = [f"`{FIELD}.{name}`" for name in old if name in value]
     return " and ".join(used) or None
@@ -379,7 +376,7 @@ def _old_keys(value: dict) -> str | None:
 
 def _from_dict(value: dict) -> CompressSpec:
     allowed = tuple(f.name for f in fields(CompressSpec) if f.name != "options")
-    method = value.get("method", DEFAULT_METHOD)
+    method = value.get("method")
     own = options_of(method) if method in SCORERS else ()
     options = {k: v for k, v in value.items() if k not in allowed and k in own}
     if options:

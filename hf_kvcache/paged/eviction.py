@@ -53,7 +53,7 @@ from ..scorers.base import Prompt
 from . import codes_attention
 from .codes_attention import OBSERVE_KWARG
 from .compress_spec import FIELD, CompressSpec
-from .eviction_checks import check, layout_of, surrogate_for
+from .eviction_checks import check, for_model, layout_of, surrogate_for
 from .head_compaction import compress_heads
 from .page_rows import free_tail, read_keys, token_rows
 from .prompt_scores import kept_positions, prompt_scorer, reads, token_scores
@@ -127,6 +127,7 @@ class PagedEviction:
     `default` the spec of requests that name none (None: only those that ask are compressed)."""
 
     def __init__(self, cache, default: CompressSpec | None, config, cb_config):
+        default = for_model(default, config)  # (a spec naming no method: the model's default)
         check(default, config, cache.cache_allocators)
         self.cache, self.default, self.config = cache, default, config
         #: request id -> spec (None: not compressed) for requests that name their own; consumed at their first forward
@@ -156,6 +157,7 @@ class PagedEviction:
     def set_request_spec(self, request_id: str, spec: CompressSpec | None) -> None:
         """Request `request_id` keeps its prompt by `spec` (None: not compressed) instead of the default; raises
         ValueError when `spec` cannot run here."""
+        spec = for_model(spec, self.config)
         check(spec, self.config, self.cache.cache_allocators)
         with self._lock:
             self.request_specs[request_id] = spec
@@ -172,7 +174,7 @@ class PagedEviction:
         request_id = state.request_id
         with self._lock:
             if request_id in self.request_specs:
-                self._named[request_id] = self.request_specs.pop(request_id)
+                self._named[request_id] = for_model(self.request_specs.pop(request_id), self.config)
         spec = self._named.get(request_id, self.default)
         info = None if spec is None or getattr(state, "num_children", 0) else RequestCompression(spec)
         if spec is not None and info is None:

@@ -1,15 +1,38 @@
 """What prompt eviction (hf_kvcache.paged.eviction) can run, checked before a run starts: the model's layers (full
 attention only), the method (a scorer reading the queries, SnapKV, needs them after the cache's update; one reading the
-attention inputs, KVzap, a surrogate trained for the model, loaded once here). Errors are ValueErrors naming
-`kv_compress`."""
+attention inputs, KVzap, a surrogate trained for the model, loaded once here), and the method a spec that names none
+runs for the model (`for_model`). Errors are ValueErrors naming `kv_compress`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
 from ..integration.contracts import require
 from .codes_attention import unreadable_pages
-from .compress_spec import DEFAULT_LAYOUT, FIELD, LAYOUT_FIELD, CompressSpec
+from .compress_spec import FIELD, LAYOUT_FIELD, CompressSpec
+from .page_layout import default_layout
 from .prompt_scores import reads
+
+#: the method of a spec that names none, where a KVzap surrogate fits the model, and elsewhere: the most needle
+#: answers through the server (docs/serving.md, eval/results/ruler_http; KVzap needs a surrogate trained for the model)
+DEFAULT_METHODS = ("kvzap", "keydiff")
+
+
+def default_method(spec: CompressSpec, config) -> str:
+    """The method a spec naming none runs for a model of `config`: "kvzap" where a surrogate fits it (the spec's own,
+    or the one shipped for the model), else "keydiff"."""
+    from ..caches.kvzap import shipped_surrogate
+
+    fits = spec.surrogate is not None or shipped_surrogate(config) is not None
+    return DEFAULT_METHODS[0] if fits else DEFAULT_METHODS[1]
+
+
+def for_model(spec: CompressSpec | None, config) -> CompressSpec | None:
+    """`spec` with its method chosen for a model of `config` where it names none (`default_method`), else itself."""
+    if spec is None or spec.method is not None:
+        return spec
+    return dataclasses.replace(spec, method=default_method(spec, config))
 
 
 def unavailable(spec: CompressSpec, config) -> str | None:
@@ -61,10 +84,11 @@ def _refuse_layer_types(others) -> None:
         )
 
 
-def check_model(spec: CompressSpec | None, config, layout: str = DEFAULT_LAYOUT) -> None:
-    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` on pages laid out by `layout`
-    (before a run starts)."""
+def check_model(spec: CompressSpec | None, config, layout: str | None = None) -> None:
+    """Raise ValueError naming `kv_compress` when a model of `config` cannot run `spec` (its method chosen for the
+    model, `for_model`) on pages laid out by `layout` (None: the default) before a run starts."""
     require(EVICTION)
+    spec, layout = for_model(spec, config), layout or default_layout()
     if layout == "head" and (reason := unreadable_pages()) is not None:
         raise ValueError(f"`{LAYOUT_FIELD}` 'head' cannot run here: {reason} (attention must read the head pages).")
     if spec is not None:
@@ -86,6 +110,7 @@ def check(spec: CompressSpec | None, config, cache_allocators: dict) -> None:
     _refuse_layer_types(
         [name for name, a in cache_allocators.items() if not isinstance(a, FullAttentionCacheAllocator)]
     )
+    spec = for_model(spec, config)
     if spec is None:
         return
     spec.check_layout(layout_of(cache_allocators))

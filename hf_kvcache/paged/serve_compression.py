@@ -44,7 +44,7 @@ class ServerCompression:
                 FIELD,
             )
         try:
-            spec = parse(value)
+            spec = eviction_checks.for_model(parse(value), self.model_config)
             eviction_checks.check_model(spec, self.model_config, compress_spec.layout_of(self.cb_config))
         except ValueError as error:
             raise RequestRejected(str(error), FIELD) from None

@@ -194,12 +194,13 @@ def build_server(
     if kv_layout is not None and kv_compress is None:
         raise ValueError("--kv-layout lays out what eviction keeps: give --kv-compress too (e.g. none)")
     if kv_compress is not None:
-        setattr(cb_config, compress_spec.LAYOUT_FIELD, kv_layout or compress_spec.DEFAULT_LAYOUT)
+        setattr(cb_config, compress_spec.LAYOUT_FIELD, kv_layout or compress_spec.default_layout())
         try:
             layout = compress_spec.layout_of(cb_config)
             eviction_checks.check_model(default, model.config.get_text_config(), layout)
         except ValueError as error:
             raise ValueError(f"--kv-compress: {error}") from None
+        default = eviction_checks.for_model(default, model.config.get_text_config())  # (no method named: the model's)
         setattr(cb_config, compress_spec.FIELD, compress_spec.NONE if default is None else default.to_dict())
         compression = ServerCompression(cb_config, default, model.config.get_text_config())
     label = f"{kv_memory / 2**20:,.1f} MiB of {kv_dtype if kv_dtype != 'model' else plan.model_dtype} pages"
