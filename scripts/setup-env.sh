@@ -58,6 +58,15 @@ case "$mode" in
     "${pip[@]}" --upgrade --upgrade-strategy eager "${target[@]}" 2>&1 | quiet
     # the newest transformers even past our declared range: this is how drift is seen first
     "${pip[@]}" --upgrade transformers 2>&1 | quiet
+    # pip backtracks silently to an older transformers when the newest's dependencies cannot be installed here (5.25
+    # needs kernels >= 0.19.1): a canary that quietly runs an older release says nothing, so that is an error
+    newest="$("$venv/bin/python" -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p' || true)"
+    got="$("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')"
+    if [ -n "$newest" ] && [ "$got" != "$newest" ]; then
+      echo "setup-env.sh: the canary needs transformers $newest (the newest release) but pip installed $got; why:" >&2
+      "${pip[@]}" --dry-run "transformers==$newest" 2>&1 | quiet | tail -5 >&2
+      exit 1
+    fi
     # and the torch asked for, even past our declared range (the project's own pin just put torch back inside it)
     "${pip[@]}" "$TORCH" 2>&1 | quiet
     ;;
