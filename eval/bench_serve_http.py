@@ -209,7 +209,8 @@ def main(argv=None) -> dict:
         "--formats",
         default="model,fp8_e4m3,int8",
         help="page formats, model first, as serve-bench's (fp8_e4m3:dequantize: the gather path), each with "
-        "+KV_COMPRESS for prompt eviction (fp8_e4m3+keydiff:0.75: --kv-compress; default %(default)s)",
+        "+KV_COMPRESS for prompt eviction (fp8_e4m3+keydiff:0.75: --kv-compress; +SPEC@token or @head: --kv-layout "
+        "too, else the server's default, head pages; default %(default)s)",
     )
     p.add_argument("--kv-memory", default="64MiB", help="KV memory of every server (default %(default)s)")
     p.add_argument("--page-size", type=int, default=32, help="tokens per page (--cb-block-size; default 32)")
@@ -266,8 +267,9 @@ def main(argv=None) -> dict:
             page_format = ["--kv-cache-dtype", kv_dtype]
             if options:
                 page_format += ["--kv-cache-quantization", json.dumps(options)]
-            if compress:
-                page_format += ["--kv-compress", compress]
+            if compress:  # SPEC or SPEC@LAYOUT (serve-bench's spelling: --kv-layout; none: the server's default)
+                spec, _, layout = compress.partition("@")
+                page_format += ["--kv-compress", spec] + (["--kv-layout", layout] if layout else [])
             servers[fmt] = ServerProcess(path, *page_format, *common, start_timeout=600, request_timeout=1800)
         warm = [{"prompt": "Hello", "max_tokens": 4}]
         for fmt in formats:
