@@ -131,7 +131,10 @@ class QuantizedPagedAttentionCache(UPSTREAM_CACHE):
         device = torch.device(kwargs["device"])
         fatal = codes_attention.unreadable_pages() or attention_takes_cache_rows(config)
         if fatal is not None and device.type != "meta":  # (attention must read the pages: it has no rows)
-            raise ValueError(f"`{compress_spec.LAYOUT_FIELD}` 'head' cannot run here: {fatal}.")
+            raise ValueError(
+                f"`{compress_spec.LAYOUT_FIELD}` 'head' cannot run here: {fatal}; 'token' pages evict with per-token "
+                "budgets (`hf-kvcache serve --kv-layout token`)."
+            )
         reason = codes_attention.unavailable(device, explicit=True) if device.type != "meta" else "meta"
         if device.type == "cpu" and allocator.flat is not None and reason is None:
             allocator.backend = "native"
