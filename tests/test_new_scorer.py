@@ -70,7 +70,9 @@ batch = model.generate_batch([prompt], generation_config=greedy, continuous_batc
 (served,) = batch.values()
 assert served.error is None, served.error
 # the reference of the default layout: head pages, or token pages where this transformers cannot read head pages
-run = eviction_reference.generate_with_head_eviction if default_layout() == "head" else eviction_reference.generate_with_eviction
+run = eviction_reference.generate_with_eviction
+if default_layout() == "head":
+    run = eviction_reference.generate_with_head_eviction
 reference = run(model, prompt, parse("largest_keys:budget=0.5"), max_new_tokens=6)
 knorm = run(model, prompt, parse("knorm:budget=0.5"), max_new_tokens=6)
 print(served.generated_tokens == reference, reference != knorm)
