@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_kvcache.cli.serve_bench_command import parse_range  # noqa: E402
-from hf_kvcache.evaluation.serve_workload import parse_format  # noqa: E402
+from hf_kvcache.evaluation.serve_workload import parse_format, split_layout  # noqa: E402
 from hf_kvcache.paged.serve_process import ServerProcess  # noqa: E402
 
 
@@ -267,9 +267,9 @@ def main(argv=None) -> dict:
             page_format = ["--kv-cache-dtype", kv_dtype]
             if options:
                 page_format += ["--kv-cache-quantization", json.dumps(options)]
-            if compress:  # SPEC or SPEC@LAYOUT (serve-bench's spelling: --kv-layout; none: the server's default)
-                spec, _, layout = compress.partition("@")
-                page_format += ["--kv-compress", spec] + (["--kv-layout", layout] if layout else [])
+            if compress:  # SPEC or SPEC@LAYOUT, read as serve-bench reads it (no layout: the default)
+                spec, layout = split_layout(compress)
+                page_format += ["--kv-compress", spec, "--kv-layout", layout]
             servers[fmt] = ServerProcess(path, *page_format, *common, start_timeout=600, request_timeout=1800)
         warm = [{"prompt": "Hello", "max_tokens": 4}]
         for fmt in formats:
