@@ -546,6 +546,7 @@ def serving() -> str:
         RESULTS / "serve_bench.compress.json",
         RESULTS / "serve_bench.compress_chunk.json",
         RESULTS / "serve_bench.heads.json",
+        RESULTS / "serve_bench.defaults_f32.json",
     ):
         if not path.exists():
             continue
@@ -593,6 +594,10 @@ def serving() -> str:
         (
             RESULTS / "ruler_http" / "generate" / "cells.json",
             "through `generate`, the same eviction one request at a time",
+        ),
+        (
+            RESULTS / "ruler_http" / "chunk512_f32" / "cells.json",
+            "through the server in float32, KVzap every 512 tokens",
         ),
     ):
         if not path.exists():

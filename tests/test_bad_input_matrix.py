@@ -1227,7 +1227,7 @@ CASES: list[Case] = [
     ),
     cli_case(
         ["serve", "--kv-compress", "keydiff:0.75:chunk=0"],
-        r"`--kv-compress\.chunk` must be an integer >= 1, got 0",
+        r"`--kv-compress\.chunk` must be an integer >= 1 or .end., got 0",
     ),
     cli_case(
         ["serve", "--kv-compress", "keydiff:budget=0.25:head_budget=max", "--kv-layout", "head"],

@@ -267,7 +267,7 @@ def test_fp8_pages_and_eviction_compose(model):
         ({"recent": 8, "window": 8}, r"`kv_compress.recent` and `kv_compress.window` are both given"),
         ("keydiff:recent=-1", r"`kv_compress.recent` must be an integer >= 0, got -1"),
         ("snapkv:budget=0.5:chunk=64", r"`kv_compress.chunk` cannot be used with method 'snapkv'"),
-        ("keydiff:budget=0.5:chunk=0", r"`kv_compress.chunk` must be an integer >= 1, got 0"),
+        ("keydiff:budget=0.5:chunk=0", r"`kv_compress.chunk` must be an integer >= 1 or 'end', got 0"),
         ("keydiff:budget=0.5:chunk", r"`kv_compress`: 'chunk' in 'keydiff:budget=0.5:chunk' is not FIELD=VALUE"),
         ("keydiff:budget=0.5:size=3", r"`kv_compress` has unknown keys \['size'\]"),
     ],
@@ -294,6 +294,31 @@ def test_a_spec_naming_no_method_runs_the_models_default():
     assert for_model(parse("knorm:budget=0.25"), smollm2).method == "knorm" and for_model(None, smollm2) is None
     with pytest.raises(ValueError, match=r"`kv_compress.surrogate`"):
         parse("knorm:budget=0.25:surrogate=DIR")
+
+
+def test_a_spec_giving_no_chunk_runs_the_methods_default():
+    """No `chunk` given: every CHUNK (512) prompt tokens for KVzap, which scores each token as it arrives, so a
+    request holds at most kept + 512 of its prompt; once at the prompt's end for the methods whose scores depend on
+    the rest of the prompt. A chunk given, "end" among them, is kept; `label` names what runs."""
+    from types import SimpleNamespace
+
+    from hf_kvcache.paged.compress_spec import CHUNK, END
+    from hf_kvcache.paged.eviction_checks import for_model
+
+    smollm2 = SimpleNamespace(_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+    other = SimpleNamespace(_name_or_path="google/gemma-3-270m")
+    default = for_model(parse("budget=0.25"), smollm2)
+    assert (default.method, default.chunk, CHUNK) == ("kvzap", CHUNK, 512) and default.label() == "kvzap:0.75:chunk=512"
+    assert default.peak(2000) == 500 + 512 and for_model(default, smollm2) is default
+    for value in ("budget=0.25", "keydiff:budget=0.25", "snapkv:budget=0.25", "knorm:budget=0.25"):
+        spec = for_model(parse(value), other)
+        assert spec.chunk is None and spec.every() is None and spec.peak(2000) == 2000, value
+    end = for_model(parse("kvzap:budget=0.25:chunk=end"), smollm2)
+    assert (end.chunk, end.every(), end.peak(2000), end.label()) == (END, None, 2000, "kvzap:0.75:chunk=end")
+    assert parse(end.spelling()) == end and for_model(parse("kvzap:budget=0.25:chunk=128"), smollm2).every() == 128
+    assert parse({"method": "snapkv", "budget": 0.25, "chunk": "end"}).every() is None
+    with pytest.raises(ValueError, match=r"`kv_compress.chunk` must be an integer >= 1 or 'end', got 'never'"):
+        parse("kvzap:budget=0.25:chunk=never")
 
 
 def test_spec_forms_and_budget():

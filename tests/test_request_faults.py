@@ -143,7 +143,7 @@ def test_a_request_whose_scoring_fails_during_the_forward_fails_alone(model, sur
 
     def prompt_scorer(spec, layer_idx, surrogate):
         scorer = original(spec, layer_idx, surrogate)
-        if spec == victim and layer_idx == 1:
+        if spec.budget == victim.budget and layer_idx == 1:  # (the spec as it runs: its chunk chosen)
 
             def score_arrivals(hidden):
                 raise ValueError(INJECTED)

@@ -100,11 +100,12 @@ def add_serve_command(sub) -> None:
         "--kv-compress",
         default=None,
         metavar="SPEC",
-        help="prompt eviction at the end of each prefill: 'none' (requests may ask through their kv_compress "
+        help="prompt eviction while each prompt prefills: 'none' (requests may ask through their kv_compress "
         f"field), METHOD[:FIELD=VALUE...] ({', '.join(COMPRESS_METHODS)}; budget: what each prompt keeps, "
         "a share in (0, 1] or a number of tokens, as generate's budget=; e.g. keydiff:budget=0.25:chunk=256 keeps "
-        "25%% and also compresses every 256 prompt tokens) or a JSON object (docs/serving.md, docs/vocabulary.md; "
-        "the old METHOD:RATIO, the share evicted, still works with a warning); default: no eviction",
+        "25%% and also compresses every 256 prompt tokens; chunk=end: only at the prompt's end, the default but "
+        "for kvzap's 512) or a JSON object (docs/serving.md, docs/vocabulary.md; the old METHOD:RATIO, the share "
+        "evicted, still works with a warning); default: no eviction",
     )
     p.add_argument(
         "--kv-layout",

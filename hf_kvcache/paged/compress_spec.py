@@ -29,15 +29,16 @@ as KVzapCache's recent window), part of what is kept.
 On head pages (`kv_compress_layout` "head": hf_kvcache.paged.head_pages) each (layer, KV head) keeps its own share,
 as KVzipCache allots it: `layer_budget`, `head_budget` ("adaptive" or "uniform"), `safeguard` (refused on token pages).
 
-When eviction happens: `chunk` None (default) compresses once, when the prompt's last token has been written, so the
-request holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request
+When eviction happens: `chunk="end"` compresses once, when the prompt's last token has been written, so the request
+holds its whole prompt while it prefills. `chunk=C` compresses every C prompt tokens as well: the request
 writes at most C prompt tokens between two compressions, each keeping the WHOLE prompt's budget K = kept(P) of a
 P-token prompt (the prompt is known when the request arrives), or everything while fewer than K tokens are held
 (`kept_so_far`). So a request never holds more than K + C prompt tokens (`peak`), and nothing is evicted before it
 has to be: with scores fixed when a token arrives (KVzap, Knorm) a token dropped early is one the end-of-prompt
 compression would drop too (it was not among the best K of a subset). What chunks still cost: later prompt tokens are
 computed against the compressed earlier ones (kvpress's chunked presses score chunks apart but prefill whole). Not
-for snapkv, whose window is the prompt's last queries.
+for snapkv, whose window is the prompt's last queries. `chunk` None (not given): CHUNK for a method scoring each token
+as it arrives (kvzap), the prompt's end for the others (eviction_checks.default_chunk).
 
 Deprecated until hf-kvcache 0.4 (a FutureWarning says what to write instead), with their old meaning: a number as the
 share EVICTED (`0.75`, `"0.75"`, `"keydiff:0.75"`, the key `ratio`: budget 0.25), `window` for `recent` (for methods
@@ -72,6 +73,9 @@ SAFEGUARD = 0.2
 BUDGET = 0.25
 #: the newest prompt tokens always kept when `recent` is None: this many, at most a quarter of what is kept
 RECENT = 64
+#: `chunk`: compress once, at the prompt's end; and the default of methods scoring tokens as they arrive (kvzap), in
+#: prompt tokens: a request holds at most kept + CHUNK of its prompt (docs/serving.md, eval/results/ruler_http)
+END, CHUNK = "end", 512
 #: the release that drops the old spellings (a number as the share evicted, `ratio`, `window`)
 REMOVED_IN = "0.4"
 
@@ -87,7 +91,7 @@ class CompressSpec:
     sinks: int = 4
     recent: int | None = None
     surrogate: str | None = None  # kvzap only
-    chunk: int | None = None  # compress every `chunk` prompt tokens too (None: once, at the prompt's end)
+    chunk: int | str | None = None  # compress every `chunk` prompt tokens too; END: at the end only; None: default
     layer_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
     head_budget: str | None = None  # head pages: "adaptive" (None) or "uniform", as KVzipCache's
     safeguard: float | None = None  # head pages, adaptive heads: the share of a head's budget it keeps (None: 0.2)
@@ -118,12 +122,12 @@ class CompressSpec:
                 else ""
             )
             raise ValueError(f"`{FIELD}.method` must be one of {METHODS}, got {self.method!r}{hint}.")
-        optional = tuple(name for name in ("recent", "chunk") if getattr(self, name) is not None)
+        optional = tuple(name for name in ("recent", "chunk") if getattr(self, name) not in (None, END))
         for name in ("sinks",) + optional:
             value = getattr(self, name)
-            low = 1 if name == "chunk" else 0
+            low, end = (1, f" or {END!r}") if name == "chunk" else (0, "")
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}, got {value!r}.")
+                raise ValueError(f"`{FIELD}.{name}` must be an integer >= {low}{end}, got {value!r}.")
         if self.options:
             unknown = sorted(set(self.options) - set(own))
             if unknown:
@@ -135,10 +139,10 @@ class CompressSpec:
                 SCORERS[self.method](**self.options)  # the scorer validates its fields, naming them
             except (TypeError, ValueError) as error:
                 raise ValueError(str(error).replace("`", f"`{FIELD}.", 1)) from None
-        if self.chunk is not None and "queries" in getattr(SCORERS.get(self.method), "prompt_reads", ()):
+        if self.every() is not None and "queries" in getattr(SCORERS.get(self.method), "prompt_reads", ()):
             raise ValueError(
                 f"`{FIELD}.chunk` cannot be used with method {self.method!r} (its window is the prompt's last queries, "
-                f"which a chunk does not have yet); use one of {_chunkable()} or chunk None."
+                f"which a chunk does not have yet); use one of {_chunkable()} or chunk {END!r}."
             )
         self._check_allotment()
         if self.surrogate is not None and (self.method not in ("kvzap", None) or not isinstance(self.surrogate, str)):
@@ -194,14 +198,18 @@ class CompressSpec:
         and at its end): the whole prompt's budget kept(prompt), or all `seen` while they are fewer."""
         return min(seen, self.kept(prompt))
 
+    def every(self) -> int | None:
+        """Prompt tokens written between two compressions (`chunk`); None: once, at the prompt's end."""
+        return None if self.chunk in (None, END) else self.chunk
+
     def peak(self, prompt: int) -> int:
         """The most prompt tokens a `prompt`-token request holds at once while it prefills: the whole prompt, or with
         `chunk`, what the last compression kept plus the chunk written after it (at most kept(prompt) + chunk)."""
-        if self.chunk is None:
+        if self.every() is None:
             return prompt
         peak, held, seen = 0, 0, 0
         while seen < prompt:
-            step = min(self.chunk, prompt - seen)
+            step = min(self.every(), prompt - seen)
             peak, seen = max(peak, held + step), seen + step
             held = self.kept_so_far(seen, prompt)
         return peak

@@ -166,9 +166,9 @@ class PagedEviction:
         """(the scheduler) The most prompt tokens `state` may write in its next forward: what is left of its `chunk`
         since its last compression (None: no cap)."""
         info = getattr(state, STATE_ATTR) if hasattr(state, STATE_ATTR) else self._start(state)
-        if info is None or info.spec.chunk is None or info.kept is not None:
+        if info is None or info.spec.every() is None or info.kept is not None:
             return None
-        return info.spec.chunk - (state.position_offset - info.compacted)
+        return info.spec.every() - (state.position_offset - info.compacted)
 
     def _start(self, state) -> RequestCompression | None:
         request_id = state.request_id
@@ -284,7 +284,7 @@ class PagedEviction:
 
     def _after_forward(self, future, state, info: RequestCompression | None) -> None:
         if not future.has_new_token or state.generated_len() != 0:
-            chunk = None if info is None else info.spec.chunk
+            chunk = None if info is None else info.spec.every()
             if chunk is not None and state.position_offset - info.compacted >= chunk:
                 self._compress(state, info, final=False)
             return

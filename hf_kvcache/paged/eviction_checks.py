@@ -10,7 +10,7 @@ import dataclasses
 from ..integration.continuous_batching import BATCH_ATTENTION, EVICTION, FullAttentionCacheAllocator, update_caller
 from ..integration.contracts import require
 from .codes_attention import unreadable_pages
-from .compress_spec import FIELD, LAYOUT_FIELD, CompressSpec
+from .compress_spec import CHUNK, FIELD, LAYOUT_FIELD, CompressSpec
 from .page_layout import default_layout
 from .prompt_scores import reads
 
@@ -28,11 +28,24 @@ def default_method(spec: CompressSpec, config) -> str:
     return DEFAULT_METHODS[0] if fits else DEFAULT_METHODS[1]
 
 
+def default_chunk(method: str) -> int | None:
+    """The `chunk` of a spec giving none: CHUNK where `method` scores each token once, as it arrives ("arrived":
+    KVzap), so that compressing chunk by chunk keeps what the prompt's end would keep, the allotment and later tokens'
+    view of the earlier ones apart (its needles measured: docs/serving.md); None, once at the prompt's end, for the
+    others (keydiff's scores depend on the mean key, snapkv's on the last queries; knorm and sink_window unmeasured)."""
+    return CHUNK if "arrived" in reads(method) else None
+
+
 def for_model(spec: CompressSpec | None, config) -> CompressSpec | None:
-    """`spec` with its method chosen for a model of `config` where it names none (`default_method`), else itself."""
-    if spec is None or spec.method is not None:
+    """`spec` with what it leaves to the model chosen: its method where it names none (`default_method`), then its
+    chunk where it gives none (`default_chunk`); itself when nothing is left."""
+    if spec is None:
         return spec
-    return dataclasses.replace(spec, method=default_method(spec, config))
+    method = spec.method or default_method(spec, config)
+    chunk = default_chunk(method) if spec.chunk is None else spec.chunk
+    if (method, chunk) == (spec.method, spec.chunk):
+        return spec
+    return dataclasses.replace(spec, method=method, chunk=chunk)
 
 
 def unavailable(spec: CompressSpec, config) -> str | None:
