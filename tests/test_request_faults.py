@@ -24,6 +24,7 @@ from hf_kvcache.integration.contracts import broken
 from hf_kvcache.paged import eviction
 from hf_kvcache.paged.cache import QuantizedPagedAttentionCache
 from hf_kvcache.paged.compress_spec import parse
+from hf_kvcache.paged.eviction_checks import for_model
 
 PROMPT_LENGTHS = (40, 67, 23, 90)
 NEW_TOKENS = 6
@@ -137,13 +138,14 @@ def test_a_request_whose_scoring_fails_during_the_forward_fails_alone(model, sur
     scorer raises at layer 1."""
     default = f"kvzap:budget=0.25:surrogate={surrogate_dir}"
     victim = parse(f"kvzap:budget=0.5:surrogate={surrogate_dir}")
+    running = for_model(victim, model.config.get_text_config())  # (the spec as it runs: its chunk chosen)
     prompts = _prompts()
     clean, _, _ = _all(model, prompts, _cb(default), specs={"req_2": victim})
     original = eviction.prompt_scorer
 
     def prompt_scorer(spec, layer_idx, surrogate):
         scorer = original(spec, layer_idx, surrogate)
-        if spec.budget == victim.budget and layer_idx == 1:  # (the spec as it runs: its chunk chosen)
+        if spec == running and layer_idx == 1:
 
             def score_arrivals(hidden):
                 raise ValueError(INJECTED)

@@ -44,7 +44,7 @@ def generate_with_eviction(
     config = model.config.get_text_config()
     arrived: dict[int, torch.Tensor] = {}  # "arrived" (kvzap): the scores of the rows held, per layer
     length = len(prompt)
-    step = length if spec is None or spec.every() is None else spec.every()
+    step = (spec and spec.every()) or length
     seen = held = 0
     hidden: dict[int, torch.Tensor] = {}  # "arrived": each layer's attention inputs of the latest piece
     for start in range(0, length, step):
@@ -165,7 +165,7 @@ def generate_with_head_eviction(
             hidden[i] = h
 
     try:
-        step = length if spec.every() is None else spec.every()
+        step = spec.every() or length
         for start in range(0, length, step):
             piece = prompt[start : start + step]
             _head_masks.clear()

@@ -205,11 +205,12 @@ class CompressSpec:
     def peak(self, prompt: int) -> int:
         """The most prompt tokens a `prompt`-token request holds at once while it prefills: the whole prompt, or with
         `chunk`, what the last compression kept plus the chunk written after it (at most kept(prompt) + chunk)."""
-        if self.every() is None:
+        chunk = self.every()
+        if chunk is None:
             return prompt
         peak, held, seen = 0, 0, 0
         while seen < prompt:
-            step = min(self.every(), prompt - seen)
+            step = min(chunk, prompt - seen)
             peak, seen = max(peak, held + step), seen + step
             held = self.kept_so_far(seen, prompt)
         return peak

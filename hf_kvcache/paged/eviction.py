@@ -166,9 +166,8 @@ class PagedEviction:
         """(the scheduler) The most prompt tokens `state` may write in its next forward: what is left of its `chunk`
         since its last compression (None: no cap)."""
         info = getattr(state, STATE_ATTR) if hasattr(state, STATE_ATTR) else self._start(state)
-        if info is None or info.spec.every() is None or info.kept is not None:
-            return None
-        return info.spec.every() - (state.position_offset - info.compacted)
+        chunk = None if info is None or info.kept is not None else info.spec.every()
+        return None if chunk is None else chunk - (state.position_offset - info.compacted)
 
     def _start(self, state) -> RequestCompression | None:
         request_id = state.request_id
