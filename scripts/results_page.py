@@ -547,6 +547,7 @@ def serving() -> str:
         RESULTS / "serve_bench.compress_chunk.json",
         RESULTS / "serve_bench.heads.json",
         RESULTS / "serve_bench.defaults_f32.json",
+        RESULTS / "serve_bench.defaults256_f32.json",
     ):
         if not path.exists():
             continue
@@ -598,6 +599,10 @@ def serving() -> str:
         (
             RESULTS / "ruler_http" / "chunk512_f32" / "cells.json",
             "through the server in float32, KVzap every 512 tokens",
+        ),
+        (
+            RESULTS / "ruler_http" / "chunk256_f32" / "cells.json",
+            "through the server in float32, KVzap every 256 tokens (the default)",
         ),
     ):
         if not path.exists():

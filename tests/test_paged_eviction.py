@@ -297,8 +297,8 @@ def test_a_spec_naming_no_method_runs_the_models_default():
 
 
 def test_a_spec_giving_no_chunk_runs_the_methods_default():
-    """No `chunk` given: every CHUNK (512) prompt tokens for KVzap, which scores each token as it arrives, so a
-    request holds at most kept + 512 of its prompt; once at the prompt's end for the methods whose scores depend on
+    """No `chunk` given: every CHUNK (256) prompt tokens for KVzap, which scores each token as it arrives, so a
+    request holds at most kept + 256 of its prompt; once at the prompt's end for the methods whose scores depend on
     the rest of the prompt. A chunk given, "end" among them, is kept; `label` names what runs."""
     from types import SimpleNamespace
 
@@ -308,8 +308,8 @@ def test_a_spec_giving_no_chunk_runs_the_methods_default():
     smollm2 = SimpleNamespace(_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
     other = SimpleNamespace(_name_or_path="google/gemma-3-270m")
     default = for_model(parse("budget=0.25"), smollm2)
-    assert (default.method, default.chunk, CHUNK) == ("kvzap", CHUNK, 512) and default.label() == "kvzap:0.75:chunk=512"
-    assert default.peak(2000) == 500 + 512 and for_model(default, smollm2) is default
+    assert (default.method, default.chunk, CHUNK) == ("kvzap", CHUNK, 256) and default.label() == "kvzap:0.75:chunk=256"
+    assert default.peak(2000) == 500 + 256 and for_model(default, smollm2) is default
     for value in ("budget=0.25", "keydiff:budget=0.25", "snapkv:budget=0.25", "knorm:budget=0.25"):
         spec = for_model(parse(value), other)
         assert spec.chunk is None and spec.every() is None and spec.peak(2000) == 2000, value

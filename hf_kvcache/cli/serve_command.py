@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+from ..paged.compress_spec import CHUNK as COMPRESS_CHUNK
 from ..paged.compress_spec import METHODS as COMPRESS_METHODS
 from ..paged.compress_spec import parse as parse_compression
 from ..paged.page_layout import LAYOUTS, default_layout
@@ -104,8 +105,8 @@ def add_serve_command(sub) -> None:
         f"field), METHOD[:FIELD=VALUE...] ({', '.join(COMPRESS_METHODS)}; budget: what each prompt keeps, "
         "a share in (0, 1] or a number of tokens, as generate's budget=; e.g. keydiff:budget=0.25:chunk=256 keeps "
         "25%% and also compresses every 256 prompt tokens; chunk=end: only at the prompt's end, the default but "
-        "for kvzap's 512) or a JSON object (docs/serving.md, docs/vocabulary.md; the old METHOD:RATIO, the share "
-        "evicted, still works with a warning); default: no eviction",
+        f"for kvzap's {COMPRESS_CHUNK}) or a JSON object (docs/serving.md, docs/vocabulary.md; the old "
+        "METHOD:RATIO, the share evicted, still works with a warning); default: no eviction",
     )
     p.add_argument(
         "--kv-layout",

@@ -75,7 +75,7 @@ BUDGET = 0.25
 RECENT = 64
 #: `chunk`: compress once, at the prompt's end; and the default of methods scoring tokens as they arrive (kvzap), in
 #: prompt tokens: a request holds at most kept + CHUNK of its prompt (docs/serving.md, eval/results/ruler_http)
-END, CHUNK = "end", 512
+END, CHUNK = "end", 256
 #: the release that drops the old spellings (a number as the share evicted, `ratio`, `window`)
 REMOVED_IN = "0.4"
 
