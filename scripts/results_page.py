@@ -542,6 +542,11 @@ def serving() -> str:
             + "\n\n"
             + _source(path)
         )
+    # what a committed run's unresolved label ran (a spec giving no chunk runs the default of its day)
+    ran = {
+        "serve_bench.defaults_f32.json": " `budget=0.25` ran KVzap every 512 prompt tokens, the default then.",
+        "serve_bench.defaults256_f32.json": " `budget=0.25` ran KVzap every 256 prompt tokens, the default.",
+    }
     for path in (
         RESULTS / "serve_bench.compress.json",
         RESULTS / "serve_bench.compress_chunk.json",
@@ -572,7 +577,7 @@ def serving() -> str:
             f"{settings['requests']} requests with prompts of {settings['prompt_min']}-{settings['prompt_max']} "
             f"tokens and {settings['new_min']}-{settings['new_max']} new tokens, {settings['budget_tokens']} tokens of "
             f"model-dtype pages (page {settings['page_size']}); ratios to model-dtype pages without eviction in the "
-            "same run; `kept` is the share of the prompts' tokens kept.\n\n"
+            f"same run; `kept` is the share of the prompts' tokens kept.{ran.get(path.name, '')}\n\n"
             + _table(
                 [
                     "run @ budget",
