@@ -546,6 +546,7 @@ def serving() -> str:
     ran = {
         "serve_bench.defaults_f32.json": " `budget=0.25` ran KVzap every 512 prompt tokens, the default then.",
         "serve_bench.defaults256_f32.json": " `budget=0.25` ran KVzap every 256 prompt tokens, the default.",
+        "serve_bench.fp8_defaults.json": " `budget=0.25` ran KVzap every 256 prompt tokens, the default.",
     }
     for path in (
         RESULTS / "serve_bench.compress.json",
@@ -553,6 +554,7 @@ def serving() -> str:
         RESULTS / "serve_bench.heads.json",
         RESULTS / "serve_bench.defaults_f32.json",
         RESULTS / "serve_bench.defaults256_f32.json",
+        RESULTS / "serve_bench.fp8_defaults.json",
     ):
         if not path.exists():
             continue
