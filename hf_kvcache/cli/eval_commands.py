@@ -10,7 +10,7 @@ import sys
 
 from .args import int_list, non_negative_int, parse_cache, positive_float, positive_int
 
-MODEL_HELP = "Hub id, local path, or 'smollm2' (offline; default)"
+MODEL_HELP = "Hub id, local path, or an offline model: 'smollm2' (default) or 'gemma3'"
 TEXT_HELP = "'pydoc' (offline corpus; default), a text file, or hf:DATASET"
 
 
