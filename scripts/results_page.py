@@ -560,12 +560,21 @@ def serving() -> str:
         "serve_bench.json",
         "serve_bench_transformers_5.23.json",
         "serve_bench_transformers_5.24.json",
+        "serve_bench.gemma3_fp8.json",
     )
     for name in serve_bench:
         path = RESULTS / name
         if not path.exists():
             continue
-        summary = json.loads(path.read_text(encoding="utf-8"))["summary"]
+        data = json.loads(path.read_text(encoding="utf-8"))
+        summary, settings = data["summary"], data["settings"]
+        hybrid = (
+            f"On {settings['model']}, a hybrid model (its sliding-window layers' pages hold at most the window): "
+            f"{settings['requests']} requests with prompts of {settings['prompt_min']}-{settings['prompt_max']} "
+            f"tokens, {settings['budget_tokens']} tokens of model-dtype pages.\n\n"
+            if settings.get("model") == "gemma3"
+            else ""
+        )
         body = [
             [
                 key,
@@ -578,7 +587,8 @@ def serving() -> str:
             for key, v in summary.items()
         ]
         parts.append(
-            _table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
+            hybrid
+            + _table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
             + "\n\n"
             + _source(path)
         )
