@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import non_negative_int, positive_int
+from .args import MODEL_HELP, TEXT_HELP, non_negative_int, positive_int
 
 
 def _demo(args) -> int:
@@ -97,10 +97,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="A small budget sweep: per cache and budget (1/8, 1/4, 1/2 of the prompt), one prefill, a greedy "
         "generate and a teacher-forced pass; writes demo.csv, demo.json and demo.png (quality vs bytes) to --out.",
     )
-    demo.add_argument(
-        "--model", default="smollm2", help="Hub id, local path, or an offline model: 'smollm2' (default) or 'gemma3'"
-    )
-    demo.add_argument("--text", default="pydoc", help="'pydoc' (offline corpus; default), a text file, or hf:DATASET")
+    demo.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    demo.add_argument("--text", default="pydoc", help=TEXT_HELP)
     demo.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
     demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     demo.add_argument(

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
+# the --model and --text help of the evaluation commands (serve takes more: its own)
+MODEL_HELP = "Hub id, local path, or an offline model: 'smollm2' (default) or 'gemma3'"
+TEXT_HELP = "'pydoc' (offline corpus; default), a text file, or hf:DATASET"
+
 
 def _number(parse, valid, wanted: str):
     """An argparse type: `parse` (int or float) the text, then require `valid(value)`; else "expected `wanted`, got

@@ -8,10 +8,7 @@ import json
 import os
 import sys
 
-from .args import int_list, non_negative_int, parse_cache, positive_float, positive_int
-
-MODEL_HELP = "Hub id, local path, or an offline model: 'smollm2' (default) or 'gemma3'"
-TEXT_HELP = "'pydoc' (offline corpus; default), a text file, or hf:DATASET"
+from .args import MODEL_HELP, TEXT_HELP, int_list, non_negative_int, parse_cache, positive_float, positive_int
 
 
 def needle_positions(text: str) -> list:

@@ -9,6 +9,7 @@ def add_serve_bench_command(sub) -> None:
     """The `serve-bench` subcommand of `hf-kvcache` (hf_kvcache.cli)."""
     from ..evaluation.serve_bench import ServeBenchSettings
     from ..evaluation.serve_bench import __doc__ as bench_doc
+    from .args import MODEL_HELP
 
     d = ServeBenchSettings()
     p = sub.add_parser(
@@ -16,9 +17,7 @@ def add_serve_bench_command(sub) -> None:
         help="continuous batching under a fixed KV memory budget: model-dtype vs FP8 / INT8 pages",
         description=bench_doc.split("\n\n")[0] + " Writes OUT.json, OUT.csv and OUT.png.",
     )
-    p.add_argument(
-        "--model", default=d.model, help="Hub id, local path, or an offline model: 'smollm2' (default) or 'gemma3'"
-    )
+    p.add_argument("--model", default=d.model, help=MODEL_HELP)
     p.add_argument("--dtype", default=d.dtype, help=f"model (and reference page) dtype (default {d.dtype})")
     p.add_argument("--device", default=d.device, help=f"cpu or cuda (default {d.device})")
     p.add_argument("--requests", type=int, default=d.requests, help=f"number of requests (default {d.requests})")
