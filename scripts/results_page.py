@@ -74,6 +74,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _share(row: dict) -> float:
+    """A sweep row's budget as a share of its prompt, to 2 digits (H2O-average's rows keep one token less)."""
+    return round(int(row["budget_tokens"]) / int(row["context_len"]), 2)
+
+
 def _source(path: pathlib.Path) -> str:
     return f"Source: `{path.relative_to(ROOT)}`{_env(path)}."
 
@@ -217,7 +222,7 @@ def two_models() -> str:
     smol_paths = [RESULTS / d / "results.csv" for d in ("scorers_prompt", "scorers_decode", "kvzip")]
 
     def at_20(rows):  # label without its budget -> row, the rows keeping 20% of the prompt
-        kept = [r for r in rows if round(int(r["budget_tokens"]) / int(r["context_len"]), 2) == 0.2]
+        kept = [r for r in rows if _share(r) == 0.2]
         return {r["label"].rsplit(" ", 1)[0]: r for r in kept}
 
     smol = at_20([r for path in smol_paths for r in _rows(path)])
@@ -255,29 +260,26 @@ def kvzip() -> str:
     if not path.exists():
         return ""
 
-    def share(r) -> float:  # the budget as a share of the prompt (H2O-average's rows keep one token less)
-        return round(int(r["budget_tokens"]) / int(r["context_len"]), 2)
-
     uniform: dict[float, tuple[float, str]] = {}  # share -> (KL, label) of the best non-adaptive prompt-mode row
     for r in _rows(RESULTS / "scorers_decode" / "results.csv") + _rows(path):
         uniform_prompt_mode = " prompt" in r["label"] and not any(w in r["label"] for w in ("adaptive", "model-wide"))
-        if uniform_prompt_mode and (share(r) not in uniform or float(r["kl_mean"]) < uniform[share(r)][0]):
-            uniform[share(r)] = (float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0])
+        if uniform_prompt_mode and (_share(r) not in uniform or float(r["kl_mean"]) < uniform[_share(r)][0]):
+            uniform[_share(r)] = (float(r["kl_mean"]), r["label"].rsplit(" ", 1)[0])
     peer = {round(float(record["budget"]), 2): record for record in _peer_records() if record["label"] == "KVzipPress"}
     rows = sorted(_rows(path), key=lambda r: (int(r["budget_tokens"]), float(r["kl_mean"])))
     body = []
     for r in rows:
-        best, best_label = uniform[share(r)]
+        best, best_label = uniform[_share(r)]
         body.append(
             [
-                f"{share(r):.0%} ({r['budget_tokens']})",
+                f"{_share(r):.0%} ({r['budget_tokens']})",
                 r["label"].rsplit(" ", 1)[0].removesuffix(" prompt"),
                 _num(r["kl_mean"]),
                 _num(r["top1_agreement"]),
                 _num(r["bytes_vs_dense"]),
                 _num(float(r["kl_mean"]) / best, 2),
                 f"{best_label} ({_num(best)})",
-                _num(peer[share(r)]["kl_mean"]) if share(r) in peer else "",
+                _num(peer[_share(r)]["kl_mean"]) if _share(r) in peer else "",
             ]
         )
     cost = RESULTS / "kvzip" / "prefill_cost.json"
@@ -568,11 +570,10 @@ def serving() -> str:
             continue
         data = json.loads(path.read_text(encoding="utf-8"))
         summary, settings = data["summary"], data["settings"]
-        hybrid = (
-            f"On {settings['model']}, a hybrid model (its sliding-window layers' pages hold at most the window): "
-            f"{settings['requests']} requests with prompts of {settings['prompt_min']}-{settings['prompt_max']} "
-            f"tokens, {settings['budget_tokens']} tokens of model-dtype pages.\n\n"
-            if settings.get("model") == "gemma3"
+        other_model = (  # (the page's model is SmolLM2: a run on another one says so)
+            f"On {settings['model']}: {settings['requests']} requests with prompts of {settings['prompt_min']}-"
+            f"{settings['prompt_max']} tokens, {settings['budget_tokens']} tokens of model-dtype pages.\n\n"
+            if settings.get("model", "smollm2") != "smollm2"
             else ""
         )
         body = [
@@ -587,7 +588,7 @@ def serving() -> str:
             for key, v in summary.items()
         ]
         parts.append(
-            hybrid
+            other_model
             + _table(["pages @ budget", "mean concurrent requests", "pages", "tokens/s", "TTFT", "KL"], body)
             + "\n\n"
             + _source(path)
